@@ -1,0 +1,28 @@
+"""torch2jax: run PyTorch programs on JAX.
+
+>>> import torch, torch2jax as t2j
+>>> with t2j.env():
+...     x = torch.randn(4, 8, device="jax")
+...     y = (x @ x.T).relu().sum()
+>>> y.item()
+"""
+
+from . import ops as _ops  # noqa: F401  (registers the lowerings)
+from .dispatch import OpError, coverage, path_of
+from .env import Config, config, disable, enable, env, manual_seed
+from .tensor import Tensor
+
+
+__all__ = [
+    "Config",
+    "OpError",
+    "Tensor",
+    "config",
+    "coverage",
+    "disable",
+    "enable",
+    "env",
+    "manual_seed",
+    "path_of",
+]
+__version__ = "0.1.0"

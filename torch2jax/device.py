@@ -1,0 +1,105 @@
+"""The "jax" device: PyTorch's PrivateUse1 backend, renamed and routed to torch2jax.
+
+Factory ops on ``device="jax"`` (``torch.randn(3, device="jax")``) and copies
+from CPU (``t.to("jax")``, ``module.to("jax")``) reach PrivateUse1 kernels;
+a boxed fallback sends them all to `torch2jax.dispatch.dispatch`. Tensors
+already on the device dispatch through `torch2jax.Tensor.__torch_dispatch__`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.backend_registration as _backend
+
+from . import env as _env
+
+NAME = "jax"
+
+
+class _DeviceModule:
+    """What torch asks a backend module for (``torch.jax`` after registration)."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        _env.manual_seed(seed)
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        _env.manual_seed(seed)
+
+    @staticmethod
+    def seed_all() -> None:
+        _env.manual_seed(torch.seed())
+
+    @staticmethod
+    def initial_seed() -> int:
+        return _env.default_rng.initial_seed
+
+    @staticmethod
+    def get_rng_state(device="jax") -> torch.Tensor:
+        return _env.rng_state_bytes()
+
+    @staticmethod
+    def set_rng_state(state, device="jax") -> None:
+        _env.set_rng_state_bytes(state)
+
+    @staticmethod
+    def get_amp_supported_dtype():
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        return None
+
+
+def _fallback(op, *args, **kwargs):
+    from .dispatch import dispatch
+
+    return dispatch(op, args, kwargs)
+
+
+def _copy(dst, src, non_blocking=False):
+    from .dispatch import dispatch
+
+    return dispatch(torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
+
+
+_libs = []
+
+
+def register() -> None:
+    """Install the backend (idempotent)."""
+    if _libs:
+        return
+    if torch._C._get_privateuse1_backend_name() != NAME:
+        torch.utils.rename_privateuse1_backend(NAME)
+    torch._register_device_module(NAME, _DeviceModule())
+    torch._C._acc.register_python_privateuseone_hook(_backend._DummyPrivateUse1Hook())
+    torch._C._acc.register_python_privateuseone_device_guard(_backend._DummyDeviceGuard())
+    fallback = torch.library.Library("_", "IMPL")
+    fallback.fallback(_fallback, "PrivateUse1")
+    # The boxed fallback cannot serve copy_ when torch.tensor(..., device="jax")
+    # copies with the Python key excluded, so copy_ gets a kernel of its own.
+    impl = torch.library.Library("aten", "IMPL")
+    impl.impl("copy_", _copy, "PrivateUse1")
+    _libs.extend([fallback, impl])

@@ -1,0 +1,597 @@
+"""How an ATen op on the "jax" device is run (DESIGN.md, decision 3).
+
+Resolution order, decided once per `OpOverload` and cached:
+
+1. view ops: the registered view lowering, else torch's composite, else a
+   generic strided view computed from torch's own meta kernel;
+2. a direct lowering from `torch2jax.ops` (`registry.LOWERINGS`);
+3. mutating ops (in-place ``foo_`` and ``out=``): the functional variant, whose
+   results are written back into the mutated tensors;
+4. torch's decomposition table (`torch._decomp.decomposition_table`), then the
+   op's own CompositeImplicitAutograd kernel;
+5. the host fallback: the torch op runs on CPU (through `jax.pure_callback`
+   when traced), with a one-time warning;
+6. an error that names the op.
+
+`coverage` reports which of these paths each op took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import jax
+import numpy as np
+import torch
+from jax._src import config as _jax_config
+
+from . import dtypes as _dt
+from . import env as _env
+from .ops import registry as _reg
+from .tensor import DEVICE, Tensor, ViewStep, from_torch_cpu, jax_array, new_tensor, torch_cpu
+
+aten = torch.ops.aten
+
+
+class OpError(RuntimeError):
+    """An op could not run on the jax device; the message names the op and why."""
+
+
+_HANDLERS: dict = {}
+_PATHS: dict = {}
+_coverage_log: list | None = None
+_warned: set = set()
+
+
+def dispatch(func, args, kwargs):
+    """Run ATen op ``func`` on torch2jax tensors and return torch2jax tensors."""
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        handler = _resolve(func)
+    if _coverage_log is not None:
+        _coverage_log.append(func)
+    if _jax_config.enable_x64.value:
+        return _run(handler, func, args, kwargs)
+    with jax.enable_x64(True):
+        return _run(handler, func, args, kwargs)
+
+
+def _run(handler, func, args, kwargs):
+    try:
+        return handler(func, args, kwargs)
+    except (OpError, IndexError, NotImplementedError, jax.errors.ConcretizationTypeError):
+        raise
+    except Exception as e:
+        _reraise_with_torch_message(func, args, kwargs, e)
+        raise
+
+
+def _reraise_with_torch_message(func, args, kwargs, error):
+    """Replace an error from deep inside JAX by torch's own message for the same input.
+
+    torch's meta kernels check shapes, dtypes and arguments exactly as eager
+    torch does; if they reject the input, that is the error the user gets.
+    """
+    if isinstance(error, RuntimeError) and "torch2jax" in str(error):
+        return
+    try:
+        margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
+        func(*margs, **mkwargs)
+    except Exception as torch_error:  # noqa: BLE001 - torch's own verdict on the input
+        if type(torch_error) is not NotImplementedError and "meta" not in str(torch_error).lower():
+            raise torch_error from None
+    raise OpError(
+        f"torch2jax: {func} failed on inputs {_describe(args, kwargs)}: {type(error).__name__}: {error}"
+    ) from error
+
+
+def _describe(args, kwargs):
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return f"Tensor({list(a.shape)}, {a.dtype}, {a.device})"
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(one(b) for b in a) + "]"
+        return repr(a)
+
+    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+# ---------------------------------------------------------------------------
+# unwrapping and wrapping
+# ---------------------------------------------------------------------------
+
+
+def _unwrap(a):
+    if isinstance(a, Tensor):
+        return a._value()
+    if isinstance(a, torch.Tensor):
+        return jax_array(a) if a.device.type == "cpu" else _foreign(a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_unwrap(b) for b in a) if any(isinstance(b, (torch.Tensor, list, tuple)) for b in a) else a
+    if isinstance(a, torch.dtype):
+        return a
+    return a
+
+
+def _foreign(a):
+    raise OpError(f"torch2jax: expected a tensor on the jax or cpu device, got one on {a.device}")
+
+
+def _wrap(out):
+    if isinstance(out, (jax.Array, jax.core.Tracer)):
+        return new_tensor(out)
+    if isinstance(out, np.ndarray):
+        return new_tensor(jax.numpy.asarray(out))
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap(o) for o in out)
+    return out
+
+
+def _array_of(out):
+    if isinstance(out, Tensor):
+        return out._value()
+    if isinstance(out, torch.Tensor):
+        return jax_array(out)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_array_of(o) for o in out)
+    return out
+
+
+def _tree_map_tensors(fn, tree):
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_tree_map_tensors(fn, t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _tree_map_tensors(fn, v) for k, v in tree.items()}
+    return tree
+
+
+def _is_foreign_device(kwargs):
+    d = kwargs.get("device")
+    return d is not None and torch.device(d).type != DEVICE.type
+
+
+# ---------------------------------------------------------------------------
+# resolution
+# ---------------------------------------------------------------------------
+
+
+def _resolve(func):
+    handler, path = _choose(func)
+    _HANDLERS[func] = handler
+    _PATHS[func] = path
+    return handler
+
+
+def _choose(func):
+    if func in _reg.VIEWS:
+        return _view_handler(*_reg.VIEWS[func]), "lowering"
+    if func in _reg.LOWERINGS:
+        return _lowering_handler(_reg.LOWERINGS[func]), "lowering"
+    if isinstance(func, torch._ops.OpOverload) and func.is_view:
+        if _has_composite(func):
+            return _composite_handler, "decomposition"
+        return _generic_view_handler, "lowering"
+    if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
+        functional = functional_variant(func)
+        if functional is not None:
+            return _mutation_handler(func, functional), "functional"
+    decomp = _decomposition(func)
+    if decomp is not None:
+        return _decomposition_handler(decomp), "decomposition"
+    if _has_composite(func):
+        return _composite_handler, "decomposition"
+    return _host_handler, "fallback"
+
+
+DECOMPOSITION_DENYLIST: set = set()
+
+
+def _decomposition(func):
+    from torch._decomp import decomposition_table
+
+    if func in DECOMPOSITION_DENYLIST:
+        return None
+    return decomposition_table.get(func)
+
+
+def _has_composite(func):
+    return isinstance(func, torch._ops.OpOverload) and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "CompositeImplicitAutograd"
+    )
+
+
+def _lowering_handler(lowering):
+    def run(func, args, kwargs):
+        if kwargs and _is_foreign_device(kwargs):
+            return _host_run(func, args, kwargs)
+        return _wrap(lowering(*_unwrap(args), **{k: _unwrap(v) for k, v in kwargs.items()}))
+
+    return run
+
+
+def _decomposition_handler(decomp):
+    def run(func, args, kwargs):
+        return decomp(*args, **kwargs)
+
+    return run
+
+
+def _composite_handler(func, args, kwargs):
+    return func.decompose(*args, **kwargs)
+
+
+def _compute(func, args, kwargs):
+    """Run ``func`` functionally and return its results as arrays."""
+    return _array_of(dispatch(func, args, kwargs))
+
+
+# ---------------------------------------------------------------------------
+# views
+# ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=65536)
+def _meta_view_cached(func, size, stride, offset, storage_numel, dtype, args_key, kwargs_key):
+    base = torch.empty(storage_numel, dtype=dtype, device="meta").as_strided(size, stride, offset)
+    out = func(base, *args_key, **dict(kwargs_key))
+    if isinstance(out, (list, tuple)):
+        return [(tuple(o.shape), o.stride(), o.storage_offset(), o.dtype) for o in out]
+    return (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
+
+
+def _hashable(a):
+    if isinstance(a, list):
+        return tuple(_hashable(b) for b in a)
+    return a
+
+
+def _storage_numel(x):
+    arr = x._t2j_storage.array
+    return int(np.prod(arr.shape, dtype=np.int64)) * arr.dtype.itemsize // x.dtype.itemsize
+
+
+def _view_meta(func, x, rest, kwargs):
+    """(size, stride, storage_offset, dtype) torch gives the view, from its meta kernel."""
+    key_args = tuple(_hashable(a) for a in rest)
+    key_kwargs = tuple(sorted((k, _hashable(v)) for k, v in kwargs.items()))
+    try:
+        return _meta_view_cached(
+            func, tuple(x.shape), x.stride(), x.storage_offset(), _storage_numel(x), x.dtype, key_args, key_kwargs
+        )
+    except TypeError:  # unhashable argument: compute without the cache
+        return _meta_view_cached.__wrapped__(
+            func, tuple(x.shape), x.stride(), x.storage_offset(), _storage_numel(x), x.dtype, key_args, key_kwargs
+        )
+
+
+def _make_view(x, step, value, meta):
+    size, stride, offset, dtype = meta
+    chain = x._t2j_view + (step,) if step is not None else x._t2j_view
+    return Tensor(x._t2j_storage, chain, value=value, size=size, stride=stride, offset=offset, dtype=dtype)
+
+
+def _view_handler(forward, inverse):
+    def run(func, args, kwargs):
+        x, rest = args[0], args[1:]
+        meta = _view_meta(func, x, rest, kwargs)
+        urest = _unwrap(rest)
+        value = forward(x._value(), *urest, **kwargs)
+        if isinstance(meta, list):
+            return [
+                _make_view(
+                    x,
+                    ViewStep(_pick(forward, i, urest, kwargs), _pick_inverse(inverse, i, urest, kwargs), func),
+                    v,
+                    m,
+                )
+                for i, (v, m) in enumerate(zip(value, meta))
+            ]
+        if inverse is None:  # an alias: same value, same chain
+            return _make_view(x, None, value, meta)
+        step = ViewStep(
+            functools.partial(_apply_forward, forward, urest, kwargs),
+            functools.partial(_apply_inverse, inverse, urest, kwargs),
+            func,
+        )
+        return _make_view(x, step, value, meta)
+
+    return run
+
+
+def _apply_forward(forward, rest, kwargs, a):
+    return forward(a, *rest, **kwargs)
+
+
+def _apply_inverse(inverse, rest, kwargs, base, value):
+    return inverse(base, value, *rest, **kwargs)
+
+
+def _pick(forward, i, rest, kwargs):
+    return lambda a: forward(a, *rest, **kwargs)[i]
+
+
+def _pick_inverse(inverse, i, rest, kwargs):
+    return lambda base, value: inverse(base, value, i, *rest, **kwargs)
+
+
+def strided_indices(size, stride, offset):
+    """Flat storage indices of every element of an as_strided view (a NumPy array)."""
+    idx = np.full(tuple(size), offset, dtype=np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(shape)
+    return idx
+
+
+def _generic_view_handler(func, args, kwargs):
+    """Any view op: torch's meta kernel says where the view's elements lie in storage."""
+    x = args[0]
+    meta = _view_meta(func, x, args[1:], kwargs)
+    metas = meta if isinstance(meta, list) else [meta]
+    if any(m[3] != x.dtype for m in metas) or any(s.forward is None for s in x._t2j_view):
+        raise OpError(f"torch2jax: view op {func} has no lowering for this input")
+    if any(step.name is aten.view.dtype for step in x._t2j_view):
+        raise OpError(f"torch2jax: view op {func} on a dtype view is not supported")
+    outs = []
+    for size, stride, offset, dtype in metas:
+        idx = strided_indices(size, stride, offset)
+        step = ViewStep(
+            functools.partial(_gather_flat, idx),
+            functools.partial(_scatter_flat, idx),
+            func,
+        )
+        storage = x._t2j_storage
+        value = step.forward(storage.array)
+        outs.append(Tensor(storage, (step,), value=value, size=size, stride=stride, offset=offset, dtype=dtype))
+    return outs if isinstance(meta, list) else outs[0]
+
+
+def _gather_flat(idx, base):
+    return base.reshape(-1)[idx]
+
+
+def _scatter_flat(idx, base, value):
+    return base.reshape(-1).at[idx.reshape(-1)].set(value.reshape(-1)).reshape(base.shape)
+
+
+# ---------------------------------------------------------------------------
+# mutation: in-place ops and out= arguments
+# ---------------------------------------------------------------------------
+
+
+def _mutated(schema):
+    return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+@functools.lru_cache(maxsize=None)
+def functional_variant(func):
+    """The functional overload computing what mutating ``func`` writes, or None.
+
+    ``add_.Tensor -> add.Tensor``, ``normal_ -> normal_functional``,
+    ``sum.IntList_out -> sum.dim_IntList``: matched on the argument types.
+    """
+    schema = func._schema
+    mutated = _mutated(schema)
+    name = schema.name.split("::")[1]
+    ns = getattr(torch.ops, func.namespace)
+    is_out = bool(mutated) and all(schema.arguments[i].kwarg_only for i in mutated)
+    if is_out:
+        candidates = [name]
+        want = [str(a.type) for i, a in enumerate(schema.arguments) if i not in mutated]
+    elif name.endswith("_") and mutated == [0]:
+        candidates = [name[:-1], name[:-1] + "_functional"]
+        want = [str(a.type) for a in schema.arguments]
+    else:
+        return None
+    n_out = len(mutated)
+    for cand in candidates:
+        packet = getattr(ns, cand, None)
+        if packet is None:
+            continue
+        for overload_name in packet.overloads():
+            op = getattr(packet, overload_name)
+            s = op._schema
+            if s.is_mutable or len(s.returns) < n_out:
+                continue
+            if [str(a.type) for a in s.arguments] == want:
+                return op
+    return None
+
+
+def _mutation_handler(func, functional):
+    schema = func._schema
+    mutated = _mutated(schema)
+    names = [schema.arguments[i].name for i in mutated]
+    is_out = schema.arguments[mutated[0]].kwarg_only
+
+    def run(func, args, kwargs):
+        if is_out:
+            targets = [kwargs[n] for n in names]
+            fkwargs = {k: v for k, v in kwargs.items() if k not in names}
+            values = _compute(functional, args, fkwargs)
+        else:
+            targets = [args[0]]
+            values = _compute(functional, args, kwargs)
+        if not isinstance(values, (list, tuple)):
+            values = (values,)
+        for target, value in zip(targets, values):
+            write(target, value, func, resize=is_out)
+        if is_out:
+            return targets[0] if len(targets) == 1 else tuple(targets)
+        return args[0]
+
+    return run
+
+
+def write(target, value, func, resize=False):
+    """Write array ``value`` into tensor ``target`` as op ``func`` does (cast, shape checks)."""
+    if not isinstance(target, Tensor):
+        raise OpError(f"torch2jax: {func} writes into a tensor on {target.device}; expected the jax device")
+    if tuple(value.shape) != tuple(target.shape):
+        if resize:
+            raise OpError(
+                f"torch2jax: {func}: out= tensor has shape {list(target.shape)} but the result has shape "
+                f"{list(value.shape)}; torch2jax cannot resize tensors, pass an out tensor of the result's shape"
+            )
+        raise RuntimeError(
+            f"output with shape {list(target.shape)} doesn't match the broadcast shape {list(value.shape)}"
+        )
+    dtype = _dt.to_jax(target.dtype)
+    if value.dtype != dtype:
+        if not _dt.can_cast(value.dtype, dtype):
+            raise RuntimeError(
+                f"result type {_dt.to_torch(value.dtype)} can't be cast to the desired output type {target.dtype}"
+            )
+        value = value.astype(dtype)
+    target._assign(value)
+
+
+# ---------------------------------------------------------------------------
+# host fallback
+# ---------------------------------------------------------------------------
+
+
+def _host_handler(func, args, kwargs):
+    mode = _env.config().fallback
+    if mode == "error":
+        raise OpError(
+            f"torch2jax: {func} has no JAX lowering or decomposition, and host fallback is disabled "
+            f"(fallback='error')"
+        )
+    if mode == "warn" and func not in _warned:
+        _warned.add(func)
+        warnings.warn(
+            f"torch2jax: {func} has no JAX lowering; it runs on the host through torch (slow, "
+            f"and a host round trip under jit)",
+            stacklevel=4,
+        )
+    return _host_run(func, args, kwargs)
+
+
+def _is_traced(tree):
+    found = []
+
+    def visit(t):
+        if isinstance(t, Tensor) and isinstance(t._value(), jax.core.Tracer):
+            found.append(t)
+        return t
+
+    _tree_map_tensors(visit, (tree,))
+    return bool(found)
+
+
+def _to_meta(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _to_cpu(t):
+    return torch_cpu(t._value()) if isinstance(t, Tensor) else t
+
+
+def _cpu_kwargs(kwargs):
+    if "device" in kwargs and kwargs["device"] is not None and torch.device(kwargs["device"]).type == DEVICE.type:
+        return {**kwargs, "device": torch.device("cpu")}
+    return kwargs
+
+
+def _host_run(func, args, kwargs):
+    """Run ``func`` with torch on CPU; results come back to the jax device."""
+    foreign = _is_foreign_device(kwargs)
+    if _is_traced((args, kwargs)):
+        if foreign:
+            raise OpError(f"torch2jax: {func} cannot produce a CPU tensor inside a traced function")
+        return _host_callback(func, args, kwargs)
+    cargs, ckwargs = _tree_map_tensors(_to_cpu, (args, _cpu_kwargs(kwargs)))
+    out = func(*cargs, **ckwargs)
+    for i in _mutated(func._schema) if isinstance(func, torch._ops.OpOverload) else ():
+        a = func._schema.arguments[i]
+        target = args[i] if i < len(args) else kwargs.get(a.name)
+        source = cargs[i] if i < len(cargs) else ckwargs.get(a.name)
+        if isinstance(target, Tensor):
+            target._assign(jax_array(source))
+    if foreign:
+        return out
+    return _back_to_jax(out, args, kwargs, cargs, ckwargs)
+
+
+def _back_to_jax(out, args, kwargs, cargs, ckwargs):
+    # Outputs that alias a mutated input are that input itself, as in torch.
+    aliases = {id(c): a for c, a in zip(cargs, args)}
+    aliases.update({id(ckwargs[k]): v for k, v in kwargs.items() if k in ckwargs})
+
+    def back(o):
+        if id(o) in aliases and isinstance(aliases[id(o)], Tensor):
+            return aliases[id(o)]
+        return from_torch_cpu(o) if o.device.type == "cpu" else o
+
+    return _tree_map_tensors(back, out)
+
+
+def _host_callback(func, args, kwargs):
+    if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
+        raise OpError(f"torch2jax: {func} mutates its input and has no lowering; it cannot run under jit")
+    margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
+    try:
+        mout = func(*margs, **mkwargs)
+    except Exception as e:
+        raise OpError(
+            f"torch2jax: {func} has no JAX lowering and its output shape is not known before it runs "
+            f"({type(e).__name__}: {e}); it cannot run under jit"
+        ) from e
+    leaves, treedef = jax.tree_util.tree_flatten(mout, is_leaf=lambda t: isinstance(t, torch.Tensor))
+    result_shapes = [jax.ShapeDtypeStruct(tuple(t.shape), _dt.to_jax(t.dtype)) for t in leaves]
+    tensors = []
+    _tree_map_tensors(lambda t: tensors.append(t) or t, (args, kwargs))
+    jax_inputs = [t._value() if isinstance(t, Tensor) else jax_array(t) for t in tensors]
+
+    def callback(*arrays):
+        it = iter(arrays)
+        cargs, ckwargs = _tree_map_tensors(lambda t: torch_cpu(np.asarray(next(it))), (args, _cpu_kwargs(kwargs)))
+        res = jax.tree_util.tree_flatten(func(*cargs, **ckwargs), is_leaf=lambda t: isinstance(t, torch.Tensor))[0]
+        return [np.asarray(jax_array(r)) for r in res]
+
+    outs = jax.pure_callback(callback, result_shapes, *jax_inputs)
+    return jax.tree_util.tree_unflatten(treedef, [new_tensor(o) for o in outs])
+
+
+# ---------------------------------------------------------------------------
+# coverage report
+# ---------------------------------------------------------------------------
+
+
+def path_of(func) -> str:
+    """Which resolution path ``func`` takes: lowering, functional, decomposition or fallback."""
+    if func not in _PATHS:
+        _resolve(func)
+    return _PATHS[func]
+
+
+@contextlib.contextmanager
+def record_ops():
+    """Collect every op dispatched to the jax device inside the block into a list."""
+    global _coverage_log
+    previous, _coverage_log = _coverage_log, []
+    try:
+        yield _coverage_log
+    finally:
+        _coverage_log = previous
+
+
+def coverage(fn, *args, **kwargs) -> dict:
+    """Run ``fn(*args, **kwargs)`` once and report, for every ATen op that reached the
+    jax device, the path it took.
+
+    >>> t2j.coverage(model, x)
+    {'aten.addmm.default': 'lowering', 'aten.gelu.default': 'lowering', ...}
+    """
+    with record_ops() as log:
+        fn(*args, **kwargs)
+    return {str(op): path_of(op) for op in dict.fromkeys(log)}
+
+

@@ -1,0 +1,185 @@
+"""dtype mapping between torch and JAX, and torch's type-promotion rules.
+
+torch is the specification: `result_type` reproduces `torch.result_type` for
+arrays and Python scalars (dimensioned tensors, zero-dim tensors and Python
+numbers form three priority tiers), without calling into torch on the hot path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+_TORCH_TO_JAX = {
+    torch.bool: jnp.bool_,
+    torch.uint8: jnp.uint8,
+    torch.int8: jnp.int8,
+    torch.int16: jnp.int16,
+    torch.int32: jnp.int32,
+    torch.int64: jnp.int64,
+    torch.uint16: jnp.uint16,
+    torch.uint32: jnp.uint32,
+    torch.uint64: jnp.uint64,
+    torch.float16: jnp.float16,
+    torch.bfloat16: jnp.bfloat16,
+    torch.float32: jnp.float32,
+    torch.float64: jnp.float64,
+    torch.complex64: jnp.complex64,
+    torch.complex128: jnp.complex128,
+    torch.float8_e4m3fn: jnp.float8_e4m3fn,
+    torch.float8_e5m2: jnp.float8_e5m2,
+    torch.float8_e4m3fnuz: jnp.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz: jnp.float8_e5m2fnuz,
+}
+_JAX_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_JAX.items()}
+
+
+def to_jax(dtype: torch.dtype) -> np.dtype:
+    """The JAX dtype of a torch dtype, e.g. ``to_jax(torch.bfloat16) -> bfloat16``."""
+    try:
+        return np.dtype(_TORCH_TO_JAX[dtype])
+    except KeyError:
+        raise TypeError(f"torch2jax: dtype {dtype} has no JAX equivalent") from None
+
+
+def to_torch(dtype) -> torch.dtype:
+    """The torch dtype of a JAX / NumPy dtype, e.g. ``to_torch(jnp.int64) -> torch.int64``."""
+    try:
+        return _JAX_TO_TORCH[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"torch2jax: JAX dtype {dtype} has no torch equivalent") from None
+
+
+# Categories in increasing order: bool < integer < floating < complex.
+_BOOL, _INT, _FLOAT, _COMPLEX = 0, 1, 2, 3
+
+
+def category(dtype) -> int:
+    kind = np.dtype(dtype).kind
+    if kind == "b":
+        return _BOOL
+    if kind in "iu":
+        return _INT
+    if kind == "c":
+        return _COMPLEX
+    return _FLOAT
+
+
+def is_floating(dtype) -> bool:
+    return category(dtype) == _FLOAT
+
+
+def is_complex(dtype) -> bool:
+    return category(dtype) == _COMPLEX
+
+
+def is_integral(dtype, include_bool: bool = False) -> bool:
+    c = category(dtype)
+    return c == _INT or (include_bool and c == _BOOL)
+
+
+def default_float() -> np.dtype:
+    return to_jax(torch.get_default_dtype())
+
+
+def default_complex() -> np.dtype:
+    return np.dtype(jnp.complex128) if torch.get_default_dtype() == torch.float64 else np.dtype(jnp.complex64)
+
+
+def complex_of(dtype) -> np.dtype:
+    """The complex dtype whose parts have ``dtype`` (float32 -> complex64)."""
+    d = np.dtype(dtype)
+    if d == np.float64:
+        return np.dtype(np.complex128)
+    if category(d) == _COMPLEX:
+        return d
+    return np.dtype(np.complex64)
+
+
+def real_of(dtype) -> np.dtype:
+    """The real dtype of a complex dtype's parts (complex64 -> float32); identity otherwise."""
+    d = np.dtype(dtype)
+    if d == np.complex128:
+        return np.dtype(np.float64)
+    if d == np.complex64:
+        return np.dtype(np.float32)
+    return d
+
+
+@functools.lru_cache(maxsize=None)
+def promote_types(a, b) -> np.dtype:
+    """torch.promote_types on JAX dtypes."""
+    return to_jax(torch.promote_types(to_torch(a), to_torch(b)))
+
+
+def _scalar_dtype(x) -> np.dtype:
+    if isinstance(x, bool):
+        return np.dtype(np.bool_)
+    if isinstance(x, int):
+        return np.dtype(np.int64)
+    if isinstance(x, float):
+        return default_float()
+    if isinstance(x, complex):
+        return default_complex()
+    raise TypeError(f"not a number: {x!r}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _result_type_key(dims, zeros, scalars):
+    def fold(dtypes):
+        out = None
+        for d in dtypes:
+            out = d if out is None else promote_types(out, d)
+        return out
+
+    dim_r, zero_r, wrap_r = fold(dims), fold(zeros), fold(scalars)
+
+    def combine(higher, lower):
+        if higher is None:
+            return lower
+        if lower is None:
+            return higher
+        ch, cl = category(higher), category(lower)
+        if ch == _COMPLEX:
+            return higher
+        if cl == _COMPLEX:
+            return complex_of(higher) if ch == _FLOAT else lower
+        if ch == _FLOAT:
+            return higher
+        if higher == np.dtype(np.bool_) or cl == _FLOAT:
+            return promote_types(higher, lower)
+        return higher
+
+    return combine(dim_r, combine(zero_r, wrap_r))
+
+
+def result_type(*args) -> np.dtype:
+    """torch.result_type over JAX arrays (ndim 0 = zero-dim tensor) and Python numbers.
+
+    >>> result_type(jnp.zeros(3, jnp.int32), 2.5)
+    dtype('float32')
+    """
+    dims, zeros, scalars = [], [], []
+    for a in args:
+        if a is None:
+            continue
+        if isinstance(a, (bool, int, float, complex)):
+            scalars.append(_scalar_dtype(a))
+        elif hasattr(a, "dtype"):
+            (zeros if np.ndim(a) == 0 else dims).append(np.dtype(a.dtype))
+    return _result_type_key(tuple(dims), tuple(zeros), tuple(scalars))
+
+
+def can_cast(src, dst) -> bool:
+    """torch's rule for writing a result of dtype ``src`` into a tensor of dtype ``dst``."""
+    cs, cd = category(src), category(dst)
+    if cs == _COMPLEX and cd != _COMPLEX:
+        return False
+    if cs == _FLOAT and cd < _FLOAT:
+        return False
+    if cs != _BOOL and cd == _BOOL:
+        return False
+    return True

@@ -1,0 +1,172 @@
+"""The torch2jax environment: scoped configuration and the random-number state.
+
+Configuration is a stack of immutable `Config` values. ``t2j.enable()`` sets the
+process-wide base; ``with t2j.env(...)`` pushes an override for the current
+thread only, so settings never leak between threads or between tests.
+
+Example::
+
+    import torch, torch2jax as t2j
+
+    with t2j.env(fallback="error"):          # host fallbacks raise instead of warn
+        x = torch.randn(4, 8, device="jax")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import weakref
+
+import jax
+import numpy as np
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings read by the dispatcher.
+
+    fallback: what happens when an op has neither a lowering nor a decomposition
+        and runs on the host through torch: ``"warn"`` (once per op), ``"silent"``
+        or ``"error"``.
+    check_indices: in eager mode, raise torch's IndexError for out-of-range
+        indices (costs a device sync per indexing op; JAX itself clamps).
+    """
+
+    fallback: str = "warn"
+    check_indices: bool = True
+
+    def __post_init__(self):
+        if self.fallback not in ("warn", "silent", "error"):
+            raise ValueError(f"torch2jax: fallback must be 'warn', 'silent' or 'error', got {self.fallback!r}")
+
+
+_global_config = Config()
+_enabled = False
+_local = threading.local()
+
+
+def config() -> Config:
+    """The configuration in effect on this thread."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else _global_config
+
+
+@contextlib.contextmanager
+def env(**overrides):
+    """Run a block with torch2jax settings (see `Config`); re-entrant and thread-local.
+
+    The "jax" device is usable anywhere once torch2jax is imported; the block
+    scopes configuration and turns on JAX's 64-bit types for the thread, so
+    int64 / float64 tensors keep their dtypes as in torch.
+
+    >>> with t2j.env():
+    ...     y = torch.ones(3, device="jax") * 2
+    """
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(dataclasses.replace(config(), **overrides))
+    try:
+        with jax.enable_x64(True):
+            yield stack[-1]
+    finally:
+        stack.pop()
+
+
+def enable(**overrides) -> None:
+    """Turn torch2jax on for the whole process, with optional settings (see `Config`).
+
+    >>> t2j.enable(); x = torch.zeros(2, device="jax"); t2j.disable()
+    """
+    global _global_config, _enabled
+    _global_config = dataclasses.replace(_global_config, **overrides)
+    _enabled = True
+
+
+def disable() -> None:
+    """Undo `enable`: restore the default configuration."""
+    global _global_config, _enabled
+    _global_config = Config()
+    _enabled = False
+
+
+def is_enabled() -> bool:
+    return _enabled or bool(getattr(_local, "stack", None))
+
+
+# ---------------------------------------------------------------------------
+# Random numbers (DESIGN.md, decision 5)
+# ---------------------------------------------------------------------------
+
+
+class RngState:
+    """A JAX PRNG key that is split on every draw, seeded like a torch generator."""
+
+    def __init__(self, seed: int):
+        self.seed(seed)
+
+    def seed(self, seed: int) -> None:
+        self.initial_seed = int(seed)
+        self._key = None
+
+    @property
+    def key(self):
+        if self._key is None:
+            s = self.initial_seed & 0xFFFFFFFFFFFFFFFF
+            self._key = jax.random.fold_in(jax.random.key(s & 0xFFFFFFFF), s >> 32)
+        return self._key
+
+    @key.setter
+    def key(self, value):
+        self._key = value
+
+    def next_key(self):
+        self.key, sub = _split(self.key)
+        return sub
+
+
+@jax.jit
+def _split(key):
+    a, b = jax.random.split(key)
+    return a, b
+
+
+default_rng = RngState(torch.initial_seed())
+_generator_rngs: "weakref.WeakKeyDictionary[torch.Generator, RngState]" = weakref.WeakKeyDictionary()
+
+
+def rng_for(generator: torch.Generator | None) -> RngState:
+    """The JAX RNG state behind a torch.Generator (the default one for None).
+
+    A generator keeps its own stream, restarted whenever it is re-seeded.
+    """
+    if generator is None:
+        return default_rng
+    state = _generator_rngs.get(generator)
+    seed = generator.initial_seed()
+    if state is None or state.initial_seed != seed:
+        state = _generator_rngs[generator] = RngState(seed)
+    return state
+
+
+def next_key(generator: torch.Generator | None = None):
+    """A fresh JAX key from the stream of ``generator`` (default: the global one)."""
+    return rng_for(generator).next_key()
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the jax device's default generator; torch.manual_seed calls this."""
+    default_rng.seed(seed)
+
+
+def rng_state_bytes() -> torch.Tensor:
+    data = np.asarray(jax.random.key_data(default_rng.key)).astype(np.uint32)
+    return torch.from_numpy(data.view(np.uint8).copy())
+
+
+def set_rng_state_bytes(state: torch.Tensor) -> None:
+    data = state.cpu().numpy().astype(np.uint8).view(np.uint32)
+    default_rng.key = jax.random.wrap_key_data(jax.numpy.asarray(data))

@@ -1,0 +1,171 @@
+"""Factories, copies and dtype / device conversion."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .. import dtypes as _dt
+from .registry import as_dtype, register
+
+aten = torch.ops.aten
+
+
+def jax_dtype(dtype, default=None):
+    """The JAX dtype for a torch ``dtype=`` argument (None -> ``default`` or torch's default)."""
+    if dtype is None:
+        return np.dtype(default) if default is not None else _dt.default_float()
+    return _dt.to_jax(dtype)
+
+
+def _shape(size):
+    if isinstance(size, int):
+        return (size,)
+    shape = tuple(int(s) for s in size)
+    if any(s < 0 for s in shape):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(shape)}: {list(shape)}")
+    return shape
+
+
+@register(aten.empty.memory_format, aten.zeros.default, aten.new_zeros, aten.new_empty)
+def zeros(*args, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, names=None):
+    if len(args) == 2:  # new_zeros(self, size): dtype defaults to self's
+        x, size = args
+        return jnp.zeros(_shape(size), jax_dtype(dtype, x.dtype))
+    return jnp.zeros(_shape(args[0]), jax_dtype(dtype))
+
+
+@register(aten.empty_strided, aten.new_empty_strided)
+def empty_strided(*args, dtype=None, layout=None, device=None, pin_memory=None):
+    if len(args) == 3:
+        x, size, _ = args
+        return jnp.zeros(_shape(size), jax_dtype(dtype, x.dtype))
+    return jnp.zeros(_shape(args[0]), jax_dtype(dtype))
+
+
+@register(aten.ones.default, aten.new_ones)
+def ones(*args, dtype=None, layout=None, device=None, pin_memory=None):
+    if len(args) == 2:
+        x, size = args
+        return jnp.ones(_shape(size), jax_dtype(dtype, x.dtype))
+    return jnp.ones(_shape(args[0]), jax_dtype(dtype))
+
+
+def _fill_dtype(value, dtype):
+    if dtype is not None:
+        return _dt.to_jax(dtype)
+    if isinstance(value, bool):
+        return np.dtype(np.bool_)
+    if isinstance(value, int):
+        return np.dtype(np.int64)
+    if isinstance(value, complex):
+        return _dt.default_complex()
+    if hasattr(value, "dtype"):
+        return np.dtype(value.dtype)
+    return _dt.default_float()
+
+
+@register(aten.full.default)
+def full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
+    dt = _fill_dtype(fill_value, dtype)
+    return jnp.full(_shape(size), as_dtype(fill_value, dt), dt)
+
+
+@register(aten.new_full)
+def new_full(x, size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
+    dt = jax_dtype(dtype, x.dtype)
+    return jnp.full(_shape(size), as_dtype(fill_value, dt), dt)
+
+
+@register(aten.scalar_tensor)
+def scalar_tensor(value, *, dtype=None, layout=None, device=None, pin_memory=None):
+    dt = jax_dtype(dtype)
+    return jnp.asarray(as_dtype(value, dt))
+
+
+@register(aten.empty_like, aten.zeros_like)
+def zeros_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.zeros(x.shape, jax_dtype(dtype, x.dtype))
+
+
+@register(aten.ones_like)
+def ones_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.ones(x.shape, jax_dtype(dtype, x.dtype))
+
+
+@register(aten.full_like)
+def full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    dt = jax_dtype(dtype, x.dtype)
+    return jnp.full(x.shape, as_dtype(fill_value, dt), dt)
+
+
+@register(aten.fill.Scalar, aten.fill.Tensor)
+def fill(x, value):
+    return jnp.full(x.shape, as_dtype(value, x.dtype) if not hasattr(value, "dtype") else value.astype(x.dtype), x.dtype)
+
+
+@register(aten.zero)
+def zero(x):
+    return jnp.zeros_like(x)
+
+
+def _arange_dtype(values, dtype):
+    if dtype is not None:
+        return _dt.to_jax(dtype)
+    if all(isinstance(v, (int, np.integer)) or (hasattr(v, "dtype") and _dt.is_integral(v.dtype, True)) for v in values):
+        return np.dtype(np.int64)
+    return _dt.default_float()
+
+
+@register(aten.arange.default, aten.arange.start, aten.arange.start_step)
+def arange(*args, dtype=None, layout=None, device=None, pin_memory=None):
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (args + (1,))[:3]
+    dt = _arange_dtype((start, end, step), dtype)
+    if step == 0:
+        raise RuntimeError("step must be nonzero")
+    if (end - start) / step < 0:
+        raise RuntimeError(
+            "upper bound and larger bound inconsistent with step sign"
+        )
+    n = int(np.ceil((end - start) / step))
+    if _dt.is_integral(dt) and all(isinstance(v, int) for v in (start, end, step)):
+        return (jnp.arange(n, dtype=np.int64) * step + start).astype(dt)
+    return (start + jnp.arange(n, dtype=np.float64) * step).astype(dt)
+
+
+@register(aten.linspace.default)
+def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_memory=None):
+    dt = jax_dtype(dtype)
+    if steps < 0:
+        raise RuntimeError("number of steps must be non-negative")
+    if _dt.is_integral(dt):
+        step = (end - start) / (steps - 1) if steps > 1 else 0
+        return (start + jnp.arange(steps, dtype=np.float64) * step).astype(np.int64).astype(dt)
+    return jnp.linspace(start, end, steps, dtype=np.float64).astype(dt)
+
+
+@register(aten.eye.default, aten.eye.m)
+def eye(n, m=None, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.eye(n, n if m is None else m, dtype=jax_dtype(dtype))
+
+
+@register(aten.clone)
+def clone(x, *, memory_format=None):
+    return jnp.array(x, copy=True) if not isinstance(x, jax.core.Tracer) else x + jnp.zeros((), x.dtype)
+
+
+@register(aten._to_copy)
+def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    return x if dtype is None else x.astype(_dt.to_jax(dtype))
+
+
+@register(aten.lift_fresh_copy, aten._unsafe_view)
+def lift_fresh_copy(x, *size):
+    return x.reshape(_shape(size[0])) if size else x
+
+
+@register(aten.copy)
+def copy(x, src, non_blocking=False):
+    return jnp.broadcast_to(src.astype(x.dtype), x.shape)

@@ -1,0 +1,147 @@
+"""The op registry: one table keyed by `torch._ops.OpOverload` (DESIGN.md, decision 3).
+
+A lowering is a plain function over `jax.Array`s and Python values that returns
+arrays with exactly the dtypes and shapes torch would. It is registered by a
+decorator placed right above it::
+
+    @register(aten.neg)                     # every overload of aten.neg
+    def neg(x):
+        return -x
+
+`elementwise` adds torch's type promotion (and opmath: bf16/fp16 computed in
+float32) so the function body only sees operands of one dtype. View ops are
+registered with `view`, which pairs the forward function with its inverse
+(how a write to the view lands in its base).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .. import dtypes as _dt
+
+LOWERINGS: dict = {}
+VIEWS: dict = {}
+
+
+def _overloads(op):
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
+
+
+def register(*ops):
+    """Register the decorated function as the lowering of ``ops``.
+
+    An `OpOverloadPacket` (``aten.add``) stands for all of its overloads.
+    """
+
+    def deco(fn):
+        for op in ops:
+            for overload in _overloads(op):
+                LOWERINGS[overload] = fn
+        return fn
+
+    return deco
+
+
+def view(*ops, inverse):
+    """Register a view op: ``fn(x, *args)`` gives the view, ``inverse(base, value, *args)``
+    the new base after ``value`` is written into the view."""
+
+    def deco(fn):
+        for op in ops:
+            for overload in _overloads(op):
+                VIEWS[overload] = (fn, inverse)
+        return fn
+
+    return deco
+
+
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def _is_operand(a):
+    return hasattr(a, "dtype") or isinstance(a, (bool, int, float, complex))
+
+
+def as_dtype(a, dtype):
+    """``a`` (array or Python number) as an array of ``dtype``; numbers wrap like torch's casts."""
+    if hasattr(a, "dtype"):
+        return a if a.dtype == dtype else a.astype(dtype)
+    if isinstance(a, complex) and not _dt.is_complex(dtype):
+        a = a.real
+    if _dt.is_integral(dtype, include_bool=True) and isinstance(a, float):
+        if np.isnan(a) or np.isinf(a):
+            return np.array(a, np.float64).astype(dtype)
+        a = int(a)
+    if _dt.is_integral(dtype) and isinstance(a, int):
+        return np.array(a & 0xFFFFFFFFFFFFFFFF, np.uint64).astype(dtype) if a < 0 or a > 2**63 - 1 else np.array(a, np.int64).astype(dtype)
+    return np.array(a, dtype=dtype)
+
+
+def promote(kind: str, operands):
+    """(compute dtype, result dtype) of an elementwise op under torch's promotion ``kind``.
+
+    kind is one of "default", "int_to_float", "always_bool", "complex_to_float",
+    "bool_to_long", "no_opmath" (as torch._prims_common.ELEMENTWISE_TYPE_PROMOTION_KIND).
+    """
+    dtype = _dt.result_type(*operands)
+    if kind == "int_to_float" and _dt.is_integral(dtype, include_bool=True):
+        dtype = _dt.default_float()
+    elif kind == "bool_to_long" and dtype == np.bool_:
+        dtype = np.dtype(np.int64)
+    result = dtype
+    if kind == "always_bool":
+        result = np.dtype(np.bool_)
+    elif kind == "complex_to_float":
+        result = _dt.real_of(dtype)
+    return dtype, result
+
+
+def elementwise(*ops, promote_kind: str = "default", opmath: bool = True):
+    """Register an elementwise lowering with torch's type promotion.
+
+    The leading positional array / number arguments are the operands: they are
+    promoted to one dtype (float32 for bf16/fp16 when ``opmath``), the function
+    runs, and its result is cast to torch's result dtype.
+    """
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def lowering(*args, **kwargs):
+            n = 0
+            while n < len(args) and _is_operand(args[n]):
+                n += 1
+            compute, result = promote(promote_kind, args[:n])
+            if opmath and compute in _HALF:
+                compute = np.dtype(np.float32)
+            operands = [as_dtype(a, compute) for a in args[:n]]
+            out = fn(*operands, *args[n:], **kwargs)
+            return out if out.dtype == result else out.astype(result)
+
+        lowering.compute = fn
+        register(*ops)(lowering)
+        return lowering
+
+    return deco
+
+
+def canonical_dim(dim: int, ndim: int) -> int:
+    """A dim in [0, ndim) from torch's possibly negative ``dim`` (a scalar counts as 1-d)."""
+    n = max(ndim, 1)
+    if not -n <= dim < n:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
+    return dim % n
+
+
+def canonical_dims(dims, ndim: int) -> tuple:
+    if dims is None:
+        return tuple(range(ndim))
+    if isinstance(dims, int):
+        dims = (dims,)
+    return tuple(canonical_dim(d, ndim) for d in dims)

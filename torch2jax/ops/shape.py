@@ -1,0 +1,349 @@
+"""Views and shape ops.
+
+Each view op has a forward lowering and an inverse: how a value written into
+the view lands in its input. The inverse of ``slice`` is ``slice_scatter``, of
+``select`` is ``select_scatter`` and so on; those scatter ops and the ``*_copy``
+variants are registered from the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .. import dtypes as _dt
+from .registry import canonical_dim, canonical_dims, register, view
+
+aten = torch.ops.aten
+
+
+def infer_size(size, numel):
+    """torch's ``view`` size with at most one -1 filled in."""
+    size = [int(s) for s in size]
+    if size.count(-1) > 1:
+        raise RuntimeError("only one dimension can be inferred")
+    if -1 in size:
+        known = math.prod(s for s in size if s != -1)
+        if known == 0 or numel % known:
+            raise RuntimeError(f"shape '{size}' is invalid for input of size {numel}")
+        size[size.index(-1)] = numel // known
+    if math.prod(size) != numel:
+        raise RuntimeError(f"shape '{size}' is invalid for input of size {numel}")
+    return tuple(size)
+
+
+def _reshape_back(base, value, *args, **kwargs):
+    return value.reshape(base.shape)
+
+
+# -- identity views ----------------------------------------------------------
+
+
+@view(aten.alias, aten.detach, aten.lift_fresh, inverse=None)
+def alias(x):
+    return x
+
+
+@register(aten.alias_copy, aten.detach_copy)
+def alias_copy(x):
+    return x
+
+
+# -- reshaping views ---------------------------------------------------------
+
+
+@view(aten.view.default, aten._reshape_alias, inverse=_reshape_back)
+def view_(x, size, *stride):
+    return x.reshape(infer_size(size, x.size))
+
+
+@register(aten.view_copy.default, aten._reshape_copy)
+def view_copy(x, size):
+    return x.reshape(infer_size(size, x.size))
+
+
+@view(aten.squeeze, inverse=_reshape_back)
+def squeeze(x, dim=None):
+    dims = canonical_dims(dim, x.ndim) if dim is not None else tuple(range(x.ndim))
+    return x.reshape(tuple(s for i, s in enumerate(x.shape) if not (i in dims and s == 1)))
+
+
+@view(aten.unsqueeze, inverse=_reshape_back)
+def unsqueeze(x, dim):
+    return jnp.expand_dims(x, canonical_dim(dim, x.ndim + 1))
+
+
+register(aten.squeeze_copy)(squeeze)
+register(aten.unsqueeze_copy)(unsqueeze)
+
+
+def _bitcast(x, dtype):
+    src, dst = np.dtype(x.dtype), np.dtype(dtype)
+    if src == dst:
+        return x
+    if dst == np.bool_ or src == np.bool_:
+        carrier = np.dtype(np.uint8)
+        if src == np.bool_:
+            return _bitcast(x.astype(carrier), dst)
+        return _bitcast(x, carrier).astype(np.bool_)
+    if dst.itemsize == src.itemsize:
+        return jax.lax.bitcast_convert_type(x, dst)
+    if x.ndim == 0 or (dst.itemsize > src.itemsize and x.shape[-1] * src.itemsize % dst.itemsize):
+        raise RuntimeError(
+            "self.size(-1) must be divisible by {} to view {} as {} (different element sizes)".format(
+                dst.itemsize // src.itemsize, _dt.to_torch(src), _dt.to_torch(dst)
+            )
+        )
+    if dst.itemsize < src.itemsize:
+        out = jax.lax.bitcast_convert_type(x, dst)  # adds a trailing dim of src/dst
+        return out.reshape(x.shape[:-1] + (x.shape[-1] * (src.itemsize // dst.itemsize),))
+    ratio = dst.itemsize // src.itemsize
+    return jax.lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // ratio, ratio)), dst)
+
+
+@view(aten.view.dtype, inverse=lambda base, value, dtype: _bitcast(value, base.dtype))
+def view_dtype(x, dtype):
+    return _bitcast(x, _dt.to_jax(dtype))
+
+
+@view(aten.view_as_real, inverse=lambda base, value: jax.lax.complex(value[..., 0], value[..., 1]))
+def view_as_real(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+@view(aten.view_as_complex, inverse=lambda base, value: view_as_real(value))
+def view_as_complex(x):
+    if x.ndim == 0 or x.shape[-1] != 2:
+        raise RuntimeError("Tensor must have a last dimension of size 2")
+    return jax.lax.complex(x[..., 0], x[..., 1])
+
+
+register(aten.view_as_real_copy)(view_as_real)
+register(aten.view_as_complex_copy)(view_as_complex)
+
+
+# -- permutations ------------------------------------------------------------
+
+
+def _transpose_dims(ndim, dim0, dim1):
+    perm = list(range(ndim))
+    d0, d1 = canonical_dim(dim0, ndim), canonical_dim(dim1, ndim)
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return perm
+
+
+@view(aten.transpose.int, inverse=lambda base, value, dim0, dim1: transpose(value, dim0, dim1))
+def transpose(x, dim0, dim1):
+    if x.ndim == 0:
+        return x
+    return jnp.transpose(x, _transpose_dims(x.ndim, dim0, dim1))
+
+
+@view(aten.t, inverse=lambda base, value: t(value))
+def t(x):
+    if x.ndim > 2:
+        raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {x.ndim}D")
+    return x.T
+
+
+@view(aten.permute, inverse=lambda base, value, dims: jnp.transpose(value, np.argsort(canonical_dims(dims, base.ndim))))
+def permute(x, dims):
+    dims = canonical_dims(dims, x.ndim)
+    if len(dims) != x.ndim or len(set(dims)) != x.ndim:
+        raise RuntimeError(
+            f"permute(sparse_coo): number of dimensions in the tensor input does not match the length of "
+            f"the desired ordering of dimensions i.e. input.dim() = {x.ndim} is not equal to len(dims) = {len(dims)}"
+        )
+    return jnp.transpose(x, dims)
+
+
+register(aten.transpose_copy.int)(transpose)
+register(aten.t_copy)(t)
+register(aten.permute_copy)(permute)
+
+
+# -- slicing -----------------------------------------------------------------
+
+
+def _slice_bounds(n, start, end, step):
+    start = 0 if start is None else start
+    end = n if end is None else end
+    if start < 0:
+        start += n
+    if end < 0:
+        end += n
+    start = min(max(start, 0), n)
+    end = min(max(end, start), n)
+    return start, end, step
+
+
+def _slice_index(ndim, dim, start, end, step):
+    idx = [slice(None)] * ndim
+    idx[dim] = slice(start, end, step)
+    return tuple(idx)
+
+
+def slice_scatter(base, value, dim=0, start=None, end=None, step=1):
+    d = canonical_dim(dim, base.ndim)
+    s, e, st = _slice_bounds(base.shape[d], start, end, step)
+    return base.at[_slice_index(base.ndim, d, s, e, st)].set(value.astype(base.dtype))
+
+
+@view(aten.slice.Tensor, inverse=slice_scatter)
+def slice_(x, dim=0, start=None, end=None, step=1):
+    if step <= 0:
+        raise RuntimeError("slice step must be positive")
+    d = canonical_dim(dim, x.ndim)
+    s, e, st = _slice_bounds(x.shape[d], start, end, step)
+    return jax.lax.slice_in_dim(x, s, e, st, axis=d)
+
+
+register(aten.slice_scatter)(slice_scatter)
+register(aten.slice_copy.Tensor)(slice_)
+
+
+def select_scatter(base, value, dim, index):
+    d = canonical_dim(dim, base.ndim)
+    idx = [slice(None)] * base.ndim
+    idx[d] = index + base.shape[d] if index < 0 else index
+    return base.at[tuple(idx)].set(value.astype(base.dtype))
+
+
+@view(aten.select.int, inverse=select_scatter)
+def select(x, dim, index):
+    d = canonical_dim(dim, x.ndim)
+    n = x.shape[d]
+    if not -n <= index < n:
+        raise IndexError(f"select(): index {index} out of range for tensor of size {list(x.shape)} at dimension {dim}")
+    return jax.lax.index_in_dim(x, index % n, axis=d, keepdims=False)
+
+
+register(aten.select_scatter)(select_scatter)
+register(aten.select_copy.int)(select)
+
+
+def _split_bounds(n, sizes):
+    bounds, start = [], 0
+    for s in sizes:
+        bounds.append((start, start + s))
+        start += s
+    if start != n:
+        raise RuntimeError(
+            f"split_with_sizes expects split_sizes to sum exactly to {n}, but got split_sizes={list(sizes)}"
+        )
+    return bounds
+
+
+def _split_sizes(n, split_size):
+    if split_size == 0 and n == 0:
+        return [0]
+    if split_size <= 0:
+        raise RuntimeError(f"split_size can only be 0 if dimension size is 0, but got dimension size of {n}")
+    return [min(split_size, n - i) for i in range(0, n, split_size)] or [0]
+
+
+def split_with_sizes_scatter(base, value, i, sizes, dim=0):
+    d = canonical_dim(dim, base.ndim)
+    s, e = _split_bounds(base.shape[d], sizes)[i]
+    return slice_scatter(base, value, d, s, e)
+
+
+@view(aten.split_with_sizes, inverse=split_with_sizes_scatter)
+def split_with_sizes(x, sizes, dim=0):
+    d = canonical_dim(dim, x.ndim)
+    return [jax.lax.slice_in_dim(x, s, e, axis=d) for s, e in _split_bounds(x.shape[d], sizes)]
+
+
+@view(
+    aten.split.Tensor,
+    inverse=lambda base, value, i, size, dim=0: split_with_sizes_scatter(
+        base, value, i, _split_sizes(base.shape[canonical_dim(dim, base.ndim)], size), dim
+    ),
+)
+def split(x, split_size, dim=0):
+    return split_with_sizes(x, _split_sizes(x.shape[canonical_dim(dim, x.ndim)], split_size), dim)
+
+
+@view(aten.unbind.int, inverse=lambda base, value, i, dim=0: select_scatter(base, value, dim, i))
+def unbind(x, dim=0):
+    d = canonical_dim(dim, x.ndim)
+    return [jax.lax.index_in_dim(x, i, axis=d, keepdims=False) for i in range(x.shape[d])]
+
+
+register(aten.split_with_sizes_copy)(split_with_sizes)
+register(aten.split_copy.Tensor)(split)
+register(aten.unbind_copy.int)(unbind)
+
+
+def _diagonal_index(shape, offset, dim1, dim2):
+    n = len(shape)
+    d1, d2 = canonical_dim(dim1, n), canonical_dim(dim2, n)
+    if d1 == d2:
+        raise RuntimeError(f"diagonal dimensions cannot be identical {dim1}, {dim2}")
+    length = max(0, min(shape[d1] + min(offset, 0), shape[d2] - max(offset, 0)))
+    i = np.arange(length)
+    return d1, d2, i - min(offset, 0), i + max(offset, 0)
+
+
+def diagonal_scatter(base, value, offset=0, dim1=0, dim2=1):
+    d1, d2, r, c = _diagonal_index(base.shape, offset, dim1, dim2)
+    moved = jnp.moveaxis(base, (d1, d2), (-2, -1))
+    moved = moved.at[..., r, c].set(value.astype(base.dtype))
+    return jnp.moveaxis(moved, (-2, -1), (d1, d2))
+
+
+@view(aten.diagonal.default, inverse=diagonal_scatter)
+def diagonal(x, offset=0, dim1=0, dim2=1):
+    d1, d2, r, c = _diagonal_index(x.shape, offset, dim1, dim2)
+    return jnp.moveaxis(x, (d1, d2), (-2, -1))[..., r, c]
+
+
+register(aten.diagonal_scatter)(diagonal_scatter)
+register(aten.diagonal_copy.default)(diagonal)
+
+
+def _expand_shape(shape, size):
+    size = list(size)
+    if len(size) < len(shape):
+        raise RuntimeError(
+            f"expand(torch.FloatTensor{{{list(shape)}}}, size={size}): the number of sizes provided "
+            f"({len(size)}) must be greater or equal to the number of dimensions in the tensor ({len(shape)})"
+        )
+    lead = len(size) - len(shape)
+    out = []
+    for i, s in enumerate(size):
+        old = shape[i - lead] if i >= lead else 1
+        if s == -1:
+            if i < lead:
+                raise RuntimeError("The expanded size of the tensor (-1) isn't allowed in a leading, non-existing dimension")
+            s = old
+        elif old != 1 and old != s:
+            raise RuntimeError(
+                f"The expanded size of the tensor ({s}) must match the existing size ({old}) at non-singleton "
+                f"dimension {i}.  Target sizes: {size}.  Tensor sizes: {list(shape)}"
+            )
+        out.append(s)
+    return tuple(out)
+
+
+def _expand_inverse(base, value, size, implicit=False):
+    shape = _expand_shape(base.shape, size)
+    lead = len(shape) - base.ndim
+    if any(s > 1 and (i < lead or base.shape[i - lead] == 1) for i, s in enumerate(shape)):
+        raise RuntimeError(
+            "unsupported operation: more than one element of the written-to tensor refers to a single memory "
+            "location. Please clone() the tensor before performing the operation."
+        )
+    return value.reshape(base.shape)
+
+
+@view(aten.expand.default, inverse=_expand_inverse)
+def expand(x, size, implicit=False):
+    return jnp.broadcast_to(x, _expand_shape(x.shape, size))
+
+
+register(aten.expand_copy.default)(expand)

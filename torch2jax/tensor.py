@@ -1,0 +1,217 @@
+"""`torch2jax.Tensor`: a torch.Tensor on the "jax" device that holds a jax.Array.
+
+Aliasing follows torch exactly (DESIGN.md, decision 2). Every tensor points to a
+`Storage` (the value of its base, a jax.Array) and, if it is a view, to the chain
+of view steps that derives its value from the base. A write to any tensor is
+pushed back through the inverse of each step into the storage and bumps the
+storage's version; every other view of that storage recomputes its value from
+the new base the next time it is read. This is functionalization done eagerly:
+the program JAX sees is pure, so it traces under jit, grad, vmap and scan.
+
+Example::
+
+    x = torch.zeros(2, 3, device="jax")
+    x[:, 0].add_(1)          # a view, written in place
+    x.t().mul_(2)            # another view of the same storage
+    x.jax()                  # Array([[2., 0., 0.], [2., 0., 0.]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from . import device as _device
+from . import dtypes as _dt
+
+_device.register()
+DEVICE = torch.device(_device.NAME, 0)
+
+
+class Storage:
+    """The shared value of a base tensor and all of its views."""
+
+    __slots__ = ("array", "version", "__weakref__")
+
+    def __init__(self, array):
+        self.array = array
+        self.version = 0
+
+
+class ViewStep:
+    """One view op applied to its input: ``forward(x)`` and ``inverse(x, value)``."""
+
+    __slots__ = ("forward", "inverse", "name")
+
+    def __init__(self, forward, inverse, name):
+        self.forward = forward
+        self.inverse = inverse
+        self.name = name
+
+
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+class Tensor(torch.Tensor):
+    """A torch tensor on the "jax" device whose value is a jax.Array.
+
+    Create one with any torch factory on ``device="jax"`` or ``t.to("jax")``;
+    read the array back with `Tensor.jax`.
+    """
+
+    _t2j_storage: Storage
+    _t2j_view: tuple
+    _t2j_cache: object
+    _t2j_version: int
+
+    @staticmethod
+    def __new__(cls, storage, view=(), *, value=None, size=None, stride=None, offset=0, dtype=None, requires_grad=False):
+        if value is None:
+            value = storage.array
+        shape = tuple(value.shape) if size is None else tuple(size)
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            shape,
+            strides=_contiguous_strides(shape) if stride is None else tuple(stride),
+            storage_offset=offset,
+            dtype=_dt.to_torch(value.dtype) if dtype is None else dtype,
+            device=DEVICE,
+            requires_grad=requires_grad,
+        )
+        r._t2j_storage = storage
+        r._t2j_view = view
+        r._t2j_cache = value
+        r._t2j_version = storage.version
+        return r
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # -- value access -------------------------------------------------------
+
+    def _value(self):
+        st = self._t2j_storage
+        if not self._t2j_view:
+            return st.array
+        if self._t2j_version != st.version:
+            a = st.array
+            for step in self._t2j_view:
+                a = step.forward(a)
+            self._t2j_cache = a
+            self._t2j_version = st.version
+        return self._t2j_cache
+
+    def _assign(self, value):
+        """Write ``value`` (this tensor's shape and dtype) into this tensor and its storage."""
+        st = self._t2j_storage
+        chain = self._t2j_view
+        if not chain:
+            st.array = value
+            st.version += 1
+            return
+        bases = [st.array]
+        for step in chain[:-1]:
+            bases.append(step.forward(bases[-1]))
+        new = value
+        for step, base in zip(reversed(chain), reversed(bases)):
+            new = step.inverse(base, new)
+        st.array = new
+        st.version += 1
+        self._t2j_cache = value
+        self._t2j_version = st.version
+
+    def jax(self) -> jax.Array:
+        """The jax.Array holding this tensor's value.
+
+        >>> torch.ones(2, device="jax").jax()
+        Array([1., 1.], dtype=float32)
+        """
+        return self._value()
+
+    def numpy(self, *, force: bool = False) -> np.ndarray:
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        return self.detach().cpu().numpy()
+
+    def __repr__(self, *, tensor_contents=None):
+        value = self._value()
+        if isinstance(value, jax.core.Tracer):
+            return f"torch2jax.Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, traced={value.aval})"
+        text = repr(torch_cpu(value))
+        extras = [f"device='{self.device}'"]
+        if self.grad_fn is not None:
+            extras.append(f"grad_fn=<{type(self.grad_fn).__name__}>")
+        elif self.requires_grad:
+            extras.append("requires_grad=True")
+        return text[:-1] + ", " + ", ".join(extras) + ")"
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild, (torch_cpu(self._value()), self.requires_grad)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        out = new_tensor(self._value())
+        out.requires_grad_(self.requires_grad)
+        if self.grad is not None:
+            out.grad = self.grad.__deepcopy__(memo)
+        memo[id(self)] = out
+        return out
+
+
+def new_tensor(array, requires_grad: bool = False) -> Tensor:
+    """A fresh base tensor (its own storage) holding ``array``."""
+    return Tensor(Storage(array), requires_grad=requires_grad)
+
+
+def _rebuild(cpu_tensor, requires_grad):
+    out = from_torch_cpu(cpu_tensor)
+    return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+def torch_cpu(array) -> torch.Tensor:
+    """A torch CPU tensor with the value of a jax / NumPy array (a copy)."""
+    dtype = _dt.to_torch(array.dtype)
+    host = np.asarray(jax.device_get(array))
+    if dtype in (torch.bfloat16,) or host.dtype.kind == "V" or dtype.is_floating_point and dtype.itemsize == 1:
+        bits = np.ascontiguousarray(host).view(np.uint16 if dtype.itemsize == 2 else np.uint8)
+        return torch.from_numpy(bits.copy()).view(dtype)
+    if dtype in (torch.uint16, torch.uint32, torch.uint64):
+        signed = {2: np.int16, 4: np.int32, 8: np.int64}[dtype.itemsize]
+        return torch.from_numpy(np.ascontiguousarray(host).view(signed).copy()).view(dtype)
+    return torch.from_numpy(np.array(host, copy=True))
+
+
+def jax_array(t: torch.Tensor):
+    """A jax.Array with the value of a torch CPU tensor."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    dtype = _dt.to_jax(t.dtype)
+    if t.dtype in (torch.bfloat16, torch.uint16, torch.uint32, torch.uint64) or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
+        bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize]).numpy()
+        return jnp.asarray(bits.view(dtype))
+    return jnp.asarray(t.numpy())
+
+
+def from_torch_cpu(t: torch.Tensor) -> Tensor:
+    """A torch2jax tensor copying a torch CPU tensor (``t.to("jax")`` goes through here)."""
+    return new_tensor(jax_array(t))
+
+
+torch.serialization.add_safe_globals([_rebuild])
