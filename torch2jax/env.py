@@ -124,7 +124,10 @@ class RngState:
         self._key = value
 
     def next_key(self):
-        self.key, sub = _split(self.key)
+        # The stored key stays concrete even while a function is being traced, so a
+        # trace never leaks into the generator (t2j.jit threads the key as state).
+        with jax.ensure_compile_time_eval():
+            self.key, sub = _split(self.key)
         return sub
 
 

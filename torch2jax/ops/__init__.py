@@ -5,4 +5,16 @@ Importing this package registers every lowering in `registry.LOWERINGS` /
 """
 
 from . import registry  # noqa: F401  (first: the others register into it)
-from . import creation, shape  # noqa: F401
+from . import (  # noqa: F401
+    conv,
+    creation,
+    elementwise,
+    fft,
+    indexing,
+    linalg,
+    nn,
+    random,
+    reductions,
+    shape,
+    special,
+)

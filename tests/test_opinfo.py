@@ -1,0 +1,71 @@
+"""PyTorch's OpInfo database against torch CPU: eager, inside jax.jit, and gradients.
+
+Every (op, dtype, mode) is a test; known failures are listed with their reason
+in tests/opinfo_xfails.py and marked xfail(strict=True), so a fix shows up as
+an XPASS failure. `python tools/op_coverage.py` re-runs everything and rewrites
+both that list and docs/op_coverage.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opinfo_util import DTYPES, RANDOM_OPS, _to_cpu, compare, cpu_ops, grads, run_eager, run_jit, samples
+from opinfo_xfails import XFAIL
+
+OPS = cpu_ops()
+JIT_DTYPES = ("float32", "int64", "bool", "bfloat16")
+
+
+def cases():
+    for name, op in sorted(OPS.items()):
+        supported = op.supported_dtypes("cpu")
+        for dname, dtype in DTYPES.items():
+            if dtype not in supported:
+                continue
+            modes = ["eager"]
+            if dname in JIT_DTYPES:
+                modes.append("jit")
+            if dname == "float32" and op.supports_autograd:
+                modes.append("grad")
+            for mode in modes:
+                key = f"{name}|{dname}|{mode}"
+                marks = [pytest.mark.xfail(strict=True, reason=XFAIL[key])] if key in XFAIL else []
+                yield pytest.param(name, dname, mode, id=key, marks=marks)
+
+
+def check(name, dname, mode):
+    op = OPS[name]
+    dtype = DTYPES[dname]
+    values = name not in RANDOM_OPS
+    ran = 0
+    for i, s in enumerate(samples(op, dtype, requires_grad=mode == "grad")):
+        where = f"{name} {dname} {mode} sample {i}"
+        if mode == "grad":
+            try:
+                expected = grads(op, s, "cpu")
+            except Exception:  # noqa: BLE001 - torch rejects the sample; so must we
+                continue
+            if expected is None:
+                continue
+            actual = grads(op, s, "jax")
+            compare([_to_cpu(a) if a is not None else None for a in actual],
+                    [e for e in expected], dtype, values, where)
+            ran += 1
+            continue
+        try:
+            expected = op(s.input, *s.args, **s.kwargs)
+        except Exception:  # noqa: BLE001
+            with pytest.raises(Exception):
+                run_eager(op, s)
+            continue
+        actual = run_eager(op, s) if mode == "eager" else run_jit(op, s)
+        compare(_to_cpu(actual), expected, dtype, values, where)
+        ran += 1
+    return ran
+
+
+@pytest.mark.parametrize("name,dname,mode", list(cases()))
+def test_opinfo(name, dname, mode):
+    check(name, dname, mode)

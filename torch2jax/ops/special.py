@@ -1,0 +1,8 @@
+"""Lowerings: special ops."""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+prims = torch.ops.prims
