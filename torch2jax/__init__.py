@@ -7,10 +7,13 @@
 >>> y.item()
 """
 
-from . import ops as _ops  # noqa: F401  (registers the lowerings)
+from . import device as _device
+from . import ops as _ops
 from .dispatch import OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed
 from .tensor import Tensor
+
+_device.register_factories(_ops.registry.LOWERINGS)
 
 
 __all__ = [

@@ -8,6 +8,8 @@ already on the device dispatch through `torch2jax.Tensor.__torch_dispatch__`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.utils.backend_registration as _backend
 
@@ -103,3 +105,30 @@ def register() -> None:
     impl = torch.library.Library("aten", "IMPL")
     impl.impl("copy_", _copy, "PrivateUse1")
     _libs.extend([fallback, impl])
+
+
+def register_factories(lowerings) -> None:
+    """Give each lowered factory op (no tensor arguments) a PrivateUse1 kernel.
+
+    A factory such as ``arange`` has a CompositeExplicitAutograd kernel that
+    allocates an empty tensor and fills it through ``out=``; a backend kernel
+    takes precedence over it, so ``torch.arange(5, device="jax")`` reaches its
+    lowering in one step.
+    """
+    impl = torch.library.Library("aten", "IMPL")
+    done = set()
+    for op in lowerings:
+        if op.namespace != "aten" or op in done:
+            continue
+        if any(a.type.isSubtypeOf(torch._C.TensorType.get()) or "Tensor" in str(a.type) for a in op._schema.arguments):
+            continue
+        impl.impl(op._schema.name.split("::")[1] + ("." + op._overloadname if op._overloadname != "default" else ""),
+                  functools.partial(_factory, op), "PrivateUse1")
+        done.add(op)
+    _libs.append(impl)
+
+
+def _factory(op, *args, **kwargs):
+    from .dispatch import dispatch
+
+    return dispatch(op, args, kwargs)

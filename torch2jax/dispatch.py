@@ -39,6 +39,10 @@ class OpError(RuntimeError):
     """An op could not run on the jax device; the message names the op and why."""
 
 
+class TorchRuntimeError(RuntimeError):
+    """The RuntimeError torch itself raises for this input, with torch's message."""
+
+
 _HANDLERS: dict = {}
 _PATHS: dict = {}
 _coverage_log: list | None = None
@@ -61,7 +65,7 @@ def dispatch(func, args, kwargs):
 def _run(handler, func, args, kwargs):
     try:
         return handler(func, args, kwargs)
-    except (OpError, IndexError, NotImplementedError, jax.errors.ConcretizationTypeError):
+    except (OpError, TorchRuntimeError, IndexError, NotImplementedError, jax.errors.ConcretizationTypeError):
         raise
     except Exception as e:
         _reraise_with_torch_message(func, args, kwargs, e)
@@ -439,13 +443,13 @@ def write(target, value, func, resize=False):
                 f"torch2jax: {func}: out= tensor has shape {list(target.shape)} but the result has shape "
                 f"{list(value.shape)}; torch2jax cannot resize tensors, pass an out tensor of the result's shape"
             )
-        raise RuntimeError(
+        raise TorchRuntimeError(
             f"output with shape {list(target.shape)} doesn't match the broadcast shape {list(value.shape)}"
         )
     dtype = _dt.to_jax(target.dtype)
     if value.dtype != dtype:
         if not _dt.can_cast(value.dtype, dtype):
-            raise RuntimeError(
+            raise TorchRuntimeError(
                 f"result type {_dt.to_torch(value.dtype)} can't be cast to the desired output type {target.dtype}"
             )
         value = value.astype(dtype)

@@ -148,6 +148,9 @@ class Tensor(torch.Tensor):
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
         return self.detach().cpu().numpy()
 
+    def tolist(self):
+        return self.cpu().tolist()
+
     def __repr__(self, *, tensor_contents=None):
         value = self._value()
         if isinstance(value, jax.core.Tracer):

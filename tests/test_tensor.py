@@ -1,0 +1,130 @@
+"""The jax device and torch2jax.Tensor: creation, conversion, printing, saving, env."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import torch2jax as t2j
+
+
+def test_factories_on_jax_device():
+    x = torch.randn(4, 8, device="jax")
+    assert isinstance(x, t2j.Tensor) and x.device.type == "jax" and x.shape == (4, 8)
+    assert isinstance(x.jax(), jax.Array) and x.jax().shape == (4, 8)
+    assert torch.zeros(2, device="jax").jax().tolist() == [0.0, 0.0]
+    assert torch.tensor([1, 2], device="jax").dtype == torch.int64
+    assert torch.arange(5, device="jax").dtype == torch.int64
+    assert torch.full((2,), 3, device="jax").dtype == torch.int64
+
+
+def test_conversions_round_trip():
+    cpu = torch.randn(3, 5)
+    x = cpu.to("jax")
+    assert isinstance(x, t2j.Tensor)
+    torch.testing.assert_close(x.cpu(), cpu)
+    assert type(x.cpu()) is torch.Tensor
+    np.testing.assert_allclose(x.numpy(), cpu.numpy())
+    assert torch.tensor(2.5, device="jax").item() == 2.5
+    assert torch.tensor([[1, 2], [3, 4]], device="jax").tolist() == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64, torch.uint8])
+def test_dtypes_round_trip(dtype):
+    cpu = (torch.randn(4, 3) * 10).to(dtype)
+    x = cpu.to("jax")
+    assert x.dtype == dtype
+    assert torch.equal(x.cpu(), cpu)
+
+
+def test_int64_is_exact():
+    x = torch.tensor([2**40], device="jax") + 1
+    assert x.dtype == torch.int64 and x.item() == 2**40 + 1
+    assert torch.tensor([2**62], device="jax").cpu().item() == 2**62
+
+
+def test_jax_code_in_the_same_process_keeps_32_bit_defaults():
+    torch.ones(2, dtype=torch.float64, device="jax") * 2
+    assert jax.numpy.ones(3).dtype == np.float32
+    assert jax.numpy.arange(3).dtype == np.int32
+
+
+def test_repr_and_print():
+    x = torch.tensor([1.0, 2.0], device="jax")
+    assert repr(x) == "tensor([1., 2.], device='jax:0')"
+    y = x.clone().requires_grad_()
+    assert "requires_grad=True" in repr(y)
+    assert "grad_fn=" in repr(y * 2)
+
+
+def test_module_to_jax_and_back():
+    m = torch.nn.Linear(3, 2)
+    ref = m(torch.ones(1, 3))
+    m.to("jax")
+    assert isinstance(m.weight, t2j.Tensor) and isinstance(m.weight, torch.nn.Parameter)
+    out = m(torch.ones(1, 3, device="jax"))
+    torch.testing.assert_close(out.cpu(), ref.detach())
+    m.to("cpu")
+    assert type(m.weight.data) is torch.Tensor
+
+
+def test_torch_save_and_pickle():
+    x = torch.randn(3, 2, device="jax")
+    buf = io.BytesIO()
+    torch.save({"w": x, "n": 3}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert isinstance(loaded["w"], t2j.Tensor)
+    torch.testing.assert_close(loaded["w"].cpu(), x.cpu())
+    again = pickle.loads(pickle.dumps(x))
+    torch.testing.assert_close(again.cpu(), x.cpu())
+
+
+def test_state_dict_save_load():
+    m = torch.nn.Linear(4, 4).to("jax")
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    m2 = torch.nn.Linear(4, 4).to("jax")
+    m2.load_state_dict(torch.load(buf))
+    torch.testing.assert_close(m2.weight.cpu(), m.weight.cpu())
+
+
+def test_env_is_scoped_reentrant_and_thread_local():
+    assert t2j.config().fallback == "warn"
+    with t2j.env(fallback="error"):
+        with t2j.env(check_indices=False):
+            assert t2j.config().fallback == "error" and not t2j.config().check_indices
+            seen = []
+            th = threading.Thread(target=lambda: seen.append(t2j.config().fallback))
+            th.start()
+            th.join()
+            assert seen == ["warn"]
+        assert t2j.config().check_indices
+    assert t2j.config().fallback == "warn"
+
+
+def test_enable_disable_global():
+    t2j.enable(fallback="silent")
+    try:
+        assert t2j.config().fallback == "silent" and t2j.env is not None
+    finally:
+        t2j.disable()
+    assert t2j.config().fallback == "warn"
+
+
+def test_bad_config_value():
+    with pytest.raises(ValueError, match="fallback"):
+        with t2j.env(fallback="sometimes"):
+            pass
+
+
+def test_torch_compile_still_works_after_import():
+    f = torch.compile(lambda a: a.sin() + 1, backend="eager")
+    torch.testing.assert_close(f(torch.ones(3)), torch.ones(3).sin() + 1)

@@ -1,0 +1,275 @@
+"""Views and in-place ops, differentially against torch CPU.
+
+Each program mutates its inputs through views and returns some tensors; it runs
+once on torch CPU tensors and once on jax-device copies of them, and every
+returned tensor and every input must agree afterwards: a write to a view must
+be seen by its base and by every other view of the same storage.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch2jax  # noqa: F401
+
+
+def _inputs(specs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for shape, dtype in specs:
+        if dtype.is_floating_point or dtype.is_complex:
+            out.append(torch.randn(shape, generator=g, dtype=dtype))
+        elif dtype == torch.bool:
+            out.append(torch.randint(0, 2, shape, generator=g).bool())
+        else:
+            out.append(torch.randint(-5, 5, shape, generator=g, dtype=dtype))
+    return out
+
+
+def run_both(program, *specs):
+    specs = [(s, torch.float32) if not isinstance(s[-1], torch.dtype) else s for s in specs]
+    cpu = _inputs(specs)
+    jx = [t.to("jax") for t in cpu]
+    out_cpu = program(*cpu)
+    out_jax = program(*jx)
+    if not isinstance(out_cpu, tuple):
+        out_cpu, out_jax = (out_cpu,), (out_jax,)
+    for i, (a, e) in enumerate(zip(tuple(out_jax) + tuple(jx), tuple(out_cpu) + tuple(cpu))):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(a, torch2jax.Tensor), f"result {i} is {type(a)}"
+            assert a.dtype == e.dtype and a.shape == e.shape, f"result {i}: {a.dtype}{tuple(a.shape)} vs {e.dtype}{tuple(e.shape)}"
+            torch.testing.assert_close(a.cpu(), e, msg=lambda m: f"result {i}: {m}")
+        else:
+            assert a == e
+
+
+def p_select_add(x):
+    x[:, 0].add_(1)
+    return x
+
+
+def p_view_setitem(x):
+    x.view(-1)[3] = 5
+    return x
+
+
+def p_t_mul(x):
+    y = x.t()
+    y.mul_(2)
+    return y
+
+
+def p_chained(x):
+    y = x[1:]
+    z = y.t()
+    z[0].fill_(9)
+    return y, z
+
+
+def p_stale_view(x):
+    y = x[0]
+    x.add_(1)
+    return y
+
+
+def p_two_views(x):
+    a = x[:, 1]
+    b = x.t()[1]
+    a.mul_(3)
+    return b
+
+
+def p_narrow(x):
+    x.narrow(1, 1, 2).zero_()
+    return x
+
+
+def p_diagonal(x):
+    x.diagonal().fill_(-1)
+    d = x.diagonal(offset=1)
+    d.add_(10)
+    return d
+
+
+def p_unfold(x):
+    u = x.unfold(1, 2, 2)
+    u.mul_(0.5)
+    return u
+
+
+def p_expand_read(x):
+    e = x[:1].expand(3, 4)
+    x[0, 0] = 100.0
+    return e.clone()
+
+
+def p_as_strided(x):
+    s = x.as_strided((2, 2), (1, 4), 1)
+    s.fill_(7)
+    return s
+
+
+def p_detach_shares(x):
+    d = x.detach()
+    d.zero_()
+    return d
+
+
+def p_data_shares(x):
+    x.data.add_(1)
+    return x.data
+
+
+def p_split_chunk_unbind(x):
+    a, b = x.split(2, dim=1)
+    b.fill_(1)
+    c = x.chunk(2, dim=0)[1]
+    c.mul_(2)
+    r = x.unbind(0)[0]
+    r.sub_(3)
+    return a, c, r
+
+
+def p_squeeze_unsqueeze(x):
+    y = x.unsqueeze(0).squeeze(0)
+    y[1].fill_(4)
+    return y.unsqueeze(-1)
+
+
+def p_bool_mask_setitem(x):
+    x[x > 0] = 0
+    return x
+
+
+def p_index_tensor_setitem(x):
+    x[torch.tensor([0, 2])] = torch.ones(4)
+    return x
+
+
+def p_index_put_accumulate(x):
+    idx = (torch.tensor([0, 0, 1]),)
+    x.index_put_(idx, torch.ones(3, 4), accumulate=True)
+    return x
+
+
+def p_setitem_on_view(x):
+    v = x[1:, ::2]
+    v[v < 0] = -1.0
+    return v
+
+
+def p_copy_across_dtypes(x, y):
+    x[0].copy_(y[0])
+    y[1].copy_(x[1])
+    return x, y
+
+
+def p_copy_broadcast(x):
+    x[1:].copy_(torch.arange(4.0))
+    return x
+
+
+def p_out_arg(x, y):
+    out = torch.empty_like(x)
+    torch.add(x, y, out=out)
+    return out
+
+
+def p_out_into_view(x, y):
+    torch.mul(x[0], y[0], out=x[1])
+    return x
+
+
+def p_dtype_view(x):
+    v = x.view(torch.int32)
+    v[0, 0] = 0
+    return v
+
+
+def p_view_as_real(x):
+    r = torch.view_as_real(x)
+    r[..., 1].zero_()
+    return r
+
+
+def p_inplace_unary_on_view(x):
+    x[1].sigmoid_()
+    x[:, 2].clamp_(min=0.0)
+    x[2].masked_fill_(x[2] < 0.5, 3.0)
+    return x
+
+
+def p_transpose_reshape(x):
+    y = x.transpose(0, 1).reshape(-1)  # reshape of a non-contiguous view copies, as in torch
+    y.fill_(0)
+    return y
+
+
+def p_int_inplace(x):
+    x[0].add_(2**40)
+    x.floor_divide_(3)
+    return x
+
+
+CASES = [
+    (p_select_add, [(3, 4)]),
+    (p_view_setitem, [(3, 4)]),
+    (p_t_mul, [(3, 4)]),
+    (p_chained, [(3, 4)]),
+    (p_stale_view, [(3, 4)]),
+    (p_two_views, [(3, 4)]),
+    (p_narrow, [(3, 4)]),
+    (p_diagonal, [(4, 4)]),
+    (p_unfold, [(3, 4)]),
+    (p_expand_read, [(3, 4)]),
+    (p_as_strided, [(3, 4)]),
+    (p_detach_shares, [(3, 4)]),
+    (p_data_shares, [(3, 4)]),
+    (p_split_chunk_unbind, [(4, 4)]),
+    (p_squeeze_unsqueeze, [(3, 4)]),
+    (p_bool_mask_setitem, [(3, 4)]),
+    (p_index_tensor_setitem, [(3, 4)]),
+    (p_index_put_accumulate, [(3, 4)]),
+    (p_setitem_on_view, [(3, 4)]),
+    (p_copy_across_dtypes, [(3, 4), ((3, 4), torch.int64)]),
+    (p_copy_broadcast, [(3, 4)]),
+    (p_out_arg, [(3, 4), (3, 4)]),
+    (p_out_into_view, [(3, 4), (3, 4)]),
+    (p_dtype_view, [(3, 4)]),
+    (p_view_as_real, [((3, 2), torch.complex64)]),
+    (p_inplace_unary_on_view, [(3, 4)]),
+    (p_transpose_reshape, [(3, 4)]),
+    (p_int_inplace, [((3, 4), torch.int64)]),
+]
+
+
+@pytest.mark.parametrize("program,specs", CASES, ids=[c[0].__name__ for c in CASES])
+def test_program_matches_torch(program, specs):
+    run_both(program, *specs)
+
+
+def test_view_shares_base_and_metadata():
+    x = torch.zeros(3, 4, device="jax")
+    y = x[:, 1]
+    assert y._base is x
+    assert y.stride() == (4,) and y.storage_offset() == 1
+    assert x.t().stride() == (1, 4)
+
+
+def test_inplace_dtype_error_matches_torch():
+    x = torch.zeros(3, dtype=torch.int64, device="jax")
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        x.add_(1.5)
+
+
+def test_inplace_broadcast_error_matches_torch():
+    x = torch.zeros(3, device="jax")
+    with pytest.raises(RuntimeError):
+        x.add_(torch.ones(2, 3, device="jax"))
+
+
+def test_write_to_expanded_view_errors_like_torch():
+    x = torch.zeros(1, 4, device="jax")
+    with pytest.raises(RuntimeError, match="more than one element"):
+        x.expand(3, 4).fill_(1)
