@@ -1,0 +1,90 @@
+"""Eager per-op overhead: torch2jax vs torch CPU vs calling jax.numpy directly vs torchax.
+
+    python benchmarks/eager_overhead.py
+
+Prints one table; every number comes from this one run (this machine is noisy,
+so compare the ratios, not absolute times across runs).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import torch2jax  # noqa: F401
+
+
+def bench(fn, n=2000, repeat=5):
+    for _ in range(50):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(n):
+            r = fn()
+        if isinstance(r, torch2jax.Tensor):
+            r.jax().block_until_ready()
+        elif isinstance(r, jax.Array):
+            r.block_until_ready()
+        best = min(best, (time.perf_counter() - t) / n)
+    return best * 1e6
+
+
+def cases(device):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    if device != "cpu":
+        a, b = a.to(device), b.to(device)
+        mlp = mlp.to(device)
+    return {
+        "add 8x8": lambda: a + b,
+        "mul 8x8": lambda: a * b,
+        "matmul 8x8": lambda: a @ b,
+        "MLP forward (8-32-8)": lambda: mlp(a),
+    }
+
+
+def jax_cases():
+    key = jax.random.key(0)
+    a, b = jax.random.normal(key, (8, 8)), jax.random.normal(jax.random.fold_in(key, 1), (8, 8))
+    w1, w2 = jax.random.normal(key, (8, 32)), jax.random.normal(key, (32, 8))
+    b1, b2 = jnp.zeros(32), jnp.zeros(8)
+    return {
+        "add 8x8": lambda: jnp.add(a, b),
+        "mul 8x8": lambda: jnp.multiply(a, b),
+        "matmul 8x8": lambda: jnp.matmul(a, b),
+        "MLP forward (8-32-8)": lambda: jnp.maximum(a @ w1 + b1, 0) @ w2 + b2,
+    }
+
+
+def torchax_cases():
+    try:
+        import torchax  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - report why and skip
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    return None, "torchax imported but is not wired into this benchmark"
+
+
+def main():
+    results = {
+        "torch2jax": {k: bench(f) for k, f in cases("jax").items()},
+        "torch CPU": {k: bench(f) for k, f in cases("cpu").items()},
+        "jax.numpy": {k: bench(f) for k, f in jax_cases().items()},
+    }
+    _, torchax_note = torchax_cases()
+    print(f"jax {jax.__version__}, torch {torch.__version__}, device {jax.devices()[0].platform}")
+    print(f"torchax: skipped ({torchax_note})")
+    print()
+    print("| op | torch2jax (us) | torch CPU (us) | jax.numpy (us) | torch2jax / jax.numpy |")
+    print("|---|---|---|---|---|")
+    for k in results["torch2jax"]:
+        t, c, j = results["torch2jax"][k], results["torch CPU"][k], results["jax.numpy"][k]
+        print(f"| {k} | {t:.1f} | {c:.1f} | {j:.1f} | {t / j:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
