@@ -156,21 +156,32 @@ def _result_type_key(dims, zeros, scalars):
     return combine(dim_r, combine(zero_r, wrap_r))
 
 
+_NUMBER_TYPES = (bool, int, float, complex)
+_result_type_memo: dict = {}
+
+
 def result_type(*args) -> np.dtype:
     """torch.result_type over JAX arrays (ndim 0 = zero-dim tensor) and Python numbers.
 
     >>> result_type(jnp.zeros(3, jnp.int32), 2.5)
     dtype('float32')
     """
-    dims, zeros, scalars = [], [], []
-    for a in args:
-        if a is None:
-            continue
-        if isinstance(a, (bool, int, float, complex)):
-            scalars.append(_scalar_dtype(a))
-        elif hasattr(a, "dtype"):
-            (zeros if np.ndim(a) == 0 else dims).append(np.dtype(a.dtype))
-    return _result_type_key(tuple(dims), tuple(zeros), tuple(scalars))
+    key = tuple(
+        type(a) if isinstance(a, _NUMBER_TYPES) else (a.dtype, a.ndim == 0) for a in args if a is not None
+    )
+    key = (key, torch.get_default_dtype())
+    out = _result_type_memo.get(key)
+    if out is None:
+        dims, zeros, scalars = [], [], []
+        for a in args:
+            if a is None:
+                continue
+            if isinstance(a, _NUMBER_TYPES):
+                scalars.append(_scalar_dtype(a))
+            else:
+                (zeros if np.ndim(a) == 0 else dims).append(np.dtype(a.dtype))
+        out = _result_type_memo[key] = _result_type_key(tuple(dims), tuple(zeros), tuple(scalars))
+    return out
 
 
 def can_cast(src, dst) -> bool:

@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,7 @@ class ViewStep:
         self.name = name
 
 
+@functools.lru_cache(maxsize=4096)
 def _contiguous_strides(shape):
     strides, acc = [], 1
     for s in reversed(shape):
