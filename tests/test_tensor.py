@@ -128,3 +128,28 @@ def test_bad_config_value():
 def test_torch_compile_still_works_after_import():
     f = torch.compile(lambda a: a.sin() + 1, backend="eager")
     torch.testing.assert_close(f(torch.ones(3)), torch.ones(3).sin() + 1)
+
+
+def test_data_setter_replaces_value():
+    x = torch.zeros(3, device="jax")
+    x.data = torch.arange(4.0, device="jax")
+    assert x.shape == (4,) and x.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_module_dtype_conversion_on_jax():
+    m = torch.nn.Linear(3, 2)
+    ref = m.weight.detach().double()
+    m.to("jax").double()
+    assert m.weight.dtype == torch.float64 and isinstance(m.weight, t2j.Tensor)
+    torch.testing.assert_close(m.weight.cpu(), ref)
+
+
+def test_deepcopy_keeps_parameters():
+    import copy
+
+    m = torch.nn.Linear(3, 2).to("jax")
+    m2 = copy.deepcopy(m)
+    assert isinstance(m2.weight, torch.nn.Parameter) and m2.weight.requires_grad
+    torch.testing.assert_close(m2.weight.cpu(), m.weight.cpu())
+    m2.weight.data.zero_()
+    assert m.weight.abs().sum().item() > 0

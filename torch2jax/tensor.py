@@ -151,6 +151,20 @@ class Tensor(torch.Tensor):
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
         return self.detach().cpu().numpy()
 
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        # torch's setter copies only the C++ metadata (shape, dtype); the value lives
+        # on the Python side, so it is re-pointed here too.
+        torch.Tensor.data.__set__(self, value)
+        self._t2j_storage = value._t2j_storage
+        self._t2j_view = value._t2j_view
+        self._t2j_cache = value._t2j_cache
+        self._t2j_version = value._t2j_version
+
     def tolist(self):
         return self.cpu().tolist()
 
@@ -174,6 +188,8 @@ class Tensor(torch.Tensor):
             return memo[id(self)]
         out = new_tensor(self._value())
         out.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            out._is_param = True
         if self.grad is not None:
             out.grad = self.grad.__deepcopy__(memo)
         memo[id(self)] = out
