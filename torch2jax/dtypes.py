@@ -96,6 +96,8 @@ def complex_of(dtype) -> np.dtype:
         return np.dtype(np.complex128)
     if category(d) == _COMPLEX:
         return d
+    if d == np.float16:
+        raise TypeError(f"torch2jax: the complex dtype of {to_torch(d)} is complex32, which has no JAX dtype")
     return np.dtype(np.complex64)
 
 

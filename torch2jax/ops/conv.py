@@ -1,8 +1,474 @@
-"""Lowerings: conv ops."""
+"""Lowerings: convolution, pooling, upsampling and padding.
+
+Pooling windows are gathered explicitly (`_windows`): each output position gets
+the input positions of its window plus a validity mask, which gives max pooling
+its torch-style indices (flat positions in the input plane) and average pooling
+its exact divisors. Backward ops of linear forwards are their `jax.vjp`.
+"""
 
 from __future__ import annotations
 
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
+
+from .nn import upcast
+from .registry import register
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+
+
+def _tuple(v, n):
+    """torch's int-or-list pooling / conv argument as an n-tuple."""
+    if isinstance(v, int):
+        return (v,) * n
+    v = tuple(v)
+    return v * n if len(v) == 1 else v
+
+
+def _vjp(fn, primals, cotangent):
+    out, pullback = jax.vjp(fn, *primals)
+    return pullback(cotangent.astype(out.dtype))
+
+
+def _linear_backward(forward, shape, dtype, grad):
+    """The transpose of the linear map ``forward`` (input of ``shape``) applied to ``grad``."""
+    return _vjp(forward, (jnp.zeros(shape, dtype),), grad)[0]
+
+
+# -- convolution -------------------------------------------------------------------
+
+
+def _conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    n = x.ndim - 2
+    stride, padding, dilation = _tuple(stride, n), _tuple(padding, n), _tuple(dilation, n)
+    spatial = "DHW"[-n:] if n <= 3 else None
+    dims = jax.lax.conv_dimension_numbers(x.shape, weight.shape, ("NC" + spatial, "OI" + spatial, "NC" + spatial))
+    half = x.dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+    pref = np.float32 if half else None
+    if transposed:
+        output_padding = _tuple(output_padding, n)
+        k = weight.shape[2:]
+        cin, cout_g = weight.shape[0], weight.shape[1]
+        w = weight.reshape((groups, cin // groups, cout_g) + k)
+        w = jnp.swapaxes(w, 1, 2).reshape((groups * cout_g, cin // groups) + k)
+        w = jnp.flip(w, axis=tuple(range(2, 2 + n)))
+        pads = [
+            (d * (kk - 1) - p, d * (kk - 1) - p + op)
+            for kk, p, d, op in zip(k, padding, dilation, output_padding)
+        ]
+        out = jax.lax.conv_general_dilated(
+            x, w, (1,) * n, pads, lhs_dilation=stride, rhs_dilation=dilation,
+            dimension_numbers=dims, feature_group_count=groups, preferred_element_type=pref,
+        )
+    else:
+        out = jax.lax.conv_general_dilated(
+            x, weight, stride, [(p, p) for p in padding], rhs_dilation=dilation,
+            dimension_numbers=dims, feature_group_count=groups, preferred_element_type=pref,
+        )
+    if bias is not None:
+        out = out + upcast(bias).reshape((1, -1) + (1,) * n)
+    return out.astype(x.dtype)
+
+
+@register(aten.convolution.default)
+def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    return _conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+@register(aten.convolution_backward.default)
+def convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+                         output_mask):
+    def forward(a, w):
+        return _conv(a, w, None, stride, padding, dilation, transposed, output_padding, groups)
+
+    gx, gw = _vjp(forward, (x, weight), grad)
+    gb = jnp.sum(upcast(grad), axis=(0,) + tuple(range(2, grad.ndim))).astype(grad.dtype) if output_mask[2] else None
+    return gx if output_mask[0] else None, gw if output_mask[1] else None, gb
+
+
+# -- pooling windows ------------------------------------------------------------------
+
+
+def _pool_out(size, k, s, p, d, ceil_mode):
+    span = size + 2 * p - d * (k - 1) - 1
+    out = (-(-span // s) if ceil_mode else span // s) + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return max(out, 0)
+
+
+def _sliding(size, k, s, p, d, ceil_mode):
+    """(positions [out, k], valid [out, k]) of a sliding window along one dim."""
+    out = _pool_out(size, k, s, p, d, ceil_mode)
+    pos = np.arange(out)[:, None] * s - p + np.arange(k)[None, :] * d
+    return pos, (pos >= 0) & (pos < size)
+
+
+def _adaptive(size, out):
+    """(positions, valid) of adaptive pooling windows along one dim."""
+    start = (np.arange(out) * size) // out
+    end = -((-(np.arange(out) + 1) * size) // out)
+    k = int((end - start).max()) if out else 0
+    pos = start[:, None] + np.arange(k)[None, :]
+    return pos, pos < end[:, None]
+
+
+def _windows(x, geometry):
+    """Gather pooling windows over the trailing ``len(geometry)`` dims of ``x``.
+
+    Returns (patches [..., *out, K], valid [*out, K], flat input index [*out, K]),
+    K being the product of the window sizes.
+    """
+    n = len(geometry)
+    lead = x.ndim - n
+    sizes = x.shape[lead:]
+    patches = x
+    for i, (pos, _) in enumerate(geometry):
+        ax = lead + 2 * i
+        taken = jnp.take(patches, np.clip(pos, 0, sizes[i] - 1).reshape(-1), axis=ax)
+        patches = taken.reshape(taken.shape[:ax] + pos.shape + taken.shape[ax + 1:])
+    order = [lead + 2 * i for i in range(n)] + [lead + 2 * i + 1 for i in range(n)]
+    patches = jnp.transpose(patches, tuple(range(lead)) + tuple(order))
+    outs = tuple(pos.shape[0] for pos, _ in geometry)
+    window = math.prod(pos.shape[1] for pos, _ in geometry)
+    patches = patches.reshape(patches.shape[:lead] + outs + (window,))
+    valid = np.ones((), bool)
+    flat = np.zeros((), np.int64)
+    for i, (pos, ok) in enumerate(geometry):
+        shape = [1] * (2 * n)
+        shape[i], shape[n + i] = pos.shape
+        valid = valid & ok.reshape(shape)
+        flat = flat * sizes[i] + pos.reshape(shape)
+    return patches, valid.reshape(outs + (-1,)), flat.reshape(outs + (-1,))
+
+
+def _lowest(dtype):
+    return -np.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _max_windows(x, geometry):
+    patches, valid, flat = _windows(x, geometry)
+    vals = jnp.where(valid, patches, jnp.asarray(_lowest(x.dtype), x.dtype))
+    arg = jnp.argmax(vals, axis=-1)[..., None]
+    out = jnp.take_along_axis(vals, arg, axis=-1)[..., 0]
+    idx = jnp.take_along_axis(jnp.broadcast_to(flat, vals.shape), arg, axis=-1)[..., 0]
+    return out, idx
+
+
+def _max_pool(x, n, kernel_size, stride, padding, dilation, ceil_mode):
+    k = _tuple(kernel_size, n)
+    s = _tuple(stride, n) if stride else k
+    p, d = _tuple(padding, n), _tuple(dilation, n)
+    geometry = [_sliding(x.shape[x.ndim - n + i], k[i], s[i], p[i], d[i], ceil_mode) for i in range(n)]
+    return _max_windows(x, geometry)
+
+
+@register(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(x, 2, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+@register(aten.max_pool3d_with_indices.default)
+def max_pool3d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(x, 3, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+def _scatter_indices(grad, x, indices, n):
+    """Add each ``grad`` element at its flat position ``indices`` of ``x``'s trailing n-d plane."""
+    lead = x.shape[: x.ndim - n]
+    b = math.prod(lead)
+    plane = math.prod(x.shape[x.ndim - n:])
+    g = upcast(grad).reshape(b, -1)
+    idx = indices.reshape(b, -1)
+    out = jnp.zeros((b, plane), g.dtype).at[jnp.arange(b)[:, None], idx].add(g)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+@register(aten.max_pool2d_with_indices_backward.default)
+def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _scatter_indices(grad, x, indices, 2)
+
+
+@register(aten.max_pool3d_with_indices_backward.default)
+def max_pool3d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _scatter_indices(grad, x, indices, 3)
+
+
+def _adaptive_geometry(x, output_size, n):
+    return [_adaptive(x.shape[x.ndim - n + i], o) for i, o in enumerate(_tuple(output_size, n))]
+
+
+@register(aten.adaptive_max_pool2d.default)
+def adaptive_max_pool2d(x, output_size):
+    return _max_windows(x, _adaptive_geometry(x, output_size, 2))
+
+
+@register(aten.adaptive_max_pool3d.default)
+def adaptive_max_pool3d(x, output_size):
+    return _max_windows(x, _adaptive_geometry(x, output_size, 3))
+
+
+@register(aten.adaptive_max_pool2d_backward.default)
+def adaptive_max_pool2d_backward(grad, x, indices):
+    return _scatter_indices(grad, x, indices, 2)
+
+
+@register(aten.adaptive_max_pool3d_backward.default)
+def adaptive_max_pool3d_backward(grad, x, indices):
+    return _scatter_indices(grad, x, indices, 3)
+
+
+def _avg_pool(x, n, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    k = _tuple(kernel_size, n)
+    s = _tuple(stride, n) if stride else k
+    p = _tuple(padding, n)
+    sizes = x.shape[x.ndim - n:]
+    geometry = [_sliding(sizes[i], k[i], s[i], p[i], 1, ceil_mode) for i in range(n)]
+    patches, valid, _ = _windows(upcast(x), geometry)
+    total = jnp.sum(jnp.where(valid, patches, 0), axis=-1)
+    if divisor_override:
+        count = divisor_override
+    elif count_include_pad:
+        count = np.ones((), np.int64)
+        for i, (pos, _) in enumerate(geometry):
+            inside = ((pos >= -p[i]) & (pos < sizes[i] + p[i])).sum(axis=1)
+            count = count[..., None] * inside if count.ndim else inside
+        count = count.reshape(total.shape[x.ndim - n:])
+    else:
+        count = valid.sum(axis=-1)
+    return (total / count).astype(x.dtype)
+
+
+@register(aten.avg_pool2d.default)
+def avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(x, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+@register(aten.avg_pool3d.default)
+def avg_pool3d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(x, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+@register(aten.avg_pool2d_backward.default)
+def avg_pool2d_backward(grad, x, *args):
+    return _linear_backward(lambda a: _avg_pool(a, 2, *args), x.shape, x.dtype, grad)
+
+
+@register(aten.avg_pool3d_backward.default)
+def avg_pool3d_backward(grad, x, *args):
+    return _linear_backward(lambda a: _avg_pool(a, 3, *args), x.shape, x.dtype, grad)
+
+
+def _adaptive_avg(x, output_size, n):
+    patches, valid, _ = _windows(upcast(x), _adaptive_geometry(x, output_size, n))
+    return (jnp.sum(jnp.where(valid, patches, 0), axis=-1) / valid.sum(axis=-1)).astype(x.dtype)
+
+
+@register(aten._adaptive_avg_pool2d.default)
+def _adaptive_avg_pool2d(x, output_size):
+    return _adaptive_avg(x, output_size, 2)
+
+
+@register(aten._adaptive_avg_pool3d.default)
+def _adaptive_avg_pool3d(x, output_size):
+    return _adaptive_avg(x, output_size, 3)
+
+
+@register(aten._adaptive_avg_pool2d_backward.default)
+def _adaptive_avg_pool2d_backward(grad, x):
+    size = grad.shape[-2:]
+    return _linear_backward(lambda a: _adaptive_avg(a, size, 2), x.shape, x.dtype, grad)
+
+
+@register(aten._adaptive_avg_pool3d_backward.default)
+def _adaptive_avg_pool3d_backward(grad, x):
+    size = grad.shape[-3:]
+    return _linear_backward(lambda a: _adaptive_avg(a, size, 3), x.shape, x.dtype, grad)
+
+
+# -- upsampling ---------------------------------------------------------------------
+
+
+def _src_scale(in_size, out_size, scale, align_corners=False):
+    if align_corners:
+        return (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    return 1.0 / scale if scale is not None and scale > 0 else in_size / out_size
+
+
+def _nearest(x, output_size, scales, exact):
+    n = len(output_size)
+    for i, (o, sc) in enumerate(zip(output_size, scales)):
+        ax = x.ndim - n + i
+        size = x.shape[ax]
+        # float32 index arithmetic, as torch's kernels, so that boundaries round the same way
+        r = np.float32(1.0 / sc) if sc is not None and sc > 0 else np.float32(size) / np.float32(o)
+        src = np.floor((np.arange(o, dtype=np.float32) + np.float32(0.5 if exact else 0.0)) * r).astype(np.int64)
+        x = jnp.take(x, np.minimum(src, size - 1), axis=ax)
+    return x
+
+
+def _register_nearest(op, exact, n):
+    def lowering(x, output_size, *scales):
+        return _nearest(x, output_size, (tuple(scales) + (None,) * n)[:n], exact)
+
+    def backward(grad, output_size, input_size, *scales):
+        fwd = lambda a: _nearest(a, output_size, (tuple(scales) + (None,) * n)[:n], exact)  # noqa: E731
+        return _linear_backward(fwd, tuple(input_size), grad.dtype, grad)
+
+    register(getattr(aten, op).default)(lowering)
+    register(getattr(aten, op + "_backward").default)(backward)
+
+
+for _n in (1, 2, 3):
+    _register_nearest(f"upsample_nearest{_n}d", False, _n)
+    _register_nearest(f"_upsample_nearest_exact{_n}d", True, _n)
+
+
+def _linear_src(size, out, scale, align_corners, cubic=False):
+    r = _src_scale(size, out, scale, align_corners)
+    dst = np.arange(out, dtype=np.float64)
+    if align_corners:
+        return dst * r
+    src = (dst + 0.5) * r - 0.5
+    return src if cubic else np.maximum(src, 0.0)
+
+
+def _interp_axis(x, ax, out, scale, align_corners):
+    size = x.shape[ax]
+    src = _linear_src(size, out, scale, align_corners)
+    i0 = np.minimum(np.floor(src).astype(np.int64), size - 1)
+    i1 = np.minimum(i0 + 1, size - 1)
+    lam = (src - i0).astype(np.float32)
+    shape = [1] * x.ndim
+    shape[ax] = out
+    lam = lam.reshape(shape)
+    return jnp.take(x, i0, axis=ax) * (1 - lam) + jnp.take(x, i1, axis=ax) * lam
+
+
+def _cubic_weights(t, a=-0.75):
+    def near(d):
+        return ((a + 2) * d - (a + 3)) * d * d + 1
+
+    def far(d):
+        return ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+
+    return (far(t + 1), near(t), near(1 - t), far(2 - t))
+
+
+def _cubic_axis(x, ax, out, scale, align_corners):
+    size = x.shape[ax]
+    src = _linear_src(size, out, scale, align_corners, cubic=True)
+    i0 = np.floor(src).astype(np.int64)
+    t = (src - i0).astype(np.float32)
+    shape = [1] * x.ndim
+    shape[ax] = out
+    total = 0
+    for j, w in enumerate(_cubic_weights(t)):
+        total = total + jnp.take(x, np.clip(i0 - 1 + j, 0, size - 1), axis=ax) * w.reshape(shape)
+    return total
+
+
+def _interpolate(axis_fn, x, output_size, align_corners, scales):
+    n = len(output_size)
+    scales = (tuple(scales) + (None,) * n)[:n]
+    out = upcast(x)
+    for i, (o, sc) in enumerate(zip(output_size, scales)):
+        out = axis_fn(out, x.ndim - n + i, o, sc, align_corners)
+    return out.astype(x.dtype)
+
+
+def _register_interp(op, axis_fn):
+    def lowering(x, output_size, align_corners, *scales):
+        return _interpolate(axis_fn, x, output_size, align_corners, scales)
+
+    def backward(grad, output_size, input_size, align_corners, *scales):
+        fwd = lambda a: _interpolate(axis_fn, a, output_size, align_corners, scales)  # noqa: E731
+        return _linear_backward(fwd, tuple(input_size), grad.dtype, grad)
+
+    register(getattr(aten, op).default)(lowering)
+    register(getattr(aten, op + "_backward").default)(backward)
+
+
+_register_interp("upsample_linear1d", _interp_axis)
+_register_interp("upsample_bilinear2d", _interp_axis)
+_register_interp("upsample_trilinear3d", _interp_axis)
+_register_interp("upsample_bicubic2d", _cubic_axis)
+
+
+# -- padding ------------------------------------------------------------------------
+
+
+def _pad_index(size, lo, hi, mode):
+    """Input index of each output position along one dim (negative pads crop)."""
+    j = np.arange(size + lo + hi) - lo
+    if mode == "reflect":
+        if max(lo, hi) >= size:
+            raise RuntimeError(
+                f"Argument #4: Padding size should be less than the corresponding input dimension, but got: "
+                f"padding ({lo}, {hi}) at dimension of size {size}"
+            )
+        j = np.abs(j)
+        return np.where(j >= size, 2 * (size - 1) - j, j)
+    if size == 0 and j.size:
+        raise RuntimeError("padding: input dimension is empty but the output is not")
+    return np.clip(j, 0, size - 1)
+
+
+def _pad(x, padding, mode):
+    """reflect / replicate padding of the trailing len(padding) // 2 dims (last dim first in ``padding``)."""
+    n = len(padding) // 2
+    for i in range(n):
+        ax = x.ndim - 1 - i
+        lo, hi = padding[2 * i], padding[2 * i + 1]
+        if lo or hi:
+            x = jnp.take(x, _pad_index(x.shape[ax], lo, hi, mode), axis=ax)
+    return x
+
+
+def _register_pad(op, mode):
+    def lowering(x, padding):
+        return _pad(x, padding, mode)
+
+    def backward(grad, x, padding):
+        return _vjp(lambda a: _pad(a, padding, mode), (x,), grad)[0]
+
+    register(getattr(aten, op).default)(lowering)
+    register(getattr(aten, op + "_backward").default)(backward)
+
+
+for _n in (1, 2, 3):
+    _register_pad(f"reflection_pad{_n}d", "reflect")
+    _register_pad(f"replication_pad{_n}d", "edge")
+
+
+# -- im2col / col2im -------------------------------------------------------------------
+
+
+def _im2col(x, kernel_size, dilation, padding, stride):
+    k, d, p, s = (_tuple(v, 2) for v in (kernel_size, dilation, padding, stride))
+    geometry = [_sliding(x.shape[x.ndim - 2 + i], k[i], s[i], p[i], d[i], False) for i in range(2)]
+    patches, valid, _ = _windows(x, geometry)
+    patches = jnp.where(valid, patches, jnp.zeros((), x.dtype))  # [..., C, oh, ow, kh*kw]
+    lead = patches.shape[:-4]
+    c, oh, ow, kk = patches.shape[-4:]
+    cols = jnp.moveaxis(patches, -1, -3)  # [..., C, K, oh, ow]
+    return cols.reshape(lead + (c * kk, oh * ow))
+
+
+@register(aten.im2col.default)
+def im2col(x, kernel_size, dilation, padding, stride):
+    return _im2col(x, kernel_size, dilation, padding, stride)
+
+
+@register(aten.col2im.default)
+def col2im(x, output_size, kernel_size, dilation, padding, stride):
+    k = _tuple(kernel_size, 2)
+    c = x.shape[-2] // (k[0] * k[1])
+    shape = x.shape[:-2] + (c,) + tuple(_tuple(output_size, 2))
+    fwd = lambda a: _im2col(a, kernel_size, dilation, padding, stride)  # noqa: E731
+    return _linear_backward(fwd, shape, x.dtype, x)

@@ -1,8 +1,692 @@
-"""Lowerings: elementwise ops."""
+"""Lowerings: elementwise ops, ATen and the ``prims`` they decompose to.
+
+ATen ops promote their operands as torch does (``registry.elementwise``).
+``prims`` ops get operands that already share one dtype and keep it (except
+comparisons, which give bool), so they are registered with the same compute
+function under the "default" promotion kind; ``prims.div`` truncates integers.
+"""
 
 from __future__ import annotations
 
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
+from jax import lax
+
+from .. import dtypes as _dt
+from ..dispatch import OpError
+from .registry import as_dtype, elementwise, promote, register
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+
+
+def _is_bool(x) -> bool:
+    return np.dtype(x.dtype) == np.bool_
+
+
+def _is_int(x) -> bool:
+    return _dt.is_integral(x.dtype, include_bool=True)
+
+
+def _is_complex(x) -> bool:
+    return _dt.is_complex(x.dtype)
+
+
+def _reject_complex(name, *xs):
+    if any(_is_complex(x) for x in xs):
+        raise OpError(f'torch2jax: "{name}" is not implemented for complex tensors')
+
+
+def _check_divisor(b):
+    """torch raises on integer division by zero (on CPU); XLA would return garbage. Eager only."""
+    if _is_int(b) and not isinstance(b, jax.core.Tracer) and bool(jnp.any(b == 0)):
+        raise OpError("torch2jax: ZeroDivisionError (integer division by zero)")
+
+
+def _promoted(kind, *operands):
+    """Operands (None kept) promoted as torch would, the result dtype, and the opmath compute dtype."""
+    compute, result = promote(kind, [a for a in operands if a is not None])
+    if compute in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+        compute = np.dtype(np.float32)
+    return [None if a is None else as_dtype(a, compute) for a in operands], result
+
+
+# -- unary math ----------------------------------------------------------------
+
+# ATen name -> (prims name or None, function); all promote integers to float.
+_FLOAT_UNARY = {
+    "sqrt": ("sqrt", jnp.sqrt),
+    "rsqrt": ("rsqrt", lax.rsqrt),
+    "exp": ("exp", jnp.exp),
+    "exp2": ("exp2", jnp.exp2),
+    "expm1": ("expm1", jnp.expm1),
+    "log": ("log", jnp.log),
+    "log2": ("log2", jnp.log2),
+    "log10": ("log10", jnp.log10),
+    "log1p": ("log1p", jnp.log1p),
+    "sin": ("sin", jnp.sin),
+    "cos": ("cos", jnp.cos),
+    "tan": ("tan", jnp.tan),
+    "asin": ("asin", jnp.arcsin),
+    "acos": ("acos", jnp.arccos),
+    "atan": ("atan", jnp.arctan),
+    "sinh": ("sinh", jnp.sinh),
+    "cosh": ("cosh", jnp.cosh),
+    "tanh": ("tanh", jnp.tanh),
+    "asinh": ("asinh", jnp.arcsinh),
+    "acosh": ("acosh", jnp.arccosh),
+    "atanh": ("atanh", jnp.arctanh),
+    "erf": ("erf", lax.erf),
+    "erfc": ("erfc", lax.erfc),
+    "erfinv": ("erf_inv", lax.erf_inv),
+    "lgamma": ("lgamma", lax.lgamma),
+    "deg2rad": (None, jnp.deg2rad),
+    "rad2deg": (None, jnp.rad2deg),
+}
+
+for _aten_name, (_prim_name, _fn) in _FLOAT_UNARY.items():
+    elementwise(getattr(aten, _aten_name), promote_kind="int_to_float")(_fn)
+    if _prim_name is not None:
+        elementwise(getattr(prims, _prim_name))(_fn)
+
+
+@elementwise(prims.cbrt)
+def cbrt(x):
+    return jnp.cbrt(x)
+
+
+@elementwise(aten.reciprocal, promote_kind="int_to_float")
+def reciprocal(x):
+    return 1 / x
+
+
+elementwise(prims.reciprocal)(reciprocal.compute)
+
+
+@elementwise(aten.sigmoid, promote_kind="int_to_float")
+def sigmoid(x):
+    return 1 / (1 + jnp.exp(-x)) if _is_complex(x) else jax.nn.sigmoid(x)
+
+
+@elementwise(aten.logit, promote_kind="int_to_float")
+def logit(x, eps=None):
+    if eps is not None:
+        x = jnp.clip(x, eps, 1 - eps)
+    return jnp.log(x / (1 - x))
+
+
+@elementwise(aten.digamma, prims.digamma, promote_kind="int_to_float")
+def digamma(x):
+    # torch: digamma(+-0) = -+inf (the pole's one-sided limit); XLA gives nan.
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), lax.digamma(x))
+
+
+@elementwise(aten.neg, prims.neg)
+def neg(x):
+    if _is_bool(x):
+        raise OpError(
+            "torch2jax: Negation, the `-` operator, on a bool tensor is not supported. If you are trying to invert "
+            "a mask, use the `~` or `logical_not()` operator instead."
+        )
+    return -x
+
+
+@elementwise(aten.abs, prims.abs, promote_kind="complex_to_float")
+def absolute(x):
+    if _is_bool(x):
+        raise OpError('torch2jax: "abs" is not implemented for bool tensors')
+    return jnp.abs(x)
+
+
+@elementwise(aten.sign, prims.sign)
+def sign(x):
+    if _is_complex(x):
+        raise OpError(
+            "torch2jax: Unlike NumPy, torch.sign is not intended to support complex numbers. Please use torch.sgn "
+            "instead."
+        )
+    return sgn.compute(x)
+
+
+@elementwise(aten.sgn)
+def sgn(x):
+    if _is_bool(x):
+        return x
+    if _is_complex(x):
+        a = jnp.abs(x)
+        return jnp.where(a == 0, jnp.zeros((), x.dtype), x / a.astype(x.dtype))
+    # (0 < x) - (x < 0), as torch: sign(nan) = 0 and sign(-0.0) = +0.0
+    return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
+
+
+@elementwise(aten.signbit, prims.signbit, promote_kind="always_bool")
+def signbit(x):
+    if _is_int(x):
+        return x < 0
+    return jnp.signbit(x)
+
+
+# -- rounding ------------------------------------------------------------------
+
+
+def _rounding(fn):
+    def lowering(x):
+        return x if _is_int(x) else fn(x)
+
+    return lowering
+
+
+elementwise(aten.floor, prims.floor)(_rounding(jnp.floor))
+elementwise(aten.ceil, prims.ceil)(_rounding(jnp.ceil))
+elementwise(aten.trunc, prims.trunc)(_rounding(jnp.trunc))
+elementwise(prims.round)(_rounding(jnp.round))
+
+
+@elementwise(aten.round)
+def round_decimals(x, *, decimals=0):
+    if _is_int(x):
+        if decimals:
+            raise OpError(f'torch2jax: "round" with decimals is not implemented for {_dt.to_torch(x.dtype)}')
+        return x
+    if decimals == 0:
+        return jnp.round(x)  # round half to even, as torch's nearbyint
+    scale = np.array(10.0 ** abs(decimals), x.dtype)
+    return jnp.round(x / scale) * scale if decimals < 0 else jnp.round(x * scale) / scale
+
+
+@elementwise(aten.frac)
+def frac(x):
+    return x - jnp.trunc(x)
+
+
+# -- arithmetic ----------------------------------------------------------------
+
+
+def _alpha(alpha, x, y, name):
+    if alpha == 1:
+        return y
+    if _is_int(x) and isinstance(alpha, float):
+        raise OpError(f"torch2jax: {name}: For integral input tensors, argument alpha must not be a floating point number.")
+    if _is_bool(x) and not isinstance(alpha, bool):
+        raise OpError(f"torch2jax: {name}: Boolean alpha only supported for Boolean results.")
+    return as_dtype(alpha, x.dtype) * y
+
+
+@elementwise(aten.add)
+def add(x, y, alpha=1):
+    y = _alpha(alpha, x, y, "add")
+    return jnp.logical_or(x, y) if _is_bool(x) else x + y
+
+
+elementwise(prims.add)(add.compute)
+
+
+def _check_sub(x, name):
+    if _is_bool(x):
+        raise OpError(
+            f"torch2jax: {name}: Subtraction, the `-` operator, with two bool tensors is not supported. Use the `^` "
+            "or `logical_xor()` operator instead."
+        )
+
+
+@elementwise(aten.sub, prims.sub)
+def sub(x, y, alpha=1):
+    _check_sub(x, "sub")
+    return x - _alpha(alpha, x, y, "sub")
+
+
+@elementwise(aten.rsub)
+def rsub(x, y, alpha=1):
+    _check_sub(x, "rsub")
+    return y - _alpha(alpha, x, x, "rsub")
+
+
+@elementwise(aten.mul, prims.mul)
+def mul(x, y):
+    return jnp.logical_and(x, y) if _is_bool(x) else x * y
+
+
+def _trunc_div(a, b):
+    if _is_int(a):
+        _check_divisor(b)
+        return lax.div(*jnp.broadcast_arrays(a, b))
+    return jnp.trunc(a / b)
+
+
+def _floor_div(a, b):
+    if _is_int(a):
+        _check_divisor(b)
+        return jnp.floor_divide(a, b)
+    # torch's div_floor_floating: the floor of the exact quotient, computed through fmod.
+    mod = jnp.fmod(a, b)
+    div = (a - mod) / b
+    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    floor = jnp.floor(div)
+    floor = jnp.where(div - floor > 0.5, floor + 1, floor)
+    quotient = a / b
+    out = jnp.where(div != 0, floor, jnp.copysign(jnp.zeros_like(div), quotient))
+    return jnp.where(b == 0, quotient, out)
+
+
+@elementwise(aten.div.Tensor, aten.div.Scalar, aten.true_divide, promote_kind="int_to_float")
+def div(a, b):
+    return a / b
+
+
+_div_trunc = elementwise()(_trunc_div)
+floor_divide = elementwise(aten.floor_divide)(_floor_div)
+
+
+@register(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def div_mode(a, b, *, rounding_mode=None):
+    if rounding_mode is None:
+        return div(a, b)
+    if rounding_mode == "trunc":
+        return _div_trunc(a, b)
+    if rounding_mode == "floor":
+        return floor_divide(a, b)
+    raise OpError(
+        f"torch2jax: div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '{rounding_mode}'"
+    )
+
+
+@elementwise(prims.div)
+def prims_div(a, b):
+    return _trunc_div(a, b) if _is_int(a) else a / b
+
+
+@elementwise(aten.remainder, prims.remainder)
+def remainder(a, b):
+    if _is_int(a):
+        _check_divisor(b)
+        return jnp.remainder(a, b)
+    mod = jnp.fmod(a, b)
+    return jnp.where((mod != 0) & ((b < 0) != (mod < 0)), mod + b, mod)
+
+
+@elementwise(aten.fmod, prims.fmod)
+def fmod(a, b):
+    if _is_int(a):
+        _check_divisor(b)
+    return jnp.fmod(a, b)
+
+
+def _int_pow(x, e):
+    """Exact integer power; a negative exponent gives 1 / x**-e truncated toward zero, as torch."""
+    if _is_bool(x):
+        return x | (e == 0)
+    positive = jnp.power(x, jnp.maximum(e, 0))
+    one = jnp.ones((), x.dtype)
+    inverse = jnp.where(x == 1, one, jnp.where(x == -1, jnp.where(e % 2 == 0, one, -one), jnp.zeros((), x.dtype)))
+    return jnp.where(e < 0, inverse, positive)
+
+
+@elementwise(aten.pow, prims.pow)
+def power(x, e):
+    if isinstance(e, np.ndarray) and e.ndim == 0 and not _is_bool(x):  # a Python-number exponent: torch's special cases
+        v = e.item()
+        if _is_int(x) and not _is_bool(x):
+            if v < 0:
+                raise OpError("torch2jax: Integers to negative integer powers are not allowed.")
+            return lax.integer_pow(x, v) if v < 2**31 else jnp.power(x, e)
+        if v == 0.5 and not _is_complex(x):
+            return jnp.sqrt(x)
+        if v == -0.5 and not _is_complex(x):
+            return lax.rsqrt(x)
+        if v in (-2, -1, 2, 3):
+            return lax.integer_pow(x, int(v.real))
+    if _is_int(x):
+        return _int_pow(x, e)
+    return jnp.power(x, e)
+
+
+@register(aten.float_power)
+def float_power(x, e):
+    """Always computed in double (complex double when either operand is complex)."""
+    dt = np.dtype(np.complex128) if _dt.is_complex(_dt.result_type(x, e)) else np.dtype(np.float64)
+    return jnp.power(as_dtype(x, dt), as_dtype(e, dt))
+
+
+@elementwise(aten.atan2, prims.atan2, promote_kind="int_to_float")
+def atan2(a, b):
+    return jnp.arctan2(a, b)
+
+
+@elementwise(aten.hypot, prims.hypot)
+def hypot(a, b):
+    return jnp.hypot(a, b)
+
+
+@elementwise(aten.copysign, promote_kind="int_to_float")
+def copysign(a, b):
+    return jnp.copysign(a, b)
+
+
+@elementwise(aten.nextafter, prims.nextafter, opmath=False)
+def nextafter(a, b):
+    return jnp.nextafter(a, b)
+
+
+@elementwise(aten.xlogy, promote_kind="int_to_float")
+def xlogy(x, y):
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros((), x.dtype), x * jnp.log(y)))
+
+
+@elementwise(aten.logaddexp, promote_kind="int_to_float")
+def logaddexp(a, b):
+    if _is_complex(a):
+        m = jnp.where(a.real >= b.real, a, b)
+        return m + jnp.log1p(jnp.exp(-jnp.where(a.real >= b.real, a - b, b - a)))
+    return jnp.logaddexp(a, b)
+
+
+@elementwise(aten.logaddexp2, promote_kind="int_to_float")
+def logaddexp2(a, b):
+    return jnp.logaddexp2(a, b)
+
+
+@elementwise(aten.lerp)
+def lerp(start, end, weight):
+    diff = end - start
+    return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end - diff * (1 - weight))
+
+
+@elementwise(aten.addcmul)
+def addcmul(x, t1, t2, *, value=1):
+    return x + as_dtype(value, x.dtype) * t1 * t2
+
+
+@elementwise(aten.addcdiv)
+def addcdiv(x, t1, t2, *, value=1):
+    if _is_int(t1) and _is_int(t2):
+        raise OpError(
+            "torch2jax: Integer division with addcdiv is no longer supported, and in a future release addcdiv will "
+            "perform a true division of tensor1 and tensor2. Use (input + value * tensor1 / tensor2) instead."
+        )
+    return x + as_dtype(value, x.dtype) * t1 / t2
+
+
+@register(aten.heaviside)
+def heaviside(x, values):
+    if x.dtype != values.dtype:
+        raise OpError("torch2jax: heaviside is not yet implemented for tensors with different dtypes.")
+    return jnp.where(x == 0, values, (x > 0).astype(x.dtype))
+
+
+@elementwise(aten.gcd, prims.gcd)
+def gcd(a, b):
+    return jnp.gcd(a, b)
+
+
+@elementwise(aten.lcm)
+def lcm(a, b):
+    g = jnp.gcd(a, b)
+    return jnp.where(g == 0, jnp.zeros((), a.dtype), jnp.abs(lax.div(*jnp.broadcast_arrays(a, jnp.where(g == 0, 1, g))) * b))
+
+
+@register(aten.frexp.Tensor, prims.frexp)
+def frexp(x):
+    mantissa, exponent = jnp.frexp(x.astype(np.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x)
+    return mantissa.astype(x.dtype), exponent.astype(np.int32)
+
+
+# -- clamping, min / max -------------------------------------------------------
+
+
+@register(aten.clamp, aten.clip)
+def clamp(x, min=None, max=None):  # noqa: A002 - torch's argument names
+    if min is None and max is None:
+        raise OpError("torch2jax: clamp: At least one of 'min' or 'max' must not be None")
+    (x, lo, hi), result = _promoted("default", x, min, max)
+    _reject_complex("clamp", x)
+    if lo is not None:
+        out = jnp.maximum(x, lo)
+        x = jnp.where(jnp.isnan(x), x, out) if not _is_int(x) else out
+    if hi is not None:
+        out = jnp.minimum(x, hi)
+        x = jnp.where(jnp.isnan(x), x, out) if not _is_int(x) else out
+    return x.astype(result)
+
+
+@register(aten.clamp_min)
+def clamp_min(x, min):  # noqa: A002
+    return clamp(x, min=min)
+
+
+@register(aten.clamp_max)
+def clamp_max(x, max):  # noqa: A002
+    return clamp(x, max=max)
+
+
+@elementwise(aten.maximum, prims.maximum)
+def maximum(a, b):
+    _reject_complex("maximum", a)
+    return jnp.maximum(a, b)
+
+
+@elementwise(aten.minimum, prims.minimum)
+def minimum(a, b):
+    _reject_complex("minimum", a)
+    return jnp.minimum(a, b)
+
+
+@elementwise(aten.fmax, prims.fmax)
+def fmax(a, b):
+    _reject_complex("fmax", a)
+    return jnp.fmax(a, b)
+
+
+@elementwise(aten.fmin, prims.fmin)
+def fmin(a, b):
+    _reject_complex("fmin", a)
+    return jnp.fmin(a, b)
+
+
+# -- comparisons and logic -----------------------------------------------------
+
+
+@elementwise(aten.eq, prims.eq, promote_kind="always_bool")
+def eq(a, b):
+    return a == b
+
+
+@elementwise(aten.ne, prims.ne, promote_kind="always_bool")
+def ne(a, b):
+    return a != b
+
+
+def _ordered(name, fn):
+    def lowering(a, b):
+        _reject_complex(name, a)
+        return fn(a, b)
+
+    return lowering
+
+
+elementwise(aten.lt, prims.lt, promote_kind="always_bool")(_ordered("lt", jnp.less))
+elementwise(aten.le, prims.le, promote_kind="always_bool")(_ordered("le", jnp.less_equal))
+elementwise(aten.gt, prims.gt, promote_kind="always_bool")(_ordered("gt", jnp.greater))
+elementwise(aten.ge, prims.ge, promote_kind="always_bool")(_ordered("ge", jnp.greater_equal))
+
+
+def _truth(x):
+    return x != 0 if hasattr(x, "dtype") else bool(x)
+
+
+@register(aten.logical_and)
+def logical_and(a, b):
+    return jnp.logical_and(_truth(a), _truth(b))
+
+
+@register(aten.logical_or)
+def logical_or(a, b):
+    return jnp.logical_or(_truth(a), _truth(b))
+
+
+@register(aten.logical_xor)
+def logical_xor(a, b):
+    return jnp.logical_xor(_truth(a), _truth(b))
+
+
+@register(aten.logical_not)
+def logical_not(x):
+    return x == 0
+
+
+def _reject_float(name, x):
+    if not _is_int(x):
+        raise OpError(f'torch2jax: "{name}" is only implemented for integer and bool tensors, got {_dt.to_torch(x.dtype)}')
+
+
+@elementwise(aten.bitwise_and, prims.bitwise_and, aten.__and__)
+def bitwise_and(a, b):
+    _reject_float("bitwise_and", a)
+    return a & b
+
+
+@elementwise(aten.bitwise_or, prims.bitwise_or, aten.__or__)
+def bitwise_or(a, b):
+    _reject_float("bitwise_or", a)
+    return a | b
+
+
+@elementwise(aten.bitwise_xor, prims.bitwise_xor, aten.__xor__)
+def bitwise_xor(a, b):
+    _reject_float("bitwise_xor", a)
+    return a ^ b
+
+
+@elementwise(aten.bitwise_not, prims.bitwise_not)
+def bitwise_not(x):
+    _reject_float("bitwise_not", x)
+    return ~x
+
+
+def _shift_out_of_range(x, s):
+    bits = np.dtype(x.dtype).itemsize * 8
+    signed = s.astype(np.dtype(f"int{bits}")) if _dt.is_integral(s.dtype) else s
+    return (signed < 0) | (s >= bits), bits
+
+
+@elementwise(aten.bitwise_left_shift, aten.__lshift__, prims.shift_left)
+def bitwise_left_shift(x, s):
+    """Shifts by a negative amount or by the bit width or more give 0, as torch."""
+    _reject_float("bitwise_left_shift", x)
+    out_of_range, bits = _shift_out_of_range(x, s)
+    shifted = lax.shift_left(*jnp.broadcast_arrays(x, jnp.where(out_of_range, jnp.zeros((), s.dtype), s)))
+    return jnp.where(out_of_range, jnp.zeros((), x.dtype), shifted)
+
+
+@elementwise(aten.bitwise_right_shift, aten.__rshift__, prims.shift_right_arithmetic)
+def bitwise_right_shift(x, s):
+    """Arithmetic for signed, logical for unsigned; out-of-range shifts fill with the sign bit, as torch."""
+    _reject_float("bitwise_right_shift", x)
+    out_of_range, bits = _shift_out_of_range(x, s)
+    s = jnp.where(out_of_range, np.array(bits - 1, s.dtype), s)
+    if np.dtype(x.dtype).kind == "u":
+        out = lax.shift_right_logical(*jnp.broadcast_arrays(x, s))
+        return jnp.where(out_of_range, jnp.zeros((), x.dtype), out)
+    return lax.shift_right_arithmetic(*jnp.broadcast_arrays(x, s))
+
+
+# -- selection -----------------------------------------------------------------
+
+
+@register(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar, prims.where)
+def where(condition, x, y):
+    dtype = _dt.result_type(x, y)
+    return jnp.where(condition, as_dtype(x, dtype), as_dtype(y, dtype))
+
+
+# -- floating-point classification ---------------------------------------------
+
+
+@register(aten.isnan)
+def isnan(x):
+    return jnp.isnan(x) if not _is_int(x) else jnp.zeros(x.shape, bool)
+
+
+@register(aten.isinf)
+def isinf(x):
+    return jnp.isinf(x) if not _is_int(x) else jnp.zeros(x.shape, bool)
+
+
+@register(aten.isfinite, prims.isfinite)
+def isfinite(x):
+    return jnp.isfinite(x) if not _is_int(x) else jnp.ones(x.shape, bool)
+
+
+@register(aten.isposinf)
+def isposinf(x):
+    _reject_complex("isposinf", x)
+    return x == np.inf if not _is_int(x) else jnp.zeros(x.shape, bool)
+
+
+@register(aten.isneginf)
+def isneginf(x):
+    _reject_complex("isneginf", x)
+    return x == -np.inf if not _is_int(x) else jnp.zeros(x.shape, bool)
+
+
+def _nan_to_num_real(x, nan, posinf, neginf):
+    info = jnp.finfo(x.dtype)
+    posinf = info.max if posinf is None else posinf
+    neginf = info.min if neginf is None else neginf
+    out = jnp.where(jnp.isnan(x), as_dtype(nan, x.dtype), x)
+    out = jnp.where(x == np.inf, as_dtype(posinf, x.dtype), out)
+    return jnp.where(x == -np.inf, as_dtype(neginf, x.dtype), out)
+
+
+@register(aten.nan_to_num)
+def nan_to_num(x, nan=None, posinf=None, neginf=None):
+    if _is_int(x):
+        return x
+    nan = 0.0 if nan is None else nan
+    if _is_complex(x):
+        return lax.complex(
+            _nan_to_num_real(x.real, nan, posinf, neginf), _nan_to_num_real(x.imag, nan, posinf, neginf)
+        )
+    return _nan_to_num_real(x, nan, posinf, neginf)
+
+
+# -- complex numbers -------------------------------------------------------------
+
+
+@register(aten._conj, aten.conj_physical, prims.conj_physical, prims.conj)
+def conj_physical(x):
+    """Materialized: torch2jax tensors carry no conjugate bit."""
+    return jnp.conj(x) if _is_complex(x) else x
+
+
+@register(aten.angle)
+def angle(x):
+    if _is_complex(x):
+        return jnp.angle(x)
+    (x,), result = _promoted("int_to_float", x)
+    out = jnp.where(jnp.isnan(x), x, jnp.where(x < 0, np.array(math.pi, x.dtype), np.array(0, x.dtype)))
+    return out.astype(result)
+
+
+@register(aten.polar)
+def polar(magnitude, phase):
+    return lax.complex(*jnp.broadcast_arrays(magnitude * jnp.cos(phase), magnitude * jnp.sin(phase)))
+
+
+@register(aten.complex)
+def complex_from_parts(real, imag):
+    return lax.complex(*jnp.broadcast_arrays(real, imag))
+
+
+# -- dtype conversion ------------------------------------------------------------
+
+
+@register(prims.convert_element_type)
+def convert_element_type(x, dtype):
+    dt = _dt.to_jax(dtype)
+    if _is_complex(x) and not _dt.is_complex(dt):
+        x = jnp.real(x)
+    return lax.convert_element_type(x, dt)

@@ -1,8 +1,698 @@
-"""Lowerings: indexing ops."""
+"""Lowerings: indexing, gathers and scatters, concatenation, padding and search.
+
+JAX clamps out-of-range gather indices and drops out-of-range scatter updates;
+torch raises. So every op taking indices checks them in eager mode (one device
+sync, skipped under jit and when ``check_indices`` is off). Ops whose output
+shape depends on values (``nonzero``, ``unique``, boolean-mask indexing, ...) run
+only eagerly and raise `OpError` when traced.
+"""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
+
+from .. import dtypes as _dt
+from .. import env as _env
+from .registry import _HALF, as_dtype, canonical_dim, canonical_dims, register
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+
+_LONG = np.dtype(np.int64)
+_BOOL = np.dtype(np.bool_)
+
+
+# -- helpers -----------------------------------------------------------------
+
+
+def _traced(*arrays):
+    return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _concrete(name, *arrays):
+    """NumPy values of ``arrays`` for an op whose output shape depends on them (eager only)."""
+    if _traced(*arrays):
+        from ..dispatch import OpError
+
+        raise OpError(
+            f"torch2jax: {name} has an output shape that depends on tensor values, so it cannot run "
+            "under jax.jit; call it outside the traced function"
+        )
+    return [np.asarray(a) for a in arrays]
+
+
+def _check_range(index, size, error, negative=True):
+    """Eager mode: raise ``error(bad_index)`` if ``index`` has a value outside torch's valid range."""
+    if not _env.config().check_indices or _traced(index) or index.size == 0:
+        return
+    lo = -size if negative else 0
+    with jax.ensure_compile_time_eval():  # a constant index inside a jit trace is still checked
+        bad = ((index < lo) | (index >= size)).reshape(-1)
+        if bool(jnp.any(bad)):
+            raise error(int(index.reshape(-1)[jnp.argmax(bad)]))
+
+
+def _out_of_bounds(dim, size, kind=IndexError, prefix=""):
+    return lambda i: kind(f"{prefix}index {i} is out of bounds for dimension {dim} with size {size}")
+
+
+def _index_out_of_range_in_self(i):
+    return IndexError("index out of range in self")
+
+
+def _value(v, dtype):
+    """A scalar argument (Python number or 0-d array) as a 0-d array of ``dtype``."""
+    return v.astype(dtype) if hasattr(v, "dtype") else jnp.asarray(as_dtype(v, dtype))
+
+
+def _is_mask(i):
+    return i is not None and i.dtype in (_BOOL, np.dtype(np.uint8))
+
+
+# -- advanced indexing ---------------------------------------------------------
+
+
+def _expand_masks(x, indices, name):
+    """(x, indices) with boolean masks replaced by the coordinates of their True entries."""
+    out = []
+    for i in indices:
+        if not _is_mask(i):
+            out.append(i)
+            continue
+        d = len(out)
+        if i.ndim == 0:  # x[True] adds a dim of size 1 (0 for False)
+            (m,) = _concrete(name, i)
+            x = jnp.expand_dims(x, d)
+            out.append(jnp.zeros((int(bool(m)),), _LONG))
+            continue
+        for k, n in enumerate(i.shape):
+            if d + k >= x.ndim or x.shape[d + k] != n:
+                raise IndexError(
+                    f"The shape of the mask {list(i.shape)} at index {k} does not match the shape of the indexed "
+                    f"tensor {list(x.shape)} at index {d + k}"
+                )
+        (m,) = _concrete(name, i)
+        out.extend(jnp.asarray(c, _LONG) for c in np.nonzero(m))
+    return x, out
+
+
+def _index_tuple(x, indices, check):
+    if len(indices) > x.ndim:
+        raise IndexError(f"too many indices for tensor of dimension {x.ndim} (got {len(indices)})")
+    if check:
+        for d, i in enumerate(indices):
+            if i is not None:
+                _check_range(i, x.shape[d], _out_of_bounds(d, x.shape[d]))
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+@register(aten.index.Tensor)
+def index(x, indices):
+    x, indices = _expand_masks(x, indices, "aten.index (boolean mask indexing)")
+    return x[_index_tuple(x, indices, True)]
+
+
+@register(aten._unsafe_index.Tensor)
+def _unsafe_index(x, indices):
+    x, indices = _expand_masks(x, indices, "aten._unsafe_index (boolean mask indexing)")
+    return x[_index_tuple(x, indices, False)]
+
+
+def _accumulate(ref, values, dtype):
+    return ref.max(values) if dtype == _BOOL else ref.add(values)
+
+
+def _masked_put(x, indices, values, accumulate):
+    """``x[mask] = values`` as a select when ``values`` broadcasts over the masked rows.
+
+    That is the common ``x[mask] = 0`` and it has a static shape, so it also runs under jit.
+    """
+    masks = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if len(masks) != 1 or not _is_mask(masks[0][1]):
+        return None
+    d, m = masks[0]
+    rest = x.shape[d + m.ndim :]
+    if values.ndim > len(rest) or jnp.broadcast_shapes(values.shape, rest) != tuple(rest):
+        return None
+    mask = m.astype(bool).reshape((1,) * d + m.shape + (1,) * len(rest))
+    if accumulate:
+        values = jnp.where(mask, values, jnp.zeros((), x.dtype))
+        return _accumulate(x.at[...], values, x.dtype) if x.dtype == _BOOL else x + values
+    return jnp.where(mask, values, x)
+
+
+def _index_put(x, indices, values, accumulate, check):
+    values = values.astype(x.dtype)
+    out = _masked_put(x, indices, values, accumulate)
+    if out is not None:
+        return out
+    xe, expanded = _expand_masks(x, indices, "aten.index_put (boolean mask indexing)")
+    idx = _index_tuple(xe, expanded, check)
+    ref = x.at[idx]
+    return _accumulate(ref, values, x.dtype) if accumulate else ref.set(values)
+
+
+@register(aten.index_put.default)
+def index_put(x, indices, values, accumulate=False):
+    return _index_put(x, indices, values, accumulate, True)
+
+
+@register(aten._unsafe_index_put.default)
+def _unsafe_index_put(x, indices, values, accumulate=False):
+    return _index_put(x, indices, values, accumulate, False)
+
+
+@register(aten._index_put_impl.default)
+def _index_put_impl(x, indices, values, accumulate=False, unsafe=False):
+    return _index_put(x, indices, values, accumulate, not unsafe)
+
+
+def _clamped(x, indices):
+    return [
+        None if i is None else jnp.clip(i, -x.shape[d], x.shape[d] - 1) for d, i in enumerate(indices)
+    ]
+
+
+@register(aten._unsafe_masked_index.default)
+def _unsafe_masked_index(x, mask, indices, fill):
+    v = x[_index_tuple(x, _clamped(x, indices), False)]
+    return jnp.where(mask, v, _value(fill, x.dtype))
+
+
+@register(aten._unsafe_masked_index_put_accumulate.default)
+def _unsafe_masked_index_put_accumulate(x, mask, indices, values):
+    values = jnp.where(mask, values.astype(x.dtype), jnp.zeros((), x.dtype))
+    return _accumulate(x.at[_index_tuple(x, _clamped(x, indices), False)], values, x.dtype)
+
+
+# -- gather and scatter ------------------------------------------------------
+
+
+def _as_1d(x, dim):
+    """(axis, x) with a 0-d ``x`` seen as 1-d, as torch's dim-wise indexing ops allow."""
+    return canonical_dim(dim, x.ndim), (x.reshape(1) if x.ndim == 0 else x)
+
+
+def _along(d, index):
+    """The full index tuple addressing ``index[i0, .., in]`` along axis ``d`` and ``(i0, .., in)`` elsewhere."""
+    grid = [jax.lax.broadcasted_iota(index.dtype, index.shape, a) for a in range(index.ndim)]
+    grid[d] = index
+    return tuple(grid)
+
+
+def _crop(a, shape):
+    return a[tuple(slice(0, n) for n in shape)] if a.shape != tuple(shape) else a
+
+
+@register(aten.gather.default)
+def gather(x, dim, index, *, sparse_grad=False):
+    d, x1 = _as_1d(x, dim)
+    index1 = index.reshape(-1) if index.ndim == 0 else index
+    _check_range(index1, x1.shape[d], _out_of_bounds(dim, x1.shape[d], RuntimeError), negative=False)
+    if index1.size == 0:
+        return jnp.zeros(index.shape, x.dtype)
+    return x1[_along(d, index1)].reshape(index.shape)
+
+
+def _scatter_args(x, dim, index, src):
+    d, x1 = _as_1d(x, dim)
+    index1 = index.reshape(-1) if index.ndim == 0 else index
+    _check_range(index1, x1.shape[d], _out_of_bounds(dim, x1.shape[d], RuntimeError), negative=False)
+    if hasattr(src, "ndim") and src.ndim:
+        src = _crop(src, index1.shape)
+    src = jnp.broadcast_to(_value(src, x.dtype), index1.shape)
+    return x1, _along(d, index1), src
+
+
+_IDENTITY = {"sum": 0, "prod": 1, "mean": 0}
+
+
+def _identity(reduce, dtype):
+    if reduce in _IDENTITY:
+        return jnp.asarray(_IDENTITY[reduce], dtype)
+    if dtype == _BOOL:
+        return jnp.asarray(reduce == "amin")
+    info = jnp.finfo(dtype) if _dt.is_floating(dtype) else jnp.iinfo(dtype)
+    if _dt.is_floating(dtype):
+        return jnp.asarray(-jnp.inf if reduce == "amax" else jnp.inf, dtype)
+    return jnp.asarray(info.min if reduce == "amax" else info.max, dtype)
+
+
+def _combine(ref, reduce, src, dtype):
+    if dtype == _BOOL:  # sum is logical or, prod logical and
+        return ref.max(src) if reduce in ("sum", "amax") else ref.min(src)
+    if reduce == "sum":
+        return ref.add(src)
+    if reduce == "prod":
+        return ref.multiply(src)
+    if reduce == "amax":
+        return ref.max(src)
+    if reduce == "amin":
+        return ref.min(src)
+    raise RuntimeError(f"reduce argument must be either sum, prod, mean, amax or amin, got {reduce}")
+
+
+def _reduce_into(x, idx, src, reduce, include_self):
+    """Reduce ``src`` into ``x.at[idx]`` (scatter_reduce / index_reduce semantics)."""
+    base = x if include_self else x.at[idx].set(_identity(reduce, x.dtype))
+    if reduce != "mean":
+        return _combine(base.at[idx], reduce, src, x.dtype)
+    sums = base.at[idx].add(src)
+    counts = jnp.zeros(x.shape, _LONG).at[idx].add(1) + int(include_self)
+    counts = jnp.maximum(counts, 1)
+    if _dt.is_integral(x.dtype, include_bool=True):
+        return jnp.floor_divide(sums, counts.astype(x.dtype))
+    return (sums / counts.astype(x.dtype)).astype(x.dtype)
+
+
+@register(aten.scatter.src, aten.scatter.value)
+def scatter(x, dim, index, src):
+    x1, idx, src = _scatter_args(x, dim, index, src)
+    return x1.at[idx].set(src).reshape(x.shape)
+
+
+_LEGACY_REDUCE = {"add": "sum", "multiply": "prod"}
+
+
+@register(aten.scatter.reduce, aten.scatter.value_reduce)
+def scatter_reduce_legacy(x, dim, index, src, *, reduce):
+    if reduce not in _LEGACY_REDUCE:
+        raise RuntimeError(f"reduce argument must be either add or multiply., got {reduce}")
+    x1, idx, src = _scatter_args(x, dim, index, src)
+    return _combine(x1.at[idx], _LEGACY_REDUCE[reduce], src, x.dtype).reshape(x.shape)
+
+
+@register(aten.scatter_add.default)
+def scatter_add(x, dim, index, src):
+    x1, idx, src = _scatter_args(x, dim, index, src)
+    return _combine(x1.at[idx], "sum", src, x.dtype).reshape(x.shape)
+
+
+@register(aten.scatter_reduce.two)
+def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    x1, idx, src = _scatter_args(x, dim, index, src)
+    return _reduce_into(x1, idx, src, reduce, include_self).reshape(x.shape)
+
+
+def _dim_index(x, dim, index, error, source=None, negative=False):
+    """(x as >= 1-d, index tuple selecting ``index`` along ``dim``, ``source`` shaped as that selection)."""
+    d, x1 = _as_1d(x, dim)
+    index = index.reshape(-1)
+    _check_range(index, x1.shape[d], error(d, x1.shape[d]), negative)
+    if source is not None:
+        source = source.astype(x.dtype).reshape(x1.shape[:d] + index.shape + x1.shape[d + 1 :])
+    return x1, (slice(None),) * d + (index,), source
+
+
+@register(aten.index_select.default)
+def index_select(x, dim, index):
+    d, x1 = _as_1d(x, dim)
+    _check_range(index, x1.shape[d], _index_out_of_range_in_self, negative=False)
+    out = jnp.take(x1, index.reshape(-1), axis=d)
+    return out.reshape(()) if x.ndim == 0 else out
+
+
+@register(aten.index_add.default)
+def index_add(x, dim, index, source, *, alpha=1):
+    x1, idx, src = _dim_index(x, dim, index, lambda d, n: _out_of_bounds(d, n, RuntimeError), source)
+    if alpha != 1:
+        src = src * _value(alpha, x.dtype)
+    return _accumulate(x1.at[idx], src, x.dtype).reshape(x.shape)
+
+
+@register(aten.index_copy.default)
+def index_copy(x, dim, index, source):
+    x1, idx, src = _dim_index(x, dim, index, lambda d, n: _out_of_bounds(d, n, prefix="index_copy_(): "), source)
+    return x1.at[idx].set(src).reshape(x.shape)
+
+
+@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+def index_fill(x, dim, index, value):
+    x1, idx, _ = _dim_index(x, dim, index, _out_of_bounds, negative=True)
+    return x1.at[idx].set(_value(value, x.dtype)).reshape(x.shape)
+
+
+@register(aten.index_reduce.default)
+def index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    x1, idx, src = _dim_index(x, dim, index, lambda d, n: _index_out_of_range_in_self, source)
+    return _reduce_into(x1, idx, src, reduce, include_self).reshape(x.shape)
+
+
+@register(aten.take.default)
+def take(x, index):
+    n = x.size
+    _check_range(index, n, lambda i: IndexError(f"out of range: tried to access index {i} on a tensor of {n} elements."))
+    if n == 0:
+        return jnp.zeros(index.shape, x.dtype)
+    return x.reshape(-1)[index]
+
+
+@register(aten.put.default)
+def put(x, index, source, accumulate=False):
+    n = x.size
+    _check_range(index, n, lambda i: IndexError(f"out of range: tried to access index {i} on a tensor of {n} elements."))
+    ref = x.reshape(-1).at[index.reshape(-1)]
+    src = source.reshape(-1).astype(x.dtype)
+    return (_accumulate(ref, src, x.dtype) if accumulate else ref.set(src)).reshape(x.shape)
+
+
+@register(aten.embedding.default)
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    _check_range(indices, weight.shape[0], _index_out_of_range_in_self, negative=False)
+    return jnp.take(weight, indices, axis=0)
+
+
+@register(aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    idx = indices.reshape(-1)
+    g = grad.reshape(idx.shape[0], -1)
+    acc = np.dtype(np.float32) if g.dtype in _HALF else g.dtype
+    g = g.astype(acc)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), acc).at[idx].add(1)
+        g = g / counts[idx][:, None]
+    g = jnp.where((idx == padding_idx)[:, None], jnp.zeros((), acc), g)
+    out = jnp.zeros((num_weights, g.shape[1]), acc).at[idx].add(g)
+    return out.reshape((num_weights,) + grad.shape[indices.ndim :]).astype(grad.dtype)
+
+
+# -- masks -------------------------------------------------------------------
+
+
+@register(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def masked_fill(x, mask, value):
+    if hasattr(value, "ndim") and value.ndim:
+        raise RuntimeError(
+            "masked_fill_ only supports a 0-dimensional value tensor, but got tensor with "
+            f"{value.ndim} dimension(s)."
+        )
+    return jnp.where(mask, _value(value, x.dtype), x)
+
+
+@register(aten.masked_scatter.default)
+def masked_scatter(x, mask, source):
+    shape = jnp.broadcast_shapes(x.shape, mask.shape)
+    m = jnp.broadcast_to(mask, shape).reshape(-1)
+    src = source.reshape(-1).astype(x.dtype)
+    if _env.config().check_indices and not _traced(m):
+        with jax.ensure_compile_time_eval():
+            if int(jnp.sum(m)) > src.size:
+                raise RuntimeError("masked_scatter: expected source to have at least as many elements as ones in mask")
+    if src.size == 0:
+        return jnp.broadcast_to(x, shape)
+    pos = jnp.cumsum(m) - 1
+    return jnp.where(m, src[jnp.clip(pos, 0, src.size - 1)], jnp.broadcast_to(x, shape).reshape(-1)).reshape(shape)
+
+
+@register(aten.masked_select.default)
+def masked_select(x, mask):
+    shape = jnp.broadcast_shapes(x.shape, mask.shape)
+    (m,) = _concrete("aten.masked_select", mask)
+    return jnp.broadcast_to(x, shape)[np.broadcast_to(m, shape)]
+
+
+@register(aten.nonzero.default)
+def nonzero(x):
+    (nz,) = _concrete("aten.nonzero", x != 0)
+    return jnp.asarray(np.argwhere(nz), _LONG)
+
+
+@register(aten.nonzero_static.default)
+def nonzero_static(x, *, size, fill_value=-1):
+    if x.ndim == 0:
+        x = x.reshape(1)
+        return jnp.argwhere(x, size=size, fill_value=fill_value).astype(_LONG)[:, :0]
+    return jnp.argwhere(x, size=size, fill_value=fill_value).astype(_LONG)
+
+
+# -- concatenation, tiling, padding -------------------------------------------
+
+
+@register(aten.cat.default)
+def cat(tensors, dim=0):
+    dtype = _dt.result_type(*tensors)
+    parts = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]  # torch skips legacy empty tensors
+    if not parts:
+        return jnp.zeros((0,), dtype)
+    for i, t in enumerate(parts):
+        if t.ndim == 0:
+            raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
+    return jnp.concatenate([t.astype(dtype) for t in parts], axis=canonical_dim(dim, parts[0].ndim))
+
+
+@register(aten.stack.default)
+def stack(tensors, dim=0):
+    dtype = _dt.result_type(*[t.reshape(1) if t.ndim == 0 else t for t in tensors])
+    return jnp.stack([t.astype(dtype) for t in tensors], axis=canonical_dim(dim, tensors[0].ndim + 1))
+
+
+@register(aten.flip.default)
+def flip(x, dims):
+    axes = canonical_dims(dims, x.ndim)
+    return jnp.flip(x, axes) if x.ndim and axes else x
+
+
+@register(aten.roll.default)
+def roll(x, shifts, dims=()):
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not dims:
+        if len(shifts) != 1:
+            raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:0")
+        return jnp.roll(x.reshape(-1), shifts[0]).reshape(x.shape)
+    if len(shifts) != len(dims):
+        raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
+    if x.ndim == 0:
+        return x
+    return jnp.roll(x, shifts, canonical_dims(dims, x.ndim))
+
+
+@register(aten.repeat.default)
+def repeat(x, repeats):
+    repeats = tuple(repeats)
+    if len(repeats) < x.ndim:
+        raise RuntimeError(
+            "Number of dimensions of repeat dims can not be smaller than number of dimensions of tensor"
+        )
+    if any(r < 0 for r in repeats):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(repeats)}: {list(repeats)}")
+    return jnp.tile(x.reshape((1,) * (len(repeats) - x.ndim) + x.shape), repeats)
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad_nd(x, pad, value=0):
+    if len(pad) % 2:
+        raise RuntimeError(f"Length of pad must be even but instead it equals {len(pad)}")
+    if len(pad) // 2 > x.ndim:
+        raise RuntimeError(
+            "Length of pad should be no more than twice the number of dimensions of the input. "
+            f"Pad length is {len(pad)} while the input has {x.ndim} dimensions."
+        )
+    config = [(0, 0, 0)] * x.ndim
+    for i in range(len(pad) // 2):
+        axis = x.ndim - 1 - i
+        lo, hi = pad[2 * i], pad[2 * i + 1]
+        if x.shape[axis] + lo + hi < 0:
+            raise RuntimeError(
+                f"The input size {x.shape[axis]}, plus negative padding {lo} and {hi} resulted in a negative output "
+                f"size, which is invalid. Check dimension {axis} of your input."
+            )
+        config[axis] = (lo, hi, 0)
+    return jax.lax.pad(x, _value(value, x.dtype), config)
+
+
+def _require_matrix(name, x):
+    if x.ndim < 2:
+        raise RuntimeError(f"{name}: input tensor must have at least 2 dimensions")
+
+
+@register(aten.tril.default)
+def tril(x, diagonal=0):
+    _require_matrix("tril", x)
+    return jnp.tril(x, diagonal)
+
+
+@register(aten.triu.default)
+def triu(x, diagonal=0):
+    _require_matrix("triu", x)
+    return jnp.triu(x, diagonal)
+
+
+@register(aten.narrow_copy.default)
+def narrow_copy(x, dim, start, length):
+    d = canonical_dim(dim, x.ndim)
+    n = x.shape[d]
+    if not -n <= start <= n:
+        raise IndexError(f"start out of range (expected to be in range of [{-n}, {n}], but got {start})")
+    start = start + n if start < 0 else start
+    if length < 0 or start + length > n:
+        raise RuntimeError(f"start ({start}) + length ({length}) exceeds dimension size ({n}).")
+    return jax.lax.slice_in_dim(x, start, start + length, axis=d)
+
+
+@register(aten.diag_embed.default)
+def diag_embed(x, offset=0, dim1=-2, dim2=-1):
+    nd = x.ndim + 1
+    d1, d2 = canonical_dim(dim1, nd), canonical_dim(dim2, nd)
+    if d1 == d2:
+        raise RuntimeError(f"diagonal dimensions cannot be identical {dim1}, {dim2}")
+    k = x.shape[-1] if x.ndim else 1
+    n = k + abs(offset)
+    i = np.arange(k)
+    rows, cols = i - min(offset, 0), i + max(offset, 0)
+    out = jnp.zeros(x.shape[:-1] + (n, n), x.dtype).at[..., rows, cols].set(x.reshape(x.shape[:-1] + (k,)))
+    return jnp.moveaxis(out, (-2, -1), (d1, d2))
+
+
+# -- search and counting -----------------------------------------------------
+
+
+def _searchsorted(seq, values, right, out_int32):
+    dtype = _dt.result_type(seq, values)
+    seq, values = seq.astype(dtype), values.astype(dtype)
+    side = "right" if right else "left"
+    out_dtype = np.int32 if out_int32 else _LONG
+    if seq.ndim <= 1:
+        return jnp.searchsorted(seq.reshape(-1), values, side=side).astype(out_dtype)
+    if seq.shape[:-1] != values.shape[:-1]:
+        raise RuntimeError(
+            "torch.searchsorted(): boundaries tensor should be 1 dimension or the first N-1 dimensions of boundaries "
+            f"tensor and input value tensor must match, but we got boundaries tensor {list(seq.shape)} and input "
+            f"value tensor {list(values.shape)}"
+        )
+    batch = seq.reshape(-1, seq.shape[-1])
+    vals = values.reshape(-1, values.shape[-1])
+    out = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(batch, vals)
+    return out.reshape(values.shape).astype(out_dtype)
+
+
+@register(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def searchsorted(seq, values, *, out_int32=False, right=False, side=None, sorter=None):
+    if side is not None:
+        right = side == "right"
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter, axis=-1)
+    if not hasattr(values, "dtype"):
+        values = jnp.asarray(as_dtype(values, _dt.result_type(seq, values)))
+    return _searchsorted(seq, values, right, out_int32)
+
+
+@register(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def bucketize(values, boundaries, *, out_int32=False, right=False):
+    if not hasattr(values, "dtype"):
+        values = jnp.asarray(as_dtype(values, _dt.result_type(boundaries, values)))
+    if boundaries.ndim != 1:
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.ndim})")
+    return _searchsorted(boundaries, values, right, out_int32)
+
+
+@register(aten.histc.default)
+def histc(x, bins=100, min=0, max=0):
+    if bins <= 0:
+        raise RuntimeError(f"torch.histc(): bins must be > 0, but got {bins} for dimension 0")
+    if min > max:
+        raise RuntimeError("torch.histc(): max must be larger than min")
+    xc = x.astype(np.float32) if x.dtype in _HALF else x
+    if min == max and x.size:
+        lo, hi = jnp.min(xc), jnp.max(xc)
+    else:
+        lo, hi = jnp.asarray(min, xc.dtype), jnp.asarray(max, xc.dtype)
+    same = lo == hi
+    lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
+    inside = (xc >= lo) & (xc <= hi)
+    pos = jnp.floor((xc - lo) * bins / (hi - lo)).astype(_LONG)
+    pos = jnp.where(inside, jnp.clip(pos, 0, bins - 1), 0)
+    return jnp.zeros((bins,), x.dtype).at[pos.reshape(-1)].add(inside.reshape(-1).astype(x.dtype))
+
+
+@register(aten.bincount.default)
+def bincount(x, weights=None, minlength=0):
+    if x.ndim != 1 or not _dt.is_integral(x.dtype):
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    if minlength < 0:
+        raise RuntimeError("minlength should be >= 0")
+    (v,) = _concrete("aten.bincount", x)
+    if v.size and v.min() < 0:
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    n = max(int(v.max()) + 1 if v.size else 0, minlength)
+    if weights is None:
+        return jnp.zeros((n,), _LONG).at[x].add(1)
+    dtype = weights.dtype if weights.dtype in (np.dtype(np.float32), np.dtype(np.float64)) else np.dtype(np.float64)
+    return jnp.zeros((n,), dtype).at[x].add(weights.astype(dtype))
+
+
+# -- unique ------------------------------------------------------------------
+
+
+def _host_values(name, x):
+    (v,) = _concrete(name, x)
+    return v.astype(np.float32) if v.dtype in _HALF else v
+
+
+def _empty_long():
+    return jnp.zeros((0,), _LONG)
+
+
+@register(aten._unique2.default)
+def _unique2(x, sorted=True, return_inverse=False, return_counts=False):
+    v = _host_values("aten.unique", x).reshape(-1)
+    values, inverse, counts = np.unique(v, return_inverse=True, return_counts=True, equal_nan=False)
+    return (
+        jnp.asarray(values).astype(x.dtype),
+        jnp.asarray(inverse.reshape(x.shape), _LONG) if return_inverse else _empty_long(),
+        jnp.asarray(counts, _LONG) if return_counts else _empty_long(),
+    )
+
+
+@register(aten._unique.default)
+def _unique(x, sorted=True, return_inverse=False):
+    values, inverse, _ = _unique2(x, sorted, return_inverse)
+    return values, inverse
+
+
+@register(aten.unique_dim.default)
+def unique_dim(x, dim, sorted=True, return_inverse=False, return_counts=False):
+    d = canonical_dim(dim, x.ndim)
+    v = _host_values("aten.unique_dim", x)
+    if v.shape[d] == 0:
+        values, inverse, counts = v, np.zeros((0,), np.int64), np.zeros((0,), np.int64)
+    else:
+        values, inverse, counts = np.unique(v, return_inverse=True, return_counts=True, axis=d)
+    return (
+        jnp.asarray(values).astype(x.dtype),
+        jnp.asarray(inverse.reshape(-1), _LONG) if return_inverse else _empty_long(),
+        jnp.asarray(counts, _LONG) if return_counts else _empty_long(),
+    )
+
+
+def _unique_consecutive(name, x, return_inverse, return_counts, dim):
+    v = _host_values(name, x)
+    flat = dim is None
+    rows = v.reshape(-1, 1) if flat else np.moveaxis(v, canonical_dim(dim, x.ndim), 0)
+    n = rows.shape[0]
+    changed = np.ones(n, bool)
+    if n > 1:
+        changed[1:] = (rows[1:] != rows[:-1]).reshape(n - 1, -1).any(axis=1)
+    starts = np.flatnonzero(changed)
+    values = rows[starts]
+    values = values.reshape(-1) if flat else np.moveaxis(values, 0, canonical_dim(dim, x.ndim))
+    inverse = np.cumsum(changed) - 1
+    counts = np.diff(np.append(starts, n))
+    return (
+        jnp.asarray(values).astype(x.dtype),
+        jnp.asarray(inverse.reshape(x.shape) if flat else inverse, _LONG) if return_inverse else _empty_long(),
+        jnp.asarray(counts, _LONG) if return_counts else _empty_long(),
+    )
+
+
+@register(aten.unique_consecutive.default)
+def unique_consecutive(x, return_inverse=False, return_counts=False, dim=None):
+    return _unique_consecutive("aten.unique_consecutive", x, return_inverse, return_counts, dim)
+
+
+@register(aten.unique_dim_consecutive.default)
+def unique_dim_consecutive(x, dim, return_inverse=False, return_counts=False):
+    return _unique_consecutive("aten.unique_dim_consecutive", x, return_inverse, return_counts, dim)

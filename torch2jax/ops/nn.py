@@ -1,8 +1,693 @@
-"""Lowerings: nn ops."""
+"""Lowerings: nn ops (softmax, normalization, activations, losses, dropout, attention).
+
+Half-precision inputs are computed in float32 and cast back, as torch's CPU
+kernels do. Backward ops whose formula is just the derivative of the forward
+are the `jax.vjp` of the forward lowering.
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
+
+from .. import dtypes as _dt
+from .. import env as _env
+from .registry import canonical_dim, decomposition, register
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+_F32 = np.dtype(np.float32)
+
+
+def upcast(x):
+    """``x`` in the dtype torch computes it in: float32 for float16 / bfloat16."""
+    if x is None or not hasattr(x, "dtype"):
+        return x
+    return x.astype(_F32) if x.dtype in _HALF else x
+
+
+def _cast_like(out, dtype):
+    if isinstance(out, (tuple, list)):
+        return type(out)(_cast_like(o, dtype) for o in out)
+    return out if out is None or out.dtype == dtype else out.astype(dtype)
+
+
+def float_op(*ops):
+    """Register a lowering whose array arguments are upcast (see `upcast`) and whose
+    results come back in the dtype of its first array argument."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def lowering(*args, **kwargs):
+            dtype = next(a.dtype for a in args if hasattr(a, "dtype"))
+            return _cast_like(fn(*(upcast(a) for a in args), **kwargs), dtype)
+
+        register(*ops)(lowering)
+        lowering.compute = fn
+        return lowering
+
+    return deco
+
+
+def _vjp(fn, primals, cotangent):
+    """The gradients of ``fn`` at ``primals`` (a tuple) for the output cotangent."""
+    out, pullback = jax.vjp(fn, *primals)
+    return pullback(cotangent.astype(out.dtype))
+
+
+def _unary_backward(forward):
+    """``backward(grad, x, *args)``: the derivative of ``forward(x, *args)``."""
+
+    def backward(grad, x, *args, **kwargs):
+        return _vjp(lambda a: forward(a, *args, **kwargs), (x,), grad)[0]
+
+    return backward
+
+
+# -- softmax -------------------------------------------------------------------
+
+
+def _softmax_dtype(x, half_to_float):
+    return _F32 if half_to_float and x.dtype in _HALF else x.dtype
+
+
+@register(aten._softmax.default)
+def _softmax(x, dim, half_to_float):
+    return jax.nn.softmax(upcast(x), axis=canonical_dim(dim, x.ndim)).astype(_softmax_dtype(x, half_to_float))
+
+
+@register(aten._log_softmax.default)
+def _log_softmax(x, dim, half_to_float):
+    return jax.nn.log_softmax(upcast(x), axis=canonical_dim(dim, x.ndim)).astype(_softmax_dtype(x, half_to_float))
+
+
+def _safe_softmax_compute(x, axis):
+    """softmax that gives 0 (not NaN) on slices that are entirely -inf."""
+    dead = jnp.all(x == -jnp.inf, axis=axis, keepdims=True)
+    out = jax.nn.softmax(jnp.where(dead, jnp.zeros((), x.dtype), x), axis=axis)
+    return jnp.where(dead, jnp.zeros((), out.dtype), out)
+
+
+@register(aten._safe_softmax.default)
+def _safe_softmax(x, dim, dtype=None):
+    out_dtype = _dt.to_jax(dtype) if dtype is not None else x.dtype
+    x = x.astype(out_dtype) if dtype is not None else x
+    return _safe_softmax_compute(upcast(x), canonical_dim(dim, x.ndim)).astype(out_dtype)
+
+
+@register(aten._softmax_backward_data.default)
+def _softmax_backward_data(grad, out, dim, input_dtype):
+    g, y = upcast(grad), upcast(out)
+    d = canonical_dim(dim, y.ndim)
+    return (y * (g - jnp.sum(g * y, axis=d, keepdims=True))).astype(_dt.to_jax(input_dtype))
+
+
+@register(aten._log_softmax_backward_data.default)
+def _log_softmax_backward_data(grad, out, dim, input_dtype):
+    g, y = upcast(grad), upcast(out)
+    d = canonical_dim(dim, y.ndim)
+    return (g - jnp.exp(y) * jnp.sum(g, axis=d, keepdims=True)).astype(_dt.to_jax(input_dtype))
+
+
+# -- normalization ---------------------------------------------------------------
+
+
+def _stat_dtype(x, weight):
+    """torch's dtype for saved mean / rstd: the parameters' when they differ from the input's."""
+    if weight is not None and weight.dtype != x.dtype:
+        return weight.dtype
+    return x.dtype
+
+
+def _affine(out, weight, bias, shape):
+    if weight is not None:
+        out = out * upcast(weight).reshape(shape)
+    if bias is not None:
+        out = out + upcast(bias).reshape(shape)
+    return out
+
+
+def _layer_norm(x, normalized_shape, weight, bias, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    xf = upcast(x)
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
+    rstd = jax.lax.rsqrt(var + eps)
+    out = _affine((xf - mean) * rstd, weight, bias, tuple(normalized_shape))
+    return out.astype(x.dtype), mean, rstd
+
+
+@register(aten.native_layer_norm.default)
+def native_layer_norm(x, normalized_shape, weight, bias, eps):
+    out, mean, rstd = _layer_norm(x, normalized_shape, weight, bias, eps)
+    stat = _stat_dtype(x, weight)
+    return out, mean.astype(stat), rstd.astype(stat)
+
+
+def _normalized_grad(g, xhat, rstd, axes):
+    """d loss / d x of ``xhat = (x - mean(x)) * rstd(x)`` over ``axes``, given d loss / d xhat."""
+    return rstd * (g - jnp.mean(g, axis=axes, keepdims=True) - xhat * jnp.mean(g * xhat, axis=axes, keepdims=True))
+
+
+def _param_grads(g, xhat, weight, bias, output_mask, axes, shape):
+    gw = jnp.sum(g * xhat, axis=axes).reshape(shape).astype(weight.dtype) if weight is not None and output_mask[1] else None
+    gb = jnp.sum(g, axis=axes).reshape(shape).astype(bias.dtype) if bias is not None and output_mask[2] else None
+    return gw, gb
+
+
+@register(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    k = x.ndim - len(normalized_shape)
+    g, xf = upcast(grad), upcast(x)
+    mean, rstd = upcast(mean), upcast(rstd)
+    xhat = (xf - mean) * rstd
+    gx = None
+    if output_mask[0]:
+        gxhat = g * upcast(weight) if weight is not None else g
+        gx = _normalized_grad(gxhat, xhat, rstd, tuple(range(k, x.ndim))).astype(x.dtype)
+    gw, gb = _param_grads(g, xhat, weight, bias, output_mask, tuple(range(k)), tuple(normalized_shape))
+    return gx, gw, gb
+
+
+def _channel_shape(x):
+    return (1, x.shape[1]) + (1,) * (x.ndim - 2)
+
+
+def _group_norm(x, weight, bias, n, group, eps):
+    xf = upcast(x).reshape(n, group, -1)
+    mean = jnp.mean(xf, axis=2, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=2, keepdims=True)
+    rstd = jax.lax.rsqrt(var + eps)
+    out = ((xf - mean) * rstd).reshape(x.shape)
+    return _affine(out, weight, bias, _channel_shape(x)).astype(x.dtype), mean[..., 0], rstd[..., 0]
+
+
+@register(aten.native_group_norm.default)
+def native_group_norm(x, weight, bias, n, c, hxw, group, eps):
+    out, mean, rstd = _group_norm(x, weight, bias, n, group, eps)
+    stat = _stat_dtype(x, weight)
+    return out, mean.astype(stat), rstd.astype(stat)
+
+
+@register(aten.native_group_norm_backward.default)
+def native_group_norm_backward(grad, x, mean, rstd, weight, n, c, hxw, group, output_mask):
+    shape = (n, c, hxw)
+    g, xf = upcast(grad).reshape(shape), upcast(x).reshape(shape)
+    mean = upcast(mean).reshape(n, group, 1, 1)
+    rstd = upcast(rstd).reshape(n, group, 1, 1)
+    grouped = (n, group, c // group, hxw)
+    xhat = ((xf.reshape(grouped) - mean) * rstd).reshape(shape)
+    gx = None
+    if output_mask[0]:
+        gxhat = g * upcast(weight).reshape(1, c, 1) if weight is not None else g
+        gx = _normalized_grad(gxhat.reshape(grouped), xhat.reshape(grouped), rstd, (2, 3))
+        gx = gx.reshape(x.shape).astype(x.dtype)
+    dtype = weight.dtype if weight is not None else x.dtype
+    gw = jnp.sum(g * xhat, axis=(0, 2)).astype(dtype) if weight is not None and output_mask[1] else None
+    gb = jnp.sum(g, axis=(0, 2)).astype(dtype) if output_mask[2] else None
+    return gx, gw, gb
+
+
+def _batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """(out, save_mean, save_rstd, new_running_mean, new_running_var) as torch's batch norm."""
+    axes = (0,) + tuple(range(2, x.ndim))
+    shape = _channel_shape(x)
+    xf = upcast(x)
+    stat = _stat_dtype(x, weight)
+    if training:
+        mean = jnp.mean(xf, axis=axes)
+        var = jnp.mean(jnp.square(xf - mean.reshape(shape)), axis=axes)
+        rstd = jax.lax.rsqrt(var + eps)
+        new_mean, new_var = running_mean, running_var
+        if running_mean is not None:
+            count = x.size // x.shape[1]
+            unbiased = var * (count / max(count - 1, 1))
+            new_mean = ((1 - momentum) * upcast(running_mean) + momentum * mean).astype(running_mean.dtype)
+            new_var = ((1 - momentum) * upcast(running_var) + momentum * unbiased).astype(running_var.dtype)
+        save_mean, save_rstd = mean.astype(stat), rstd.astype(stat)
+    else:
+        mean, rstd = upcast(running_mean), jax.lax.rsqrt(upcast(running_var) + eps)
+        new_mean, new_var = running_mean, running_var
+        save_mean = save_rstd = jnp.zeros((0,), stat)
+    out = _affine((xf - mean.reshape(shape)) * rstd.reshape(shape), weight, bias, shape)
+    return out.astype(x.dtype), save_mean, save_rstd, new_mean, new_var
+
+
+@register(aten._native_batch_norm_legit_functional.default)
+def _native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    return _batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@register(aten._native_batch_norm_legit.no_stats)
+def _native_batch_norm_legit_no_stats(x, weight, bias, training, momentum, eps):
+    return _batch_norm(x, weight, bias, None, None, training, momentum, eps)[:3]
+
+
+@register(aten._native_batch_norm_legit_no_training.default)
+def _native_batch_norm_legit_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
+    return _batch_norm(x, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
+
+
+@register(aten._batch_norm_no_update.default)
+def _batch_norm_no_update(x, weight, bias, running_mean, running_var, momentum, eps):
+    out = _batch_norm(x, weight, bias, running_mean, running_var, running_mean is None, momentum, eps)[:3]
+    return (*out, jnp.zeros((0,), np.uint8))
+
+
+@decomposition(aten._native_batch_norm_legit.default, aten.native_batch_norm.default)
+def _batch_norm_update(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Batch norm that writes the new running statistics into ``running_mean`` / ``running_var``
+    (native_batch_norm does so too, although its schema does not say it)."""
+    if running_mean is None:
+        return aten._native_batch_norm_legit.no_stats(x, weight, bias, training, momentum, eps)
+    if not training:
+        return aten._native_batch_norm_legit_no_training(x, weight, bias, running_mean, running_var, momentum, eps)
+    out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional(
+        x, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+    return out, mean, rstd
+
+
+@decomposition(aten._batch_norm_with_update.default)
+def _batch_norm_with_update(x, weight, bias, running_mean, running_var, momentum, eps):
+    out, mean, rstd = _batch_norm_update(x, weight, bias, running_mean, running_var, True, momentum, eps)
+    return out, mean, rstd, torch.empty((0,), dtype=torch.uint8, device=x.device)
+
+
+@register(aten.native_batch_norm_backward.default)
+def native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
+    axes = (0,) + tuple(range(2, x.ndim))
+    shape = _channel_shape(x)
+    if train:
+        mean, rstd = upcast(save_mean), upcast(save_invstd)
+    else:
+        mean, rstd = upcast(running_mean), jax.lax.rsqrt(upcast(running_var) + eps)
+    mean, rstd = mean.reshape(shape), rstd.reshape(shape)
+    g, xf = upcast(grad), upcast(x)
+    xhat = (xf - mean) * rstd
+    gx = None
+    if output_mask[0]:
+        gxhat = g * upcast(weight).reshape(shape) if weight is not None else g
+        gx = _normalized_grad(gxhat, xhat, rstd, axes) if train else gxhat * rstd
+        gx = gx.astype(x.dtype)
+    param = weight if weight is not None else x
+    gw = jnp.sum(g * xhat, axis=axes).astype(param.dtype) if output_mask[1] else None
+    gb = jnp.sum(g, axis=axes).astype(param.dtype) if output_mask[2] else None
+    return gx, gw, gb
+
+
+@register(aten.batch_norm_backward.default)
+def batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask, reserve):
+    return native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask)
+
+
+# -- activations -------------------------------------------------------------------
+
+
+@register(aten.relu.default)
+def relu(x):
+    if x.dtype == np.bool_:
+        return x
+    return jnp.where(x > 0, x, jnp.zeros((), x.dtype)) if _dt.is_integral(x.dtype) else jnp.maximum(x, jnp.zeros((), x.dtype))
+
+
+def _gelu(x, approximate="none"):
+    return jax.nn.gelu(x, approximate=approximate == "tanh")
+
+
+float_op(aten.gelu.default)(_gelu)
+float_op(aten.gelu_backward.default)(_unary_backward(_gelu))
+
+
+def _silu(x):
+    return x * jax.nn.sigmoid(x)
+
+
+float_op(aten.silu.default)(_silu)
+float_op(aten.silu_backward.default)(_unary_backward(_silu))
+
+
+def _mish(x):
+    return x * jnp.tanh(jax.nn.softplus(x))
+
+
+float_op(aten.mish.default)(_mish)
+float_op(aten.mish_backward.default)(_unary_backward(_mish))
+
+
+@float_op(aten.elu.default)
+def elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
+    return jnp.where(x > 0, x * scale, jnp.expm1(x * input_scale) * (alpha * scale))
+
+
+@float_op(aten.elu_backward.default)
+def elu_backward(grad, alpha, scale, input_scale, is_result, self_or_result):
+    y = self_or_result
+    if is_result:
+        return jnp.where(y <= 0, grad * input_scale * (y + alpha * scale), grad * scale)
+    return jnp.where(y <= 0, grad * input_scale * alpha * scale * jnp.exp(y * input_scale), grad * scale)
+
+
+@float_op(aten.leaky_relu.default)
+def leaky_relu(x, negative_slope=0.01):
+    return jnp.where(x > 0, x, x * negative_slope)
+
+
+@float_op(aten.leaky_relu_backward.default)
+def leaky_relu_backward(grad, x, negative_slope, self_is_result):
+    return jnp.where(x > 0, grad, grad * negative_slope)
+
+
+@register(aten.hardtanh.default)
+def hardtanh(x, min_val=-1.0, max_val=1.0):
+    if _dt.is_integral(x.dtype):
+        return jnp.clip(x, math.ceil(min_val), math.floor(max_val)).astype(x.dtype)
+    lo, hi = np.asarray(min_val, x.dtype), np.asarray(max_val, x.dtype)
+    return jnp.where(x < lo, lo, jnp.where(x > hi, hi, x))
+
+
+@float_op(aten.hardtanh_backward.default)
+def hardtanh_backward(grad, x, min_val, max_val):
+    return jnp.where((x <= min_val) | (x >= max_val), jnp.zeros((), grad.dtype), grad)
+
+
+@float_op(aten.hardsigmoid.default)
+def hardsigmoid(x):
+    return jnp.clip(x + 3, 0, 6) / 6
+
+
+@float_op(aten.hardsigmoid_backward.default)
+def hardsigmoid_backward(grad, x):
+    return jnp.where((x > -3) & (x < 3), grad / 6, jnp.zeros((), grad.dtype))
+
+
+@float_op(aten.hardswish.default)
+def hardswish(x):
+    return x * jnp.clip(x + 3, 0, 6) / 6
+
+
+@float_op(aten.hardswish_backward.default)
+def hardswish_backward(grad, x):
+    return jnp.where(x < -3, jnp.zeros((), grad.dtype), jnp.where(x <= 3, grad * (x / 3 + 0.5), grad))
+
+
+@float_op(aten.softplus.default)
+def softplus(x, beta=1.0, threshold=20.0):
+    return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
+
+
+@float_op(aten.softplus_backward.default)
+def softplus_backward(grad, x, beta, threshold):
+    z = jnp.exp(x * beta)
+    return jnp.where(x * beta > threshold, grad, grad * z / (z + 1))
+
+
+def _glu(x, dim=-1):
+    a, b = jnp.split(x, 2, axis=canonical_dim(dim, x.ndim))
+    return a * jax.nn.sigmoid(b)
+
+
+@float_op(aten.glu.default)
+def glu(x, dim=-1):
+    d = canonical_dim(dim, x.ndim)
+    if x.shape[d] % 2:
+        raise RuntimeError(f"Halving dimension must be even, but dimension {d} is size {x.shape[d]}")
+    return _glu(x, dim)
+
+
+float_op(aten.glu_backward.default)(_unary_backward(_glu))
+
+
+@float_op(aten.log_sigmoid_forward.default)
+def log_sigmoid_forward(x):
+    return jax.nn.log_sigmoid(x), jnp.zeros((0,), x.dtype)
+
+
+@float_op(aten.log_sigmoid_backward.default)
+def log_sigmoid_backward(grad, x, buffer):
+    return grad * jax.nn.sigmoid(-x)
+
+
+def _prelu(x, weight):
+    return jnp.where(x > 0, x, weight * x)
+
+
+float_op(aten._prelu_kernel.default)(_prelu)
+
+
+@float_op(aten._prelu_kernel_backward.default)
+def _prelu_kernel_backward(grad, x, weight):
+    gx, gw = _vjp(_prelu, (x, weight), grad)
+    return gx, gw
+
+
+@register(aten.threshold.default)
+def threshold(x, threshold, value):
+    return jnp.where(x <= threshold, np.asarray(value).astype(x.dtype), x)
+
+
+@register(aten.threshold_backward.default)
+def threshold_backward(grad, x, threshold):
+    return jnp.where(x <= threshold, jnp.zeros((), grad.dtype), grad)
+
+
+@register(aten.hardshrink.default)
+def hardshrink(x, lambd=0.5):
+    return jnp.where((x >= -lambd) & (x <= lambd), jnp.zeros((), x.dtype), x)
+
+
+@register(aten.hardshrink_backward.default)
+def hardshrink_backward(grad, x, lambd):
+    return jnp.where((x >= -lambd) & (x <= lambd), jnp.zeros((), grad.dtype), grad)
+
+
+@float_op(aten.softshrink.default)
+def softshrink(x, lambd=0.5):
+    return jnp.where(x > lambd, x - lambd, jnp.where(x < -lambd, x + lambd, jnp.zeros((), x.dtype)))
+
+
+@register(aten.softshrink_backward.default)
+def softshrink_backward(grad, x, lambd):
+    return jnp.where((x >= -lambd) & (x <= lambd), jnp.zeros((), grad.dtype), grad)
+
+
+# -- losses ----------------------------------------------------------------------
+
+_NONE, _MEAN, _SUM = 0, 1, 2
+
+
+def _reduce(loss, reduction):
+    if reduction == _MEAN:
+        return jnp.mean(loss)
+    if reduction == _SUM:
+        return jnp.sum(loss)
+    return loss
+
+
+def _loss_op(forward, backward_op):
+    """Register ``forward(x, target, ...)`` elementwise loss and its backward ``(grad, x, target, ...)``."""
+
+    def backward(grad, x, target, *args):
+        return _vjp(lambda a: forward(a, target, *args), (x,), grad)[0]
+
+    float_op(backward_op)(backward)
+    return forward
+
+
+@float_op(aten.mse_loss.default)
+def mse_loss(x, target, reduction=_MEAN):
+    return _reduce(jnp.square(x - target), reduction)
+
+
+_loss_op(mse_loss.compute, aten.mse_loss_backward.default)
+
+
+@float_op(aten.smooth_l1_loss.default)
+def smooth_l1_loss(x, target, reduction=_MEAN, beta=1.0):
+    d = jnp.abs(x - target)
+    if beta == 0:
+        return _reduce(d, reduction)
+    return _reduce(jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta), reduction)
+
+
+_loss_op(smooth_l1_loss.compute, aten.smooth_l1_loss_backward.default)
+
+
+@float_op(aten.huber_loss.default)
+def huber_loss(x, target, reduction=_MEAN, delta=1.0):
+    d = jnp.abs(x - target)
+    return _reduce(jnp.where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta)), reduction)
+
+
+_loss_op(huber_loss.compute, aten.huber_loss_backward.default)
+
+
+@float_op(aten.binary_cross_entropy.default)
+def binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
+    loss = -(target * jnp.maximum(jnp.log(x), -100.0) + (1 - target) * jnp.maximum(jnp.log1p(-x), -100.0))
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction)
+
+
+_loss_op(binary_cross_entropy.compute, aten.binary_cross_entropy_backward.default)
+
+
+@float_op(aten.binary_cross_entropy_with_logits.default)
+def binary_cross_entropy_with_logits(x, target, weight=None, pos_weight=None, reduction=_MEAN):
+    softplus_neg = jnp.log1p(jnp.exp(-jnp.abs(x))) + jnp.maximum(-x, 0)
+    if pos_weight is not None:
+        loss = (1 - target) * x + ((pos_weight - 1) * target + 1) * softplus_neg
+    else:
+        loss = (1 - target) * x + softplus_neg
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction)
+
+
+def _check_targets(target, n_classes, ignore_index):
+    if isinstance(target, jax.core.Tracer) or not _env.config().check_indices or target.size == 0:
+        return
+    t = np.asarray(target)
+    bad = (t != ignore_index) & ((t < 0) | (t >= n_classes))
+    if bad.any():
+        raise IndexError(f"Target {int(t[bad][0])} is out of bounds.")
+
+
+def _nll_parts(x, target, weight, ignore_index):
+    """(per-element picked log-probability, per-element weight) of nll_loss, class dim 1 (0 if 1-d)."""
+    cdim = 0 if x.ndim == 1 else 1
+    _check_targets(target, x.shape[cdim], ignore_index)
+    keep = target != ignore_index
+    safe = jnp.where(keep, target, 0)
+    picked = jnp.take_along_axis(x, jnp.expand_dims(safe, cdim), axis=cdim).squeeze(cdim)
+    w = weight[safe] if weight is not None else jnp.ones((), x.dtype)
+    w = jnp.where(keep, w, jnp.zeros((), x.dtype))
+    return picked, w
+
+
+@float_op(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def nll_loss_forward(x, target, weight, reduction, ignore_index):
+    picked, w = _nll_parts(x, target, weight, ignore_index)
+    loss = -picked * w
+    total = jnp.sum(jnp.broadcast_to(w, loss.shape))
+    if reduction == _NONE:
+        return loss, jnp.zeros((), x.dtype)
+    if reduction == _SUM:
+        return jnp.sum(loss), total
+    return jnp.sum(loss) / total, total
+
+
+@float_op(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight):
+    cdim = 0 if x.ndim == 1 else 1
+    _, w = _nll_parts(x, target, weight, ignore_index)
+    scale = -w * grad
+    if reduction == _MEAN:
+        scale = scale / total_weight
+    onehot = jax.nn.one_hot(jnp.where(target != ignore_index, target, 0), x.shape[cdim], dtype=x.dtype, axis=cdim)
+    return onehot * jnp.expand_dims(jnp.broadcast_to(scale, target.shape), cdim)
+
+
+# -- dropout -------------------------------------------------------------------------
+
+
+@register(aten.native_dropout.default)
+def native_dropout(x, p, train):
+    if train is False or p == 0:
+        return x, jnp.ones(x.shape, np.bool_)
+    if p == 1:
+        return jnp.zeros_like(x), jnp.zeros(x.shape, np.bool_)
+    mask = jax.random.bernoulli(_env.next_key(), 1 - p, x.shape)
+    return (upcast(x) * mask * (1 / (1 - p))).astype(x.dtype), mask
+
+
+@register(aten.native_dropout_backward.default)
+def native_dropout_backward(grad, mask, scale):
+    dtype = _dt.result_type(grad, mask, scale)
+    return (upcast(grad.astype(dtype)) * mask * scale).astype(dtype)
+
+
+# -- attention -------------------------------------------------------------------------
+#
+# F.scaled_dot_product_attention is CompositeImplicitAutograd: on a backend without a
+# fused kernel it splits into ~15 ATen ops (the "math" path) before reaching
+# __torch_dispatch__. A kernel for the AutogradPrivateUse1 key sends it instead to
+# `_scaled_dot_product_fused_attention_overrideable`, the op torch reserves for
+# out-of-tree backends; its derivative is `..._overrideable_backward`, so autograd
+# stays torch's and both ops get one lowering each.
+
+
+def _attention(q, k, v, bias, dropout_p, is_causal, scale, key):
+    """(output, logsumexp) of attention computed in float32 for half inputs."""
+    if k.shape[-3] != q.shape[-3]:
+        k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
+        v = jnp.repeat(v, q.shape[-3] // v.shape[-3], axis=-3)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = jnp.einsum("...qd,...kd->...qk", upcast(q), upcast(k)) * scale
+    if is_causal:
+        s = jnp.where(np.tril(np.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    if bias is not None:
+        s = s + upcast(bias)
+    p = _safe_softmax_compute(s, -1)
+    if dropout_p > 0:
+        p = p * jax.random.bernoulli(key, 1 - dropout_p, p.shape) / (1 - dropout_p)
+    out = jnp.einsum("...qk,...kd->...qd", p, upcast(v)).astype(q.dtype)
+    return out, jax.nn.logsumexp(s, axis=-1)
+
+
+@register(aten._scaled_dot_product_fused_attention_overrideable.default)
+def _sdpa_overrideable(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                       scale=None):
+    key = _env.next_key() if dropout_p > 0 else jax.random.key(0)
+    out, lse = _attention(q, k, v, attn_bias, dropout_p, is_causal, scale, key)
+    seed = jax.random.key_data(key).astype(np.int64)
+    empty = jnp.zeros((0,), np.int64)
+    return out, lse, empty, empty, q.shape[-2], k.shape[-2], seed, empty, jnp.zeros((0,), q.dtype)
+
+
+@register(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+def _sdpa_overrideable_backward(grad, q, k, v, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q, cum_seq_k,
+                                max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    key = jax.random.wrap_key_data(philox_seed.astype(np.uint32))
+    primals = (q, k, v) + ((attn_bias,) if attn_bias is not None else ())
+
+    def forward(*args):
+        bias = args[3] if attn_bias is not None else None
+        return _attention(args[0], args[1], args[2], bias, dropout_p, is_causal, scale, key)[0]
+
+    grads = _vjp(forward, primals, grad)
+    result = [g if wanted else None for g, wanted in zip(grads, grad_input_mask)]
+    return tuple(result) + (None,) * (4 - len(result))
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """The AutogradPrivateUse1 kernel of aten::scaled_dot_product_attention."""
+    if attn_mask is not None and is_causal:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    if k.shape[-3] != q.shape[-3] and not (enable_gqa and q.shape[-3] % k.shape[-3] == 0):
+        raise RuntimeError(
+            f"scaled_dot_product_attention: query has {q.shape[-3]} heads but key has {k.shape[-3]}; "
+            f"pass enable_gqa=True for grouped-query attention"
+        )
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            attn_mask.logical_not(), float("-inf")
+        )
+    return aten._scaled_dot_product_fused_attention_overrideable(
+        q, k, v, attn_mask, dropout_p, is_causal, False, scale=scale
+    )[0]
+
+
+_library = torch.library.Library("aten", "IMPL")
+_library.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")

@@ -1,8 +1,555 @@
-"""Lowerings: reductions ops."""
+"""Lowerings: reductions, scans, sorting and selection.
+
+bf16 / fp16 inputs are reduced in float32 and cast back, as torch does on CPU.
+Extrema propagate NaN and their indices point at the first NaN (or the first
+extremum on ties); sorting puts NaN after every number, as torch does.
+"""
 
 from __future__ import annotations
 
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
+
+from .. import dtypes as _dt
+from .registry import _HALF, canonical_dim, canonical_dims, register
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+
+_LONG = np.dtype(np.int64)
+
+
+# -- helpers -----------------------------------------------------------------
+
+
+def _axes(dim, ndim):
+    """The axes torch's ``dim`` argument reduces: None or [] means every axis."""
+    if dim is None or (not isinstance(dim, int) and len(dim) == 0):
+        return tuple(range(ndim))
+    axes = canonical_dims(dim, ndim)
+    if len(set(axes)) != len(axes):
+        raise RuntimeError(f"dim {axes[0]} appears multiple times in the list of dims")
+    return axes if ndim else ()
+
+
+def _opmath(x):
+    return x.astype(np.float32) if x.dtype in _HALF else x
+
+
+def _torch_name(dtype):
+    return str(_dt.to_torch(dtype)).replace("torch.", "")
+
+
+def _long_if_integral(dtype):
+    """Result dtype of sum / prod / cumsum without ``dtype=``: integers and bool give int64."""
+    return _LONG if _dt.is_integral(dtype, include_bool=True) else np.dtype(dtype)
+
+
+def _out_dtype(x, dtype, default=None):
+    if dtype is not None:
+        return _dt.to_jax(dtype)
+    return default if default is not None else np.dtype(x.dtype)
+
+
+def _require_nonempty(name, x, axes):
+    """torch refuses to reduce an empty dim with an op that has no identity; JAX returns +-inf."""
+    if x.ndim == 0:
+        return
+    for a in axes:
+        if x.shape[a] == 0:
+            raise IndexError(f"{name}(): Expected reduction dim {a} to have non-zero size.")
+
+
+def _require_float(dtype, message):
+    if not (_dt.is_floating(dtype) or _dt.is_complex(dtype)):
+        raise RuntimeError(message)
+
+
+def _size(x, axes):
+    return math.prod(x.shape[a] for a in axes)
+
+
+def _dim_axis(x, dim):
+    """(axis, input) for an op over one dim; a 0-d input is treated as 1-d."""
+    d = canonical_dim(dim, x.ndim)
+    return d, (x.reshape(1) if x.ndim == 0 else x)
+
+
+def _keep(out, x, d, keepdim):
+    """Reshape a result reduced over axis ``d`` of a possibly 0-d input back to torch's shape."""
+    if x.ndim == 0:
+        return out.reshape(())
+    return jnp.expand_dims(out, d) if keepdim else out
+
+
+# -- sums and products -------------------------------------------------------
+
+
+def _sum(x, axes, keepdim, out):
+    return jnp.sum(_opmath(x.astype(out)), axis=axes, keepdims=keepdim).astype(out)
+
+
+@register(aten.sum.default, aten.sum.dim_IntList)
+def sum_(x, dim=None, keepdim=False, *, dtype=None):
+    return _sum(x, _axes(dim, x.ndim), keepdim, _out_dtype(x, dtype, _long_if_integral(x.dtype)))
+
+
+@register(aten.nansum.default)
+def nansum(x, dim=None, keepdim=False, *, dtype=None):
+    if _dt.is_floating(x.dtype):
+        x = jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), x)
+    return sum_(x, dim, keepdim, dtype=dtype)
+
+
+@register(aten.mean.default, aten.mean.dim)
+def mean(x, dim=None, keepdim=False, *, dtype=None):
+    out = _out_dtype(x, dtype)
+    _require_float(
+        out,
+        "mean(): could not infer output dtype. Input dtype must be either a floating point or complex dtype. "
+        f"Got: {_torch_name(out).capitalize()}",
+    )
+    return jnp.mean(_opmath(x.astype(out)), axis=_axes(dim, x.ndim), keepdims=keepdim).astype(out)
+
+
+@register(aten.prod.default, aten.prod.dim_int)
+def prod(x, dim=None, keepdim=False, *, dtype=None):
+    out = _out_dtype(x, dtype, _long_if_integral(x.dtype))
+    return jnp.prod(_opmath(x.astype(out)), axis=_axes(dim, x.ndim), keepdims=keepdim).astype(out)
+
+
+@register(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)
+def count_nonzero(x, dim=None):
+    return jnp.sum(x != 0, axis=_axes(dim, x.ndim), dtype=_LONG)
+
+
+@register(aten.logsumexp.default)
+def logsumexp(x, dim, keepdim=False):
+    out = np.dtype(x.dtype) if not _dt.is_integral(x.dtype, include_bool=True) else _dt.default_float()
+    axes = _axes(dim, x.ndim)
+    if _size(x, axes) == 0:
+        return jnp.full(jnp.sum(x, axis=axes, keepdims=keepdim).shape, -jnp.inf, out)
+    return jax.nn.logsumexp(_opmath(x.astype(out)), axis=axes, keepdims=keepdim).astype(out)
+
+
+# -- extrema -----------------------------------------------------------------
+
+
+def _extreme(name, reduce, x, dim, keepdim):
+    axes = _axes(dim, x.ndim)
+    _require_nonempty(name, x, axes)
+    return reduce(x, axis=axes, keepdims=keepdim)
+
+
+@register(aten.amax.default)
+def amax(x, dim=(), keepdim=False):
+    return _extreme("amax", jnp.max, x, dim, keepdim)
+
+
+@register(aten.amin.default)
+def amin(x, dim=(), keepdim=False):
+    return _extreme("amin", jnp.min, x, dim, keepdim)
+
+
+def _require_numel(name, x):
+    if x.size == 0:
+        raise RuntimeError(
+            f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+            "Specify the reduction dim with the 'dim' argument."
+        )
+
+
+@register(aten.max.default)
+def max_(x):
+    _require_numel("max", x)
+    return jnp.max(x)
+
+
+@register(aten.min.default)
+def min_(x):
+    _require_numel("min", x)
+    return jnp.min(x)
+
+
+def _arg_extreme(name, arg, x, dim, keepdim):
+    """jnp.argmax / argmin give the first NaN, else the first extremum, as torch does."""
+    if dim is None:
+        if x.size == 0:
+            raise IndexError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0.")
+        return arg(x, axis=None, keepdims=keepdim).astype(_LONG)
+    d, x1 = _dim_axis(x, dim)
+    _require_nonempty(name, x1, (d,))
+    return _keep(arg(x1, axis=d), x, d, keepdim).astype(_LONG)
+
+
+@register(aten.argmax.default)
+def argmax(x, dim=None, keepdim=False):
+    return _arg_extreme("argmax", jnp.argmax, x, dim, keepdim)
+
+
+@register(aten.argmin.default)
+def argmin(x, dim=None, keepdim=False):
+    return _arg_extreme("argmin", jnp.argmin, x, dim, keepdim)
+
+
+@register(aten.max.dim)
+def max_dim(x, dim, keepdim=False):
+    return _extreme("max", jnp.max, x, [dim], keepdim), _arg_extreme("max", jnp.argmax, x, dim, keepdim)
+
+
+@register(aten.min.dim)
+def min_dim(x, dim, keepdim=False):
+    return _extreme("min", jnp.min, x, [dim], keepdim), _arg_extreme("min", jnp.argmin, x, dim, keepdim)
+
+
+@register(aten.aminmax.default)
+def aminmax(x, *, dim=None, keepdim=False):
+    axes = _axes(dim if dim is None else [dim], x.ndim)
+    if _size(x, axes) == 0 and x.ndim:
+        raise RuntimeError("aminmax(): cannot compute aminmax over an empty dimension as the operation has no identity.")
+    return jnp.min(x, axis=axes, keepdims=keepdim), jnp.max(x, axis=axes, keepdims=keepdim)
+
+
+# -- variance ----------------------------------------------------------------
+
+
+def _var_mean(x, axes, correction, keepdim):
+    _require_float(x.dtype, "std and var only support floating point and complex dtypes")
+    correction = 1 if correction is None else correction
+    xc = _opmath(x)
+    m = jnp.mean(xc, axis=axes, keepdims=True)
+    d = xc - m
+    sq = jnp.real(d) ** 2 + jnp.imag(d) ** 2 if _dt.is_complex(x.dtype) else d * d
+    var = jnp.sum(sq, axis=axes, keepdims=keepdim) / max(0, _size(x, axes) - correction)
+    if not keepdim:
+        m = jnp.squeeze(m, axes)
+    return var, m
+
+
+def _real_out(x):
+    return _dt.real_of(x.dtype)
+
+
+def _var_std(x, dim, correction, keepdim, sqrt):
+    v, m = _var_mean(x, _axes(dim, x.ndim), correction, keepdim)
+    return (jnp.sqrt(v) if sqrt else v).astype(_real_out(x)), m.astype(x.dtype)
+
+
+@register(aten.var.correction)
+def var(x, dim=None, *, correction=None, keepdim=False):
+    return _var_std(x, dim, correction, keepdim, False)[0]
+
+
+@register(aten.std.correction)
+def std(x, dim=None, *, correction=None, keepdim=False):
+    return _var_std(x, dim, correction, keepdim, True)[0]
+
+
+@register(aten.var_mean.correction)
+def var_mean(x, dim=None, *, correction=None, keepdim=False):
+    return _var_std(x, dim, correction, keepdim, False)
+
+
+@register(aten.std_mean.correction)
+def std_mean(x, dim=None, *, correction=None, keepdim=False):
+    return _var_std(x, dim, correction, keepdim, True)
+
+
+# -- logical -----------------------------------------------------------------
+
+
+def _logical(reduce, x, axes, keepdim):
+    out = x.dtype if x.dtype == np.uint8 else np.bool_
+    return reduce(x != 0, axis=axes, keepdims=keepdim).astype(out)
+
+
+@register(aten.any.default, aten.any.dim)
+def any_(x, dim=None, keepdim=False):
+    return _logical(jnp.any, x, _axes(None if dim is None else [dim], x.ndim), keepdim)
+
+
+@register(aten.all.default, aten.all.dim)
+def all_(x, dim=None, keepdim=False):
+    return _logical(jnp.all, x, _axes(None if dim is None else [dim], x.ndim), keepdim)
+
+
+@register(aten.any.dims)
+def any_dims(x, dim=None, keepdim=False):
+    return _logical(jnp.any, x, _axes(dim, x.ndim) if dim is None or len(dim) else (), keepdim)
+
+
+@register(aten.all.dims)
+def all_dims(x, dim=None, keepdim=False):
+    return _logical(jnp.all, x, _axes(dim, x.ndim) if dim is None or len(dim) else (), keepdim)
+
+
+# -- norms -------------------------------------------------------------------
+
+
+@register(aten.linalg_vector_norm.default)
+def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    _require_float(
+        x.dtype,
+        f"linalg.vector_norm: Expected a floating point or complex tensor as input. Got {_torch_name(x.dtype).capitalize()}",
+    )
+    if dtype is not None:
+        x = x.astype(_dt.to_jax(dtype))
+    out = _real_out(x)
+    axes = _axes(dim, x.ndim)
+    a = jnp.abs(_opmath(x))
+    if ord in (math.inf, -math.inf):
+        _require_nonempty("linalg.vector_norm", x, axes)
+        r = (jnp.max if ord > 0 else jnp.min)(a, axis=axes, keepdims=keepdim)
+    elif ord == 0:
+        r = jnp.sum(a != 0, axis=axes, keepdims=keepdim).astype(a.dtype)
+    elif ord == 1:
+        r = jnp.sum(a, axis=axes, keepdims=keepdim)
+    elif ord == 2:
+        r = jnp.sqrt(jnp.sum(a * a, axis=axes, keepdims=keepdim))
+    else:
+        r = jnp.sum(a**ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+    return r.astype(out)
+
+
+@register(aten.norm.Scalar, aten.norm.ScalarOpt_dtype)
+def norm(x, p=2, *, dtype=None):
+    return linalg_vector_norm(x, 2 if p is None else p, None, False, dtype=dtype)
+
+
+@register(aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype)
+def norm_dim(x, p, dim, keepdim=False, *, dtype=None):
+    return linalg_vector_norm(x, 2 if p is None else p, dim, keepdim, dtype=dtype)
+
+
+# -- scans -------------------------------------------------------------------
+
+
+def _scan(fn, x, dim, dtype):
+    out = _out_dtype(x, dtype, _long_if_integral(x.dtype))
+    d, x1 = _dim_axis(x, dim)
+    return fn(_opmath(x1.astype(out)), axis=d).astype(out).reshape(x.shape)
+
+
+@register(aten.cumsum.default)
+def cumsum(x, dim, *, dtype=None):
+    return _scan(jnp.cumsum, x, dim, dtype)
+
+
+@register(aten.cumprod.default)
+def cumprod(x, dim, *, dtype=None):
+    return _scan(jnp.cumprod, x, dim, dtype)
+
+
+@register(aten.logcumsumexp.default, aten._logcumsumexp.default)
+def logcumsumexp(x, dim):
+    d, x1 = _dim_axis(x, dim)
+    if _dt.is_complex(x.dtype):
+        out = jax.lax.associative_scan(_complex_logaddexp, x1, axis=d)
+    else:
+        out = jax.lax.cumlogsumexp(_opmath(x1), axis=d)
+    return out.astype(x.dtype).reshape(x.shape)
+
+
+def _complex_logaddexp(a, b):
+    m = jnp.where(jnp.real(a) >= jnp.real(b), a, b)
+    n = jnp.where(jnp.real(a) >= jnp.real(b), b, a)
+    finite = jnp.isfinite(jnp.real(m))
+    shifted = jnp.where(finite, n - m, jnp.where(jnp.real(n) == jnp.real(m), n - m, -jnp.inf))
+    return m + jnp.log1p(jnp.exp(shifted))
+
+
+def _cum_extreme(x, dim, better):
+    """cummax / cummin: a later element wins on ties and NaN wins over numbers, as torch's kernel does."""
+    d, x1 = _dim_axis(x, dim)
+    idx = jax.lax.broadcasted_iota(_LONG, x1.shape, d)
+    floating = _dt.is_floating(x.dtype)
+
+    def combine(a, b):
+        (va, ia), (vb, ib) = a, b
+        take_b = better(vb, va) | (vb == va)
+        if floating:
+            take_b = jnp.isnan(vb) | (~jnp.isnan(va) & take_b)
+        return jnp.where(take_b, vb, va), jnp.where(take_b, ib, ia)
+
+    values, indices = jax.lax.associative_scan(combine, (x1, idx), axis=d)
+    return values.reshape(x.shape), indices.reshape(x.shape)
+
+
+@register(aten.cummax.default)
+def cummax(x, dim):
+    return _cum_extreme(x, dim, jnp.greater)
+
+
+@register(aten.cummin.default)
+def cummin(x, dim):
+    return _cum_extreme(x, dim, jnp.less)
+
+
+# -- sorting and selection ---------------------------------------------------
+
+
+def _sort(x, d, descending):
+    """Stable sort along axis ``d``: (values, int64 indices); NaN sorts above every number."""
+    key = jnp.where(x == 0, jnp.zeros((), x.dtype), x) if _dt.is_floating(x.dtype) else x
+    iota = jax.lax.broadcasted_iota(_LONG, x.shape, d)
+    if descending:
+        # Ascending on (key, -index), then reversed: descending keys, ties in index order.
+        _, neg, values = jax.lax.sort((key, -iota, x), dimension=d, num_keys=2)
+        return jnp.flip(values, d), -jnp.flip(neg, d)
+    _, indices, values = jax.lax.sort((key, iota, x), dimension=d, num_keys=1, is_stable=True)
+    return values, indices
+
+
+@register(aten.sort.default)
+def sort(x, dim=-1, descending=False):
+    d, x1 = _dim_axis(x, dim)
+    values, indices = _sort(x1, d, descending)
+    return values.reshape(x.shape), indices.reshape(x.shape)
+
+
+@register(aten.sort.stable)
+def sort_stable(x, *, stable=None, dim=-1, descending=False):
+    return sort(x, dim, descending)
+
+
+@register(aten.topk.default)
+def topk(x, k, dim=-1, largest=True, sorted=True):
+    d, x1 = _dim_axis(x, dim)
+    if not 0 <= k <= x1.shape[d]:
+        raise RuntimeError("selected index k out of range")
+    values, indices = _sort(x1, d, largest)
+    values, indices = jax.lax.slice_in_dim(values, 0, k, axis=d), jax.lax.slice_in_dim(indices, 0, k, axis=d)
+    if x.ndim == 0:
+        return values.reshape(()), indices.reshape(())
+    return values, indices
+
+
+def _pick(values, indices, pos, x, d, keepdim):
+    """The entries at position ``pos`` (int or array broadcast against the reduced shape) along axis ``d``."""
+    pos = jnp.broadcast_to(jnp.asarray(pos, _LONG), values.shape[:d] + (1,) + values.shape[d + 1 :])
+    v = jnp.take_along_axis(values, pos, axis=d)
+    i = jnp.take_along_axis(indices, pos, axis=d)
+    if x.ndim == 0:
+        return v.reshape(()), i.reshape(())
+    if not keepdim:
+        v, i = jnp.squeeze(v, d), jnp.squeeze(i, d)
+    return v, i
+
+
+@register(aten.kthvalue.default)
+def kthvalue(x, k, dim=-1, keepdim=False):
+    d, x1 = _dim_axis(x, dim)
+    if not 1 <= k <= x1.shape[d]:
+        raise RuntimeError(f"kthvalue(): selected number k out of range for dimension {dim}")
+    values, indices = _sort(x1, d, False)
+    return _pick(values, indices, k - 1, x, d, keepdim)
+
+
+def _median(x, dim, keepdim, ignore_nan):
+    d, x1 = _dim_axis(x, dim)
+    _require_nonempty("nanmedian" if ignore_nan else "median", x1, (d,))
+    values, indices = _sort(x1, d, False)
+    n = x1.shape[d]
+    if not _dt.is_floating(x.dtype):
+        return _pick(values, indices, (n - 1) // 2, x, d, keepdim)
+    nan = jnp.isnan(x1)
+    if ignore_nan:
+        count = jnp.sum(~nan, axis=d, keepdims=True)
+        return _pick(values, indices, jnp.maximum(count - 1, 0) // 2, x, d, keepdim)
+    v, i = _pick(values, indices, (n - 1) // 2, x, d, keepdim)
+    has_nan = _keep(jnp.any(nan, axis=d), x, d, keepdim)
+    first_nan = _keep(jnp.argmax(nan, axis=d), x, d, keepdim).astype(_LONG)
+    return jnp.where(has_nan, jnp.array(jnp.nan, x.dtype), v), jnp.where(has_nan, first_nan, i)
+
+
+@register(aten.median.dim)
+def median_dim(x, dim, keepdim=False):
+    return _median(x, dim, keepdim, False)
+
+
+@register(aten.nanmedian.dim)
+def nanmedian_dim(x, dim, keepdim=False):
+    return _median(x, dim, keepdim, True)
+
+
+@register(aten.median.default)
+def median(x):
+    if x.size == 0:
+        return jnp.full((), jnp.nan, x.dtype)
+    return _median(x.reshape(-1), 0, False, False)[0]
+
+
+@register(aten.nanmedian.default)
+def nanmedian(x):
+    if x.size == 0:
+        return jnp.full((), jnp.nan, x.dtype)
+    return _median(x.reshape(-1), 0, False, True)[0]
+
+
+@register(aten.mode.default)
+def mode(x, dim=-1, keepdim=False):
+    """The smallest most frequent value, and the last index holding it (torch's CPU kernel)."""
+    d, x1 = _dim_axis(x, dim)
+    _require_nonempty("mode", x1, (d,))
+    n = x1.shape[d]
+    s = jnp.moveaxis(_sort(x1, d, False)[0], d, -1)
+    pos = jnp.arange(n)
+    new_run = jnp.concatenate([jnp.ones(s.shape[:-1] + (1,), bool), s[..., 1:] != s[..., :-1]], axis=-1)
+    run_start = jax.lax.cummax(jnp.where(new_run, pos, 0), axis=s.ndim - 1)
+    ends_run = jnp.concatenate([s[..., 1:] != s[..., :-1], jnp.ones(s.shape[:-1] + (1,), bool)], axis=-1)
+    run_len = jnp.where(ends_run, pos - run_start + 1, 0)
+    best = jnp.argmax(run_len, axis=-1)
+    value = jnp.take_along_axis(s, best[..., None], axis=-1)
+    last = jnp.max(jnp.where(jnp.moveaxis(x1, d, -1) == value, pos, -1), axis=-1)
+    value = jnp.squeeze(value, -1)
+    return _keep(value, x, d, keepdim), _keep(last, x, d, keepdim).astype(_LONG)
+
+
+# -- prims -------------------------------------------------------------------
+
+
+def _prim_axes(dims, ndim):
+    return tuple(range(ndim)) if dims is None else canonical_dims(dims, ndim)
+
+
+def _prim_out(x, output_dtype):
+    return _dt.to_jax(output_dtype) if output_dtype is not None else np.dtype(x.dtype)
+
+
+@register(prims.sum.default)
+def prim_sum(x, dims, *, output_dtype=None):
+    out = _prim_out(x, output_dtype)
+    return jnp.sum(_opmath(x), axis=_prim_axes(dims, x.ndim)).astype(out)
+
+
+@register(prims.prod.default)
+def prim_prod(x, dims, *, output_dtype=None):
+    out = _prim_out(x, output_dtype)
+    return jnp.prod(_opmath(x), axis=_prim_axes(dims, x.ndim)).astype(out)
+
+
+@register(prims.amax.default)
+def prim_amax(x, dims, *, output_dtype=None):
+    return jnp.max(x, axis=_prim_axes(dims, x.ndim)).astype(_prim_out(x, output_dtype))
+
+
+@register(prims.amin.default)
+def prim_amin(x, dims, *, output_dtype=None):
+    return jnp.min(x, axis=_prim_axes(dims, x.ndim)).astype(_prim_out(x, output_dtype))
+
+
+@register(prims.var.default)
+def prim_var(x, dims, correction=1, *, output_dtype=None):
+    out = _prim_out(x, output_dtype) if output_dtype is not None else _real_out(x)
+    return _var_mean(x, _prim_axes(dims, x.ndim), correction, False)[0].astype(out)
+
+
+@register(prims.xor_sum.default)
+def prim_xor_sum(x, dims, *, output_dtype=None):
+    axes = _prim_axes(dims, x.ndim)
+    out = jax.lax.reduce(x, np.zeros((), x.dtype), jax.lax.bitwise_xor, axes)
+    return out.astype(_prim_out(x, output_dtype))

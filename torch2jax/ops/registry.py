@@ -26,11 +26,14 @@ from .. import dtypes as _dt
 
 LOWERINGS: dict = {}
 VIEWS: dict = {}
+DECOMPOSITIONS: dict = {}
 
 
 def _overloads(op):
     if isinstance(op, torch._ops.OpOverloadPacket):
-        return [getattr(op, name) for name in op.overloads()]
+        # In-place and out= overloads are served by dispatch from the functional one.
+        overloads = [getattr(op, name) for name in op.overloads()]
+        return [o for o in overloads if not o._schema.is_mutable]
     return [op]
 
 
@@ -57,6 +60,20 @@ def view(*ops, inverse):
         for op in ops:
             for overload in _overloads(op):
                 VIEWS[overload] = (fn, inverse)
+        return fn
+
+    return deco
+
+
+def decomposition(*ops):
+    """Register a decomposition of ``ops``: a function over torch tensors (not arrays)
+    that calls other ATen ops, used in place of torch's own decomposition. For ops
+    that mutate tensors a lowering cannot reach (batch norm's running statistics)."""
+
+    def deco(fn):
+        for op in ops:
+            for overload in _overloads(op):
+                DECOMPOSITIONS[overload] = fn
         return fn
 
     return deco
