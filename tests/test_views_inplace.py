@@ -273,3 +273,25 @@ def test_write_to_expanded_view_errors_like_torch():
     x = torch.zeros(1, 4, device="jax")
     with pytest.raises(RuntimeError, match="more than one element"):
         x.expand(3, 4).fill_(1)
+
+
+def p_inplace_view_ops(x):
+    y = x.clone()
+    y.unsqueeze_(0)
+    y.squeeze_(0)
+    y.t_()
+    y.transpose_(0, 1)
+    return y
+
+
+def test_inplace_metadata_ops_match_torch():
+    run_both(p_inplace_view_ops, (3, 4))
+
+
+def test_out_argument_is_resized_like_torch():
+    out = torch.empty(0, dtype=torch.int64, device="jax")
+    torch.arange(0, 5, out=out)
+    assert out.tolist() == [0, 1, 2, 3, 4]
+    x = torch.arange(6.0, device="jax")
+    x.resize_(2, 3)
+    assert x.shape == (2, 3) and x.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]

@@ -180,8 +180,12 @@ def _choose(func):
         if _has_composite(func):
             return _composite_handler, "decomposition"
         return _generic_view_handler, "lowering"
+    if func is aten.resize_.default:
+        return _resize_handler, "lowering"
     if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
         functional = functional_variant(func)
+        if functional is not None and functional.is_view:
+            return _inplace_view_handler(functional), "functional"
         if functional is not None:
             return _mutation_handler(func, functional), "functional"
     decomp = _decomposition(func)
@@ -198,6 +202,8 @@ DECOMPOSITION_DENYLIST: set = set()
 def _decomposition(func):
     from torch._decomp import decomposition_table
 
+    if func in _reg.DECOMPOSITIONS:
+        return _reg.DECOMPOSITIONS[func]
     if func in DECOMPOSITION_DENYLIST:
         return None
     return decomposition_table.get(func)
@@ -394,17 +400,20 @@ def functional_variant(func):
     else:
         return None
     n_out = len(mutated)
+    overloads = []
     for cand in candidates:
         packet = getattr(ns, cand, None)
-        if packet is None:
-            continue
-        for overload_name in packet.overloads():
-            op = getattr(packet, overload_name)
-            s = op._schema
-            if s.is_mutable or len(s.returns) < n_out:
-                continue
-            if [str(a.type) for a in s.arguments] == want:
-                return op
+        if packet is not None:
+            overloads += [getattr(packet, name) for name in packet.overloads()]
+    overloads = [op for op in overloads if not op._schema.is_mutable and len(op._schema.returns) >= n_out]
+    for op in overloads:
+        if [str(a.type) for a in op._schema.arguments] == want:
+            return op
+    # Factories' out= overloads lack the dtype/layout/device keywords: match positionally.
+    positional = [str(a.type) for i, a in enumerate(schema.arguments) if i not in mutated and not a.kwarg_only]
+    for op in overloads:
+        if [str(a.type) for a in op._schema.arguments if not a.kwarg_only] == positional:
+            return op
     return None
 
 
@@ -433,16 +442,41 @@ def _mutation_handler(func, functional):
     return run
 
 
+def _inplace_view_handler(view_op):
+    """``unsqueeze_``, ``t_``, ``as_strided_``...: the tensor becomes the view."""
+
+    def run(func, args, kwargs):
+        args[0]._rebind(dispatch(view_op, args, kwargs))
+        return args[0]
+
+    return run
+
+
+def _resize_handler(func, args, kwargs):
+    x, size = args[0], tuple(args[1])
+    if tuple(x.shape) != size:
+        flat = x._value().reshape(-1)
+        n = int(np.prod(size, dtype=np.int64))
+        if n > flat.shape[0]:
+            flat = jax.numpy.concatenate([flat, jax.numpy.zeros(n - flat.shape[0], flat.dtype)])
+        x._rebind(new_tensor(flat[:n].reshape(size)))
+    return x
+
+
 def write(target, value, func, resize=False):
     """Write array ``value`` into tensor ``target`` as op ``func`` does (cast, shape checks)."""
     if not isinstance(target, Tensor):
         raise OpError(f"torch2jax: {func} writes into a tensor on {target.device}; expected the jax device")
     if tuple(value.shape) != tuple(target.shape):
         if resize:
-            raise OpError(
-                f"torch2jax: {func}: out= tensor has shape {list(target.shape)} but the result has shape "
-                f"{list(value.shape)}; torch2jax cannot resize tensors, pass an out tensor of the result's shape"
-            )
+            if target.numel():
+                warnings.warn(
+                    f"An output with one or more elements was resized since it had shape {list(target.shape)}, "
+                    f"which does not match the required output shape {list(value.shape)}.",
+                    stacklevel=5,
+                )
+            target._rebind(new_tensor(value.astype(_dt.to_jax(target.dtype))))
+            return
         raise TorchRuntimeError(
             f"output with shape {list(target.shape)} doesn't match the broadcast shape {list(value.shape)}"
         )

@@ -166,7 +166,8 @@ def manual_seed(seed: int) -> None:
 
 
 def rng_state_bytes() -> torch.Tensor:
-    data = np.asarray(jax.random.key_data(default_rng.key)).astype(np.uint32)
+    with jax.ensure_compile_time_eval():
+        data = np.asarray(jax.random.key_data(default_rng.key)).astype(np.uint32)
     return torch.from_numpy(data.view(np.uint8).copy())
 
 

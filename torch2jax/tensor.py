@@ -159,11 +159,16 @@ class Tensor(torch.Tensor):
     def data(self, value):
         # torch's setter copies only the C++ metadata (shape, dtype); the value lives
         # on the Python side, so it is re-pointed here too.
-        torch.Tensor.data.__set__(self, value)
-        self._t2j_storage = value._t2j_storage
-        self._t2j_view = value._t2j_view
-        self._t2j_cache = value._t2j_cache
-        self._t2j_version = value._t2j_version
+        self._rebind(value)
+
+    def _rebind(self, other: "Tensor") -> None:
+        """Make this tensor another view of ``other``'s value, with ``other``'s shape,
+        strides and dtype (resize_, unsqueeze_, t_, ``out=`` resizing, ``.data =``)."""
+        torch.Tensor.data.__set__(self, other)
+        self._t2j_storage = other._t2j_storage
+        self._t2j_view = other._t2j_view
+        self._t2j_cache = other._t2j_cache
+        self._t2j_version = other._t2j_version
 
     def tolist(self):
         return self.cpu().tolist()
@@ -211,11 +216,11 @@ def torch_cpu(array) -> torch.Tensor:
     dtype = _dt.to_torch(array.dtype)
     host = np.asarray(jax.device_get(array))
     if dtype in (torch.bfloat16,) or host.dtype.kind == "V" or dtype.is_floating_point and dtype.itemsize == 1:
-        bits = np.ascontiguousarray(host).view(np.uint16 if dtype.itemsize == 2 else np.uint8)
-        return torch.from_numpy(bits.copy()).view(dtype)
+        bits = np.array(host, order="C", copy=True).view(np.uint16 if dtype.itemsize == 2 else np.uint8)
+        return torch.from_numpy(bits).view(dtype)
     if dtype in (torch.uint16, torch.uint32, torch.uint64):
         signed = {2: np.int16, 4: np.int32, 8: np.int64}[dtype.itemsize]
-        return torch.from_numpy(np.ascontiguousarray(host).view(signed).copy()).view(dtype)
+        return torch.from_numpy(np.array(host, order="C", copy=True).view(signed)).view(dtype)
     return torch.from_numpy(np.array(host, copy=True))
 
 

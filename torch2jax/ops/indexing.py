@@ -63,6 +63,10 @@ def _index_out_of_range_in_self(i):
     return IndexError("index out of range in self")
 
 
+def _flat_out_of_range(n):
+    return lambda i: IndexError(f"out of range: tried to access index {i} on a tensor of {n} elements.")
+
+
 def _value(v, dtype):
     """A scalar argument (Python number or 0-d array) as a 0-d array of ``dtype``."""
     return v.astype(dtype) if hasattr(v, "dtype") else jnp.asarray(as_dtype(v, dtype))
@@ -344,7 +348,7 @@ def index_reduce(x, dim, index, source, reduce, *, include_self=True):
 @register(aten.take.default)
 def take(x, index):
     n = x.size
-    _check_range(index, n, lambda i: IndexError(f"out of range: tried to access index {i} on a tensor of {n} elements."))
+    _check_range(index, n, _flat_out_of_range(n))
     if n == 0:
         return jnp.zeros(index.shape, x.dtype)
     return x.reshape(-1)[index]
@@ -353,7 +357,7 @@ def take(x, index):
 @register(aten.put.default)
 def put(x, index, source, accumulate=False):
     n = x.size
-    _check_range(index, n, lambda i: IndexError(f"out of range: tried to access index {i} on a tensor of {n} elements."))
+    _check_range(index, n, _flat_out_of_range(n))
     ref = x.reshape(-1).at[index.reshape(-1)]
     src = source.reshape(-1).astype(x.dtype)
     return (_accumulate(ref, src, x.dtype) if accumulate else ref.set(src)).reshape(x.shape)

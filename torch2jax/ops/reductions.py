@@ -210,7 +210,9 @@ def min_dim(x, dim, keepdim=False):
 def aminmax(x, *, dim=None, keepdim=False):
     axes = _axes(dim if dim is None else [dim], x.ndim)
     if _size(x, axes) == 0 and x.ndim:
-        raise RuntimeError("aminmax(): cannot compute aminmax over an empty dimension as the operation has no identity.")
+        raise RuntimeError(
+            "aminmax(): cannot compute aminmax over an empty dimension as the operation has no identity."
+        )
     return jnp.min(x, axis=axes, keepdims=keepdim), jnp.max(x, axis=axes, keepdims=keepdim)
 
 
@@ -294,7 +296,8 @@ def all_dims(x, dim=None, keepdim=False):
 def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     _require_float(
         x.dtype,
-        f"linalg.vector_norm: Expected a floating point or complex tensor as input. Got {_torch_name(x.dtype).capitalize()}",
+        "linalg.vector_norm: Expected a floating point or complex tensor as input. "
+        f"Got {_torch_name(x.dtype).capitalize()}",
     )
     if dtype is not None:
         x = x.astype(_dt.to_jax(dtype))
