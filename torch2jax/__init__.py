@@ -9,6 +9,7 @@
 
 from . import device as _device
 from . import ops as _ops
+from . import pytree as _pytree  # noqa: F401
 from .dispatch import OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed
 from .tensor import Tensor
