@@ -169,3 +169,16 @@ def lift_fresh_copy(x, *size):
 @register(aten.copy)
 def copy(x, src, non_blocking=False):
     return jnp.broadcast_to(src.astype(x.dtype), x.shape)
+
+
+@register(aten._local_scalar_dense)
+def _local_scalar_dense(x):
+    """``t.item()``: a Python number; impossible while ``t`` is being traced."""
+    if isinstance(x, jax.core.Tracer):
+        from ..dispatch import OpError
+
+        raise OpError(
+            "torch2jax: .item() (aten._local_scalar_dense) needs a concrete value, but the tensor is traced "
+            "inside jit; return the tensor from the jitted function and call .item() outside"
+        )
+    return np.asarray(x).item()
