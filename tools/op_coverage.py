@@ -2,6 +2,9 @@
 
     python tools/op_coverage.py [--jobs 2] [name-substring ...]
 
+With name filters, only matching ops are re-run and merged into the earlier
+results kept in docs/op_coverage.json.
+
 For every (op, dtype, mode) case of tests/test_opinfo.py it counts passing
 samples; a case with any failing sample becomes a strict xfail with the first
 error as its reason. Cases run in worker processes, so one crash cannot stop
@@ -13,12 +16,14 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures as cf
+import json
 import os
 import sys
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+RESULTS = os.path.join(ROOT, "docs", "op_coverage.json")
 
 
 def _run_case(case):
@@ -74,12 +79,22 @@ def main():
     cases = [tuple(p.values) for p in T.cases()]
     if args.filters:
         cases = [c for c in cases if any(f in c[0] for f in args.filters)]
-    results = {}
+    results = load_results() if args.filters else {}
     with cf.ProcessPoolExecutor(args.jobs, max_tasks_per_child=200) as ex:
         for case, passed, total, reason in ex.map(_run_case, cases, chunksize=8):
             results[case] = (passed, total, reason)
+    with open(RESULTS, "w") as f:
+        json.dump(sorted([list(case) + list(r) for case, r in results.items()]), f, indent=0)
     write_xfails(results)
     write_doc(results)
+
+
+def load_results():
+    """Earlier results, so that a run over a few ops updates the report instead of replacing it."""
+    if not os.path.exists(RESULTS):
+        return {}
+    with open(RESULTS) as f:
+        return {tuple(row[:3]): tuple(row[3:]) for row in json.load(f)}
 
 
 def write_xfails(results):
