@@ -48,7 +48,7 @@ def _check_divisor(b):
 
 
 def _promoted(kind, *operands):
-    """Operands (None kept) promoted as torch would, the result dtype, and the opmath compute dtype."""
+    """(operands promoted to torch's compute dtype, float32 for half types; None kept, result dtype)."""
     compute, result = promote(kind, [a for a in operands if a is not None])
     if compute in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
         compute = np.dtype(np.float32)
@@ -210,19 +210,19 @@ def _alpha(alpha, x, y, name):
     if alpha == 1:
         return y
     if _is_int(x) and isinstance(alpha, float):
-        raise OpError(f"torch2jax: {name}: For integral input tensors, argument alpha must not be a floating point number.")
+        raise OpError(
+            f"torch2jax: {name}: For integral input tensors, argument alpha must not be a floating point number."
+        )
     if _is_bool(x) and not isinstance(alpha, bool):
         raise OpError(f"torch2jax: {name}: Boolean alpha only supported for Boolean results.")
     return as_dtype(alpha, x.dtype) * y
 
 
-@elementwise(aten.add)
+@elementwise(aten.add, prims.add)
 def add(x, y, alpha=1):
     y = _alpha(alpha, x, y, "add")
     return jnp.logical_or(x, y) if _is_bool(x) else x + y
 
-
-elementwise(prims.add)(add.compute)
 
 
 def _check_sub(x, name):
@@ -254,6 +254,8 @@ def _trunc_div(a, b):
     if _is_int(a):
         _check_divisor(b)
         return lax.div(*jnp.broadcast_arrays(a, b))
+    if a.dtype in (jnp.float16, jnp.bfloat16):  # torch rounds the quotient to the half type before truncating
+        return jnp.trunc((a.astype(np.float32) / b.astype(np.float32)).astype(a.dtype))
     return jnp.trunc(a / b)
 
 
@@ -277,7 +279,7 @@ def div(a, b):
     return a / b
 
 
-_div_trunc = elementwise()(_trunc_div)
+_div_trunc = elementwise(opmath=False)(_trunc_div)
 floor_divide = elementwise(aten.floor_divide)(_floor_div)
 
 
@@ -327,9 +329,9 @@ def _int_pow(x, e):
 
 @elementwise(aten.pow, prims.pow)
 def power(x, e):
-    if isinstance(e, np.ndarray) and e.ndim == 0 and not _is_bool(x):  # a Python-number exponent: torch's special cases
+    if isinstance(e, np.ndarray) and e.ndim == 0 and not _is_bool(x):  # a Python-number exponent
         v = e.item()
-        if _is_int(x) and not _is_bool(x):
+        if _is_int(x):
             if v < 0:
                 raise OpError("torch2jax: Integers to negative integer powers are not allowed.")
             return lax.integer_pow(x, v) if v < 2**31 else jnp.power(x, e)
@@ -425,7 +427,8 @@ def gcd(a, b):
 @elementwise(aten.lcm)
 def lcm(a, b):
     g = jnp.gcd(a, b)
-    return jnp.where(g == 0, jnp.zeros((), a.dtype), jnp.abs(lax.div(*jnp.broadcast_arrays(a, jnp.where(g == 0, 1, g))) * b))
+    quotient = lax.div(*jnp.broadcast_arrays(a, jnp.where(g == 0, 1, g)))
+    return jnp.where(g == 0, jnp.zeros((), a.dtype), jnp.abs(quotient * b))
 
 
 @register(aten.frexp.Tensor, prims.frexp)
@@ -444,11 +447,9 @@ def clamp(x, min=None, max=None):  # noqa: A002 - torch's argument names
     (x, lo, hi), result = _promoted("default", x, min, max)
     _reject_complex("clamp", x)
     if lo is not None:
-        out = jnp.maximum(x, lo)
-        x = jnp.where(jnp.isnan(x), x, out) if not _is_int(x) else out
+        x = jnp.maximum(x, lo)  # jnp.maximum / minimum propagate NaN, as torch's clamp
     if hi is not None:
-        out = jnp.minimum(x, hi)
-        x = jnp.where(jnp.isnan(x), x, out) if not _is_int(x) else out
+        x = jnp.minimum(x, hi)
     return x.astype(result)
 
 
@@ -539,7 +540,9 @@ def logical_not(x):
 
 def _reject_float(name, x):
     if not _is_int(x):
-        raise OpError(f'torch2jax: "{name}" is only implemented for integer and bool tensors, got {_dt.to_torch(x.dtype)}')
+        raise OpError(
+            f'torch2jax: "{name}" is only implemented for integer and bool tensors, got {_dt.to_torch(x.dtype)}'
+        )
 
 
 @elementwise(aten.bitwise_and, prims.bitwise_and, aten.__and__)
@@ -576,7 +579,7 @@ def _shift_out_of_range(x, s):
 def bitwise_left_shift(x, s):
     """Shifts by a negative amount or by the bit width or more give 0, as torch."""
     _reject_float("bitwise_left_shift", x)
-    out_of_range, bits = _shift_out_of_range(x, s)
+    out_of_range, _ = _shift_out_of_range(x, s)
     shifted = lax.shift_left(*jnp.broadcast_arrays(x, jnp.where(out_of_range, jnp.zeros((), s.dtype), s)))
     return jnp.where(out_of_range, jnp.zeros((), x.dtype), shifted)
 
@@ -671,13 +674,20 @@ def angle(x):
     return out.astype(result)
 
 
+def _check_complex_parts(part):
+    if part.dtype == jnp.float16:
+        raise OpError("torch2jax: complex32 (torch.chalf) has no JAX equivalent; use float32 parts")
+
+
 @register(aten.polar)
 def polar(magnitude, phase):
+    _check_complex_parts(magnitude)
     return lax.complex(*jnp.broadcast_arrays(magnitude * jnp.cos(phase), magnitude * jnp.sin(phase)))
 
 
 @register(aten.complex)
 def complex_from_parts(real, imag):
+    _check_complex_parts(real)
     return lax.complex(*jnp.broadcast_arrays(real, imag))
 
 

@@ -14,6 +14,7 @@ so do we, assuming a contiguous ``A``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -73,6 +74,8 @@ def _mm(a, b):
 
 
 def _bmm(a, b):
+    if a.shape[0] == 1:  # einsum and tensordot often reach bmm with a batch of one
+        return _mm(a[0], b[0])[None]
     return _dot(a, b, ((2,), (1,)), ((0,), (0,)))
 
 
@@ -669,13 +672,106 @@ def ormqr(a, tau, c, left=True, transpose=False):
     return jnp.matmul(q, c, precision=_precision()) if left else jnp.matmul(c, q, precision=_precision())
 
 
+# Taylor-type approximants of degree 1, 2, 4, 8, 12, 18 and the 1-norm bounds up to which each
+# is accurate, as in torch (Bader, Blanes & Casas, "Computing the matrix exponential with an
+# optimized Taylor polynomial approximation", Mathematics 7 (2019) 1174).
+_EXP_THETAS = {
+    np.dtype(np.float32): (1.192092800768788e-07, 5.978858893805233e-04, 5.116619363445086e-02,
+                           5.800524627688768e-01, 1.461661507209034e00, 3.010066362817634e00),
+    np.dtype(np.float64): (2.220446049250313e-16, 2.580956802971767e-08, 3.397168839976962e-04,
+                           4.991228871115323e-02, 2.996158913811580e-01, 1.090863719290036e00),
+}
+_EXP_B12 = np.array([
+    [9.0198e-16, 0.46932117595418237389, -0.20099424927047284052, -0.04623946134063071740],
+    [5.31597895759871264183, 1.19926790417132231573, 0.01179296240992997031, 0.01108844528519167989],
+    [0.18188869982170434744, 0.05502798439925399070, 0.09351590770535414968, 0.00610700528898058230],
+    [-2.0861320e-13, -0.13181061013830184015, -0.02027855540589259079, -0.00675951846863086359],
+])
+_EXP_B18 = np.array([
+    [0.0, -1.00365581030144618291e-01, -8.02924648241156932449e-03, -8.92138498045729985177e-04, 0.0],
+    [0.0, 3.97849749499645077844e-01, 1.36783778460411720168e00, 4.98289622525382669416e-01,
+     -6.37898194594723280150e-04],
+    [-1.09676396052962061844e01, 1.68015813878906206114e00, 5.71779846478865511061e-02,
+     -6.98210122488052056106e-03, 3.34975017086070470649e-05],
+    [-9.04316832390810593223e-02, -6.76404519071381882256e-02, 6.75961301770459654925e-02,
+     2.95552570429315521194e-02, -1.39180257516060693404e-05],
+    [0.0, 0.0, -9.23364619367118555360e-02, -1.69364939002081722752e-02, -1.40086798182036094347e-05],
+])
+
+
+def _combine(coeffs, mats, dtype):
+    """Rows of ``coeffs`` (numbers) times the stacked matrices ``mats``."""
+    c = np.asarray(coeffs, _dt.real_of(dtype)).astype(dtype)
+    return [sum(ci * m for ci, m in zip(row, mats) if ci != 0) for row in c]
+
+
+def _exp_taylor(a, degree):
+    mm = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    if degree == 1:
+        return eye + a
+    a2 = mm(a, a)
+    if degree == 2:
+        return eye + a + a2 / 2
+    if degree == 4:
+        return eye + a + mm(a2, eye / 2 + a / 6 + a2 / 24)
+    if degree == 8:
+        r = 0.1330413469565007072504e2  # sqrt(177)
+        x3 = 2.0 / 3.0
+        x1, x2 = x3 * ((1.0 + r) / 88.0), x3 * ((1.0 + r) / 352.0)
+        x4, x5 = (-271.0 + 29.0 * r) / (315.0 * x3), (-11.0 + 11.0 * r) / (1260.0 * x3)
+        x6, x7 = (-99.0 + 11.0 * r) / (5040.0 * x3), (89.0 - r) / (5040.0 * x3)
+        y2 = (857.0 - 58.0 * r) / 630.0
+        (x1, x2, x3, x4, x5, x6, x7, y2) = (float(np.asarray(v, _dt.real_of(a.dtype)))
+                                              for v in (x1, x2, x3, x4, x5, x6, x7, y2))
+        a4 = mm(a2, x1 * a + x2 * a2)
+        a8 = mm(x3 * a2 + a4, x4 * eye + x5 * a + x6 * a2 + x7 * a4)
+        return eye + a + y2 * a2 + a8
+    a3 = mm(a, a2)
+    if degree == 12:
+        b = _combine(_EXP_B12, [eye, a, a2, a3], a.dtype)
+        b2 = b[2] + mm(b[3], b[3])
+        return b[0] + mm(b[1] + b2, b2)
+    b = _combine(_EXP_B18, [eye, a, a2, a3, mm(a3, a3)], a.dtype)
+    b3 = b[3] + mm(b[0], b[4])
+    return b[1] + mm(b[2] + b3, b3)
+
+
+def _exp_scaled(a, norm, theta):
+    """Degree 18 on ``a / 2^s`` with ``norm / 2^s <= theta``, then squared ``s`` times."""
+    s = jnp.maximum(0, jnp.ceil(jnp.log2(norm / theta))).astype(np.int32)
+    scale = jnp.exp2(s.astype(_dt.real_of(a.dtype))).astype(a.dtype)
+    out = _exp_taylor(a / scale[..., None, None], 18)
+
+    def cond(state):
+        return jnp.any(state[0] < s)
+
+    def square(state):
+        i, m = state
+        return i + 1, jnp.where((i < s)[..., None, None], jnp.matmul(m, m, precision=lax.Precision.HIGHEST), m)
+
+    return lax.while_loop(cond, square, (jnp.zeros((), np.int32), out))[1]
+
+
 @register(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(a):
+    """torch's algorithm: the cheapest Taylor approximant accurate for each matrix's 1-norm."""
     if a.shape[-1] == 0:
         return a
-    if a.dtype in _HALF:
-        return jax.scipy.linalg.expm(a.astype(np.float32)).astype(a.dtype)
-    return jax.scipy.linalg.expm(a)
+    if a.shape[-1] == 1:
+        return jnp.exp(a)
+    dtype = a.dtype
+    if dtype in _HALF:
+        a = a.astype(np.float32)
+    thetas = _EXP_THETAS[np.dtype(_dt.real_of(a.dtype))]
+    norm = jnp.max(jnp.sum(jnp.abs(a), axis=-2), axis=-1)
+    out = _exp_scaled(a, norm, thetas[5])
+    low = -1.0
+    for degree, high in zip((1, 2, 4, 8, 12), thetas[:5]):
+        pick = (low < norm) & (norm <= high) & (norm < thetas[4])
+        out = jnp.where(pick[..., None, None], _exp_taylor(a, degree), out)
+        low = high
+    return out.astype(dtype)
 
 
 @register(aten.linalg_pinv.atol_rtol_tensor)

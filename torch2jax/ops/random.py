@@ -1,8 +1,351 @@
-"""Lowerings: random ops."""
+"""Lowerings: random sampling.
+
+Every op draws a fresh key from the stream of its ``generator`` argument (the
+default generator when None), see `torch2jax.env.next_key`; the values follow
+torch's distributions, not its bit streams. bf16 / fp16 are sampled in float32
+and rounded; complex tensors get independent real and imaginary parts, as in
+torch.
+"""
 
 from __future__ import annotations
 
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 
+from .. import dtypes as _dt
+from ..env import next_key
+from .creation import jax_dtype
+from .registry import register
+
 aten = torch.ops.aten
-prims = torch.ops.prims
+
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def _size(size):
+    shape = (size,) if isinstance(size, int) else tuple(int(s) for s in size)
+    if any(s < 0 for s in shape):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(shape)}: {list(shape)}")
+    return shape
+
+
+def _sample_dtype(dtype):
+    """The float dtype to sample in for a result of ``dtype``."""
+    dtype = _dt.real_of(dtype)
+    return np.dtype(np.float32) if dtype in _HALF else dtype
+
+
+def _require_float(what, dtype):
+    if not (_dt.is_floating(dtype) or _dt.is_complex(dtype)):
+        raise RuntimeError(f'"{what}" not implemented for \'{str(_dt.to_torch(dtype)).removeprefix("torch.")}\'')
+
+
+def _real_shape(shape, dtype):
+    """Complex results are sampled as (..., 2) real pairs."""
+    return shape + (2,) if _dt.is_complex(dtype) else shape
+
+
+def _as_result(sample, dtype):
+    if _dt.is_complex(dtype):
+        return jax.lax.complex(sample[..., 0], sample[..., 1]).astype(dtype)
+    return sample.astype(dtype)
+
+
+def _uniform(generator, shape, dtype, low=0.0, high=1.0):
+    return jax.random.uniform(next_key(generator), shape, _sample_dtype(dtype), low, high)
+
+
+def _normal(generator, shape, dtype):
+    return jax.random.normal(next_key(generator), shape, _sample_dtype(dtype))
+
+
+# -- continuous distributions -------------------------------------------------
+
+
+def _check_std(std):
+    if std < 0:
+        raise RuntimeError(f"normal expects std >= 0.0, but found std {std}")
+
+
+@register(aten.normal_functional)
+def normal_functional(x, mean=0.0, std=1.0, *, generator=None):
+    _require_float("normal_kernel_cpu", x.dtype)
+    _check_std(std)
+    if _dt.is_complex(x.dtype):
+        std = std / math.sqrt(2)
+    z = _normal(generator, _real_shape(x.shape, x.dtype), x.dtype)
+    return _as_result(mean + std * z, x.dtype)
+
+
+@register(aten.normal.Tensor_float)
+def normal_tensor_float(mean, std=1.0, *, generator=None):
+    _require_float("normal_kernel_cpu", mean.dtype)
+    _check_std(std)
+    z = _normal(generator, mean.shape, mean.dtype)
+    return (mean.astype(z.dtype) + std * z).astype(mean.dtype)
+
+
+@register(aten.normal.float_Tensor)
+def normal_float_tensor(mean, std, *, generator=None):
+    _require_float("normal_kernel_cpu", std.dtype)
+    z = _normal(generator, std.shape, std.dtype)
+    return (mean + std.astype(z.dtype) * z).astype(std.dtype)
+
+
+@register(aten.normal.Tensor_Tensor)
+def normal_tensor_tensor(mean, std, *, generator=None):
+    _require_float("normal_kernel_cpu", mean.dtype)
+    shape = jnp.broadcast_shapes(mean.shape, std.shape)
+    z = _normal(generator, shape, mean.dtype)
+    return (mean.astype(z.dtype) + std.astype(z.dtype) * z).astype(mean.dtype)
+
+
+@register(aten.normal.float_float)
+def normal_float_float(mean, std, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
+    _check_std(std)
+    dt = jax_dtype(dtype)
+    return (mean + std * _normal(generator, _size(size), dt)).astype(dt)
+
+
+@register(aten.randn.default, aten.randn.generator)
+def randn(size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, names=None):
+    dt = jax_dtype(dtype)
+    _require_float("normal_kernel_cpu", dt)
+    return _as_result(_normal(generator, _real_shape(_size(size), dt), dt) * _complex_scale(dt), dt)
+
+
+@register(aten.randn_like)
+def randn_like(x, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return randn(x.shape, generator=generator, dtype=_dt.to_torch(jax_dtype(dtype, x.dtype)))
+
+
+def _complex_scale(dtype):
+    return 1 / math.sqrt(2) if _dt.is_complex(dtype) else 1
+
+
+@register(aten.rand.default, aten.rand.generator)
+def rand(size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, names=None):
+    dt = jax_dtype(dtype)
+    _require_float("check_uniform_bounds", dt)
+    return _as_result(_uniform(generator, _real_shape(_size(size), dt), dt), dt)
+
+
+@register(aten.rand_like)
+def rand_like(x, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return rand(x.shape, generator=generator, dtype=_dt.to_torch(jax_dtype(dtype, x.dtype)))
+
+
+@register(aten.uniform.default)
+def uniform(x, low=0.0, high=1.0, *, generator=None):
+    _require_float("check_uniform_bounds", x.dtype)
+    if low > high:
+        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={low} > to={high}")
+    return _as_result(_uniform(generator, _real_shape(x.shape, x.dtype), x.dtype, low, high), x.dtype)
+
+
+@register(aten.exponential.default)
+def exponential(x, lambd=1.0, *, generator=None):
+    if not _dt.is_floating(x.dtype):
+        raise RuntimeError(
+            "Exponential distribution is a continuous probability distribution. dtype must be a floating point "
+            f"but you specified {str(_dt.to_torch(x.dtype)).removeprefix('torch.').capitalize()}"
+        )
+    if lambd <= 0:
+        raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={lambd}")
+    e = jax.random.exponential(next_key(generator), x.shape, _sample_dtype(x.dtype))
+    return (e / lambd).astype(x.dtype)
+
+
+@register(aten.cauchy.default)
+def cauchy(x, median=0.0, sigma=1.0, *, generator=None):
+    _require_float("cauchy_cpu", x.dtype)
+    if sigma <= 0:
+        raise RuntimeError(f"cauchy_ expects sigma > 0.0, but found sigma={sigma}")
+    u = _uniform(generator, x.shape, x.dtype)
+    return (median + sigma * jnp.tan(np.pi * (u - 0.5))).astype(x.dtype)
+
+
+@register(aten.log_normal.default)
+def log_normal(x, mean=1.0, std=2.0, *, generator=None):
+    _require_float("log_normal_cpu", x.dtype)
+    if std <= 0:
+        raise RuntimeError(f"log_normal_ expects std > 0.0, but found std={std}")
+    return jnp.exp(mean + std * _normal(generator, x.shape, x.dtype)).astype(x.dtype)
+
+
+@register(aten._standard_gamma.default)
+def _standard_gamma(alpha, generator=None):
+    dt = _sample_dtype(alpha.dtype)
+    return jax.random.gamma(next_key(generator), alpha.astype(dt), alpha.shape, dt).astype(alpha.dtype)
+
+
+@register(aten._standard_gamma_grad.default)
+def _standard_gamma_grad(alpha, sample):
+    dt = _sample_dtype(alpha.dtype)
+    return jax.lax.random_gamma_grad(alpha.astype(dt), sample.astype(dt)).astype(alpha.dtype)
+
+
+@register(aten._sample_dirichlet.default)
+def _sample_dirichlet(alpha, generator=None):
+    g = _standard_gamma(alpha, generator).astype(_sample_dtype(alpha.dtype))
+    return (g / jnp.sum(g, axis=-1, keepdims=True)).astype(alpha.dtype)
+
+
+# -- discrete distributions ---------------------------------------------------
+
+
+def _probability(p, name="p"):
+    if not 0 <= p <= 1:
+        raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got {name}={p}")
+
+
+@register(aten.bernoulli.default)
+def bernoulli(p, *, generator=None):
+    u = _uniform(generator, p.shape, p.dtype)
+    return (u < p.astype(u.dtype)).astype(p.dtype)
+
+
+@register(aten.bernoulli.p)
+def bernoulli_p(x, p, *, generator=None):
+    _probability(p)
+    return (_uniform(generator, x.shape, np.float32) < p).astype(x.dtype)
+
+
+@register(aten.bernoulli.Tensor)
+def bernoulli_tensor(x, p, *, generator=None):
+    dt = _sample_dtype(p.dtype) if _dt.is_floating(p.dtype) else np.dtype(np.float32)
+    u = _uniform(generator, x.shape, dt)
+    return (u < jnp.broadcast_to(p, x.shape).astype(dt)).astype(x.dtype)
+
+
+@register(aten.geometric.default)
+def geometric(x, p, *, generator=None):
+    if not 0 < p < 1:
+        raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={p}")
+    u = jax.random.uniform(next_key(generator), x.shape, np.float64 if x.dtype == np.float64 else np.float32,
+                           minval=np.finfo(np.float32).tiny)
+    return jnp.ceil(jnp.log(u) / np.log1p(-p)).astype(x.dtype)
+
+
+@register(aten.poisson.default)
+def poisson(rates, generator=None):
+    dt = _sample_dtype(rates.dtype)
+    return jax.random.poisson(next_key(generator), rates.astype(dt), rates.shape, np.int64).astype(rates.dtype)
+
+
+@register(aten.binomial.default)
+def binomial(count, prob, generator=None):
+    dt = _sample_dtype(count.dtype)
+    out = jax.random.binomial(next_key(generator), count.astype(dt), prob.astype(dt), count.shape, dt)
+    return out.astype(count.dtype)
+
+
+def _integers(generator, shape, low, high, dtype):
+    """Integers uniform in [low, high) (Python ints, up to the full 64-bit range) as ``dtype``."""
+    span = high - low
+    bits = jax.random.bits(next_key(generator), shape, np.uint64)
+    if span < 2**64:
+        bits = bits % np.uint64(span)
+    value = jax.lax.bitcast_convert_type(bits + np.uint64(low % 2**64), np.int64)
+    return value.astype(dtype)
+
+
+def _dtype_max(dtype):
+    """The largest value `random_` draws for ``dtype`` (exactly representable for floats)."""
+    if dtype == np.bool_:
+        return 1
+    if _dt.is_integral(dtype):
+        return int(np.iinfo(dtype).max)
+    return 2 ** (jnp.finfo(dtype).nmant + 1)
+
+
+@register(aten.random.default)
+def random(x, *, generator=None):
+    _require_random_dtype(x.dtype)
+    return _integers(generator, x.shape, 0, _dtype_max(x.dtype) + 1, x.dtype)
+
+
+@register(aten.random.to)
+def random_to(x, to, *, generator=None):
+    return random_from(x, 0, to, generator=generator)
+
+
+@register(getattr(aten.random, "from"))
+def random_from(x, low, high, *, generator=None):
+    _require_random_dtype(x.dtype)
+    if high is None:
+        high = _dtype_max(x.dtype) + 1
+    elif low >= high:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    return _integers(generator, x.shape, low, high, x.dtype)
+
+
+def _require_random_dtype(dtype):
+    if _dt.is_complex(dtype):
+        raise RuntimeError("random_ is not implemented for complex tensors")
+
+
+@register(aten.randint.default, aten.randint.generator)
+def randint(high, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
+    return randint_low(0, high, size, generator=generator, dtype=dtype)
+
+
+@register(aten.randint.low, aten.randint.low_generator)
+def randint_low(low, high, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
+    if low >= high:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    return _integers(generator, _size(size), low, high, jax_dtype(dtype, np.int64))
+
+
+@register(aten.randint_like.default, aten.randint_like.generator, aten.randint_like.Tensor,
+          aten.randint_like.Tensor_generator)
+def randint_like(x, high, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None,
+                 memory_format=None):
+    return randint_like_low(x, 0, high, generator=generator, dtype=dtype)
+
+
+@register(aten.randint_like.low_dtype, aten.randint_like.low_generator_dtype)
+def randint_like_low(x, low, high, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None,
+                     memory_format=None):
+    if hasattr(high, "dtype"):
+        if isinstance(high, jax.core.Tracer):
+            raise RuntimeError("torch2jax: randint_like with a tensor `high` needs its value; it cannot be traced")
+        high = int(high)
+    if low >= high:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    return _integers(generator, x.shape, low, high, jax_dtype(dtype, x.dtype))
+
+
+@register(aten.randperm.default, aten.randperm.generator)
+def randperm(n, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
+    if n < 0:
+        raise RuntimeError(f"randperm: n must be non-negative, got {n}")
+    return jax.random.permutation(next_key(generator), n).astype(jax_dtype(dtype, np.int64))
+
+
+@register(aten.multinomial.default)
+def multinomial(probs, num_samples, replacement=False, *, generator=None):
+    if probs.ndim not in (1, 2):
+        raise RuntimeError(f"prob_dist must be 1 or 2 dim, but got {probs.ndim}")
+    if not _dt.is_floating(probs.dtype):
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {_dt.to_torch(probs.dtype)}")
+    n = probs.shape[-1]
+    if num_samples <= 0:
+        raise RuntimeError(f"cannot sample n_sample <= 0 samples, but got {num_samples}")
+    if not replacement and num_samples > n:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    logits = jnp.log(probs.astype(_sample_dtype(probs.dtype)))
+    batch = logits[None] if probs.ndim == 1 else logits
+    key = next_key(generator)
+    if replacement:
+        out = jax.random.categorical(key, batch, axis=-1, shape=(num_samples, batch.shape[0])).T
+    else:
+        # Gumbel top-k: the first k of a random order weighted by probs, drawn without replacement.
+        g = batch + jax.random.gumbel(key, batch.shape, batch.dtype)
+        out = jax.lax.top_k(g, num_samples)[1]
+    out = out.astype(np.int64)
+    return out[0] if probs.ndim == 1 else out

@@ -105,11 +105,31 @@ def special_xlog1py(x, y):
     return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros((), x.dtype), x * jnp.log1p(y)))
 
 
+def _shift_to_one(x, q):
+    """(sum of (q + k)^-x for the k that bring q to >= 1, that q): zeta(x, q) = q^-x + zeta(x, q + 1).
+
+    jax.scipy.special.zeta is inaccurate for q below about -8.
+    """
+
+    def below(carry):
+        return jnp.any(carry[1] < 1)
+
+    def step(carry):
+        acc, q = carry
+        low = q < 1
+        return acc + jnp.where(low, jnp.power(q, -x), 0), jnp.where(low, q + 1, q)
+
+    return jax.lax.while_loop(below, step, (jnp.zeros_like(q), q))
+
+
 @elementwise(aten.special_zeta, prims.zeta, promote_kind="int_to_float")
 def special_zeta(x, q):
     x, q = jnp.broadcast_arrays(x, q)
-    pole = (q <= 0) & (q == jnp.floor(q)) & (x > 1)  # torch: inf at the poles q = 0, -1, -2, ...
-    return jnp.where(pole, jnp.inf, jsp.zeta(x, q)).astype(x.dtype)
+    pole = (q <= 0) & (q == jnp.floor(q))  # torch: inf at q = 0, -1, -2, ...
+    acc, shifted = _shift_to_one(x, jnp.where(pole | ~jnp.isfinite(q), 1, q))
+    out = jnp.where(jnp.isfinite(q), acc + jsp.zeta(x, shifted), jsp.zeta(x, q))
+    out = jnp.where(pole, jnp.inf, out)
+    return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, out)).astype(x.dtype)
 
 
 @elementwise(aten.igamma, prims.igamma, promote_kind="int_to_float")
@@ -147,7 +167,7 @@ def polygamma(n, x):
         out = _trigamma(x)
     else:
         scale = (-1) ** (n + 1) * math.factorial(n)
-        out = scale * jsp.zeta(jnp.full(x.shape, n + 1, x.dtype), x)
+        out = scale * special_zeta.compute(jnp.full(x.shape, n + 1, x.dtype), x)
     return out.astype(result)
 
 

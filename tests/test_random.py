@@ -1,0 +1,256 @@
+"""Random ops on the jax device: distributions, dtypes, ranges and seeding.
+
+Values cannot be compared with torch CPU (the bit streams differ), so these
+tests check the statistics of large samples against the distributions torch
+documents, with tolerances of several standard errors; every test seeds the
+generator first, so it is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import torch2jax  # noqa: F401
+
+N = 100_000
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(1234)
+
+
+def host(t):
+    return t.cpu().double().numpy()
+
+
+def assert_moments(x, mean, std, n_se=6):
+    """Sample mean and std within ``n_se`` standard errors of the expected values."""
+    x = host(x).ravel()
+    n = x.size
+    assert abs(x.mean() - mean) < n_se * std / math.sqrt(n), (x.mean(), mean)
+    # standard error of the sample std is about std / sqrt(2n) for light tails
+    assert abs(x.std() - std) < n_se * std * math.sqrt(2 / n) + 1e-3 * std, (x.std(), std)
+
+
+def chi2_ok(counts, probs, alpha=1e-6):
+    counts = np.asarray(counts, dtype=np.float64)
+    expected = counts.sum() * np.asarray(probs, dtype=np.float64)
+    stat = ((counts - expected) ** 2 / expected).sum()
+    return stat < stats.chi2.ppf(1 - alpha, len(counts) - 1)
+
+
+# -- continuous distributions -------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_randn(dtype):
+    x = torch.randn(N, device="jax", dtype=dtype)
+    assert x.dtype == dtype and x.shape == (N,)
+    assert_moments(x, 0.0, 1.0, n_se=6 if dtype != torch.bfloat16 else 30)
+
+
+def test_normal_in_place_and_functional():
+    x = torch.empty(N, device="jax").normal_(3.0, 2.0)
+    assert_moments(x, 3.0, 2.0)
+    y = torch.normal(-1.0, 0.5, (N,), device="jax")
+    assert_moments(y, -1.0, 0.5)
+
+
+def test_normal_tensor_mean_and_std():
+    mean = torch.cat([torch.zeros(N // 2), torch.full((N // 2,), 10.0)]).to("jax")
+    std = torch.cat([torch.ones(N // 2), torch.full((N // 2,), 3.0)]).to("jax")
+    x = torch.normal(mean, std)
+    assert x.shape == mean.shape and x.dtype == torch.float32
+    assert_moments(x[: N // 2], 0.0, 1.0)
+    assert_moments(x[N // 2 :], 10.0, 3.0)
+    assert_moments(torch.normal(mean[N // 2 :], 2.0), 10.0, 2.0)
+    assert_moments(torch.normal(5.0, std[: N // 2]), 5.0, 1.0)
+
+
+def test_randn_complex_has_unit_variance():
+    z = torch.randn(N, device="jax", dtype=torch.complex64)
+    assert z.dtype == torch.complex64
+    assert_moments(z.real, 0.0, math.sqrt(0.5))
+    assert_moments(z.imag, 0.0, math.sqrt(0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_rand(dtype):
+    x = torch.rand(N, device="jax", dtype=dtype)
+    assert x.dtype == dtype
+    v = host(x)
+    assert v.min() >= 0 and v.max() <= 1
+    assert_moments(x, 0.5, math.sqrt(1 / 12), n_se=6 if dtype != torch.float16 else 20)
+
+
+def test_uniform_range():
+    x = torch.empty(N, device="jax").uniform_(-2.0, 5.0)
+    v = host(x)
+    assert v.min() >= -2 and v.max() < 5
+    assert_moments(x, 1.5, 7 / math.sqrt(12))
+    # ten equal bins are equally likely
+    assert chi2_ok(np.histogram(v, bins=10, range=(-2, 5))[0], [0.1] * 10)
+
+
+def test_exponential():
+    x = torch.empty(N, device="jax").exponential_(4.0)
+    assert host(x).min() >= 0
+    assert_moments(x, 0.25, 0.25, n_se=10)
+
+
+def test_log_normal_and_cauchy():
+    x = torch.empty(N, device="jax").log_normal_(0.5, 0.25)
+    assert_moments(torch.log(x.cpu()), 0.5, 0.25)
+    c = host(torch.empty(N, device="jax").cauchy_(2.0, 3.0))
+    # Cauchy has no moments: check the median and the quartiles (median -+ sigma)
+    q1, med, q3 = np.quantile(c, [0.25, 0.5, 0.75])
+    assert abs(med - 2.0) < 0.05 and abs(q1 + 1.0) < 0.08 and abs(q3 - 5.0) < 0.08
+
+
+def test_geometric_and_poisson():
+    g = torch.empty(N, device="jax").geometric_(0.25)
+    v = host(g)
+    assert v.min() >= 1 and np.all(v == np.round(v))
+    assert_moments(g, 4.0, math.sqrt(0.75) / 0.25, n_se=10)
+    rates = torch.full((N,), 3.5, device="jax")
+    p = torch.poisson(rates)
+    assert p.dtype == torch.float32 and np.all(host(p) == np.round(host(p)))
+    assert_moments(p, 3.5, math.sqrt(3.5), n_se=10)
+
+
+def test_standard_gamma_and_dirichlet():
+    alpha = torch.full((N,), 2.5, device="jax")
+    g = torch._standard_gamma(alpha)
+    assert_moments(g, 2.5, math.sqrt(2.5), n_se=10)
+    d = torch._sample_dirichlet(torch.tensor([[1.0, 2.0, 7.0]] * 20_000, device="jax"))
+    np.testing.assert_allclose(host(d).sum(-1), 1, rtol=1e-5)
+    np.testing.assert_allclose(host(d).mean(0), [0.1, 0.2, 0.7], atol=0.01)
+
+
+# -- discrete distributions ---------------------------------------------------
+
+
+def test_bernoulli():
+    x = torch.bernoulli(torch.full((N,), 0.3, device="jax"))
+    assert x.dtype == torch.float32 and set(np.unique(host(x))) <= {0.0, 1.0}
+    assert abs(host(x).mean() - 0.3) < 6 * math.sqrt(0.21 / N)
+    p = torch.tensor([0.0, 1.0] * 1000, device="jax")
+    np.testing.assert_array_equal(host(torch.bernoulli(p)), host(p))
+    y = torch.empty(N, dtype=torch.int64, device="jax").bernoulli_(0.8)
+    assert y.dtype == torch.int64 and abs(host(y).mean() - 0.8) < 6 * math.sqrt(0.16 / N)
+
+
+def test_randint_range_and_uniformity():
+    x = torch.randint(-3, 7, (N,), device="jax")
+    assert x.dtype == torch.int64
+    v = host(x)
+    assert v.min() == -3 and v.max() == 6
+    assert chi2_ok(np.bincount((v + 3).astype(int), minlength=10), [0.1] * 10)
+    y = torch.randint_like(torch.empty(1000, dtype=torch.int32, device="jax"), 5)
+    assert y.dtype == torch.int32 and set(np.unique(host(y))) == set(range(5))
+
+
+def test_random_defaults_follow_dtype():
+    b = host(torch.empty(1000, dtype=torch.bool, device="jax").random_())
+    assert set(np.unique(b)) == {0, 1}
+    u8 = host(torch.empty(N, dtype=torch.uint8, device="jax").random_())
+    assert u8.min() == 0 and u8.max() == 255
+    f = host(torch.empty(N, device="jax").random_())
+    assert f.min() >= 0 and f.max() <= 2**24 and np.all(f == np.round(f)) and f.max() > 2**23
+    h = host(torch.empty(N, dtype=torch.bfloat16, device="jax").random_())
+    assert h.min() >= 0 and h.max() <= 2**8
+    i64 = torch.empty(1000, dtype=torch.int64, device="jax").random_()
+    assert i64.dtype == torch.int64 and i64.cpu().min() >= 0 and i64.cpu().max() > 2**40
+    r = host(torch.empty(N, device="jax").random_(5, 9))
+    assert set(np.unique(r)) == {5, 6, 7, 8}
+    with pytest.raises(RuntimeError, match="from"):
+        torch.empty(3, device="jax").random_(5, 3)
+
+
+def test_randperm():
+    p = torch.randperm(1000, device="jax")
+    assert p.dtype == torch.int64
+    assert sorted(p.cpu().tolist()) == list(range(1000))
+    assert not torch.equal(p.cpu(), torch.arange(1000))
+
+
+def test_multinomial_with_replacement():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3], device="jax")
+    s = torch.multinomial(probs, 50_000, replacement=True)
+    assert s.dtype == torch.int64 and s.shape == (50_000,)
+    counts = np.bincount(host(s).astype(int), minlength=4)
+    assert counts[1] == 0
+    assert chi2_ok(counts[[0, 2, 3]], [0.1, 0.6, 0.3])
+    batched = torch.multinomial(torch.tensor([[1.0, 0.0], [0.0, 2.0]], device="jax"), 10, replacement=True)
+    assert batched.shape == (2, 10) and torch.equal(batched.cpu(), torch.tensor([[0] * 10, [1] * 10]))
+
+
+def test_multinomial_without_replacement():
+    weights = torch.tensor([1.0, 2.0, 0.0, 4.0, 3.0], device="jax").expand(4000, 5).contiguous()
+    s = host(torch.multinomial(weights, 3))
+    assert s.shape == (4000, 3)
+    assert all(len(set(row)) == 3 for row in s.astype(int).tolist())
+    assert not np.any(s == 2)
+    # the first draw follows the normalized weights
+    assert chi2_ok(np.bincount(s[:, 0].astype(int), minlength=5)[[0, 1, 3, 4]], [0.1, 0.2, 0.4, 0.3])
+
+
+# -- seeding --------------------------------------------------------------------
+
+
+def test_manual_seed_reproduces_draws():
+    torch.manual_seed(7)
+    a = [torch.randn(5, device="jax").cpu(), torch.rand(5, device="jax").cpu(), torch.randint(0, 100, (5,), device="jax").cpu()]
+    torch.manual_seed(7)
+    b = [torch.randn(5, device="jax").cpu(), torch.rand(5, device="jax").cpu(), torch.randint(0, 100, (5,), device="jax").cpu()]
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    torch.manual_seed(8)
+    assert not torch.equal(torch.randn(5, device="jax").cpu(), a[0])
+
+
+def test_consecutive_draws_differ():
+    x = torch.randn(100, device="jax").cpu()
+    y = torch.randn(100, device="jax").cpu()
+    assert not torch.equal(x, y)
+    t = torch.empty(100, device="jax")
+    assert not torch.equal(t.uniform_().cpu(), t.clone().uniform_().cpu())
+
+
+def test_generators_with_same_seed_give_same_stream():
+    g1 = torch.Generator().manual_seed(99)
+    g2 = torch.Generator().manual_seed(99)
+    a = torch.randn(8, device="jax", generator=g1).cpu()
+    b = torch.randn(8, device="jax", generator=g2).cpu()
+    assert torch.equal(a, b)
+    # an unrelated draw from the default generator does not disturb them
+    torch.randn(8, device="jax")
+    other = torch.Generator().manual_seed(100)
+    assert not torch.equal(torch.randn(8, device="jax", generator=other).cpu(), a)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core: env.rng_for keys generator streams by the Python Generator object, but torch passes a "
+    "fresh wrapper object to every dispatch, so each call restarts the stream from the seed",
+)
+def test_generator_consecutive_draws_differ():
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(8, device="jax", generator=g).cpu()
+    b = torch.randn(8, device="jax", generator=g).cpu()
+    assert not torch.equal(a, b)
+
+
+def test_dropout_mask_differs_between_calls():
+    x = torch.ones(1000, device="jax")
+    a = torch.nn.functional.dropout(x, 0.5, training=True).cpu()
+    b = torch.nn.functional.dropout(x, 0.5, training=True).cpu()
+    assert not torch.equal(a, b)
+    assert set(np.unique(a.numpy())) <= {0.0, 2.0}
+    assert abs((a == 0).double().mean().item() - 0.5) < 0.1
