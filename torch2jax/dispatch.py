@@ -82,6 +82,8 @@ def _reraise_with_torch_message(func, args, kwargs, error):
         return
     try:
         margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
+        if "device" in mkwargs:
+            mkwargs["device"] = torch.device("meta")
         func(*margs, **mkwargs)
     except Exception as torch_error:  # noqa: BLE001 - torch's own verdict on the input
         if type(torch_error) is not NotImplementedError and "meta" not in str(torch_error).lower():

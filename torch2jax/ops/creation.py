@@ -29,7 +29,7 @@ def _shape(size):
     return shape
 
 
-@register(aten.empty.memory_format, aten.zeros.default, aten.new_zeros, aten.new_empty)
+@register(aten.empty.memory_format, aten.zeros.default, aten.new_zeros, aten.new_empty, aten._efficientzerotensor)
 def zeros(*args, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, names=None):
     if len(args) == 2:  # new_zeros(self, size): dtype defaults to self's
         x, size = args

@@ -43,8 +43,11 @@ def _reject_complex(name, *xs):
 
 def _check_divisor(b):
     """torch raises on integer division by zero (on CPU); XLA would return garbage. Eager only."""
-    if _is_int(b) and not isinstance(b, jax.core.Tracer) and bool(jnp.any(b == 0)):
-        raise OpError("torch2jax: ZeroDivisionError (integer division by zero)")
+    if not _is_int(b) or isinstance(b, jax.core.Tracer):
+        return
+    with jax.ensure_compile_time_eval():  # a constant divisor inside a trace is still concrete
+        if bool(jnp.any(b == 0)):
+            raise OpError("torch2jax: ZeroDivisionError (integer division by zero)")
 
 
 def _promoted(kind, *operands):
