@@ -62,7 +62,8 @@ def _to_jax(x):
     if isinstance(x, (list, tuple)):
         return type(x)(_to_jax(v) for v in x)
     if isinstance(x, dict):
-        return {k: _to_jax(v) for k, v in x.items()}
+        # factory samples ask for device="cpu": run them on the jax device instead
+        return {k: ("jax" if k == "device" and str(v) == "cpu" else _to_jax(v)) for k, v in x.items()}
     return x
 
 

@@ -38,7 +38,7 @@ def cases():
 def check(name, dname, mode):
     op = OPS[name]
     dtype = DTYPES[dname]
-    values = name not in RANDOM_OPS
+    values = op.name not in RANDOM_OPS
     ran = 0
     for i, s in enumerate(samples(op, dtype, requires_grad=mode == "grad")):
         where = f"{name} {dname} {mode} sample {i}"

@@ -205,10 +205,17 @@ def test_multinomial_without_replacement():
 
 
 def test_manual_seed_reproduces_draws():
+    def draws():
+        return [
+            torch.randn(5, device="jax").cpu(),
+            torch.rand(5, device="jax").cpu(),
+            torch.randint(0, 100, (5,), device="jax").cpu(),
+        ]
+
     torch.manual_seed(7)
-    a = [torch.randn(5, device="jax").cpu(), torch.rand(5, device="jax").cpu(), torch.randint(0, 100, (5,), device="jax").cpu()]
+    a = draws()
     torch.manual_seed(7)
-    b = [torch.randn(5, device="jax").cpu(), torch.rand(5, device="jax").cpu(), torch.randint(0, 100, (5,), device="jax").cpu()]
+    b = draws()
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     torch.manual_seed(8)
@@ -235,16 +242,13 @@ def test_generators_with_same_seed_give_same_stream():
     assert not torch.equal(torch.randn(8, device="jax", generator=other).cpu(), a)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: env.rng_for keys generator streams by the Python Generator object, but torch passes a "
-    "fresh wrapper object to every dispatch, so each call restarts the stream from the seed",
-)
 def test_generator_consecutive_draws_differ():
     g = torch.Generator().manual_seed(5)
     a = torch.randn(8, device="jax", generator=g).cpu()
     b = torch.randn(8, device="jax", generator=g).cpu()
     assert not torch.equal(a, b)
+    g.manual_seed(5)
+    assert torch.equal(torch.randn(8, device="jax", generator=g).cpu(), a)
 
 
 def test_dropout_mask_differs_between_calls():

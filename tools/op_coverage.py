@@ -35,7 +35,7 @@ def _run_case(case):
 
     name, dname, mode = case
     op, dtype = T.OPS[name], T.DTYPES[dname]
-    values = name not in RANDOM_OPS
+    values = op.name not in RANDOM_OPS
     passed = total = 0
     reason = ""
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import weakref
 
 import jax
 import numpy as np
@@ -138,26 +137,18 @@ def _split(key):
 
 
 default_rng = RngState(torch.initial_seed())
-_generator_rngs: "weakref.WeakKeyDictionary[torch.Generator, RngState]" = weakref.WeakKeyDictionary()
+def next_key(generator: torch.Generator | None = None):
+    """A fresh JAX key from the stream of ``generator`` (default: the jax device's own).
 
-
-def rng_for(generator: torch.Generator | None) -> RngState:
-    """The JAX RNG state behind a torch.Generator (the default one for None).
-
-    A generator keeps its own stream, restarted whenever it is re-seeded.
+    An explicit torch.Generator is the source of truth: each draw takes a 64-bit
+    seed from it, which advances its torch state, so re-seeding restarts the
+    stream and two generators with the same seed give the same draws.
     """
     if generator is None:
-        return default_rng
-    state = _generator_rngs.get(generator)
-    seed = generator.initial_seed()
-    if state is None or state.initial_seed != seed:
-        state = _generator_rngs[generator] = RngState(seed)
-    return state
-
-
-def next_key(generator: torch.Generator | None = None):
-    """A fresh JAX key from the stream of ``generator`` (default: the global one)."""
-    return rng_for(generator).next_key()
+        return default_rng.next_key()
+    seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator)) & 0xFFFFFFFFFFFFFFFF
+    with jax.ensure_compile_time_eval():
+        return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
 
 
 def manual_seed(seed: int) -> None:
@@ -173,4 +164,5 @@ def rng_state_bytes() -> torch.Tensor:
 
 def set_rng_state_bytes(state: torch.Tensor) -> None:
     data = state.cpu().numpy().astype(np.uint8).view(np.uint32)
-    default_rng.key = jax.random.wrap_key_data(jax.numpy.asarray(data))
+    with jax.ensure_compile_time_eval():
+        default_rng.key = jax.random.wrap_key_data(jax.numpy.asarray(data))

@@ -6,7 +6,9 @@ integers multiply exactly in int64 and wrap to their own width. Products are
 batched dot or an einsum).
 
 Factorizations follow LAPACK's conventions (JAX calls the same routines on
-CPU), so the sign and phase choices of QR, SVD, eigh and eig match torch's.
+CPU), so the sign and phase choices of QR, SVD and eig match torch's; eigh's
+eigenvector signs can still differ (torch's MKL and jaxlib's LAPACK reduce
+small matrices differently), as they may between any two LAPACK builds.
 LU pivots are torch's: 1-based int32. Where torch factors ``A^T`` of a real
 matrix rather than ``A`` (det, slogdet: their backward formulas rely on it),
 so do we, assuming a contiguous ``A``.
@@ -29,7 +31,6 @@ from ..dispatch import OpError
 from .registry import canonical_dim, register
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
@@ -238,7 +239,7 @@ def trace(x):
     if x.ndim != 2:
         raise RuntimeError("trace: expected a matrix, but got tensor with dim " + str(x.ndim))
     dtype = np.dtype(np.int64) if _dt.is_integral(x.dtype, include_bool=True) else np.dtype(x.dtype)
-    return _finish(jnp.trace(x, dtype=_acc_dtype(dtype) if dtype in _HALF else dtype), dtype)
+    return _finish(jnp.trace(x, dtype=_acc_dtype(dtype)), dtype)
 
 
 @register(aten.linalg_cross.default)
@@ -246,7 +247,9 @@ def linalg_cross(a, b, *, dim=-1):
     shape = jnp.broadcast_shapes(a.shape, b.shape)
     d = canonical_dim(dim, len(shape))
     if shape[d] != 3:
-        raise RuntimeError(f"linalg.cross: inputs dimension {dim} must have length 3. Got {a.shape[d]} and {b.shape[d]}")
+        raise RuntimeError(
+            f"linalg.cross: inputs dimension {dim} must have length 3. Got {a.shape[d]} and {b.shape[d]}"
+        )
     dtype = _dt.result_type(a, b)
     a = jnp.broadcast_to(a, shape).astype(dtype)
     b = jnp.broadcast_to(b, shape).astype(dtype)
@@ -644,7 +647,9 @@ def _linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None):
 @register(aten.linalg_qr.default)
 def linalg_qr(a, mode="reduced"):
     if mode not in ("reduced", "complete", "r"):
-        raise RuntimeError(f"qr received unrecognized mode '{mode}' but expected one of 'reduced' (default), 'r', or 'complete'")
+        raise RuntimeError(
+            f"qr received unrecognized mode '{mode}' but expected one of 'reduced' (default), 'r', or 'complete'"
+        )
     q, r = lax_linalg.qr(a, full_matrices=mode == "complete")
     return (_empty(a.dtype) if mode == "r" else q), r
 

@@ -226,8 +226,8 @@ def bernoulli_tensor(x, p, *, generator=None):
 def geometric(x, p, *, generator=None):
     if not 0 < p < 1:
         raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={p}")
-    u = jax.random.uniform(next_key(generator), x.shape, np.float64 if x.dtype == np.float64 else np.float32,
-                           minval=np.finfo(np.float32).tiny)
+    dt = np.dtype(np.float64 if x.dtype == np.float64 else np.float32)
+    u = jax.random.uniform(next_key(generator), x.shape, dt, minval=np.finfo(dt).tiny)
     return jnp.ceil(jnp.log(u) / np.log1p(-p)).astype(x.dtype)
 
 
@@ -332,7 +332,9 @@ def multinomial(probs, num_samples, replacement=False, *, generator=None):
     if probs.ndim not in (1, 2):
         raise RuntimeError(f"prob_dist must be 1 or 2 dim, but got {probs.ndim}")
     if not _dt.is_floating(probs.dtype):
-        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {_dt.to_torch(probs.dtype)}")
+        raise RuntimeError(
+            f"multinomial only supports floating-point dtypes for input, got: {_dt.to_torch(probs.dtype)}"
+        )
     n = probs.shape[-1]
     if num_samples <= 0:
         raise RuntimeError(f"cannot sample n_sample <= 0 samples, but got {num_samples}")
