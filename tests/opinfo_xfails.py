@@ -1,1 +1,2 @@
 XFAIL: dict = {}
+CRASHES: dict = {}
