@@ -117,8 +117,6 @@ def _unwrap(a):
         return jax_array(a) if a.device.type == "cpu" else _foreign(a)
     if isinstance(a, (list, tuple)):
         return type(a)(_unwrap(b) for b in a) if any(isinstance(b, (torch.Tensor, list, tuple)) for b in a) else a
-    if isinstance(a, torch.dtype):
-        return a
     return a
 
 
