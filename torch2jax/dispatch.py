@@ -29,6 +29,8 @@ from jax._src import config as _jax_config
 
 from . import dtypes as _dt
 from . import env as _env
+from . import symbolic as _sym
+from . import tensor as _tensor
 from .ops import registry as _reg
 from .tensor import DEVICE, Tensor, ViewStep, from_torch_cpu, jax_array, new_tensor, torch_cpu
 
@@ -112,12 +114,19 @@ def _describe(args, kwargs):
 
 def _unwrap(a):
     if isinstance(a, Tensor):
+        if _tensor.CAPTURE is not None:
+            _tensor.CAPTURE.read(a)
         return a._value()
     if isinstance(a, torch.Tensor):
         return jax_array(a) if a.device.type == "cpu" else _foreign(a)
     if isinstance(a, (list, tuple)):
-        return type(a)(_unwrap(b) for b in a) if any(isinstance(b, (torch.Tensor, list, tuple)) for b in a) else a
+        return type(a)(_unwrap(b) for b in a) if any(isinstance(b, (torch.Tensor, list, tuple, _SYM)) for b in a) else a
+    if isinstance(a, _SYM) and _sym.is_traced_number(a):
+        return _sym.value_of(a)
     return a
+
+
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def _foreign(a):

@@ -31,6 +31,10 @@ from . import dtypes as _dt
 _device.register()
 DEVICE = torch.device(_device.NAME, 0)
 
+# While `t2j.jit` traces a function, the tracer of its state: it learns of every
+# storage created and every tensor read (see torch2jax/jit.py).
+CAPTURE = None
+
 
 class Storage:
     """The shared value of a base tensor and all of its views."""
@@ -40,6 +44,8 @@ class Storage:
     def __init__(self, array):
         self.array = array
         self.version = 0
+        if CAPTURE is not None:
+            CAPTURE.created(self)
 
 
 class ViewStep:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dt
+from ..symbolic import traced_number
 from .registry import as_dtype, register
 
 aten = torch.ops.aten
@@ -173,12 +174,8 @@ def copy(x, src, non_blocking=False):
 
 @register(aten._local_scalar_dense)
 def _local_scalar_dense(x):
-    """``t.item()``: a Python number; impossible while ``t`` is being traced."""
+    """``t.item()``: a Python number, or a traced one while ``t`` is being traced
+    (see torch2jax/symbolic.py)."""
     if isinstance(x, jax.core.Tracer):
-        from ..dispatch import OpError
-
-        raise OpError(
-            "torch2jax: .item() (aten._local_scalar_dense) needs a concrete value, but the tensor is traced "
-            "inside jit; return the tensor from the jitted function and call .item() outside"
-        )
+        return traced_number(x)
     return np.asarray(x).item()

@@ -210,7 +210,8 @@ def frac(x):
 
 
 def _alpha(alpha, x, y, name):
-    if alpha == 1:
+    # a traced alpha (an array: t.item() under jit) is never known to be 1
+    if not hasattr(alpha, "dtype") and alpha == 1:
         return y
     if _is_int(x) and isinstance(alpha, float):
         raise OpError(

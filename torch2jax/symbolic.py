@@ -1,0 +1,226 @@
+"""Python numbers whose value is traced: what ``t.item()`` returns under jit.
+
+Inside `t2j.jit` (or any jax trace) a tensor's value is a JAX tracer, so
+``t.item()`` cannot give a Python float. It gives a ``torch.SymFloat`` (or
+``SymInt`` / ``SymBool``) backed by a `TracedScalar` node instead: arithmetic on
+it stays traced, and when torch passes it back into an op as a Scalar argument
+(``param.add_(grad, alpha=-lr)`` with a tensor ``lr`` in torch.optim) the
+dispatcher unwraps it to the traced value. What cannot work is Python control
+flow on it (``if t.item() > 0``, ``float(t)``): that raises an error saying so.
+
+Example::
+
+    @t2j.jit
+    def step(x, lr):
+        return x * lr.item()      # traced scalar, not a constant baked in
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import jax.numpy as jnp
+import torch
+
+
+def _kind(value):
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, int):
+        return int
+    if isinstance(value, float):
+        return float
+    dtype = jnp.result_type(value)
+    if dtype == jnp.bool_:
+        return bool
+    return int if jnp.issubdtype(dtype, jnp.integer) else float
+
+
+def _as_float(v):
+    return v.astype(jnp.result_type(float)) if hasattr(v, "astype") else float(v)
+
+
+def _floor_int(v):
+    return jnp.floor(v).astype(jnp.int64) if hasattr(v, "astype") else math.floor(v)
+
+
+def _ceil_int(v):
+    return jnp.ceil(v).astype(jnp.int64) if hasattr(v, "astype") else math.ceil(v)
+
+
+def _trunc_int(v):
+    return jnp.trunc(v).astype(jnp.int64) if hasattr(v, "astype") else int(v)
+
+
+# method name (torch's SymNode protocol) -> (function of the values, result kind or None = promote)
+_BINARY = {
+    "add": (operator.add, None),
+    "sub": (operator.sub, None),
+    "mul": (operator.mul, None),
+    "mod": (jnp.remainder, None),
+    "float_pow": (jnp.power, float),
+    "pow_by_natural": (jnp.power, int),
+    "pow": (jnp.power, None),
+    "float_truediv": (jnp.true_divide, float),
+    "int_truediv": (jnp.true_divide, float),
+    "truediv": (jnp.true_divide, float),
+    "int_floordiv": (jnp.floor_divide, int),
+    "floordiv": (jnp.floor_divide, None),
+    "sym_min": (jnp.minimum, None),
+    "sym_max": (jnp.maximum, None),
+    "eq": (jnp.equal, bool),
+    "ne": (jnp.not_equal, bool),
+    "gt": (jnp.greater, bool),
+    "lt": (jnp.less, bool),
+    "le": (jnp.less_equal, bool),
+    "ge": (jnp.greater_equal, bool),
+    "sym_and": (jnp.logical_and, bool),
+    "sym_or": (jnp.logical_or, bool),
+    "and": (jnp.logical_and, bool),
+    "or": (jnp.logical_or, bool),
+}
+_UNARY = {
+    "neg": (operator.neg, None),
+    "pos": (operator.pos, None),
+    "abs": (jnp.abs, None),
+    "sym_not": (jnp.logical_not, bool),
+    "sym_float": (_as_float, float),
+    "sym_int": (_trunc_int, int),
+    "floor": (_floor_int, int),
+    "ceil": (_ceil_int, int),
+    "trunc": (_trunc_int, int),
+    "sym_sqrt": (jnp.sqrt, float),
+    "sqrt": (jnp.sqrt, float),
+    "exp": (jnp.exp, float),
+    "log": (jnp.log, float),
+}
+
+
+class TracedScalar:
+    """A torch SymNode whose value is a traced JAX scalar (or a Python constant)."""
+
+    def __init__(self, value, kind=None):
+        self.value = value
+        self.kind = kind or _kind(value)
+
+    # -- what torch asks of a node ------------------------------------------
+
+    def is_int(self):
+        return self.kind is int
+
+    def is_float(self):
+        return self.kind is float
+
+    def is_bool(self):
+        return self.kind is bool
+
+    def is_nested_int(self):
+        return False
+
+    def is_symbolic(self):
+        return True
+
+    def is_constant(self):
+        return False
+
+    def has_hint(self):
+        return False
+
+    def nested_int(self):
+        return None
+
+    def constant_int(self):
+        return None
+
+    def maybe_as_int(self):
+        return None
+
+    def maybe_as_bool(self):
+        return None
+
+    def wrap_int(self, num):
+        return TracedScalar(num, int)
+
+    def wrap_float(self, num):
+        return TracedScalar(num, float)
+
+    def wrap_bool(self, num):
+        return TracedScalar(num, bool)
+
+    def str(self):
+        aval = getattr(self.value, "aval", None)
+        return f"traced {self.kind.__name__} ({aval if aval is not None else self.value})"
+
+    __repr__ = str
+
+    def _graph_repr(self):
+        return self.str()
+
+    def __getattr__(self, name):
+        if name in _BINARY:
+            fn, kind = _BINARY[name]
+            return lambda other: self._binary(fn, kind, other)
+        if name in _UNARY:
+            fn, kind = _UNARY[name]
+            return lambda: TracedScalar(fn(self.value), kind or self.kind)
+        raise AttributeError(name)
+
+    def _binary(self, fn, kind, other):
+        if kind is None:
+            kind = float if float in (self.kind, other.kind) else int
+        return TracedScalar(fn(self.value, other.value), kind)
+
+    # -- what cannot be done with a traced value -----------------------------
+
+    def _concrete(self, what):
+        from .dispatch import OpError
+
+        raise OpError(
+            f"torch2jax: {what} of a traced value: inside t2j.jit / jax.jit a tensor's value is not known "
+            "while the program is traced, so Python control flow on it (if t.item() > 0, float(t), int(t), "
+            "bool(t)) cannot be compiled. Compute with tensors instead (torch.where), or move the check "
+            "outside the jitted function."
+        )
+
+    def guard_int(self, file=None, line=None):
+        self._concrete("int()")
+
+    def guard_float(self, file=None, line=None):
+        self._concrete("float()")
+
+    def guard_bool(self, file=None, line=None):
+        self._concrete("bool()")
+
+    def guard_size_oblivious(self, file=None, line=None):
+        self._concrete("bool()")
+
+    def expect_true(self, file=None, line=None):
+        self._concrete("a check")
+
+    def expect_size(self, file=None, line=None):
+        self._concrete("a size")
+
+    def int_(self):
+        self._concrete("int()")
+
+    def bool_(self):
+        self._concrete("bool()")
+
+
+_SYM_TYPES = {int: torch.SymInt, float: torch.SymFloat, bool: torch.SymBool}
+
+
+def traced_number(value):
+    """A torch.SymInt / SymFloat / SymBool standing for the traced 0-d array ``value``."""
+    node = TracedScalar(value)
+    return _SYM_TYPES[node.kind](node)
+
+
+def is_traced_number(x) -> bool:
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) and isinstance(x.node, TracedScalar)
+
+
+def value_of(x):
+    """The JAX value behind a traced number (see `traced_number`)."""
+    return x.node.value
