@@ -11,7 +11,8 @@ from . import device as _device
 from . import ops as _ops
 from . import pytree as _pytree  # noqa: F401
 from .dispatch import OpError, coverage, path_of
-from .env import Config, config, disable, enable, env, manual_seed
+from .env import Config, config, disable, enable, env, manual_seed, rng_key
+from .jit import JitFunction, explain_recompiles, jit
 from .tensor import Tensor
 
 _device.register_factories(_ops.registry.LOWERINGS)
@@ -19,6 +20,7 @@ _device.register_factories(_ops.registry.LOWERINGS)
 
 __all__ = [
     "Config",
+    "JitFunction",
     "OpError",
     "Tensor",
     "config",
@@ -26,7 +28,10 @@ __all__ = [
     "disable",
     "enable",
     "env",
+    "explain_recompiles",
+    "jit",
     "manual_seed",
     "path_of",
+    "rng_key",
 ]
 __version__ = "0.1.0"

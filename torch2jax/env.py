@@ -102,10 +102,16 @@ def is_enabled() -> bool:
 
 
 class RngState:
-    """A JAX PRNG key that is split on every draw, seeded like a torch generator."""
+    """A JAX PRNG key that is split on every draw, seeded like a torch generator.
+
+    While a function is traced by `t2j.jit` (or a functionalized module is called
+    with ``rng=``), draws come from a traced key that is an input of the compiled
+    program instead (`traced_key`), so every call gets fresh random numbers.
+    """
 
     def __init__(self, seed: int):
         self.seed(seed)
+        self._traced = None
 
     def seed(self, seed: int) -> None:
         self.initial_seed = int(seed)
@@ -123,11 +129,46 @@ class RngState:
         self._key = value
 
     def next_key(self):
-        # The stored key stays concrete even while a function is being traced, so a
-        # trace never leaks into the generator (t2j.jit threads the key as state).
+        if self._traced is not None:
+            self._traced, sub = jax.random.split(self._traced)
+            return sub
+        if not _trace_state_clean():
+            raise RuntimeError(
+                "torch2jax: a random op ran inside jax.jit (or another JAX transform) with no RNG key to "
+                "draw from; its random numbers would be baked into the compiled program. Use t2j.jit, or "
+                "pass a key: fn(state, *args, rng=key) for a functionalized module, or "
+                "`with t2j.rng_key(key):` around the code."
+            )
+        # The stored key stays concrete: a trace never leaks into the generator.
         with jax.ensure_compile_time_eval():
             self.key, sub = _split(self.key)
         return sub
+
+    @contextlib.contextmanager
+    def traced_key(self, key):
+        """Draw from ``key`` (usually a tracer) inside the block; ``block.key`` is the
+        key after the last draw, to be carried to the next call."""
+        outer = self._traced
+        box = _KeyBox(key)
+        self._traced = key
+        try:
+            yield box
+        finally:
+            box.key = self._traced
+            self._traced = outer
+
+
+class _KeyBox:
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        self.key = key
+
+
+def _trace_state_clean() -> bool:
+    from jax._src import core
+
+    return core.trace_state_clean()
 
 
 @jax.jit
@@ -146,9 +187,26 @@ def next_key(generator: torch.Generator | None = None):
     """
     if generator is None:
         return default_rng.next_key()
+    if not _trace_state_clean():
+        raise RuntimeError(
+            "torch2jax: an explicit torch.Generator cannot drive random ops inside a traced function (its "
+            "draws would be baked into the compiled program); drop generator= and seed with torch.manual_seed"
+        )
     seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator)) & 0xFFFFFFFFFFFFFFFF
     with jax.ensure_compile_time_eval():
         return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
+
+
+def rng_key(key):
+    """Context manager: random ops on the jax device inside the block draw from the
+    JAX key ``key`` (split per draw) instead of the default generator; the block's
+    value holds the key after the last draw (``.key``).
+
+    >>> with t2j.rng_key(jax.random.key(0)) as r:
+    ...     mask = torch.rand(3, device="jax") > 0.5
+    >>> r.key     # the key to pass to the next call
+    """
+    return default_rng.traced_key(key)
 
 
 def manual_seed(seed: int) -> None:

@@ -1,0 +1,666 @@
+"""`t2j.jit`: a torch function compiled into one XLA program, state included.
+
+DESIGN.md, decision 4. Tensor arguments are traced; every other argument is
+static and part of the cache key. The state the function touches without
+receiving it — parameters, buffers and ``.grad`` of the modules it can reach,
+optimizer state and learning rates, tensors it closes over, the RNG key — is
+found, passed into the compiled program as inputs and written back after each
+call. So a whole training step compiles into a single program::
+
+    @t2j.jit
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+How state is found and carried:
+
+* *Roots*: modules, optimizers and tensors reachable from the function's
+  closure, the globals it names, ``self`` of a bound method and the arguments.
+  Their tensors are listed as *slots* (``model.fc.weight``, its ``.grad``,
+  ``opt.state[p]["exp_avg"]``...). The shapes, dtypes and presence of all slots
+  are part of the cache key, so a changed Python-level structure retraces.
+* While tracing, each slot's storage holds a tracer. After the trace, a storage
+  whose array changed was written (its new value is an output of the program,
+  and its input buffer is donated); storages created during the trace that are
+  still alive (a new ``.grad``, fresh optimizer state) are outputs too, and the
+  slots that point to them are re-pointed on every call.
+* A tensor read during the trace that was not found as a slot is added to the
+  function's inputs and the function is traced again, so nothing the program
+  reads is silently frozen into it.
+* Optimizers are switched to their ``capturable`` form (step counters live on the
+  device) and each param group's ``lr`` is an input of the program, so an LR
+  scheduler stepping outside the function never causes a retrace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import logging
+import time
+import types
+import warnings
+import weakref
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+from jax.extend.core import jaxpr_as_fun
+
+from .env import default_rng as _rng
+from . import symbolic as _sym
+from . import tensor as _tensor
+from .tensor import Tensor, jax_array, new_tensor
+
+log = logging.getLogger("torch2jax.jit")
+
+_RECOMPILES: list = []
+
+
+class JitError(RuntimeError):
+    """A function cannot be compiled by `t2j.jit`; the message says why and what to do."""
+
+
+# ---------------------------------------------------------------------------
+# finding state: roots and slots
+# ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(_global_names(const))
+    return tuple(sorted(names))
+
+
+class _Roots:
+    """Modules, optimizers and bare tensors a function can reach."""
+
+    def __init__(self):
+        self.modules, self.optimizers, self.tensors = [], [], []
+        self._seen = set()
+
+    def add(self, obj, depth=0):
+        if id(obj) in self._seen or depth > 3:
+            return
+        if isinstance(obj, torch.nn.Module):
+            self._seen.add(id(obj))
+            self.modules.append(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            self._seen.add(id(obj))
+            self.optimizers.append(obj)
+        elif isinstance(obj, Tensor):
+            self._seen.add(id(obj))
+            self.tensors.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            self._seen.add(id(obj))
+            for o in obj[:256]:
+                self.add(o, depth + 1)
+        elif isinstance(obj, dict):
+            self._seen.add(id(obj))
+            for o in list(obj.values())[:256]:
+                self.add(o, depth + 1)
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            self.add(obj.optimizer, depth + 1)
+        elif isinstance(obj, functools.partial):
+            self._seen.add(id(obj))
+            self.add_function(obj.func, depth + 1)
+            self.add(obj.args, depth + 1)
+            self.add(obj.keywords, depth + 1)
+        elif isinstance(obj, types.MethodType):
+            self._seen.add(id(obj))
+            self.add_function(obj.__func__, depth + 1)
+            self.add(obj.__self__, depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            self.add_function(obj, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)) and depth < 2:
+            self._seen.add(id(obj))
+            for o in list(vars(obj).values())[:256]:
+                self.add(o, depth + 1)
+
+    def add_function(self, fn, depth=0):
+        if id(fn) in self._seen:
+            return
+        self._seen.add(id(fn))
+        if fn.__closure__:
+            for cell in fn.__closure__:
+                try:
+                    self.add(cell.cell_contents, depth)
+                except ValueError:  # an empty cell
+                    pass
+        g = fn.__globals__
+        for name in _global_names(fn.__code__):
+            if name in g:
+                self.add(g[name], depth)
+
+
+def _find_roots(fn, args, kwargs) -> _Roots:
+    roots = _Roots()
+    roots.add(fn)
+    for leaf in torch_pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer)):
+            roots.add(leaf)
+    return roots
+
+
+@dataclasses.dataclass
+class _Slots:
+    """The state of one call: tensors (by slot), storages and a structural key."""
+
+    tensors: list  # Tensor | None per slot
+    setters: list  # how to point each slot at another tensor
+    names: list  # a readable name per slot (for explain_recompiles)
+    storages: list  # the distinct storages of all slot tensors
+    key: tuple
+    static: list  # (name, value) of the Python values the trace depends on
+    lr_groups: list  # (optimizer param_group dict) whose lr is a program input
+
+
+def _set_param(mod, name, t):
+    mod._parameters[name] = t
+
+
+def _set_buffer(mod, name, t):
+    mod._buffers[name] = t
+
+
+def _set_grad(p, t):
+    p.grad = t
+
+
+def _set_opt_state(opt, p, key, t):
+    opt.state[p][key] = t
+
+
+def _make_capturable(opt) -> None:
+    """Switch ``opt`` to the form whose step counters live on the device."""
+    for group in opt.param_groups:
+        if group.get("capturable") is False:
+            group["capturable"] = True
+            for p in group["params"]:
+                st = opt.state.get(p)
+                if st and isinstance(st.get("step"), torch.Tensor) and not isinstance(st["step"], Tensor):
+                    st["step"] = st["step"].to(_tensor.DEVICE)
+
+
+def _collect(args_leaves, roots: _Roots) -> _Slots:
+    tensors, setters, names, static = [], [], [], []
+    seen_grads = set()
+
+    def add(t, setter, name):
+        if t is not None and not isinstance(t, Tensor):
+            raise JitError(
+                f"t2j.jit: {name} is a tensor on {t.device}, not on the jax device; move it first "
+                "(module.to('jax'), tensor.to('jax'))"
+            )
+        tensors.append(t)
+        setters.append(setter)
+        names.append(name)
+
+    def add_grad(p, name):
+        if id(p) in seen_grads or not p.requires_grad:
+            return
+        seen_grads.add(id(p))
+        add(p.grad, functools.partial(_set_grad, p), name + ".grad")
+
+    for i, leaf in enumerate(args_leaves):
+        if isinstance(leaf, Tensor):
+            add(leaf, None, f"argument {i}")
+            add_grad(leaf, f"argument {i}")
+    for i, t in enumerate(roots.tensors):
+        add(t, None, f"captured tensor {i}")
+    for m in roots.modules:
+        mname = type(m).__name__
+        static.append((f"{mname}.training", tuple(sub.training for sub in m.modules())))
+        for prefix, sub in m.named_modules():
+            for name, p in sub._parameters.items():
+                full = f"{mname}.{prefix + '.' if prefix else ''}{name}"
+                add(p, functools.partial(_set_param, sub, name), full)
+                if p is not None:
+                    add_grad(p, full)
+            for name, b in sub._buffers.items():
+                full = f"{mname}.{prefix + '.' if prefix else ''}{name}"
+                add(b, functools.partial(_set_buffer, sub, name), full)
+    lr_groups = []
+    for k, opt in enumerate(roots.optimizers):
+        _make_capturable(opt)
+        oname = f"{type(opt).__name__}#{k}"
+        for gi, group in enumerate(opt.param_groups):
+            hyper = []
+            for hk, hv in sorted(group.items()):
+                if hk == "params":
+                    continue
+                if hk == "lr" and isinstance(hv, float):
+                    lr_groups.append(group)
+                elif isinstance(hv, Tensor):
+                    add(hv, None, f"{oname}.param_groups[{gi}][{hk!r}]")
+                else:
+                    hyper.append((hk, hv))
+            static.append((f"{oname}.param_groups[{gi}]", tuple(hyper)))
+            for pi, p in enumerate(group["params"]):
+                pname = f"{oname}.param_groups[{gi}].params[{pi}]"
+                add_grad(p, pname)
+                st = opt.state.get(p)
+                if st is None:
+                    static.append((f"{oname}.state[{pi}]", None))
+                    continue
+                values = []
+                for sk, sv in sorted(st.items()):
+                    if isinstance(sv, torch.Tensor):
+                        add(sv, functools.partial(_set_opt_state, opt, p, sk), f"{oname}.state[{pi}][{sk!r}]")
+                        values.append(sk)
+                    else:
+                        values.append((sk, sv))
+                static.append((f"{oname}.state[{pi}]", tuple(values)))
+
+    storages, index = [], {}
+    sig = []
+    for t in tensors:
+        if t is None:
+            sig.append(None)
+            continue
+        st = t._t2j_storage
+        i = index.get(id(st))
+        if i is None:
+            i = index[id(st)] = len(storages)
+            storages.append(st)
+        view = (t.stride(), t.storage_offset()) if t._t2j_view else None
+        sig.append((tuple(t.shape), t.dtype, t.requires_grad, i, view))
+    avals = tuple((tuple(st.array.shape), st.array.dtype) for st in storages)
+    key = (tuple(sig), avals, tuple(static), len(lr_groups))
+    return _Slots(tensors, setters, names, storages, key, static, lr_groups)
+
+
+# ---------------------------------------------------------------------------
+# tracing
+# ---------------------------------------------------------------------------
+
+
+class _Capture:
+    """Watches a trace: storages created, and tensors read that are not inputs."""
+
+    def __init__(self, inputs):
+        self.inputs = {id(st) for st in inputs}
+        self.new = weakref.WeakSet()
+        self.unknown = {}
+
+    def created(self, storage):
+        self.new.add(storage)
+
+    def read(self, t):
+        st = t._t2j_storage
+        if id(st) in self.inputs or isinstance(st.array, jax.core.Tracer) or st in self.new:
+            return
+        self.unknown[id(st)] = st
+
+
+class _Retrace(Exception):
+    def __init__(self, storages):
+        self.storages = storages
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One compiled specialization of a jitted function."""
+
+    call: object  # the jitted program over flat arrays
+    written: list  # input storage indices whose new value is an output
+    new_storages: list  # storages created by the trace whose value is an output
+    post: list  # (setter, slot index | tensor | None): slots to re-point after a call
+    out_def: object  # torch pytree spec of the outputs
+    out_leaves: list  # per output leaf: ("array", k) | ("pre", slot) | ("const", value)
+    uses_rng: bool
+    names: list  # slot names, to explain a later cache miss
+    trace_s: float
+    compile_s: float = 0.0
+
+
+class JitFunction:
+    """A torch function compiled by `jit`. Call it like the function itself."""
+
+    def __init__(self, fn, donate: bool = True):
+        self.fn = fn
+        self.donate = donate
+        self._cache: dict = {}
+        self._extra: list = []  # weakrefs to storages read but not found as slots
+        self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0}
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        return functools.partial(self.__call__, obj)
+
+    # -- the call ---------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        self.stats["calls"] += 1
+        leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+        leaves = [_to_device(x) for x in leaves]
+        roots = _find_roots(self.fn, args, kwargs)
+        for _ in range(3):
+            slots = _collect(leaves, roots)
+            extra = [s for s in (r() for r in self._extra) if s is not None]
+            extra = [s for s in extra if not any(s is st for st in slots.storages)]
+            storages = slots.storages + extra
+            key = (spec, _static_key(leaves), slots.key, tuple(id(s) for s in extra),
+                   tuple((tuple(s.array.shape), s.array.dtype) for s in extra), torch.is_grad_enabled())
+            entry = self._cache.get(key)
+            if entry is not None:
+                self.stats["hits"] += 1
+                break
+            self._explain(key, slots)
+            try:
+                entry = self._trace(leaves, spec, roots, slots, storages)
+            except _Retrace as r:
+                self._extra.extend(weakref.ref(s) for s in r.storages)
+                msg = (f"t2j.jit: retracing {getattr(self.fn, '__qualname__', self.fn)}: it read {len(r.storages)} "
+                       "tensor(s) it does not receive and that belong to no module or optimizer it can see; they are "
+                       "now inputs of the program")
+                _RECOMPILES.append(msg)
+                log.info(msg)
+                continue
+            self._cache[key] = entry
+            break
+        else:
+            raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
+        return self._run(entry, leaves, slots, storages)
+
+    def _run(self, entry, leaves, slots, storages):
+        inputs = [st.array for st in storages]
+        lrs = [float(g["lr"]) for g in slots.lr_groups]
+        with jax.enable_x64(True), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            start = time.perf_counter()
+            outs, written, new, key = entry.call(inputs, lrs, _rng.key)
+            if not entry.compile_s:
+                entry.compile_s = time.perf_counter() - start
+                self.stats["compiles"] += 1
+        for i, a in zip(entry.written, written):
+            st = storages[i]
+            st.array = a
+            st.version += 1
+        for st, a in zip(entry.new_storages, new):
+            st.array = a
+            st.version += 1
+        if entry.uses_rng:
+            _rng.key = key
+        for setter, target in entry.post:
+            setter(slots.tensors[target] if isinstance(target, int) else target)
+        result = []
+        for kind, v in entry.out_leaves:
+            if kind == "array":
+                result.append(new_tensor(outs[v]))
+            elif kind == "pre":
+                result.append(slots.tensors[v])
+            elif kind == "arg":
+                result.append(leaves[v])
+            else:
+                result.append(v)
+        return torch_pytree.tree_unflatten(result, entry.out_def)
+
+    # -- tracing ----------------------------------------------------------------
+
+    def _trace(self, leaves, spec, roots, slots, storages):
+        self.stats["traces"] += 1
+        start = time.perf_counter()
+        info = {}
+        pure = functools.partial(self._pure, leaves, spec, roots, slots, storages, info)
+        inputs = [st.array for st in storages]
+        lrs = [float(g["lr"]) for g in slots.lr_groups]
+        with jax.enable_x64(True):
+            closed = jax.make_jaxpr(pure)(inputs, lrs, _rng.key)
+        written = info["written"]
+        n_in = len(inputs)
+        donate = tuple(written) if self.donate else ()
+        flat = jaxpr_as_fun(closed)
+        n_out, n_written, n_new = info["n_out"], len(written), len(info["new_storages"])
+        uses_rng = info["uses_rng"]
+
+        def program(inputs, lrs, key):
+            res = flat(*inputs, *lrs, key)
+            outs = res[:n_out]
+            w = res[n_out:n_out + n_written]
+            new = res[n_out + n_written:n_out + n_written + n_new]
+            return outs, w, new, (res[-1] if uses_rng else None)
+
+        def call(inputs, lrs, key):
+            donated = [inputs[i] for i in donate]
+            kept = [a for i, a in enumerate(inputs) if i not in set(donate)]
+            return jitted(donated, kept, lrs, key)
+
+        order = list(donate) + [i for i in range(n_in) if i not in set(donate)]
+        inverse = sorted(range(n_in), key=lambda k: order[k])
+
+        def split_program(donated, kept, lrs, key):
+            both = list(donated) + list(kept)
+            return program([both[k] for k in inverse], lrs, key)
+
+        jitted = jax.jit(split_program, donate_argnums=(0,))
+        return _Entry(call, written, info["new_storages"], info["post"], info["out_def"], info["out_leaves"],
+                      uses_rng, slots.names, time.perf_counter() - start)
+
+    def _pure(self, leaves, spec, roots, slots, storages, info, inputs, lrs, key):
+        saved = [(st, st.array) for st in storages]
+        saved_slots = _snapshot(slots, roots)
+        saved_lr = [g["lr"] for g in slots.lr_groups]
+        capture = _Capture(storages)
+        lr_arrays = [a.astype(jax.numpy.float32) for a in lrs]
+        lr_tensors = [new_tensor(a) for a in lr_arrays]
+        ok = False
+        try:
+            for st, a in zip(storages, inputs):
+                st.array = a
+                st.version += 1
+            for g, t in zip(slots.lr_groups, lr_tensors):
+                g["lr"] = t
+            args, kwargs = torch_pytree.tree_unflatten(leaves, spec)
+            _tensor.CAPTURE = capture
+            with _rng.traced_key(key) as rng, torch.autograd.set_multithreading_enabled(False):
+                out = self.fn(*args, **kwargs)
+            _tensor.CAPTURE = None
+            for g, t, a in zip(slots.lr_groups, lr_tensors, lr_arrays):
+                if g["lr"] is not t or t._t2j_storage.array is not a:
+                    raise JitError(
+                        "t2j.jit: the learning rate of an optimizer changed inside the jitted function (an LR "
+                        "scheduler stepping inside it?); its Python state would be frozen into the program. "
+                        "Call scheduler.step() outside the jitted function."
+                    )
+            if capture.unknown:
+                raise _Retrace(list(capture.unknown.values()))
+            out_leaves, out_def = torch_pytree.tree_flatten(out)
+            del out
+            pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}
+            arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+            outs, kinds = [], []
+            for leaf in out_leaves:
+                if isinstance(leaf, Tensor) and id(leaf) in arg_index:
+                    kinds.append(("arg", arg_index[id(leaf)]))
+                elif isinstance(leaf, Tensor) and id(leaf) in pre_index:
+                    kinds.append(("pre", pre_index[id(leaf)]))
+                elif isinstance(leaf, Tensor):
+                    kinds.append(("array", len(outs)))
+                    outs.append(leaf._value())
+                elif _sym.is_traced_number(leaf):
+                    kinds.append(("array", len(outs)))
+                    outs.append(jax.numpy.asarray(_sym.value_of(leaf)))
+                else:
+                    kinds.append(("const", leaf))
+            del out_leaves, leaf
+            post_slots = _collect(leaves, roots)
+            del args, kwargs
+            gc.collect()
+            input_ids = {id(a) for a in inputs}
+            written = [i for i, st in enumerate(storages) if st.array is not inputs[i]]
+            new_storages = [st for st in list(capture.new) if isinstance(st.array, jax.core.Tracer)
+                            and id(st.array) not in input_ids]
+            post = _repointed(slots, post_slots, pre_index)
+            info.update(
+                written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds,
+                n_out=len(outs), uses_rng=rng.key is not key,
+            )
+            result = outs + [storages[i].array for i in written] + [st.array for st in new_storages]
+            if rng.key is not key:
+                result.append(rng.key)
+            ok = True
+            return result
+        finally:
+            _tensor.CAPTURE = None
+            for st, a in saved:
+                st.array = a
+                st.version += 1
+            for g, v in zip(slots.lr_groups, saved_lr):
+                g["lr"] = v
+            if not ok:
+                _restore(saved_slots)
+
+    # -- recompiles ---------------------------------------------------------------
+
+    def _explain(self, key, slots):
+        if not self._cache:
+            return
+        last = next(reversed(self._cache))
+        reason = _diff(last, self._cache[last].names, key, slots.names)
+        msg = f"t2j.jit: retracing {getattr(self.fn, '__qualname__', self.fn)}: {reason}"
+        _RECOMPILES.append(msg)
+        log.info(msg)
+
+
+def _to_device(x):
+    if isinstance(x, torch.Tensor) and not isinstance(x, Tensor):
+        if x.device.type != "cpu":
+            raise JitError(f"t2j.jit: got a tensor on {x.device}; use tensors on the jax or cpu device")
+        return new_tensor(jax_array(x)).requires_grad_(x.requires_grad)
+    return x
+
+
+def _static_key(leaves):
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            out.append(None)
+            continue
+        try:
+            hash(x)
+            out.append(x)
+        except TypeError:
+            out.append(("id", id(x)))
+    return tuple(out)
+
+
+def _snapshot(slots, roots):
+    """What a failed trace must put back: slot contents and optimizer state dicts."""
+    pointed = [(setter, t) for setter, t in zip(slots.setters, slots.tensors) if setter is not None]
+    opt_states = [(opt, {p: dict(st) for p, st in opt.state.items()}) for opt in roots.optimizers]
+    return pointed, opt_states
+
+
+def _restore(snapshot):
+    pointed, opt_states = snapshot
+    for setter, t in pointed:
+        setter(t)
+    for opt, states in opt_states:
+        opt.state.clear()
+        opt.state.update(states)
+
+
+def _slot_id(setter):
+    return (setter.func, *(a if isinstance(a, str) else id(a) for a in setter.args))
+
+
+def _repointed(pre: _Slots, post: _Slots, pre_index):
+    """(setter, target) for every slot that points to another tensor after the trace:
+    target is the index of a slot tensor before the call, a tensor the trace
+    created, or None."""
+    before = {_slot_id(s): t for s, t in zip(pre.setters, pre.tensors) if s is not None}
+    out = []
+    for setter, t in zip(post.setters, post.tensors):
+        if setter is None or before.get(_slot_id(setter), _MISSING) is t:
+            continue
+        out.append((setter, pre_index.get(id(t), t) if t is not None else None))
+    return out
+
+
+_MISSING = object()
+
+
+def _unindexed(sig):
+    return sig if sig is None else sig[:3] + sig[4:]
+
+
+def _describe_sig(sig):
+    if sig is None:
+        return "None"
+    shape, dtype, requires_grad, view = sig
+    text = f"{dtype} {list(shape)}" + (" requires_grad" if requires_grad else "")
+    return text + (f" view{view}" if view else "")
+
+
+def _diff(old, old_names, new, new_names):
+    """Why key ``new`` missed the cache, compared with ``old`` (the latest entry)."""
+    (ospec, ostatic, oslots, *orest), (nspec, nstatic, nslots, *nrest) = old, new
+    if ospec != nspec:
+        return f"the structure of the arguments changed: {ospec} -> {nspec}"
+    for i, (a, b) in enumerate(zip(ostatic, nstatic)):
+        if a != b:
+            return f"static argument {i} changed: {a!r} -> {b!r}"
+    reasons = []
+    # the storage index only says which slots alias each other: compared last
+    osig = {n: _unindexed(g) for n, g in zip(old_names, oslots[0])}
+    nsig = {n: _unindexed(g) for n, g in zip(new_names, nslots[0])}
+    for name in list(dict.fromkeys(list(osig) + list(nsig))):
+        a, b = osig.get(name, _MISSING), nsig.get(name, _MISSING)
+        if a != b:
+            a = "absent" if a is _MISSING else _describe_sig(a)
+            b = "absent" if b is _MISSING else _describe_sig(b)
+            reasons.append(f"{name}: {a} -> {b}")
+    ostat, nstat = dict(oslots[2]), dict(nslots[2])
+    for name in list(dict.fromkeys(list(ostat) + list(nstat))):
+        if ostat.get(name, _MISSING) != nstat.get(name, _MISSING):
+            reasons.append(f"{name}: {ostat.get(name, 'absent')!r} -> {nstat.get(name, 'absent')!r}")
+    if orest[-1] != nrest[-1]:
+        reasons.append(f"grad mode: {orest[-1]} -> {nrest[-1]}")
+    if not reasons and oslots[1] != nslots[1]:
+        reasons.append("the shapes or dtypes of captured storages changed")
+    if not reasons and orest != nrest:
+        reasons.append("new tensors read by the function were added as inputs")
+    if not reasons:
+        return "the aliasing between tensors changed"
+    more = f" (and {len(reasons) - 3} more)" if len(reasons) > 3 else ""
+    return "; ".join(reasons[:3]) + more
+
+
+def jit(fn=None, *, donate: bool = True):
+    """Compile a torch function into one XLA program, with the state it touches.
+
+    ``fn`` takes and returns torch tensors (and any other Python values). Tensor
+    arguments are traced; other arguments are static and part of the cache key.
+    Module parameters, buffers and gradients, optimizer state and the RNG key that
+    ``fn`` reads or writes are carried in and out (see this module's docstring),
+    so ``fn`` may run a whole training step. With ``donate`` (default) the input
+    buffers of state that ``fn`` overwrites are donated to the program.
+
+    >>> @t2j.jit
+    ... def step(x, y):
+    ...     opt.zero_grad()
+    ...     loss = F.mse_loss(model(x), y)
+    ...     loss.backward()
+    ...     opt.step()
+    ...     return loss
+    >>> loss = step(x, y)            # traced and compiled once, then cached
+    """
+    if fn is None:
+        return functools.partial(jit, donate=donate)
+    return JitFunction(fn, donate=donate)
+
+
+def explain_recompiles() -> list:
+    """Why every `t2j.jit` function retraced so far, oldest first (also logged to
+    the ``torch2jax.jit`` logger at INFO level)."""
+    return list(_RECOMPILES)
