@@ -12,6 +12,7 @@ from . import ops as _ops
 from . import pytree as _pytree  # noqa: F401
 from .dispatch import OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed, rng_key
+from .interop import call_jax, call_torch, functionalize, jax_view, torch_view
 from .jit import JitFunction, explain_recompiles, jit
 from .tensor import Tensor
 
@@ -23,15 +24,20 @@ __all__ = [
     "JitFunction",
     "OpError",
     "Tensor",
+    "call_jax",
+    "call_torch",
     "config",
     "coverage",
     "disable",
     "enable",
     "env",
     "explain_recompiles",
+    "functionalize",
+    "jax_view",
     "jit",
     "manual_seed",
     "path_of",
     "rng_key",
+    "torch_view",
 ]
 __version__ = "0.1.0"

@@ -607,7 +607,7 @@ def native_dropout(x, p, train):
         return x, jnp.ones(x.shape, np.bool_)
     if p == 1:
         return jnp.zeros_like(x), jnp.zeros(x.shape, np.bool_)
-    mask = jax.random.bernoulli(_env.next_key(), 1 - p, x.shape)
+    mask = jax.random.bernoulli(_env.next_key(), np.float32(1 - p), x.shape)
     return (upcast(x) * mask * (1 / (1 - p))).astype(x.dtype), mask
 
 
@@ -640,7 +640,7 @@ def _attention(q, k, v, bias, dropout_p, is_causal, scale, key):
         s = s + upcast(bias)
     p = _safe_softmax_compute(s, -1)
     if dropout_p > 0:
-        p = p * jax.random.bernoulli(key, 1 - dropout_p, p.shape) / (1 - dropout_p)
+        p = p * jax.random.bernoulli(key, np.float32(1 - dropout_p), p.shape) / (1 - dropout_p)
     out = jnp.einsum("...qk,...kd->...qd", p, upcast(v)).astype(q.dtype)
     return out, jax.nn.logsumexp(s, axis=-1)
 

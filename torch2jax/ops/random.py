@@ -56,7 +56,10 @@ def _as_result(sample, dtype):
 
 
 def _uniform(generator, shape, dtype, low=0.0, high=1.0):
-    return jax.random.uniform(next_key(generator), shape, _sample_dtype(dtype), low, high)
+    dt = _sample_dtype(dtype)
+    # bounds as arrays of the sample dtype: Python floats would enter jax.random's
+    # own jit as float64, which breaks inside a JAX program traced without x64
+    return jax.random.uniform(next_key(generator), shape, dt, jnp.asarray(low, dt), jnp.asarray(high, dt))
 
 
 def _normal(generator, shape, dtype):
@@ -247,7 +250,10 @@ def binomial(count, prob, generator=None):
 def _integers(generator, shape, low, high, dtype):
     """Integers uniform in [low, high) (Python ints, up to the full 64-bit range) as ``dtype``."""
     span = high - low
-    bits = jax.random.bits(next_key(generator), shape, np.uint64)
+    # two 32-bit draws: 64-bit random bits cannot be lowered inside a JAX program
+    # traced without x64 (jax.random re-traces its bit generator at lowering time)
+    hi, lo = jax.random.bits(next_key(generator), (2, *shape), np.uint32)
+    bits = (hi.astype(np.uint64) << np.uint64(32)) | lo.astype(np.uint64)
     if span < 2**64:
         bits = bits % np.uint64(span)
     value = jax.lax.bitcast_convert_type(bits + np.uint64(low % 2**64), np.int64)
