@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 
@@ -49,11 +50,13 @@ def _to_jax(x):
 def _to_torch(x):
     if isinstance(x, (jax.Array, jax.core.Tracer)):
         return new_tensor(x)
+    if isinstance(x, np.ndarray):
+        return new_tensor(jax.numpy.asarray(x))
     return x
 
 
 def _is_jax_leaf(x):
-    return isinstance(x, (jax.Array, jax.core.Tracer, torch.Tensor))
+    return isinstance(x, (jax.Array, jax.core.Tracer, torch.Tensor, np.ndarray))
 
 
 def jax_view(x):

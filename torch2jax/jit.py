@@ -179,14 +179,16 @@ def _set_opt_state(opt, p, key, t):
 
 
 def _make_capturable(opt) -> None:
-    """Switch ``opt`` to the form whose step counters live on the device."""
+    """Switch ``opt`` to the form whose step counters live on the device: its
+    ``capturable`` flag where it has one, and every state tensor on the jax device
+    (a counter on the CPU would be incremented once per trace, not once per call)."""
     for group in opt.param_groups:
         if group.get("capturable") is False:
             group["capturable"] = True
-            for p in group["params"]:
-                st = opt.state.get(p)
-                if st and isinstance(st.get("step"), torch.Tensor) and not isinstance(st["step"], Tensor):
-                    st["step"] = st["step"].to(_tensor.DEVICE)
+    for st in opt.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and not isinstance(v, Tensor):
+                st[k] = v.to(_tensor.DEVICE)
 
 
 def _collect(args_leaves, roots: _Roots) -> _Slots:

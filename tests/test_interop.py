@@ -1,0 +1,168 @@
+"""jax_view / torch_view, call_jax / call_torch and functionalize, against torch CPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import torch2jax as t2j
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _x(*shape):
+    return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+
+def test_views_of_values():
+    t = torch.arange(3.0, device="jax")
+    tree = t2j.jax_view({"a": t, "b": [t, 1]})
+    assert isinstance(tree["a"], jax.Array) and tree["b"][1] == 1
+    back = t2j.torch_view(tree)
+    assert isinstance(back["a"], t2j.Tensor) and back["a"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_functionalize_grad_matches_torch():
+    model = _mlp()
+    fn, state = t2j.functionalize(model)
+    x = _x(5, 4)
+    grads = jax.jit(jax.grad(lambda s, x: (fn(s, x) ** 2).sum()))(state, x)
+    model(torch.from_numpy(x)).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(grads["params"][name], p.grad.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_functionalize_vmap_and_scan():
+    fn, state = t2j.functionalize(_mlp())
+    x = _x(6, 4)
+    batched = jax.vmap(fn, in_axes=(None, 0))(state, x)
+    np.testing.assert_allclose(batched, fn(state, x), atol=1e-6)
+
+    def body(carry, xi):
+        return carry + fn(state, xi[None]).sum(), None
+
+    total, _ = jax.lax.scan(body, jnp.float32(0), x)
+    np.testing.assert_allclose(total, fn(state, x).sum(), rtol=1e-5)
+
+
+def test_functionalize_tied_weights_stay_tied():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    fn, state = t2j.functionalize(Tied())
+    assert list(state["params"]) == ["emb.weight"]
+    ids = jnp.array([1, 2, 3])
+    g = jax.grad(lambda s: fn(s, ids).sum())(state)["params"]["emb.weight"]
+    model = Tied()
+    model.load_state_dict({"emb.weight": torch.from_numpy(np.asarray(state["params"]["emb.weight"])),
+                           "head.weight": torch.from_numpy(np.asarray(state["params"]["emb.weight"]))})
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    np.testing.assert_allclose(g, model.emb.weight.grad.numpy(), atol=1e-5)
+
+
+def test_functionalize_batchnorm_state_and_eval_mode():
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4)
+    fn, state = t2j.functionalize(bn)
+    x = _x(8, 4)
+    out, new_state = jax.jit(fn.apply)(state, x)
+    expected = bn(torch.from_numpy(x))
+    np.testing.assert_allclose(out, expected.detach().numpy(), atol=1e-5)
+    np.testing.assert_allclose(new_state["buffers"]["running_var"], bn.running_var.numpy(), atol=1e-6)
+    assert int(new_state["buffers"]["num_batches_tracked"]) == 1
+    bn.eval()
+    np.testing.assert_allclose(fn(new_state, x), bn(torch.from_numpy(x)).detach().numpy(), atol=1e-5)
+
+
+def test_functionalize_dropout_needs_a_key_under_jit():
+    fn, state = t2j.functionalize(nn.Dropout(0.5))
+    with pytest.raises(RuntimeError, match="no RNG key"):
+        jax.jit(fn)(state, jnp.ones(16))
+    a = jax.jit(fn)(state, jnp.ones(16), rng=jax.random.key(0))
+    b = jax.jit(fn)(state, jnp.ones(16), rng=jax.random.key(1))
+    c = jax.jit(fn)(state, jnp.ones(16), rng=jax.random.key(0))
+    assert not np.array_equal(a, b) and np.array_equal(a, c)
+    assert set(np.unique(np.asarray(a))) <= {0.0, 2.0}
+
+
+def test_call_jax_gradients_reach_torch():
+    w = torch.randn(5, device="jax", requires_grad=True)
+    loss = t2j.call_jax(lambda v, k: jnp.sum(jnp.sin(v) ** 2) * k, w, 3.0)
+    loss.backward()
+    wc = w.detach().cpu().requires_grad_(True)
+    (torch.sin(wc).pow(2).sum() * 3.0).backward()
+    torch.testing.assert_close(w.grad.cpu(), wc.grad)
+
+
+def test_call_jax_pytree_outputs_and_no_grad():
+    x = torch.arange(4.0, device="jax")
+    out = t2j.call_jax(lambda a: {"double": a * 2, "sum": a.sum()}, x)
+    assert out["double"].tolist() == [0.0, 2.0, 4.0, 6.0] and out["sum"].item() == 6.0
+
+
+def test_torch_view_of_a_jax_function():
+    f = t2j.torch_view(jnp.tanh)
+    x = torch.randn(3, device="jax", requires_grad=True)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), 1 - torch.tanh(x.detach().cpu()) ** 2)
+
+
+def test_call_torch_under_jax_grad():
+    g = jax.grad(lambda x: t2j.call_torch(lambda t: (t.sin() ** 2).sum(), x))(jnp.arange(3.0))
+    np.testing.assert_allclose(g, np.sin(2 * np.arange(3.0)), rtol=1e-6)
+
+
+def test_jax_loss_over_torch_submodule_trains():
+    fn, state = t2j.functionalize(_mlp())
+    x, y = _x(16, 4), _x(16, 2)
+
+    @jax.jit
+    def step(state, x, y):
+        loss, g = jax.value_and_grad(lambda s: jnp.mean((fn(s, x) - y) ** 2))(state)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, state, g), loss
+
+    losses = []
+    for _ in range(10):
+        state, loss = step(state, x, y)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] * 0.8
+
+
+def test_call_jax_inside_jitted_training_step():
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+    ref = nn.Linear(3, 3)
+    ref.load_state_dict(lin.state_dict())
+    lin.to("jax")
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    @t2j.jit
+    def step(x):
+        opt.zero_grad()
+        loss = t2j.call_jax(jnp.tanh, lin(x)).pow(2).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        ref_opt.zero_grad()
+        expected = torch.tanh(ref(x)).pow(2).sum()
+        expected.backward()
+        ref_opt.step()
+        torch.testing.assert_close(step(x.to("jax")).cpu(), expected.detach(), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,245 @@
+"""t2j.jit against torch CPU: whole training steps, state write-back, RNG, retracing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch2jax as t2j
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "sgd_nesterov_wd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def _train(device, make_opt, steps=20, jit=False, scheduler=True):
+    model = _model().to(device)
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if scheduler else None
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)) for _ in range(steps)]
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    if jit:
+        step = t2j.jit(step)
+    losses = []
+    for x, y in data:
+        losses.append(step(x.to(device), y.to(device)).item())
+        if sched:
+            sched.step()
+    return losses, model, step
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_train_step_matches_torch(name):
+    expected, ref_model, _ = _train("cpu", OPTIMIZERS[name])
+    actual, model, step = _train("jax", OPTIMIZERS[name], jit=True)
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-4, rtol=1e-3, msg=n)
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-4, rtol=1e-3, msg=n)
+    # first call: no grads and no optimizer state; second: both exist; then cached
+    assert step.stats["traces"] == 2, t2j.explain_recompiles()
+    assert step.stats["hits"] == 18
+
+
+def test_lr_scheduler_outside_never_retraces():
+    _, _, step = _train("jax", OPTIMIZERS["sgd_momentum"], steps=12, jit=True, scheduler=True)
+    assert step.stats["traces"] == 2
+
+
+def test_retrace_on_shape_change_is_explained():
+    lin = nn.Linear(4, 2).to("jax")
+    f = t2j.jit(lambda x: lin(x).sum())
+    f(torch.ones(3, 4))
+    f(torch.ones(3, 4))
+    assert f.stats["traces"] == 1
+    f(torch.ones(5, 4))
+    assert f.stats["traces"] == 2
+    assert "[3, 4] -> torch.float32 [5, 4]" in t2j.explain_recompiles()[-1]
+
+
+def test_static_arguments_are_part_of_the_key():
+    f = t2j.jit(lambda x, scale, mode="sum": getattr(x * scale, mode)())
+    x = torch.arange(4.0, device="jax")
+    assert f(x, 2).item() == 12.0
+    assert f(x, 3).item() == 18.0
+    assert f(x, 3, mode="mean").item() == 4.5
+    assert f.stats["traces"] == 3
+    assert f(x, 2).item() == 12.0 and f.stats["traces"] == 3
+
+
+def test_dropout_differs_per_step_and_follows_manual_seed():
+    drop = nn.Dropout(0.5)
+    f = t2j.jit(lambda x: drop(x))
+    x = torch.ones(64, device="jax")
+    torch.manual_seed(3)
+    a, b = f(x).cpu(), f(x).cpu()
+    torch.manual_seed(3)
+    c = f(x).cpu()
+    assert not torch.equal(a, b)
+    assert torch.equal(a, c)
+    assert f.stats["traces"] == 1
+
+
+def test_batchnorm_running_stats_written_back():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    model = copy.deepcopy(ref).to("jax")
+    f = t2j.jit(lambda x: model(x))
+    for i in range(3):
+        x = torch.randn(2, 3, 6, 6)
+        torch.testing.assert_close(f(x.to("jax")).cpu(), ref(x), atol=1e-5, rtol=1e-4)
+    for (n, b), r in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b.cpu(), r, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_gradient_accumulation_without_zero_grad():
+    lin = nn.Linear(3, 1).to("jax")
+    ref = copy.deepcopy(lin).cpu()
+
+    @t2j.jit
+    def accumulate(x):
+        lin(x).pow(2).sum().backward()
+
+    for k in range(3):
+        x = torch.full((2, 3), float(k + 1))
+        accumulate(x.to("jax"))
+        ref(x).pow(2).sum().backward()
+    torch.testing.assert_close(lin.weight.grad.cpu(), ref.weight.grad)
+
+
+def test_argument_and_captured_tensor_mutation():
+    counter = torch.zeros((), device="jax")
+
+    @t2j.jit
+    def f(x):
+        x.add_(1)
+        counter.add_(1)
+        return x * 2
+
+    y = torch.zeros(3, device="jax")
+    out = f(y)
+    f(y)
+    assert y.tolist() == [2.0, 2.0, 2.0]
+    assert counter.item() == 2.0
+    assert out.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_tensor_read_outside_modules_is_not_frozen():
+    holder = type("Holder", (), {})()
+    holder.scale = torch.ones(2, device="jax")
+    f = t2j.jit(lambda x: x * holder.scale)
+    x = torch.ones(2, device="jax")
+    assert f(x).tolist() == [1.0, 1.0]
+    holder.scale.mul_(10)
+    assert f(x).tolist() == [10.0, 10.0]
+
+
+def test_view_of_argument_written():
+    @t2j.jit
+    def f(x):
+        x[:, 0].mul_(3)
+        x.t()[1].add_(1)
+
+    x = torch.ones(2, 3, device="jax")
+    ref = torch.ones(2, 3)
+    f(x)
+    ref[:, 0].mul_(3)
+    ref.t()[1].add_(1)
+    assert torch.equal(x.cpu(), ref)
+
+
+def test_item_inside_becomes_traced_scalar():
+    f = t2j.jit(lambda x, s: x * s.item())
+    assert f(torch.ones(2, device="jax"), torch.tensor(3.0, device="jax")).tolist() == [3.0, 3.0]
+    # a new value of s is an input, not a constant of the program
+    assert f(torch.ones(2, device="jax"), torch.tensor(4.0, device="jax")).tolist() == [4.0, 4.0]
+    assert f.stats["traces"] == 1
+
+
+def test_data_dependent_python_control_flow_raises():
+    f = t2j.jit(lambda x: x * 2 if x.sum() > 0 else x)
+    with pytest.raises(RuntimeError, match="Python control flow"):
+        f(torch.ones(2, device="jax"))
+
+
+def test_failed_trace_leaves_no_tracer_behind():
+    lin = nn.Linear(2, 2).to("jax")
+    opt = torch.optim.Adam(lin.parameters())
+
+    @t2j.jit
+    def bad(x):
+        opt.zero_grad()
+        lin(x).sum().backward()
+        opt.step()
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        bad(torch.ones(1, 2, device="jax"))
+    assert lin.weight.grad is None and not opt.state
+    lin(torch.ones(1, 2, device="jax")).sum().backward()  # still usable eagerly
+    opt.step()
+    assert lin.weight.grad.jax().shape == (2, 2)
+
+
+def test_scheduler_inside_raises():
+    lin = nn.Linear(2, 2).to("jax")
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
+
+    @t2j.jit
+    def step(x):
+        opt.zero_grad()
+        lin(x).sum().backward()
+        opt.step()
+        sched.step()
+
+    with pytest.raises(RuntimeError, match="scheduler"):
+        step(torch.ones(1, 2, device="jax"))
+
+
+def test_outputs_structure_and_cpu_inputs():
+    f = t2j.jit(lambda x, n: {"sum": x.sum(), "parts": (x[:n], None, "tag")})
+    out = f(torch.arange(6.0), 2)
+    assert out["sum"].device.type == "jax" and out["sum"].item() == 15.0
+    assert out["parts"][0].tolist() == [0.0, 1.0] and out["parts"][1:] == (None, "tag")
+
+
+def test_method_of_a_module_subclass():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        @t2j.jit
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(2, 3)
+    expected = net.lin(x).relu()
+    net.to("jax")
+    torch.testing.assert_close(net(x.to("jax")).cpu(), expected)
