@@ -153,3 +153,22 @@ def test_deepcopy_keeps_parameters():
     torch.testing.assert_close(m2.weight.cpu(), m.weight.cpu())
     m2.weight.data.zero_()
     assert m.weight.abs().sum().item() > 0
+
+
+def test_module_to_jax_keeps_shared_weights_and_optimizer_references():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    m = Tied()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m.to("jax")
+    assert m.head.weight is m.emb.weight and m.emb.weight.device.type == "jax"
+    assert opt.param_groups[0]["params"][0] is m.emb.weight
+    assert isinstance(m.emb.weight, torch.nn.Parameter)
+    m.cpu()
+    assert m.head.weight is m.emb.weight and m.emb.weight.device.type == "cpu"
+    assert not torch.__future__.get_swap_module_params_on_conversion()

@@ -89,6 +89,36 @@ def _copy(dst, src, non_blocking=False):
 _libs = []
 
 
+def _swapping(method):
+    """Wrap an ``nn.Module`` conversion so that moving to or from the jax device swaps
+    each parameter in place (``torch.utils.swap_tensors``) instead of creating a new
+    one: a weight shared by two submodules stays shared (GPT-2's tied embedding),
+    and optimizers built before the move keep pointing at the module's parameters."""
+
+    @functools.wraps(method)
+    def convert(module, *args, **kwargs):
+        if method.__name__ == "to":
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            involved = device is not None and (device.type == NAME or _has_jax_tensors(module))
+        else:
+            involved = _has_jax_tensors(module)
+        if not involved or torch.__future__.get_swap_module_params_on_conversion():
+            return method(module, *args, **kwargs)
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            return method(module, *args, **kwargs)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+
+    return convert
+
+
+def _has_jax_tensors(module) -> bool:
+    return any(t.device.type == NAME for t in module.parameters()) or any(
+        t.device.type == NAME for t in module.buffers()
+    )
+
+
 def register() -> None:
     """Install the backend (idempotent)."""
     if _libs:
@@ -98,6 +128,8 @@ def register() -> None:
     torch._register_device_module(NAME, _DeviceModule())
     torch._C._acc.register_python_privateuseone_hook(_backend._DummyPrivateUse1Hook())
     torch._C._acc.register_python_privateuseone_device_guard(_backend._DummyDeviceGuard())
+    torch.nn.Module.to = _swapping(torch.nn.Module.to)
+    torch.nn.Module.cpu = _swapping(torch.nn.Module.cpu)
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     # The boxed fallback cannot serve copy_ when torch.tensor(..., device="jax")
