@@ -10,6 +10,7 @@
 from . import device as _device
 from . import ops as _ops
 from . import pytree as _pytree  # noqa: F401
+from . import train
 from .dispatch import OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed, rng_key
 from .interop import call_jax, call_torch, functionalize, jax_view, torch_view
@@ -39,5 +40,6 @@ __all__ = [
     "path_of",
     "rng_key",
     "torch_view",
+    "train",
 ]
 __version__ = "0.1.0"
