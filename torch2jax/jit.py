@@ -311,7 +311,8 @@ class _Retrace(Exception):
 class _Entry:
     """One compiled specialization of a jitted function."""
 
-    call: object  # the jitted program over flat arrays
+    jitted: object  # the jitted program
+    arguments: object  # (state arrays, learning rates, key) -> the program's arguments
     written: list  # input storage indices whose new value is an output
     new_storages: list  # storages created by the trace whose value is an output
     post: list  # (setter, slot index | tensor | None): slots to re-point after a call
@@ -343,6 +344,20 @@ class JitFunction:
 
     def __call__(self, *args, **kwargs):
         self.stats["calls"] += 1
+        entry, leaves, slots, storages = self._lookup(args, kwargs)
+        return self._run(entry, leaves, slots, storages)
+
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+        """The XLA program a call with these arguments runs (traced if needed, not run):
+        ``.as_text()`` for its StableHLO, ``.compile().memory_analysis()`` for its memory.
+
+        >>> step.lower(x, y).compile().memory_analysis().temp_size_in_bytes
+        """
+        entry, _, slots, storages = self._lookup(args, kwargs)
+        with jax.enable_x64(True):
+            return entry.jitted.lower(*entry.arguments([st.array for st in storages], _lrs(slots), _rng.key))
+
+    def _lookup(self, args, kwargs):
         leaves, spec = torch_pytree.tree_flatten((args, kwargs))
         leaves = [_to_device(x) for x in leaves]
         roots = _find_roots(self.fn, args, kwargs)
@@ -356,7 +371,7 @@ class JitFunction:
             entry = self._cache.get(key)
             if entry is not None:
                 self.stats["hits"] += 1
-                break
+                return entry, leaves, slots, storages
             self._explain(key, slots)
             try:
                 entry = self._trace(leaves, spec, roots, slots, storages)
@@ -369,18 +384,15 @@ class JitFunction:
                 log.info(msg)
                 continue
             self._cache[key] = entry
-            break
-        else:
-            raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
-        return self._run(entry, leaves, slots, storages)
+            return entry, leaves, slots, storages
+        raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
 
     def _run(self, entry, leaves, slots, storages):
         inputs = [st.array for st in storages]
-        lrs = [float(g["lr"]) for g in slots.lr_groups]
         with jax.enable_x64(True), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             start = time.perf_counter()
-            outs, written, new, key = entry.call(inputs, lrs, _rng.key)
+            outs, written, new, key = entry.jitted(*entry.arguments(inputs, _lrs(slots), _rng.key))
             if not entry.compile_s:
                 entry.compile_s = time.perf_counter() - start
                 self.stats["compiles"] += 1
@@ -415,9 +427,8 @@ class JitFunction:
         info = {}
         pure = functools.partial(self._pure, leaves, spec, roots, slots, storages, info)
         inputs = [st.array for st in storages]
-        lrs = [float(g["lr"]) for g in slots.lr_groups]
         with jax.enable_x64(True):
-            closed = jax.make_jaxpr(pure)(inputs, lrs, _rng.key)
+            closed = jax.make_jaxpr(pure)(inputs, _lrs(slots), _rng.key)
         written = info["written"]
         n_in = len(inputs)
         donate = tuple(written) if self.donate else ()
@@ -432,21 +443,21 @@ class JitFunction:
             new = res[n_out + n_written:n_out + n_written + n_new]
             return outs, w, new, (res[-1] if uses_rng else None)
 
-        def call(inputs, lrs, key):
-            donated = [inputs[i] for i in donate]
-            kept = [a for i, a in enumerate(inputs) if i not in set(donate)]
-            return jitted(donated, kept, lrs, key)
-
-        order = list(donate) + [i for i in range(n_in) if i not in set(donate)]
+        donated_set = set(donate)
+        order = list(donate) + [i for i in range(n_in) if i not in donated_set]
         inverse = sorted(range(n_in), key=lambda k: order[k])
+
+        def arguments(inputs, lrs, key):
+            # written state first, so that one argument (donated) covers exactly it
+            return [inputs[i] for i in donate], [inputs[i] for i in order[len(donate):]], lrs, key
 
         def split_program(donated, kept, lrs, key):
             both = list(donated) + list(kept)
             return program([both[k] for k in inverse], lrs, key)
 
         jitted = jax.jit(split_program, donate_argnums=(0,))
-        return _Entry(call, written, info["new_storages"], info["post"], info["out_def"], info["out_leaves"],
-                      uses_rng, slots.names, time.perf_counter() - start)
+        return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
+                      info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start)
 
     def _pure(self, leaves, spec, roots, slots, storages, info, inputs, lrs, key):
         saved = [(st, st.array) for st in storages]
@@ -532,6 +543,10 @@ class JitFunction:
         msg = f"t2j.jit: retracing {getattr(self.fn, '__qualname__', self.fn)}: {reason}"
         _RECOMPILES.append(msg)
         log.info(msg)
+
+
+def _lrs(slots):
+    return [float(g["lr"]) for g in slots.lr_groups]
 
 
 def _to_device(x):
