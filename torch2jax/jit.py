@@ -191,44 +191,48 @@ def _make_capturable(opt) -> None:
                 st[k] = v.to(_tensor.DEVICE)
 
 
-def _collect(args_leaves, roots: _Roots) -> _Slots:
+def _collect(args_leaves, roots: _Roots, full: bool = False) -> _Slots:
+    """The slots of a call. The fast form (every call) builds only the tensors and
+    the key; ``full`` (when tracing) adds each slot's name and setter. Names and
+    setters are passed as functions so that the fast form never builds them."""
     tensors, setters, names, static = [], [], [], []
     seen_grads = set()
 
     def add(t, setter, name):
         if t is not None and not isinstance(t, Tensor):
             raise JitError(
-                f"t2j.jit: {name} is a tensor on {t.device}, not on the jax device; move it first "
+                f"t2j.jit: {name()} is a tensor on {t.device}, not on the jax device; move it first "
                 "(module.to('jax'), tensor.to('jax'))"
             )
         tensors.append(t)
-        setters.append(setter)
-        names.append(name)
+        if full:
+            setters.append(setter() if setter is not None else None)
+            names.append(name())
 
     def add_grad(p, name):
-        if id(p) in seen_grads or not p.requires_grad:
+        if not p.requires_grad or id(p) in seen_grads:
             return
         seen_grads.add(id(p))
-        add(p.grad, functools.partial(_set_grad, p), name + ".grad")
+        add(p.grad, lambda: functools.partial(_set_grad, p), lambda: name() + ".grad")
 
     for i, leaf in enumerate(args_leaves):
         if isinstance(leaf, Tensor):
-            add(leaf, None, f"argument {i}")
-            add_grad(leaf, f"argument {i}")
+            add(leaf, None, lambda i=i: f"argument {i}")
+            add_grad(leaf, lambda i=i: f"argument {i}")
     for i, t in enumerate(roots.tensors):
-        add(t, None, f"captured tensor {i}")
-    for m in roots.modules:
-        mname = type(m).__name__
-        static.append((f"{mname}.training", tuple(sub.training for sub in m.modules())))
-        for prefix, sub in m.named_modules():
+        add(t, None, lambda i=i: f"captured tensor {i}")
+    for k, m in enumerate(roots.modules):
+        subs = list(m.named_modules()) if full else [("", sub) for sub in m.modules()]
+        static.append((("module", k, "training"), tuple(sub.training for _, sub in subs)))
+        for prefix, sub in subs:
             for name, p in sub._parameters.items():
-                full = f"{mname}.{prefix + '.' if prefix else ''}{name}"
-                add(p, functools.partial(_set_param, sub, name), full)
+                pname = functools.partial(_module_slot_name, m, prefix, name)
+                add(p, lambda sub=sub, name=name: functools.partial(_set_param, sub, name), pname)
                 if p is not None:
-                    add_grad(p, full)
+                    add_grad(p, pname)
             for name, b in sub._buffers.items():
-                full = f"{mname}.{prefix + '.' if prefix else ''}{name}"
-                add(b, functools.partial(_set_buffer, sub, name), full)
+                add(b, lambda sub=sub, name=name: functools.partial(_set_buffer, sub, name),
+                    functools.partial(_module_slot_name, m, prefix, name))
     lr_groups = []
     for k, opt in enumerate(roots.optimizers):
         _make_capturable(opt)
@@ -241,25 +245,25 @@ def _collect(args_leaves, roots: _Roots) -> _Slots:
                 if hk == "lr" and isinstance(hv, float):
                     lr_groups.append(group)
                 elif isinstance(hv, Tensor):
-                    add(hv, None, f"{oname}.param_groups[{gi}][{hk!r}]")
+                    add(hv, None, lambda gi=gi, hk=hk: f"{oname}.param_groups[{gi}][{hk!r}]")
                 else:
                     hyper.append((hk, hv))
-            static.append((f"{oname}.param_groups[{gi}]", tuple(hyper)))
+            static.append((("optimizer", k, "param_groups", gi), tuple(hyper)))
             for pi, p in enumerate(group["params"]):
-                pname = f"{oname}.param_groups[{gi}].params[{pi}]"
-                add_grad(p, pname)
+                add_grad(p, lambda gi=gi, pi=pi: f"{oname}.param_groups[{gi}].params[{pi}]")
                 st = opt.state.get(p)
                 if st is None:
-                    static.append((f"{oname}.state[{pi}]", None))
+                    static.append((("optimizer", k, "state", gi, pi), None))
                     continue
                 values = []
                 for sk, sv in sorted(st.items()):
                     if isinstance(sv, torch.Tensor):
-                        add(sv, functools.partial(_set_opt_state, opt, p, sk), f"{oname}.state[{pi}][{sk!r}]")
+                        add(sv, lambda opt=opt, p=p, sk=sk: functools.partial(_set_opt_state, opt, p, sk),
+                            lambda pi=pi, sk=sk: f"{oname}.state[{pi}][{sk!r}]")
                         values.append(sk)
                     else:
                         values.append((sk, sv))
-                static.append((f"{oname}.state[{pi}]", tuple(values)))
+                static.append((("optimizer", k, "state", gi, pi), tuple(values)))
 
     storages, index = [], {}
     sig = []
@@ -274,9 +278,13 @@ def _collect(args_leaves, roots: _Roots) -> _Slots:
             storages.append(st)
         view = (t.stride(), t.storage_offset()) if t._t2j_view else None
         sig.append((tuple(t.shape), t.dtype, t.requires_grad, i, view))
-    avals = tuple((tuple(st.array.shape), st.array.dtype) for st in storages)
+    avals = tuple((st.array.shape, st.array.dtype) for st in storages)
     key = (tuple(sig), avals, tuple(static), len(lr_groups))
     return _Slots(tensors, setters, names, storages, key, static, lr_groups)
+
+
+def _module_slot_name(module, prefix, name):
+    return ".".join(p for p in (type(module).__name__, prefix, name) if p)
 
 
 # ---------------------------------------------------------------------------
@@ -372,6 +380,7 @@ class JitFunction:
             if entry is not None:
                 self.stats["hits"] += 1
                 return entry, leaves, slots, storages
+            slots = _collect(leaves, roots, full=True)
             self._explain(key, slots)
             try:
                 entry = self._trace(leaves, spec, roots, slots, storages)
@@ -506,7 +515,7 @@ class JitFunction:
                 else:
                     kinds.append(("const", leaf))
             del out_leaves, leaf
-            post_slots = _collect(leaves, roots)
+            post_slots = _collect(leaves, roots, full=True)
             del args, kwargs
             gc.collect()
             input_ids = {id(a) for a in inputs}
@@ -619,6 +628,15 @@ def _describe_sig(sig):
     return text + (f" view{view}" if view else "")
 
 
+def _label(key) -> str:
+    kind, k, what, *where = key
+    if kind == "module":
+        return f"module #{k} {what} flags"
+    if what == "state":
+        return f"optimizer #{k} state of param_groups[{where[0]}].params[{where[1]}]"
+    return f"optimizer #{k} param_groups[{where[0]}] hyperparameters"
+
+
 def _diff(old, old_names, new, new_names):
     """Why key ``new`` missed the cache, compared with ``old`` (the latest entry)."""
     (ospec, ostatic, oslots, *orest), (nspec, nstatic, nslots, *nrest) = old, new
@@ -640,7 +658,7 @@ def _diff(old, old_names, new, new_names):
     ostat, nstat = dict(oslots[2]), dict(nslots[2])
     for name in list(dict.fromkeys(list(ostat) + list(nstat))):
         if ostat.get(name, _MISSING) != nstat.get(name, _MISSING):
-            reasons.append(f"{name}: {ostat.get(name, 'absent')!r} -> {nstat.get(name, 'absent')!r}")
+            reasons.append(f"{_label(name)}: {ostat.get(name, 'absent')!r} -> {nstat.get(name, 'absent')!r}")
     if orest[-1] != nrest[-1]:
         reasons.append(f"grad mode: {orest[-1]} -> {nrest[-1]}")
     if not reasons and oslots[1] != nslots[1]:
