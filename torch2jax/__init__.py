@@ -13,6 +13,7 @@ from . import pytree as _pytree  # noqa: F401
 from . import train
 from .dispatch import OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed, rng_key
+from .compile import CompiledModule, compile
 from .interop import call_jax, call_torch, functionalize, jax_view, torch_view
 from .jit import JitFunction, explain_recompiles, jit
 from .tensor import Tensor
@@ -21,12 +22,14 @@ _device.register_factories(_ops.registry.LOWERINGS)
 
 
 __all__ = [
+    "CompiledModule",
     "Config",
     "JitFunction",
     "OpError",
     "Tensor",
     "call_jax",
     "call_torch",
+    "compile",
     "config",
     "coverage",
     "disable",
