@@ -14,6 +14,7 @@ from . import train
 from .dispatch import OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed, rng_key
 from .compile import CompiledModule, compile
+from .control_flow import checkpoint, cond, fori_loop, scan, scan_layers, while_loop
 from .interop import call_jax, call_torch, functionalize, jax_view, torch_view
 from .jit import JitFunction, explain_recompiles, jit
 from .tensor import Tensor
@@ -29,7 +30,10 @@ __all__ = [
     "Tensor",
     "call_jax",
     "call_torch",
+    "checkpoint",
     "compile",
+    "cond",
+    "fori_loop",
     "config",
     "coverage",
     "disable",
@@ -42,7 +46,10 @@ __all__ = [
     "manual_seed",
     "path_of",
     "rng_key",
+    "scan",
+    "scan_layers",
     "torch_view",
     "train",
+    "while_loop",
 ]
 __version__ = "0.1.0"

@@ -307,12 +307,14 @@ class _Capture:
         st = t._t2j_storage
         if id(st) in self.inputs or isinstance(st.array, jax.core.Tracer) or st in self.new:
             return
-        self.unknown[id(st)] = st
+        self.unknown[id(st)] = t
 
 
 class _Retrace(Exception):
-    def __init__(self, storages):
-        self.storages = storages
+    """A trace read tensors it was not given (``found``); trace again with them as inputs."""
+
+    def __init__(self, found):
+        self.found = found
 
 
 @dataclasses.dataclass
@@ -385,8 +387,8 @@ class JitFunction:
             try:
                 entry = self._trace(leaves, spec, roots, slots, storages)
             except _Retrace as r:
-                self._extra.extend(weakref.ref(s) for s in r.storages)
-                msg = (f"t2j.jit: retracing {getattr(self.fn, '__qualname__', self.fn)}: it read {len(r.storages)} "
+                self._extra.extend(weakref.ref(s) for s in r.found)
+                msg = (f"t2j.jit: retracing {getattr(self.fn, '__qualname__', self.fn)}: it read {len(r.found)} "
                        "tensor(s) it does not receive and that belong to no module or optimizer it can see; they are "
                        "now inputs of the program")
                 _RECOMPILES.append(msg)
@@ -495,7 +497,7 @@ class JitFunction:
                         "Call scheduler.step() outside the jitted function."
                     )
             if capture.unknown:
-                raise _Retrace(list(capture.unknown.values()))
+                raise _Retrace([t._t2j_storage for t in capture.unknown.values()])
             out_leaves, out_def = torch_pytree.tree_flatten(out)
             del out
             pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}

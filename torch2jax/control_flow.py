@@ -1,0 +1,582 @@
+"""Loops, branches and remat for torch code, lowered to `jax.lax`.
+
+``t2j.scan``, ``fori_loop``, ``while_loop``, ``cond`` and ``checkpoint`` take
+functions over torch tensors. Each runs as one JAX primitive (``lax.scan``,
+``lax.while_loop``, ``lax.cond``, ``jax.checkpoint``), eagerly or inside
+`t2j.jit`, and is one node of torch autograd whose backward is the JAX VJP —
+so ``loss.backward()`` reaches the tensors the body closes over (module
+parameters) as well as its explicit inputs.
+
+State the body touches is handled as in `t2j.jit`: tensors it closes over
+(parameters and buffers of modules it can reach, captured tensors, and any
+other tensor it reads, found by tracing) are inputs of the JAX program; those
+it writes (BatchNorm running statistics, counters) are carried through the loop
+and written back after it; dropout draws from a key carried through the loop.
+
+`scan_layers` runs a list of identical modules as one ``lax.scan`` over their
+stacked parameters, so a deep model traces and compiles one layer.
+
+Example::
+
+    def body(h, x):
+        h = torch.tanh(cell(x) + h)
+        return h, h
+
+    h, hs = t2j.scan(body, h0, xs)          # xs: (time, batch, features)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+
+from . import tensor as _tensor
+from .env import default_rng as _rng
+from .interop import _torch_context
+from .jit import _Capture, _find_roots, _Retrace
+from .tensor import Tensor, jax_array, new_tensor
+
+
+class ControlFlowError(RuntimeError):
+    """A body cannot be lowered to a JAX loop or branch; the message says why."""
+
+
+# ---------------------------------------------------------------------------
+# torch values <-> flat arrays
+# ---------------------------------------------------------------------------
+
+
+def _flatten(tree):
+    leaves, spec = torch_pytree.tree_flatten(tree)
+    tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    return leaves, spec, tensors
+
+
+def _arrays(leaves, positions):
+    out = []
+    for i in positions:
+        t = leaves[i]
+        if isinstance(t, Tensor):
+            if _tensor.CAPTURE is not None:
+                _tensor.CAPTURE.read(t)
+            out.append(t._value())
+        else:
+            out.append(jax_array(t))
+    return out
+
+
+def _rebuild(leaves, spec, positions, arrays):
+    filled = list(leaves)
+    for i, a in zip(positions, arrays):
+        filled[i] = new_tensor(a)
+    return torch_pytree.tree_unflatten(filled, spec)
+
+
+class _Structure:
+    """The torch pytree structure of a body's output, learned while tracing it."""
+
+    def __init__(self):
+        self.spec = None
+        self.leaves = None
+        self.positions = None
+
+    def flatten(self, tree, what):
+        leaves, spec, positions = _flatten(tree)
+        static = [None if i in positions else x for i, x in enumerate(leaves)]
+        if self.spec is not None and (spec != self.spec or positions != self.positions):
+            raise ControlFlowError(f"t2j: {what} changed structure: {self.spec} -> {spec}")
+        self.spec, self.leaves, self.positions = spec, static, positions
+        return [leaves[i]._value() if isinstance(leaves[i], Tensor) else jax_array(leaves[i]) for i in positions]
+
+    def unflatten(self, arrays):
+        return _rebuild(self.leaves, self.spec, self.positions, arrays)
+
+
+# ---------------------------------------------------------------------------
+# closed-over state
+# ---------------------------------------------------------------------------
+
+
+def _representative(t: Tensor) -> Tensor:
+    """A base tensor (no view chain) with ``t``'s storage: what autograd differentiates."""
+    if not t._t2j_view:
+        return t
+    base = t._base
+    if isinstance(base, Tensor) and base._t2j_storage is t._t2j_storage and not base._t2j_view:
+        return base
+    raise ControlFlowError(
+        "t2j: the body reads a view of a tensor it does not receive and whose base is unknown; pass the tensor "
+        "as an explicit input"
+    )
+
+
+class _State:
+    """Tensors a body closes over: their storages are inputs of the JAX program;
+    the ones the body writes are carried through the loop and written back."""
+
+    def __init__(self, fn):
+        roots = _find_roots(fn, (), {})
+        tensors = list(roots.tensors)
+        for m in roots.modules:
+            tensors += [p for p in m.parameters()] + [b for b in m.buffers()]
+        self.tensors = []
+        self.written: list = []
+        self._ids = set()
+        self.add([t for t in tensors if isinstance(t, Tensor)])
+
+    def add(self, tensors):
+        for t in tensors:
+            t = _representative(t)
+            if id(t._t2j_storage) not in self._ids:
+                self._ids.add(id(t._t2j_storage))
+                self.tensors.append(t)
+
+    @property
+    def storages(self):
+        return [t._t2j_storage for t in self.tensors]
+
+    def arrays(self):
+        outer = _tensor.CAPTURE
+        if outer is not None:
+            for t in self.tensors:
+                outer.read(t)
+        return [t._t2j_storage.array for t in self.tensors]
+
+
+class _Installed:
+    """Within the block, the state's storages hold the given arrays (tracers of the
+    body); a read of any other tensor the body did not create is recorded and ends
+    the attempt (`_with_state` then adds that tensor to the state)."""
+
+    def __init__(self, state: _State, arrays):
+        self.state, self.arrays = state, arrays
+
+    def __enter__(self):
+        self.saved = [(st, st.array) for st in self.state.storages]
+        for st, a in zip(self.state.storages, self.arrays):
+            st.array = a
+            st.version += 1
+        self.outer = _tensor.CAPTURE
+        self.capture = _tensor.CAPTURE = _Capture(self.state.storages)
+        return self
+
+    def new_values(self):
+        return [st.array for st in self.state.storages]
+
+    def __exit__(self, *exc):
+        _tensor.CAPTURE = self.outer
+        for st, a in self.saved:
+            st.array = a
+            st.version += 1
+        if exc[0] is None and self.capture.unknown:
+            raise _Retrace(list(self.capture.unknown.values()))
+
+
+class _NeedCarry(Exception):
+    """The body wrote state tensors that are not carried yet (``indices`` into the state)."""
+
+    def __init__(self, indices):
+        self.indices = indices
+
+
+def _with_state(fn, attempt):
+    """Run ``attempt(state)``; when the body read tensors that are not yet state, or
+    wrote state that is not carried, extend the state and try again."""
+    state = _State(fn)
+    for _ in range(6):
+        try:
+            return attempt(state)
+        except _Retrace as r:
+            state.add(r.found)
+        except _NeedCarry as e:
+            state.written.extend(state.tensors[i]._t2j_storage for i in e.indices)
+    raise ControlFlowError("t2j: the body keeps reading new tensors; pass them as explicit inputs")
+
+
+def _carried(state):
+    written = {id(s) for s in state.written}
+    return [i for i, t in enumerate(state.tensors) if id(t._t2j_storage) in written]
+
+
+def _run_body(state, values, carried, key, call):
+    """Trace ``call()`` (torch code) with the state holding ``values``; returns its
+    result, the new values of the carried state and the key after its draws."""
+    with _Installed(state, values) as inst, _torch_context(), _rng.traced_key(key) as rng:
+        result = call()
+        after = inst.new_values()
+    newly = [i for i, (a, b) in enumerate(zip(values, after)) if a is not b and i not in carried]
+    if newly:
+        raise _NeedCarry(newly)
+    return result, [after[i] for i in carried], rng.key
+
+
+def _write_back(state, carried, arrays):
+    """After a loop: the state tensors the body wrote get their final values."""
+    for i, new in zip(carried, arrays):
+        t = state.tensors[i]
+        if t.requires_grad:
+            raise ControlFlowError(
+                "t2j: the body writes in place to a tensor it closes over that requires grad; pass it through the "
+                "carry instead"
+            )
+        st = t._t2j_storage
+        st.array = new._value()
+        st.version += 1
+
+
+# ---------------------------------------------------------------------------
+# one torch autograd node around a JAX program
+# ---------------------------------------------------------------------------
+
+
+def _value(t):
+    if isinstance(t, Tensor):
+        return t._value()
+    return jax_array(t)
+
+
+class _Program(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, *tensors):
+        arrays = [_value(t) for t in tensors]
+        diff = [t.requires_grad and (t.is_floating_point() or t.is_complex()) for t in tensors]
+        ctx.diff = diff
+
+        def primal(*d):
+            it = iter(d)
+            return run([next(it) if m else a for a, m in zip(arrays, diff)])
+
+        with jax.enable_x64(True):
+            outs, ctx.vjp = jax.vjp(primal, *[a for a, m in zip(arrays, diff) if m])
+        ctx.avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+        return tuple(new_tensor(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        cot = [jax.numpy.zeros(a.shape, a.dtype) if g is None else _value(g) for g, a in zip(grads, ctx.avals)]
+        with jax.enable_x64(True):
+            got = iter(ctx.vjp(cot))
+        return (None, *(new_tensor(next(got)) if m else None for m in ctx.diff))
+
+
+def _apply(run, tensors):
+    """``run(arrays) -> list of arrays`` as one torch autograd node over ``tensors``."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return list(_Program.apply(run, *tensors))
+    with jax.enable_x64(True):
+        return [new_tensor(o) for o in run([_value(t) for t in tensors])]
+
+
+def _check_carry(what, before, after):
+    for i, (a, b) in enumerate(zip(before, after)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ControlFlowError(
+                f"t2j.{what}: the body changed carry leaf {i} from {a.dtype}{list(a.shape)} to "
+                f"{b.dtype}{list(b.shape)}; a loop carry must keep its shape and dtype"
+            )
+
+
+def _rewrap(structure, tensors):
+    filled = list(structure.leaves)
+    for i, t in zip(structure.positions, tensors):
+        filled[i] = t
+    return torch_pytree.tree_unflatten(filled, structure.spec)
+
+
+# ---------------------------------------------------------------------------
+# scan, fori_loop, while_loop, cond
+# ---------------------------------------------------------------------------
+
+
+def scan(fn, init, xs=None, length: int | None = None, reverse: bool = False, unroll: int = 1):
+    """``lax.scan`` for torch: ``fn(carry, x) -> (carry, y)`` over the leading axis of ``xs``.
+
+    ``init`` and ``xs`` are tensors or pytrees of them (``xs`` may be None when
+    ``length`` is given). Returns ``(carry, ys)`` with the ``y``s stacked. The carry
+    must keep its shapes and dtypes. Differentiable with respect to ``init``,
+    ``xs`` and the tensors ``fn`` closes over.
+
+    >>> h, hs = t2j.scan(lambda h, x: (h * 0.9 + x, h), torch.zeros(3, device="jax"), xs)
+    """
+    init_leaves, init_spec, init_pos = _flatten(init)
+    xs_leaves, xs_spec, xs_pos = _flatten(xs)
+    n_init, n_xs = len(init_pos), len(xs_pos)
+    key = _rng.next_key()
+
+    def attempt(state):
+        carry_out, ys = _Structure(), _Structure()
+        carried = _carried(state)
+
+        def run(arrays):
+            init_a, xs_a, state_a = arrays[:n_init], arrays[n_init:n_init + n_xs], arrays[n_init + n_xs:]
+
+            def body(c, x):
+                user_c, carried_c, k = c
+                values = list(state_a)
+                for i, v in zip(carried, carried_c):
+                    values[i] = v
+
+                def call():
+                    new_carry, y = fn(_rebuild(init_leaves, init_spec, init_pos, user_c),
+                                      _rebuild(xs_leaves, xs_spec, xs_pos, x))
+                    return carry_out.flatten(new_carry, "scan carry"), ys.flatten(y, "scan output")
+
+                (new_c, y_a), carried_new, k = _run_body(state, values, carried, k, call)
+                _check_carry("scan", user_c, new_c)
+                return (new_c, carried_new, k), y_a
+
+            c0 = (list(init_a), [state_a[i] for i in carried], key)
+            (c, s, _), y = jax.lax.scan(body, c0, list(xs_a) if n_xs else None, length=length, reverse=reverse,
+                                        unroll=unroll)
+            return [*c, *y, *s]
+
+        outs = _apply(run, [init_leaves[i] for i in init_pos] + [xs_leaves[i] for i in xs_pos] + state.tensors)
+        n_c, n_y = len(carry_out.positions), len(ys.positions)
+        _write_back(state, carried, outs[n_c + n_y:])
+        return _rewrap(carry_out, outs[:n_c]), _rewrap(ys, outs[n_c:n_c + n_y])
+
+    return _with_state(fn, attempt)
+
+
+def fori_loop(lower: int, upper: int, body, init):
+    """``lax.fori_loop`` for torch: ``body(i, carry) -> carry`` for ``i`` in ``[lower, upper)``
+    (``i`` is a 0-d int64 tensor). Differentiable (it is a scan over the trip count).
+
+    >>> x = t2j.fori_loop(0, 10, lambda i, x: x * 0.5 + i, torch.ones(3, device="jax"))
+    """
+    steps = torch.arange(lower, upper, device=_tensor.DEVICE)
+    carry, _ = scan(lambda c, i: (body(i, c), None), init, steps)
+    return carry
+
+
+def while_loop(cond_fn, body_fn, init):
+    """``lax.while_loop`` for torch: repeat ``carry = body_fn(carry)`` while
+    ``cond_fn(carry)`` (a bool tensor) holds. Not differentiable (as in JAX).
+
+    >>> n = t2j.while_loop(lambda x: x < 100, lambda x: x * 2, torch.tensor(1, device="jax"))
+    """
+    leaves, spec, pos = _flatten(init)
+    key = _rng.next_key()
+
+    def attempt(state):
+        carry_out = _Structure()
+        carried = _carried(state)
+        state_a = state.arrays()
+
+        def values_of(carried_c):
+            values = list(state_a)
+            for i, v in zip(carried, carried_c):
+                values[i] = v
+            return values
+
+        def cond(c):
+            user_c, carried_c, k = c
+
+            def call():
+                flag = cond_fn(_rebuild(leaves, spec, pos, user_c))
+                return _value(flag) if isinstance(flag, torch.Tensor) else jax.numpy.asarray(flag)
+
+            flag, _, _ = _run_body(state, values_of(carried_c), carried, k, call)
+            return flag.astype(bool).reshape(())
+
+        def body(c):
+            user_c, carried_c, k = c
+
+            def call():
+                return carry_out.flatten(body_fn(_rebuild(leaves, spec, pos, user_c)), "while_loop carry")
+
+            new_c, carried_new, k = _run_body(state, values_of(carried_c), carried, k, call)
+            _check_carry("while_loop", user_c, new_c)
+            return new_c, carried_new, k
+
+        with jax.enable_x64(True), torch.no_grad():
+            c, s, _ = jax.lax.while_loop(cond, body, (_arrays(leaves, pos), [state_a[i] for i in carried], key))
+            outs = [new_tensor(a) for a in [*c, *s]]
+        _write_back(state, carried, outs[len(c):])
+        return _rewrap(carry_out, outs[:len(c)]) if carry_out.spec is not None else init
+
+    return _with_state(body_fn, attempt)
+
+
+def cond(pred, true_fn, false_fn, *operands):
+    """``lax.cond`` for torch: ``true_fn(*operands)`` if ``pred`` else ``false_fn(*operands)``,
+    both traced, one of them run. ``pred`` is a bool tensor (traced under jit) or a
+    Python bool. Both branches must return the same structure, shapes and dtypes.
+    Differentiable with respect to the operands and closed-over tensors.
+
+    >>> y = t2j.cond(x.sum() > 0, lambda x: x * 2, lambda x: -x, x)
+    """
+    leaves, spec, pos = _flatten(operands)
+    key = _rng.next_key()
+
+    def both(*fns):
+        return lambda *a, **k: [f(*a, **k) for f in fns]
+
+    def attempt(state):
+        outs_struct = [_Structure(), _Structure()]
+        carried = _carried(state)
+
+        def run(arrays):
+            p, ops_a, state_a = arrays[0], arrays[1:1 + len(pos)], arrays[1 + len(pos):]
+
+            def branch(k, fn):
+                def f(ops_a, state_a):
+                    def call():
+                        return outs_struct[k].flatten(fn(*_rebuild(leaves, spec, pos, ops_a)), "cond branch")
+
+                    out, new_state, _ = _run_body(state, list(state_a), carried, key, call)
+                    return out, new_state
+
+                return f
+
+            out, new_state = jax.lax.cond(p.astype(bool).reshape(()), branch(0, true_fn), branch(1, false_fn),
+                                          list(ops_a), list(state_a))
+            return [*out, *new_state]
+
+        pred_t = pred if isinstance(pred, torch.Tensor) else torch.tensor(bool(pred))
+        outs = _apply(run, [pred_t] + [leaves[i] for i in pos] + state.tensors)
+        n = len(outs_struct[0].positions)
+        _write_back(state, carried, outs[n:])
+        return _rewrap(outs_struct[0], outs[:n])
+
+    return _with_state(both(true_fn, false_fn), attempt)
+
+
+# ---------------------------------------------------------------------------
+# scan_layers and checkpoint
+# ---------------------------------------------------------------------------
+
+
+def scan_layers(layers, hidden, *args, remat=None, **kwargs):
+    """Run same-structure modules one after another as a single ``lax.scan``.
+
+    ``layers`` is an ``nn.ModuleList`` (or sequence) of modules with identical
+    parameter names, shapes and dtypes; each is called as
+    ``layer(hidden, *args, **kwargs)`` and returns the next ``hidden`` (or a tuple
+    whose first element it is). Their parameters are stacked and the first layer
+    is traced once for all of them, so a deep model compiles one layer. Gradients
+    reach every layer's own parameters; buffers the layers update are written
+    back per layer. ``remat`` rematerializes each layer in the backward pass:
+    ``True``, or a JAX checkpoint policy (``jax.checkpoint_policies.dots_saveable``).
+
+    >>> h = t2j.scan_layers(model.blocks, h)            # instead of: for b in model.blocks: h = b(h)
+    """
+    layers = list(layers)
+    if not layers:
+        return hidden
+    template = layers[0]
+    pnames = [n for n, _ in template.named_parameters()]
+    bnames = [n for n, _ in template.named_buffers()]
+    per_layer = []
+    for k, layer in enumerate(layers):
+        params, buffers = dict(layer.named_parameters()), dict(layer.named_buffers())
+        if list(params) != pnames or list(buffers) != bnames:
+            raise ControlFlowError(
+                f"t2j.scan_layers: layer {k} ({type(layer).__name__}) does not have the parameters and buffers of "
+                f"layer 0 ({type(template).__name__}); all layers must have the same structure"
+            )
+        first = per_layer[0] if per_layer else [params[n] for n in pnames] + [buffers[n] for n in bnames]
+        for n, a, b in zip(pnames + bnames, [params[n] for n in pnames] + [buffers[n] for n in bnames], first):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ControlFlowError(
+                    f"t2j.scan_layers: {n} of layer {k} is {a.dtype}{list(a.shape)} but {b.dtype}{list(b.shape)} in "
+                    "layer 0; all layers must have the same shapes"
+                )
+        per_layer.append([params[n] for n in pnames] + [buffers[n] for n in bnames])
+    n_p, n_b = len(pnames), len(bnames)
+    leaves, spec, pos = _flatten(((hidden, *args), kwargs))
+    key = _rng.next_key()
+    policy = None if remat is True else remat
+    if remat is False:
+        remat = None
+
+    def attempt(state):
+        out_struct = _Structure()
+        carried = _carried(state)
+        n_in = len(pos)
+
+        def run(arrays):
+            inputs = arrays[:n_in]
+            layer_arrays = arrays[n_in:n_in + len(layers) * (n_p + n_b)]
+            state_a = arrays[n_in + len(layers) * (n_p + n_b):]
+            stacked = [jax.numpy.stack(layer_arrays[j::n_p + n_b]) for j in range(n_p + n_b)]
+
+            def body(c, xs):
+                h, carried_c, k = c
+                values = list(state_a)
+                for i, v in zip(carried, carried_c):
+                    values[i] = v
+                layer_inputs = [h, *inputs[1:]]
+
+                def call():
+                    (hid, *rest), kw = _rebuild(leaves, spec, pos, layer_inputs)
+                    tensors = {n: new_tensor(a) for n, a in zip(pnames + bnames, xs)}
+                    out = torch.func.functional_call(template, tensors, (hid, *rest), kw, tie_weights=False,
+                                                     strict=True)
+                    new_h = out if isinstance(out, torch.Tensor) else out[0]
+                    return out_struct.flatten(new_h, "layer output"), [tensors[n]._value() for n in bnames]
+
+                (new_h, new_bufs), carried_new, k = _run_body(state, values, carried, k, call)
+                _check_carry("scan_layers", [h], new_h)
+                return (new_h[0], carried_new, k), new_bufs
+
+            if remat is not None:
+                body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+            (h, s, _), bufs = jax.lax.scan(body, (inputs[0], [state_a[i] for i in carried], key), stacked)
+            return [h, *bufs, *s]
+
+        flat_layers = [t for layer in per_layer for t in layer]
+        outs = _apply(run, [leaves[i] for i in pos] + flat_layers + state.tensors)
+        for j, name in enumerate(bnames):
+            for k, layer in enumerate(layers):
+                st = per_layer[k][n_p + j]._t2j_storage
+                st.array = outs[1 + j]._value()[k]
+                st.version += 1
+        _write_back(state, carried, outs[1 + n_b:])
+        return outs[0]
+
+    return _with_state(template, attempt)
+
+
+def checkpoint(fn, *, policy=None):
+    """Rematerialize ``fn`` in the backward pass (``jax.checkpoint`` for torch code):
+    its intermediate results are recomputed rather than saved, except those the JAX
+    checkpoint ``policy`` saves (e.g. ``jax.checkpoint_policies.dots_saveable``).
+
+    >>> block = t2j.checkpoint(block)          # block(x) now saves only its inputs
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        leaves, spec, pos = _flatten((args, kwargs))
+        key = _rng.next_key()
+
+        def attempt(state):
+            out_struct = _Structure()
+            carried = _carried(state)
+
+            def run(arrays):
+                inputs, state_a = arrays[:len(pos)], arrays[len(pos):]
+
+                def f(inputs, state_a):
+                    def call():
+                        a, k = _rebuild(leaves, spec, pos, inputs)
+                        return out_struct.flatten(fn(*a, **k), "checkpointed output")
+
+                    out, new_state, _ = _run_body(state, list(state_a), carried, key, call)
+                    return out, new_state
+
+                out, new_state = jax.checkpoint(f, policy=policy)(list(inputs), list(state_a))
+                return [*out, *new_state]
+
+            outs = _apply(run, [leaves[i] for i in pos] + state.tensors)
+            n = len(out_struct.positions)
+            _write_back(state, carried, outs[n:])
+            return _rewrap(out_struct, outs[:n])
+
+        return _with_state(fn, attempt)
+
+    return wrapped
