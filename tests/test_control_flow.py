@@ -1,0 +1,191 @@
+"""scan, fori_loop, while_loop, cond, scan_layers and checkpoint against unrolled torch CPU."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import jax
+import pytest
+import torch
+import torch.nn as nn
+
+import torch2jax as t2j
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import gpt  # noqa: E402
+
+
+def _rnn_pair():
+    torch.manual_seed(0)
+    cell = nn.Linear(4, 4)
+    return cell, copy.deepcopy(cell).to("jax")
+
+
+def _unrolled(cell, h, xs):
+    hs = []
+    for x in xs:
+        h = torch.tanh(cell(x) + h)
+        hs.append(h)
+    return h, torch.stack(hs)
+
+
+def test_scan_values_and_gradients_match_unrolled():
+    cell, cj = _rnn_pair()
+    xs = torch.randn(5, 2, 4)
+    h0 = torch.randn(2, 4, requires_grad=True)
+    h, hs = _unrolled(cell, h0, xs)
+    (h.sum() + hs.pow(2).sum()).backward()
+    h0j = h0.detach().to("jax").requires_grad_(True)
+    xsj = xs.to("jax").requires_grad_(True)
+    hj, hsj = t2j.scan(lambda h, x: (torch.tanh(cj(x) + h),) * 2, h0j, xsj)
+    (hj.sum() + hsj.pow(2).sum()).backward()
+    torch.testing.assert_close(hj.detach().cpu(), h.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(hsj.detach().cpu(), hs.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(cj.weight.grad.cpu(), cell.weight.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h0j.grad.cpu(), h0.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_scan_inside_jitted_training_step_matches_torch():
+    cell, cj = _rnn_pair()
+    xs = torch.randn(5, 2, 4)
+    opt, optj = torch.optim.Adam(cell.parameters(), lr=0.01), torch.optim.Adam(cj.parameters(), lr=0.01)
+
+    @t2j.jit
+    def step(h0, xs):
+        optj.zero_grad()
+        _, hs = t2j.scan(lambda h, x: (torch.tanh(cj(x) + h),) * 2, h0, xs)
+        loss = hs.pow(2).sum()
+        loss.backward()
+        optj.step()
+        return loss
+
+    for _ in range(4):
+        opt.zero_grad()
+        expected = _unrolled(cell, torch.zeros(2, 4), xs)[1].pow(2).sum()
+        expected.backward()
+        opt.step()
+        torch.testing.assert_close(step(torch.zeros(2, 4), xs).cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_scan_carries_buffer_updates_and_fresh_dropout():
+    counter = torch.zeros((), device="jax")
+
+    def body(c, x):
+        counter.add_(1)
+        return c + torch.nn.functional.dropout(x, 0.5), c
+
+    c, cs = t2j.scan(body, torch.zeros(64, device="jax"), torch.ones(4, 64, device="jax"))
+    assert counter.item() == 4.0
+    steps = (cs[1:] - cs[:-1]).cpu()
+    assert not torch.equal(steps[0], steps[1])  # a new mask every iteration
+    assert set(steps.unique().tolist()) <= {0.0, 2.0}
+
+
+def test_scan_rejects_carry_shape_change():
+    with pytest.raises(RuntimeError, match="carry must keep its shape"):
+        t2j.scan(lambda c, x: (torch.cat([c, x]), None), torch.zeros(2, device="jax"), torch.ones(3, 1, device="jax"))
+
+
+def test_fori_while_and_cond():
+    x = torch.ones(3)
+    expected = x.clone()
+    for i in range(2, 7):
+        expected = expected * 0.5 + i
+    torch.testing.assert_close(t2j.fori_loop(2, 7, lambda i, x: x * 0.5 + i, x.to("jax")).cpu(), expected)
+    assert t2j.while_loop(lambda n: n < 100, lambda n: n * 3, torch.tensor(1, device="jax")).item() == 243
+
+    for sign in (1.0, -1.0):
+        xc = (sign * torch.arange(1.0, 4.0)).requires_grad_(True)
+        xj = xc.detach().to("jax").requires_grad_(True)
+        y = t2j.cond(xj.sum() > 0, lambda v: v * 2, lambda v: v.pow(2), xj)
+        (xc * 2 if xc.sum() > 0 else xc.pow(2)).sum().backward()
+        y.sum().backward()
+        torch.testing.assert_close(xj.grad.cpu(), xc.grad)
+
+
+def test_cond_inside_jit_uses_traced_predicate():
+    f = t2j.jit(lambda x: t2j.cond(x.sum() > 0, lambda v: v + 1, lambda v: v - 1, x))
+    assert f(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert f(-torch.ones(2)).tolist() == [-2.0, -2.0]
+    assert f.stats["traces"] == 1
+
+
+def _gpt_pair(n_layer=3):
+    torch.manual_seed(0)
+    ref = gpt.GPT(gpt.GPTConfig(n_layer=n_layer, n_embd=32, n_head=4, block_size=16))
+    return ref, copy.deepcopy(ref).to("jax")
+
+
+def _forward_scanned(model, idx, remat=None):
+    x = model.wte(idx) + model.wpe(torch.arange(idx.shape[1], device=idx.device))
+    x = t2j.scan_layers(model.blocks, x, remat=remat)
+    return model.head(model.ln_f(x))
+
+
+@pytest.mark.parametrize("remat", [None, True, jax.checkpoint_policies.dots_saveable])
+def test_scan_layers_matches_unrolled_values_and_every_layers_gradients(remat):
+    ref, model = _gpt_pair()
+    ids = torch.randint(0, 96, (2, 16))
+    out = _forward_scanned(model, ids.to("jax"), remat)
+    expected = ref(ids)
+    torch.testing.assert_close(out.detach().cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+    out.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_scan_layers_training_under_jit_matches_unrolled():
+    ref, model = _gpt_pair()
+    opt, optj = torch.optim.AdamW(ref.parameters(), lr=1e-3), torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @t2j.jit
+    def step(ids, targets):
+        optj.zero_grad()
+        logits = _forward_scanned(model, ids)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        optj.step()
+        return loss
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids, targets = torch.randint(0, 96, (2, 16), generator=g), torch.randint(0, 96, (2, 16), generator=g)
+        opt.zero_grad()
+        _, expected = ref(ids, targets)
+        expected.backward()
+        opt.step()
+        torch.testing.assert_close(step(ids, targets).cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_scan_layers_batchnorm_buffers_written_per_layer():
+    torch.manual_seed(0)
+    ref = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(3))
+    layers = copy.deepcopy(ref).to("jax")
+    x = torch.randn(8, 4)
+    h = x
+    for layer in ref:
+        h = layer(h)
+    out = t2j.scan_layers(layers, x.to("jax"))
+    torch.testing.assert_close(out.cpu(), h.detach(), atol=1e-5, rtol=1e-5)
+    for (n, b), r in zip(layers.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b.cpu(), r, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_scan_layers_rejects_different_layers():
+    layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 8)]).to("jax")
+    with pytest.raises(RuntimeError, match="same shapes"):
+        t2j.scan_layers(layers, torch.ones(1, 4, device="jax"))
+
+
+def test_checkpoint_values_and_gradients():
+    cell, cj = _rnn_pair()
+    x = torch.randn(3, 4, requires_grad=True)
+    xj = x.detach().to("jax").requires_grad_(True)
+    block = t2j.checkpoint(lambda v: torch.tanh(cj(v)).pow(2), policy=jax.checkpoint_policies.nothing_saveable)
+    block(xj).sum().backward()
+    torch.tanh(cell(x)).pow(2).sum().backward()
+    torch.testing.assert_close(xj.grad.cpu(), x.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(cj.weight.grad.cpu(), cell.weight.grad, atol=1e-6, rtol=1e-5)
