@@ -189,3 +189,35 @@ def test_checkpoint_values_and_gradients():
     torch.tanh(cell(x)).pow(2).sum().backward()
     torch.testing.assert_close(xj.grad.cpu(), x.grad, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(cj.weight.grad.cpu(), cell.weight.grad, atol=1e-6, rtol=1e-5)
+
+
+def _hf(name):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0,
+                                  embd_pdrop=0, attn_pdrop=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_use_scan_layers_on_hf_models(name):
+    ref = _hf(name)
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    ids = torch.randint(0, 128, (2, 16))
+    out = model(ids.to("jax"), labels=ids.to("jax"), use_cache=False)
+    expected = ref(ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(out.logits.detach().cpu(), expected.logits.detach(), atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    expected.loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-6, rtol=1e-4, msg=n)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    # generation with a KV cache runs the layers one by one and matches torch token for token
+    prompt = ids[:1, :4]
+    generated = model.generate(prompt.to("jax"), max_new_tokens=6, do_sample=False)
+    assert generated.cpu().tolist() == ref.generate(prompt, max_new_tokens=6, do_sample=False).tolist()

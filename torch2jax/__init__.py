@@ -14,7 +14,7 @@ from . import train
 from .dispatch import OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed, rng_key
 from .compile import CompiledModule, compile
-from .control_flow import checkpoint, cond, fori_loop, scan, scan_layers, while_loop
+from .control_flow import checkpoint, cond, fori_loop, scan, scan_layers, use_scan_layers, while_loop
 from .interop import call_jax, call_torch, functionalize, jax_view, torch_view
 from .jit import JitFunction, explain_recompiles, jit
 from .tensor import Tensor
@@ -50,6 +50,7 @@ __all__ = [
     "scan_layers",
     "torch_view",
     "train",
+    "use_scan_layers",
     "while_loop",
 ]
 __version__ = "0.1.0"

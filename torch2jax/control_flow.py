@@ -464,9 +464,14 @@ def scan_layers(layers, hidden, *args, remat=None, **kwargs):
 
     >>> h = t2j.scan_layers(model.blocks, h)            # instead of: for b in model.blocks: h = b(h)
     """
+    return _scan_layers(layers, hidden, args, kwargs, remat)[0]
+
+
+def _scan_layers(layers, hidden, args, kwargs, remat):
+    """`scan_layers`, also telling whether a layer returns a tuple (HF layers do)."""
     layers = list(layers)
     if not layers:
-        return hidden
+        return hidden, False
     template = layers[0]
     pnames = [n for n, _ in template.named_parameters()]
     bnames = [n for n, _ in template.named_buffers()]
@@ -492,6 +497,7 @@ def scan_layers(layers, hidden, *args, remat=None, **kwargs):
     policy = None if remat is True else remat
     if remat is False:
         remat = None
+    kind = {}
 
     def attempt(state):
         out_struct = _Structure()
@@ -517,6 +523,7 @@ def scan_layers(layers, hidden, *args, remat=None, **kwargs):
                     out = torch.func.functional_call(template, tensors, (hid, *rest), kw, tie_weights=False,
                                                      strict=True)
                     new_h = out if isinstance(out, torch.Tensor) else out[0]
+                    kind["tuple"] = not isinstance(out, torch.Tensor)
                     return out_struct.flatten(new_h, "layer output"), [tensors[n]._value() for n in bnames]
 
                 (new_h, new_bufs), carried_new, k = _run_body(state, values, carried, k, call)
@@ -536,7 +543,7 @@ def scan_layers(layers, hidden, *args, remat=None, **kwargs):
                 st.array = outs[1 + j]._value()[k]
                 st.version += 1
         _write_back(state, carried, outs[1 + n_b:])
-        return outs[0]
+        return outs[0], kind.get("tuple", False)
 
     return _with_state(template, attempt)
 
@@ -580,3 +587,69 @@ def checkpoint(fn, *, policy=None):
         return _with_state(fn, attempt)
 
     return wrapped
+
+
+class _ScanAll:
+    """What iterating a scanned layer list yields: one callable running every layer."""
+
+    def __init__(self, layers, remat):
+        self.layers, self.remat = layers, remat
+
+    def __call__(self, hidden, *args, **kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("past_key_value", kwargs.get("layer_past")))
+        if cache is not None or any(_is_cache(a) for a in args):
+            # per-layer caches are Python objects indexed by layer: run the layers one by one
+            out = None
+            for layer in self.layers:
+                out = layer(hidden, *args, **kwargs)
+                hidden = out if isinstance(out, torch.Tensor) else out[0]
+            return out
+        h, as_tuple = _scan_layers(self.layers, hidden, args, kwargs, self.remat)
+        return (h,) if as_tuple else h
+
+
+def _is_cache(x):
+    return type(x).__name__.endswith("Cache")
+
+
+class _ScannedModuleList(torch.nn.ModuleList):
+    """A ModuleList whose iteration runs all its layers as one `scan_layers`."""
+
+    _t2j_remat = None
+
+    def __iter__(self):
+        return iter([_ScanAll(list(self._modules.values()), self._t2j_remat)])
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return [_ScanAll(list(self._modules.values())[idx], self._t2j_remat)]
+        return super().__getitem__(idx)
+
+
+def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h", "blocks", "layer")):
+    """Make ``model`` run its stack of identical layers with `scan_layers`, in place.
+
+    Finds each ``nn.ModuleList`` attribute called one of ``names`` whose modules
+    share one class (an HF Llama's ``model.layers``, GPT-2's ``transformer.h``,
+    BERT's ``encoder.layer``) and makes ``for layer in layers: ...`` in the
+    model's own forward run all of them as one ``lax.scan``. Parameters, state
+    dict and optimizers are unchanged. With a KV cache (generation) the layers
+    run one by one as before. Returns ``model``.
+
+    >>> t2j.use_scan_layers(llama)     # llama.model.layers now traces one layer
+    """
+    found = 0
+    for module in model.modules():
+        for name in names:
+            child = module._modules.get(name)
+            if isinstance(child, torch.nn.ModuleList) and len(child) > 1 and \
+                    len({type(m) for m in child}) == 1:
+                child.__class__ = _ScannedModuleList
+                child._t2j_remat = remat
+                found += 1
+    if not found:
+        raise ControlFlowError(
+            f"t2j.use_scan_layers: {type(model).__name__} has no ModuleList of identical layers named one of {names}; "
+            "call t2j.scan_layers(layers, hidden, ...) in its forward instead"
+        )
+    return model
