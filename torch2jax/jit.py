@@ -363,7 +363,13 @@ class JitFunction:
 
         >>> step.lower(x, y).compile().memory_analysis().temp_size_in_bytes
         """
-        entry, _, slots, storages = self._lookup(args, kwargs)
+        leaves = [_to_device(x) for x in torch_pytree.tree_leaves((args, kwargs))]
+        roots = _find_roots(self.fn, args, kwargs)
+        before = _snapshot(_collect(leaves, roots, full=True), roots)
+        try:
+            entry, _, slots, storages = self._lookup(args, kwargs)
+        finally:
+            _restore(before)  # nothing runs: state the trace created must not be left behind
         with jax.enable_x64(True):
             return entry.jitted.lower(*entry.arguments([st.array for st in storages], _lrs(slots), _rng.key))
 
