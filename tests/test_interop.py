@@ -166,3 +166,22 @@ def test_call_jax_inside_jitted_training_step():
         expected.backward()
         ref_opt.step()
         torch.testing.assert_close(step(x.to("jax")).cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_random_ops_under_plain_jax_jit_need_a_key_and_leave_eager_rng_intact():
+    f = t2j.jax_view(lambda x: torch.nn.functional.dropout(x, 0.5))
+    torch.manual_seed(0)
+    expected = torch.rand(4, device="jax").cpu()
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="no RNG key"):
+        jax.jit(f)(jnp.ones(8))
+
+    def keyed(x, key):
+        with t2j.rng_key(key):
+            return f(x)
+
+    a = jax.jit(keyed)(jnp.ones(8), jax.random.key(1))
+    b = jax.jit(keyed)(jnp.ones(8), jax.random.key(2))
+    assert not np.array_equal(a, b)
+    # the eager stream is where it was before the traced calls
+    assert torch.equal(torch.rand(4, device="jax").cpu(), expected)
