@@ -506,9 +506,8 @@ def _scan_layers(layers, hidden, args, kwargs, remat):
 
         def run(arrays):
             inputs = arrays[:n_in]
-            layer_arrays = arrays[n_in:n_in + len(layers) * (n_p + n_b)]
-            state_a = arrays[n_in + len(layers) * (n_p + n_b):]
-            stacked = [jax.numpy.stack(layer_arrays[j::n_p + n_b]) for j in range(n_p + n_b)]
+            stacked = arrays[n_in:n_in + n_p + n_b]
+            state_a = arrays[n_in + n_p + n_b:]
 
             def body(c, xs):
                 h, carried_c, k = c
@@ -535,8 +534,11 @@ def _scan_layers(layers, hidden, args, kwargs, remat):
             (h, s, _), bufs = jax.lax.scan(body, (inputs[0], [state_a[i] for i in carried], key), stacked)
             return [h, *bufs, *s]
 
-        flat_layers = [t for layer in per_layer for t in layer]
-        outs = _apply(run, [leaves[i] for i in pos] + flat_layers + state.tensors)
+        # Stacked in torch, so that torch autograd unstacks the gradients: each layer's
+        # .grad is then a view of one stacked gradient, and the program has no
+        # per-layer slices of its own (each would be a kernel of its own to compile).
+        stacked = [torch.stack([layer[j] for layer in per_layer]) for j in range(n_p + n_b)]
+        outs = _apply(run, [leaves[i] for i in pos] + stacked + state.tensors)
         for j, name in enumerate(bnames):
             for k, layer in enumerate(layers):
                 st = per_layer[k][n_p + j]._t2j_storage
