@@ -185,3 +185,20 @@ def test_random_ops_under_plain_jax_jit_need_a_key_and_leave_eager_rng_intact():
     assert not np.array_equal(a, b)
     # the eager stream is where it was before the traced calls
     assert torch.equal(torch.rand(4, device="jax").cpu(), expected)
+
+
+def test_plain_jax_jit_cannot_leak_a_tracer_into_a_parameter():
+    lin = nn.Linear(3, 3).to("jax")
+    before = lin.weight.detach().cpu().clone()
+
+    def mutate(x):
+        with torch.no_grad():
+            lin.weight.add_(x)
+        return lin.weight * 1
+
+    with pytest.raises(RuntimeError, match="escape the trace"):
+        jax.jit(t2j.jax_view(mutate))(jnp.ones(3))
+    assert torch.equal(lin.weight.detach().cpu(), before)
+    # local tensors created inside the traced function may be mutated freely
+    local = jax.jit(t2j.jax_view(lambda x: torch.zeros(3, device="jax").add_(x)))(jnp.ones(3))
+    np.testing.assert_array_equal(local, np.ones(3))

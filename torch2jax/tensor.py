@@ -47,6 +47,25 @@ class Storage:
         if CAPTURE is not None:
             CAPTURE.created(self)
 
+    def check_write(self, value):
+        """Refuse to store a tracer in a storage that outlives the trace.
+
+        Inside `t2j.jit` and the control-flow functions such storages already hold
+        tracers (their values are inputs of the program). A write of a traced value
+        into one that holds a concrete array means a foreign JAX transform (a plain
+        ``jax.jit`` of torch code) is mutating persistent state: the tracer would
+        escape into a parameter, buffer or optimizer state.
+        """
+        if isinstance(value, jax.core.Tracer) and not isinstance(self.array, jax.core.Tracer) and CAPTURE is None:
+            from .dispatch import OpError
+
+            raise OpError(
+                "torch2jax: a traced value is being written in place into a tensor created outside the traced "
+                "function (a parameter, buffer, optimizer state or captured tensor); under a plain jax.jit it "
+                "would escape the trace. Use t2j.jit, which carries such state in and out, or "
+                "t2j.functionalize for a pure function of the state."
+            )
+
 
 class ViewStep:
     """One view op applied to its input: ``forward(x)`` and ``inverse(x, value)``."""
@@ -128,6 +147,7 @@ class Tensor(torch.Tensor):
     def _assign(self, value):
         """Write ``value`` (this tensor's shape and dtype) into this tensor and its storage."""
         st = self._t2j_storage
+        st.check_write(value)
         chain = self._t2j_view
         if not chain:
             st.array = value
