@@ -1,4 +1,5 @@
-"""Lowerings: nn ops (softmax, normalization, activations, losses, dropout, attention).
+"""Lowerings: nn ops (softmax, normalization, activations, losses, dropout, recurrent cells,
+grouped matmul, attention).
 
 Half-precision inputs are computed in float32 and cast back, as torch's CPU
 kernels do. Backward ops whose formula is just the derivative of the forward
@@ -14,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax import lax
 
 from .. import dtypes as _dt
 from .. import env as _env
+from .linalg import _acc_dtype, _precision
 from .registry import canonical_dim, decomposition, register
 
 aten = torch.ops.aten
@@ -615,6 +618,114 @@ def native_dropout(x, p, train):
 def native_dropout_backward(grad, mask, scale):
     dtype = _dt.result_type(grad, mask, scale)
     return (upcast(grad.astype(dtype)) * mask * scale).astype(dtype)
+
+
+# -- recurrent cells ---------------------------------------------------------------------
+#
+# On a PrivateUse1 device nn.LSTM / nn.GRU (CompositeImplicit `aten::lstm` / `aten::gru`)
+# compute the gate matmuls themselves and hand the elementwise part of each step to these
+# fused cells, as on CUDA. The workspace is private to a forward/backward pair: here the
+# LSTM's is its activated gates (i, f, g, o); the GRU's is (r, z, n, hx, hn) with hn the
+# hidden part of the candidate gate before the reset gate scales it.
+
+
+def _sum_batch(g):
+    return g.sum(axis=tuple(range(g.ndim - 1)))
+
+
+@float_op(aten._thnn_fused_lstm_cell.default)
+def _thnn_fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    gates = input_gates + hidden_gates
+    if input_bias is not None:
+        gates = gates + input_bias + hidden_bias
+    i, f, g, o = jnp.split(gates, 4, axis=-1)
+    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    cy = f * cx + i * g
+    return o * jnp.tanh(cy), cy, jnp.concatenate([i, f, g, o], axis=-1)
+
+
+@register(aten._thnn_fused_lstm_cell_backward_impl.default)
+def _thnn_fused_lstm_cell_backward_impl(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    dtype = workspace.dtype
+    i, f, g, o = jnp.split(upcast(workspace), 4, axis=-1)
+    cx, cy = upcast(cx), upcast(cy)
+    tanh_cy = jnp.tanh(cy)
+    grad_hy = jnp.zeros_like(cy) if grad_hy is None else upcast(grad_hy)
+    grad_c = grad_hy * o * (1 - tanh_cy * tanh_cy)
+    if grad_cy is not None:
+        grad_c = grad_c + upcast(grad_cy)
+    grad_gates = jnp.concatenate(
+        [grad_c * g * i * (1 - i), grad_c * cx * f * (1 - f), grad_c * i * (1 - g * g), grad_hy * tanh_cy * o * (1 - o)],
+        axis=-1,
+    )
+    grad_bias = _sum_batch(grad_gates).astype(dtype) if has_bias else None
+    return grad_gates.astype(dtype), (grad_c * f).astype(dtype), grad_bias
+
+
+@float_op(aten._thnn_fused_gru_cell.default)
+def _thnn_fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    if input_bias is not None:
+        input_gates, hidden_gates = input_gates + input_bias, hidden_gates + hidden_bias
+    ir, iz, i_n = jnp.split(input_gates, 3, axis=-1)
+    hr, hz, hn = jnp.split(hidden_gates, 3, axis=-1)
+    r, z = jax.nn.sigmoid(ir + hr), jax.nn.sigmoid(iz + hz)
+    n = jnp.tanh(i_n + r * hn)
+    return n + z * (hx - n), jnp.concatenate([r, z, n, hx, hn], axis=-1)
+
+
+@register(aten._thnn_fused_gru_cell_backward.default)
+def _thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias):
+    dtype = workspace.dtype
+    r, z, n, hx, hn = jnp.split(upcast(workspace), 5, axis=-1)
+    grad_hy = upcast(grad_hy)
+    grad_n = grad_hy * (1 - z) * (1 - n * n)
+    grad_r = grad_n * hn * r * (1 - r)
+    grad_z = grad_hy * (hx - n) * z * (1 - z)
+    grad_input = jnp.concatenate([grad_r, grad_z, grad_n], axis=-1).astype(dtype)
+    grad_hidden = jnp.concatenate([grad_r, grad_z, grad_n * r], axis=-1).astype(dtype)
+    biases = (_sum_batch(grad_input), _sum_batch(grad_hidden)) if has_bias else (None, None)
+    return grad_input, grad_hidden, (grad_hy * z).astype(dtype), *biases
+
+
+# -- grouped matmul ----------------------------------------------------------------------
+#
+# F.grouped_mm (aten::_grouped_mm) is the expert kernel of HF mixture-of-experts layers:
+# one matmul per group, the groups of a 2D operand being consecutive slices ending at
+# `offs`. Its derivative is _grouped_mm again, so the 2D x 2D case (a ragged contraction)
+# is the weight gradient of the 2D x 3D forward.
+
+
+def _check_grouped_mm(a, b, offs, bias, out_dtype):
+    if a.ndim not in (2, 3) or b.ndim not in (2, 3):
+        raise RuntimeError(f"_grouped_mm: operands must be 2D or 3D, got {a.ndim}D and {b.ndim}D")
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"_grouped_mm: operands must have the same dtype, got {a.dtype} and {b.dtype}")
+    if (offs is None) != (a.ndim == 3 and b.ndim == 3):
+        raise RuntimeError("_grouped_mm: offs is required with a 2D operand and not allowed with two 3D operands")
+    if offs is not None and (offs.ndim != 1 or offs.dtype != np.int32):
+        raise RuntimeError(f"_grouped_mm: offs must be a 1D int32 tensor, got {offs.ndim}D {offs.dtype}")
+    if bias is not None:
+        raise RuntimeError("_grouped_mm: bias is not supported")
+    if out_dtype is not None and _dt.to_jax(out_dtype) != a.dtype:
+        raise RuntimeError(f"_grouped_mm: out_dtype must be the operands' dtype {a.dtype}, got {out_dtype}")
+
+
+@register(aten._grouped_mm.default)
+def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    _check_grouped_mm(a, b, offs, bias, out_dtype)
+    kwargs = dict(precision=_precision(), preferred_element_type=_acc_dtype(a.dtype))
+    if offs is None:
+        out = lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))), **kwargs)
+    else:
+        sizes = jnp.diff(offs, prepend=jnp.zeros((1,), offs.dtype))
+        if a.ndim == 2 and b.ndim == 3:  # rows of `a` in groups, one matrix of `b` per group
+            out = lax.ragged_dot(a, b, sizes, **kwargs)
+        elif a.ndim == 3:  # columns of `b` in groups, one matrix of `a` per group
+            out = lax.ragged_dot(b.T, jnp.swapaxes(a, 1, 2), sizes, **kwargs).T
+        else:  # the contracted dimension in groups: one output matrix per group
+            numbers = lax.RaggedDotDimensionNumbers((((1,), (0,)), ((), ())), [1], [])
+            out = lax.ragged_dot_general(a, b, sizes, numbers, **kwargs)
+    return out.astype(a.dtype)
 
 
 # -- attention -------------------------------------------------------------------------

@@ -1,0 +1,430 @@
+"""Real models on the jax device in eager mode against torch CPU.
+
+HF ``transformers`` models built from tiny configs (random weights, nothing downloaded) and
+plain torch models (CNN with BatchNorm, LSTM, GRU, nn.TransformerEncoder). Each model is
+built on CPU with a fixed seed and deep-copied to the jax device; both run the same inputs,
+and the forward outputs and every parameter's gradient of one scalar loss must agree within
+float32 tolerance. Greedy generation with a KV cache must agree token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch2jax as t2j
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSpeechSeq2Seq,
+)
+
+transformers.logging.set_verbosity_error()
+
+VOCAB = 100
+SEQ = 7
+TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+TINY_GQA = dict(TINY, num_key_value_heads=2)
+ATTENTION = ("eager", "sdpa")
+
+
+# -- comparison -----------------------------------------------------------------------
+
+
+def _float_outputs(out):
+    """The floating-point tensors of a model output (ModelOutput, tuple or tensor), by name."""
+    if isinstance(out, torch.Tensor):
+        return {"output": out}
+    items = out.items() if hasattr(out, "items") else enumerate(out)
+    return {str(k): v for k, v in items if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+def _assert_close(actual, expected, what, tol=1e-4):
+    """float32 parity: error bounded by ``tol`` relative to the reference's scale."""
+    expected = expected.detach()
+    scale = max(expected.abs().max().item(), 1e-2) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.detach().cpu(), expected, atol=tol * scale, rtol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def _forward_backward(model, inputs, weights=None):
+    """Outputs of ``model(**inputs)`` and the weights of the scalar loss, after its backward.
+
+    The loss weighs every output element with a distinct random weight (a plain sum of
+    softmax-like outputs would have zero gradient) and adds the model's own loss if any."""
+    out = model(**inputs)
+    outputs = _float_outputs(out)
+    if weights is None:
+        gen = torch.Generator().manual_seed(1)
+        weights = [torch.randn(o.shape, generator=gen) for o in outputs.values()]
+    loss = sum((o * w.to(o.device)).sum() for o, w in zip(outputs.values(), weights))
+    if getattr(out, "loss", None) is not None:
+        loss = loss + out.loss
+    loss.backward()
+    return outputs, weights
+
+
+def _to_jax(x):
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.detach().to("jax").requires_grad_(x.requires_grad)
+
+
+def check_parity(model, inputs, tol=1e-4, buffers=False):
+    """Forward outputs, all parameter gradients and the gradients of inputs that require
+    them of ``model`` on jax match torch CPU (and its buffers, if ``buffers``)."""
+    jax_model = copy.deepcopy(model).to("jax")
+    jax_inputs = {k: _to_jax(v) for k, v in inputs.items()}
+    expected, weights = _forward_backward(model, inputs)
+    actual, _ = _forward_backward(jax_model, jax_inputs, weights)
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        assert actual[name].device.type == "jax", name
+        _assert_close(actual[name], expected[name], f"output {name}", tol)
+    params = dict(jax_model.named_parameters())
+    for name, p in model.named_parameters():
+        q = params[name]
+        assert (q.grad is None) == (p.grad is None), f"grad of {name}: {q.grad is None=} {p.grad is None=}"
+        if p.grad is not None:
+            _assert_close(q.grad, p.grad, f"grad of {name}", tol)
+    for name, x in inputs.items():
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            _assert_close(jax_inputs[name].grad, x.grad, f"grad of input {name}", tol)
+    if buffers:
+        jax_buffers = dict(jax_model.named_buffers())
+        for name, b in model.named_buffers():
+            _assert_close(jax_buffers[name], b, f"buffer {name}", tol)
+    return jax_model
+
+
+def host_fallbacks(model, inputs):
+    """Ops that ran on the host for one forward and backward of ``model`` on jax."""
+    jax_model = copy.deepcopy(model).to("jax")
+    inputs = {k: _to_jax(v) for k, v in inputs.items()}
+
+    def step():
+        outputs = _float_outputs(jax_model(**inputs))
+        sum(o.sum() for o in outputs.values()).backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        paths = t2j.coverage(step)
+    return sorted(op for op, path in paths.items() if path == "fallback")
+
+
+# -- HF transformers ------------------------------------------------------------------
+
+
+def _gen():
+    return torch.Generator().manual_seed(0)
+
+
+def _ids(gen, batch=2, seq=SEQ):
+    # Ids from 3 up: the tiny configs use 0-2 as special tokens.
+    return torch.randint(3, VOCAB, (batch, seq), generator=gen)
+
+
+def _causal_inputs():
+    gen = _gen()
+    ids = _ids(gen)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding in the second row
+    labels = ids.masked_fill(mask == 0, -100)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _encoder_inputs(token_types=False):
+    def make():
+        gen = _gen()
+        ids = _ids(gen)
+        mask = torch.ones_like(ids)
+        mask[1, -3:] = 0  # right padding in the second row
+        inputs = dict(input_ids=ids, attention_mask=mask)
+        if token_types:
+            inputs["token_type_ids"] = (torch.arange(SEQ) >= 4).long().expand(2, SEQ)
+        return inputs
+
+    return make
+
+
+def _seq2seq_inputs():
+    gen = _gen()
+    ids = _ids(gen)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=_ids(gen, seq=5), labels=_ids(gen, seq=5))
+
+
+def _image(gen):
+    return torch.randn(2, 3, 16, 16, generator=gen)
+
+
+def _vit_inputs():
+    return dict(pixel_values=_image(_gen()))
+
+
+def _clip_inputs():
+    gen = _gen()
+    ids = _ids(gen)
+    ids[:, -1] = 2  # eos: CLIP pools the text at the eos token
+    return dict(input_ids=ids, pixel_values=_image(gen), attention_mask=torch.ones_like(ids))
+
+
+def _whisper_inputs():
+    gen = _gen()
+    return dict(input_features=torch.randn(2, 8, 32, generator=gen), decoder_input_ids=_ids(gen, seq=5),
+                labels=_ids(gen, seq=5))
+
+
+_CAUSAL = (AutoModelForCausalLM, _causal_inputs)
+HF_MODELS = {
+    "gpt2": (dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64), *_CAUSAL),
+    "llama": (TINY_GQA, *_CAUSAL),
+    "mistral": (dict(TINY_GQA, sliding_window=4), *_CAUSAL),
+    "qwen2": (TINY_GQA, *_CAUSAL),
+    "gemma": (dict(TINY_GQA, head_dim=8), *_CAUSAL),
+    "mixtral": (dict(TINY_GQA, num_local_experts=4, num_experts_per_tok=2), *_CAUSAL),
+    "phi": (TINY, *_CAUSAL),
+    "bert": (TINY, AutoModel, _encoder_inputs(token_types=True)),
+    "roberta": (dict(TINY, pad_token_id=1), AutoModel, _encoder_inputs()),
+    "distilbert": (dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64), AutoModel, _encoder_inputs()),
+    "t5": (dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                relative_attention_num_buckets=8, relative_attention_max_distance=16),
+           AutoModelForSeq2SeqLM, _seq2seq_inputs),
+    "bart": (dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64),
+             AutoModelForSeq2SeqLM, _seq2seq_inputs),
+    "vit": (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+                 patch_size=4), AutoModel, _vit_inputs),
+    "clip": (dict(text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=16, eos_token_id=2),
+                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     image_size=16, patch_size=4),
+                  projection_dim=16), AutoModel, _clip_inputs),
+    "whisper": (dict(vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2,
+                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                     max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=2, decoder_start_token_id=1),
+                AutoModelForSpeechSeq2Seq, _whisper_inputs),
+}
+
+
+def build_hf(name, attention="eager", **kwargs):
+    config_kwargs, auto, _ = HF_MODELS[name]
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(name, **config_kwargs)
+    return auto.from_config(config, attn_implementation=attention, **kwargs).eval()
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_hf_model(name, attention):
+    model = build_hf(name, attention)
+    assert model.config._attn_implementation == attention
+    check_parity(model, HF_MODELS[name][2]())
+
+
+@pytest.mark.parametrize("experts", ["eager", "grouped_mm", "batched_mm"])
+def test_mixtral_experts(experts):
+    model = build_hf("mixtral", "sdpa", experts_implementation=experts)
+    assert model.config._experts_implementation == experts
+    check_parity(model, _causal_inputs())
+
+
+@pytest.mark.parametrize("shapes", [((10, 8), (3, 8, 8), [3, 3, 8]), ((3, 8, 8), (8, 16), [4, 8, 16]),
+                                    ((8, 16), (16, 8), [4, 8, 12]), ((3, 4, 8), (3, 8, 8), None)],
+                         ids=["2d_3d", "3d_2d", "2d_2d", "3d_3d"])
+def test_grouped_mm(shapes):
+    a_shape, b_shape, offs = shapes
+    gen = _gen()
+    a, b = torch.randn(a_shape, generator=gen), torch.randn(b_shape, generator=gen)
+    offs = None if offs is None else torch.tensor(offs, dtype=torch.int32)
+    expected = torch._grouped_mm(a, b, offs=offs)
+    actual = torch._grouped_mm(a.to("jax"), b.to("jax"), offs=_to_jax(offs))
+    if len(a_shape) == 2 and len(b_shape) == 3:  # rows past offs[-1] are left uninitialized on CPU
+        expected, actual = expected[: offs[-1]], actual[: offs[-1]]
+    _assert_close(actual, expected, "_grouped_mm")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_generate_greedy(name):
+    model = build_hf(name, "sdpa")
+    model.generation_config.pad_token_id = 0
+    inputs = _causal_inputs()
+    del inputs["labels"]
+    kwargs = dict(max_new_tokens=8, do_sample=False, use_cache=True)
+    expected = model.generate(**inputs, **kwargs)
+    jax_model = copy.deepcopy(model).to("jax")
+    actual = jax_model.generate(**{k: v.to("jax") for k, v in inputs.items()}, **kwargs)
+    assert actual.device.type == "jax"
+    assert actual.shape == (2, SEQ + 8)
+    assert actual.cpu().tolist() == expected.tolist()
+
+
+# -- plain torch models ---------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.skip = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.skip = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+class ResNet(nn.Module):
+    def __init__(self, classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.MaxPool2d(2))
+        self.layers = nn.Sequential(Block(8, 8, 1), Block(8, 16, 2))
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x):
+        h = self.layers(self.stem(x))
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell, bidirectional):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.rnn = cell(16, 24, num_layers=2, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(24 * (2 if bidirectional else 1), VOCAB)
+
+    def forward(self, input_ids):
+        out, _ = self.rnn(self.embed(input_ids))
+        return self.head(out)
+
+
+class Encoder(nn.Module):
+    def __init__(self, norm_first):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids, padding_mask=None, causal=False):
+        mask = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], device=input_ids.device) if causal \
+            else None
+        h = self.encoder(self.embed(input_ids), mask=mask, src_key_padding_mask=padding_mask, is_causal=causal)
+        return self.head(h)
+
+
+def _resnet_input():
+    return dict(x=torch.randn(4, 3, 16, 16, generator=_gen()))
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_resnet_batchnorm(train):
+    torch.manual_seed(0)
+    model = ResNet()
+    # Non-trivial running statistics, so eval mode does not normalize by (0, 1).
+    with torch.no_grad():
+        model.train()(torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(2)))
+    check_parity(model.train(train), _resnet_input(), buffers=True)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU, nn.RNN], ids=["lstm", "gru", "rnn"])
+def test_recurrent(cell, bidirectional):
+    torch.manual_seed(0)
+    check_parity(Recurrent(cell, bidirectional).eval(), dict(input_ids=_ids(_gen())))
+
+
+class Cells(nn.Module):
+    """Step-by-step nn.LSTMCell and nn.GRUCell from given initial states, and an LSTM with
+    projections: the fused cells with and without bias, batched and unbatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm_cell = nn.LSTMCell(8, 12)
+        self.gru_cell = nn.GRUCell(12, 6, bias=False)
+        self.lstm = nn.LSTM(6, 10, proj_size=4, batch_first=True)
+
+    def forward(self, x, h, c):
+        outs = []
+        g = h[:, :6]
+        for t in range(x.shape[1]):
+            h, c = self.lstm_cell(x[:, t], (h, c))
+            g = self.gru_cell(h, g)
+            outs.append(g)
+        out, (hn, cn) = self.lstm(torch.stack(outs, 1))
+        unbatched = self.gru_cell(h[0], g[0])
+        return out, hn, cn, unbatched
+
+
+def test_recurrent_cells():
+    torch.manual_seed(0)
+    gen = _gen()
+    x, h, c = torch.randn(3, 5, 8, generator=gen), torch.randn(3, 12, generator=gen), torch.randn(3, 12, generator=gen)
+    check_parity(Cells(), dict(x=x.requires_grad_(), h=h.requires_grad_(), c=c.requires_grad_()))
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+@pytest.mark.parametrize("masks", ["none", "padding", "causal"])
+def test_transformer_encoder(masks, norm_first):
+    torch.manual_seed(0)
+    inputs = dict(input_ids=_ids(_gen()))
+    if masks == "padding":
+        inputs["padding_mask"] = torch.zeros(2, SEQ, dtype=torch.bool)
+        inputs["padding_mask"][1, -3:] = True
+    if masks == "causal":
+        inputs["causal"] = True
+    check_parity(Encoder(norm_first).eval(), inputs)
+
+
+def test_multihead_attention_weights():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, kdim=24, vdim=16, batch_first=True).eval()
+    gen = _gen()
+    q, k, v = (torch.randn(2, n, d, generator=gen) for n, d in [(5, 32), (SEQ, 24), (SEQ, 16)])
+    mask = torch.zeros(2, SEQ, dtype=torch.bool)
+    mask[0, -2:] = True
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, q, k, v, mask):
+            return self.mha(q, k, v, key_padding_mask=mask, need_weights=True, average_attn_weights=False)
+
+    check_parity(Wrapper(), dict(q=q, k=k, v=v, mask=mask))
+
+
+# -- host fallbacks -------------------------------------------------------------------
+
+
+FALLBACK_CASES = {
+    **{name: (lambda name=name: build_hf(name, "sdpa"), HF_MODELS[name][2]) for name in HF_MODELS},
+    "mixtral_grouped_mm": (lambda: build_hf("mixtral", "sdpa", experts_implementation="grouped_mm"), _causal_inputs),
+    "resnet": (lambda: ResNet().train(), _resnet_input),
+    "lstm": (lambda: Recurrent(nn.LSTM, True), lambda: dict(input_ids=_ids(_gen()))),
+    "gru": (lambda: Recurrent(nn.GRU, True), lambda: dict(input_ids=_ids(_gen()))),
+    "transformer_encoder": (lambda: Encoder(False).eval(), lambda: dict(input_ids=_ids(_gen()))),
+}
+
+
+@pytest.mark.parametrize("name", list(FALLBACK_CASES))
+def test_no_host_fallback(name):
+    build, inputs = FALLBACK_CASES[name]
+    torch.manual_seed(0)
+    assert host_fallbacks(build(), inputs()) == []
