@@ -10,7 +10,7 @@
 from . import device as _device
 from . import ops as _ops
 from . import pytree as _pytree  # noqa: F401
-from . import train
+from . import parallel, train
 from .dispatch import OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed, rng_key
 from .compile import CompiledModule, compile
@@ -43,6 +43,7 @@ __all__ = [
     "functionalize",
     "jax_view",
     "jit",
+    "parallel",
     "manual_seed",
     "path_of",
     "rng_key",

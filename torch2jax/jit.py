@@ -528,6 +528,10 @@ class JitFunction:
             gc.collect()
             input_ids = {id(a) for a in inputs}
             written = [i for i, st in enumerate(storages) if st.array is not inputs[i]]
+            for i in written:  # state keeps its sharding from step to step
+                sharding = getattr(saved[i][1], "sharding", None)
+                if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
+                    storages[i].array = jax.lax.with_sharding_constraint(storages[i].array, sharding)
             new_storages = [st for st in list(capture.new) if isinstance(st.array, jax.core.Tracer)
                             and id(st.array) not in input_ids]
             post = _repointed(slots, post_slots, pre_index)

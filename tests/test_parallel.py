@@ -1,0 +1,142 @@
+"""Sharding on 8 virtual CPU devices (each case runs in a fresh process: the device
+count is fixed when JAX starts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PRELUDE = """
+import json, os, sys, copy
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import torch, jax
+import torch2jax as t2j
+P = t2j.parallel
+import gpt
+
+def gpt_model():
+    torch.manual_seed(0)
+    return gpt.GPT(gpt.GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=64))
+
+def batches(n=5, batch=8):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 96, (batch, 32), generator=g), torch.randint(0, 96, (batch, 32), generator=g))
+            for _ in range(n)]
+
+def train(base, mesh=None, rules=None, loss_fn=lambda m, x, y: m(x, y)[1]):
+    m = copy.deepcopy(base).to("jax")
+    if mesh is not None:
+        P.shard_model(m, mesh, rules)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    @t2j.jit
+    def step(x, y):
+        opt.zero_grad()
+        loss = loss_fn(m, x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    losses = []
+    for x, y in batches():
+        if mesh is not None:
+            x, y = P.shard_batch(x, mesh, "data"), P.shard_batch(y, mesh, "data")
+        losses.append(step(x, y).item())
+    return losses, m, opt
+"""
+
+
+def run_8(code: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    script = f"ROOT = {ROOT!r}\n" + PRELUDE + textwrap.dedent(code)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_fsdp_matches_one_device_and_shards_parameters_and_state():
+    r = run_8("""
+        base = gpt_model()
+        ref, _, _ = train(base)
+        mesh = P.make_mesh({"data": 8})
+        losses, m, opt = train(base, mesh, P.fsdp("data", min_size=256))
+        w = m.blocks[0].fc.weight
+        print(json.dumps({"ref": ref, "fsdp": losses, "shard": list(w.jax().addressable_shards[0].data.shape),
+                          "shape": list(w.shape), "n_shards": len(w.jax().addressable_shards),
+                          "state_spec": str(P.sharding_of(opt.state[w]["exp_avg"]).spec),
+                          "param_spec": str(P.sharding_of(w).spec)}))
+    """)
+    assert r["fsdp"] == pytest.approx(r["ref"], abs=1e-4)
+    assert r["shard"] == [r["shape"][0] // 8, r["shape"][1]] and r["n_shards"] == 8
+    assert r["state_spec"] == r["param_spec"] == "P('data',)"
+
+
+def test_fsdp_times_tensor_parallel_on_a_2d_mesh():
+    r = run_8("""
+        base = gpt_model()
+        ref, _, _ = train(base)
+        mesh = P.make_mesh({"data": 2, "model": 4})
+        losses, m, _ = train(base, mesh, P.tensor_parallel("model", fsdp_axis="data"))
+        print(json.dumps({"ref": ref, "tp": losses,
+                          "qkv": str(P.sharding_of(m.blocks[0].qkv.weight).spec),
+                          "out": str(P.sharding_of(m.blocks[0].fc_out.weight).spec),
+                          "qkv_shard": list(m.blocks[0].qkv.weight.jax().addressable_shards[0].data.shape)}))
+    """)
+    assert r["tp"] == pytest.approx(r["ref"], abs=1e-4)
+    assert r["qkv"] == "P('model', 'data')" and r["out"] == "P('data', 'model')"
+    assert r["qkv_shard"] == [192 // 4, 64 // 2]
+
+
+def test_tensor_parallel_hf_llama():
+    r = run_8("""
+        import transformers
+        transformers.logging.set_verbosity_error()
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=4)
+        base = transformers.LlamaForCausalLM(cfg)
+        fn = lambda m, x, y: m(input_ids=x, labels=y).loss
+        ref, _, _ = train(base, loss_fn=fn)
+        mesh = P.make_mesh({"data": 2, "model": 4})
+        losses, m, _ = train(base, mesh, P.tensor_parallel("model", fsdp_axis="data"), loss_fn=fn)
+        q = m.model.layers[0].self_attn.q_proj.weight
+        print(json.dumps({"ref": ref, "tp": losses, "q": str(P.sharding_of(q).spec)}))
+    """)
+    assert r["tp"] == pytest.approx(r["ref"], abs=1e-4)
+    assert r["q"] == "P('model', 'data')"
+
+
+def test_mark_sharding_eager_and_inside_jit_and_errors():
+    r = run_8("""
+        mesh = P.make_mesh({"data": 4, "model": 2})
+        x = torch.arange(32.0, device="jax").reshape(8, 4).clone()
+        P.mark_sharding(x, mesh, ("data", "model"))
+        eager = str(P.sharding_of(x).spec)
+
+        @t2j.jit
+        def f(x):
+            h = x * 2
+            P.mark_sharding(h, mesh, ("data", None))
+            return h.sum(1)
+
+        y = f(torch.arange(32.0).reshape(8, 4))
+        errors = []
+        for spec in [("data", None, None), ("nope",), (None, "data")]:
+            try:
+                P.mark_sharding(torch.ones(8, 2, device="jax"), mesh, spec)
+            except P.ShardingError as e:
+                errors.append(str(e))
+        print(json.dumps({"eager": eager, "y": y.tolist(), "x": x.tolist(), "errors": errors}))
+    """)
+    assert r["eager"] == "P('data', 'model')"
+    assert r["y"] == [float(sum(2 * v for v in range(4 * i, 4 * i + 4))) for i in range(8)]
+    assert r["x"][1] == [4.0, 5.0, 6.0, 7.0]
+    assert len(r["errors"]) == 3
+    assert "3 entries" in r["errors"][0] and "'nope'" in r["errors"][1] and "not divisible by 4" in r["errors"][2]
