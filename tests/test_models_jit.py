@@ -77,3 +77,68 @@ def test_optax_training_loss_decreases(name):
     ids = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(0))
     losses = [step(ids).item() for _ in range(15)]
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+class _CNN(torch.nn.Module):
+    """ResNet-style: conv, BatchNorm, a residual block, pooling."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(8, 4)
+
+    def forward(self, x):
+        F = torch.nn.functional
+        h = F.relu(self.b1(self.c1(x)))
+        h = h + F.relu(self.b2(self.c2(h)))
+        return self.fc(self.pool(F.max_pool2d(h, 2)).flatten(1))
+
+
+class _Seq(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        nn = torch.nn
+        self.emb = nn.Embedding(20, 16)
+        if kind == "transformer":
+            layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+            self.body = nn.TransformerEncoder(layer, 2)
+        else:
+            self.body = getattr(nn, kind)(16, 16, batch_first=True, num_layers=2)
+        self.kind = kind
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.body(self.emb(x))
+        return self.fc(h.mean(1) if self.kind == "transformer" else h[0][:, -1])
+
+
+@pytest.mark.parametrize("name", ["cnn", "LSTM", "GRU", "transformer"])
+def test_plain_torch_models_jitted_training_matches_torch(name):
+    torch.manual_seed(0)
+    ref = _CNN() if name == "cnn" else _Seq(name)
+    model = copy.deepcopy(ref).to("jax")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    F = torch.nn.functional
+
+    @t2j.jit
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 3, 8, 8, generator=g) if name == "cnn" else torch.randint(0, 20, (4, 6), generator=g)
+        y = torch.randint(0, 4, (4,), generator=g)
+        ref_opt.zero_grad()
+        expected = F.cross_entropy(ref(x), y)
+        expected.backward()
+        ref_opt.step()
+        torch.testing.assert_close(step(x, y).cpu(), expected.detach(), atol=2e-5, rtol=2e-5)
+    for (n, b), r in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b.cpu(), r, atol=1e-5, rtol=1e-4, msg=n)
