@@ -221,3 +221,19 @@ def test_use_scan_layers_on_hf_models(name):
     prompt = ids[:1, :4]
     generated = model.generate(prompt.to("jax"), max_new_tokens=6, do_sample=False)
     assert generated.cpu().tolist() == ref.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
+
+
+def test_torch_higher_order_ops_on_the_jax_device():
+    from torch._higher_order_ops import scan as torch_scan
+    from torch._higher_order_ops import while_loop as torch_while_loop
+
+    x = torch.tensor([1.0, -2.0, 3.0])
+    out = torch.cond(x.to("jax").sum() > 0, lambda v: v * 2, lambda v: -v, (x.to("jax"),))
+    assert out.device.type == "jax" and out.tolist() == [2.0, -4.0, 6.0]
+    i, v = torch_while_loop(lambda i, v: i < 5, lambda i, v: (i + 1, v * 2),
+                            (torch.tensor(0, device="jax"), torch.ones(2, device="jax")))
+    assert i.item() == 5 and v.tolist() == [32.0, 32.0]
+    c, ys = torch_scan(lambda c, x: (c + x, c * 1), torch.zeros(2, device="jax"), torch.ones(3, 2, device="jax"))
+    assert c.tolist() == [3.0, 3.0] and ys[:, 0].tolist() == [0.0, 1.0, 2.0]
+    # CPU inputs keep torch's own behaviour
+    assert torch.cond(torch.tensor(True), lambda v: v * 2, lambda v: -v, (torch.ones(2),)).tolist() == [2.0, 2.0]

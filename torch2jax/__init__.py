@@ -14,12 +14,14 @@ from . import parallel, train
 from .dispatch import OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed, rng_key
 from .compile import CompiledModule, compile
+from . import control_flow
 from .control_flow import checkpoint, cond, fori_loop, scan, scan_layers, use_scan_layers, while_loop
 from .interop import call_jax, call_torch, functionalize, jax_view, torch_view
 from .jit import JitFunction, explain_recompiles, jit
 from .tensor import Tensor
 
 _device.register_factories(_ops.registry.LOWERINGS)
+control_flow.install_torch_higher_order_ops()
 
 
 __all__ = [

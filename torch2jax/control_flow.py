@@ -655,3 +655,66 @@ def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h",
             "call t2j.scan_layers(layers, hidden, ...) in its forward instead"
         )
     return model
+
+
+# ---------------------------------------------------------------------------
+# torch's own higher-order ops on the jax device
+# ---------------------------------------------------------------------------
+
+
+def _on_jax(*trees) -> bool:
+    return any(isinstance(x, Tensor) for x in torch_pytree.tree_leaves(trees))
+
+
+def _torch_cond(original):
+    @functools.wraps(original)
+    def torch_cond(pred, true_fn, false_fn, operands=()):
+        if not _on_jax(pred, operands):
+            return original(pred, true_fn, false_fn, operands)
+        return cond(pred, true_fn, false_fn, *operands)
+
+    return torch_cond
+
+
+def _torch_while_loop(original):
+    @functools.wraps(original)
+    def torch_while_loop(cond_fn, body_fn, carried_inputs):
+        if not _on_jax(carried_inputs):
+            return original(cond_fn, body_fn, carried_inputs)
+        carried = tuple(carried_inputs)
+        return tuple(while_loop(lambda c: cond_fn(*c), lambda c: tuple(body_fn(*c)), carried))
+
+    return torch_while_loop
+
+
+def _torch_scan(original):
+    @functools.wraps(original)
+    def torch_scan(combine_fn, init, xs, *, dim=0, reverse=False):
+        if not _on_jax(init, xs):
+            return original(combine_fn, init, xs, dim=dim, reverse=reverse)
+        moved = torch_pytree.tree_map(lambda t: t.movedim(dim, 0) if isinstance(t, torch.Tensor) else t, xs)
+        carry, ys = scan(combine_fn, init, moved, reverse=reverse)
+        return carry, torch_pytree.tree_map(lambda t: t.movedim(0, dim) if isinstance(t, torch.Tensor) else t, ys)
+
+    return torch_scan
+
+
+def install_torch_higher_order_ops() -> None:
+    """Route ``torch.cond`` and ``torch._higher_order_ops.while_loop`` / ``scan`` to
+    `cond`, `while_loop` and `scan` when their inputs are on the jax device (torch's
+    eager versions would send our tensors through Dynamo). Called on import."""
+    import sys
+
+    import torch._higher_order_ops as hops
+
+    # the package re-exports functions under its submodules' names: take the modules
+    while_module = sys.modules["torch._higher_order_ops.while_loop"]
+    scan_module = sys.modules["torch._higher_order_ops.scan"]
+
+    if getattr(torch.cond, "_t2j", False):
+        return
+    torch.cond = _torch_cond(torch.cond)
+    while_module.while_loop = hops.while_loop = _torch_while_loop(while_module.while_loop)
+    scan_module.scan = hops.scan = _torch_scan(scan_module.scan)
+    for f in (torch.cond, hops.while_loop, hops.scan):
+        f._t2j = True
