@@ -52,7 +52,8 @@ def _assert_close(actual, expected, what, tol=1e-4):
     """float32 parity: error bounded by ``tol`` relative to the reference's scale."""
     expected = expected.detach()
     scale = max(expected.abs().max().item(), 1e-2) if expected.numel() else 1.0
-    torch.testing.assert_close(actual.detach().cpu(), expected, atol=tol * scale, rtol=tol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(actual.detach().cpu(), expected, atol=tol * scale, rtol=tol,
+                               msg=lambda m: f"{what}: {m}")
 
 
 def _forward_backward(model, inputs, weights=None):
@@ -80,11 +81,15 @@ def _to_jax(x):
 
 def check_parity(model, inputs, tol=1e-4, buffers=False):
     """Forward outputs, all parameter gradients and the gradients of inputs that require
-    them of ``model`` on jax match torch CPU (and its buffers, if ``buffers``)."""
+    them of ``model`` on jax match torch CPU (and its buffers, if ``buffers``), and no op of
+    its forward or backward ran on the host."""
     jax_model = copy.deepcopy(model).to("jax")
     jax_inputs = {k: _to_jax(v) for k, v in inputs.items()}
     expected, weights = _forward_backward(model, inputs)
-    actual, _ = _forward_backward(jax_model, jax_inputs, weights)
+    actual = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # host fallbacks are asserted on below
+        paths = t2j.coverage(lambda: actual.update(_forward_backward(jax_model, jax_inputs, weights)[0]))
     assert actual.keys() == expected.keys()
     for name in expected:
         assert actual[name].device.type == "jax", name
@@ -102,22 +107,8 @@ def check_parity(model, inputs, tol=1e-4, buffers=False):
         jax_buffers = dict(jax_model.named_buffers())
         for name, b in model.named_buffers():
             _assert_close(jax_buffers[name], b, f"buffer {name}", tol)
+    assert [op for op, path in paths.items() if path == "fallback"] == [], "ops ran on the host"
     return jax_model
-
-
-def host_fallbacks(model, inputs):
-    """Ops that ran on the host for one forward and backward of ``model`` on jax."""
-    jax_model = copy.deepcopy(model).to("jax")
-    inputs = {k: _to_jax(v) for k, v in inputs.items()}
-
-    def step():
-        outputs = _float_outputs(jax_model(**inputs))
-        sum(o.sum() for o in outputs.values()).backward()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        paths = t2j.coverage(step)
-    return sorted(op for op, path in paths.items() if path == "fallback")
 
 
 # -- HF transformers ------------------------------------------------------------------
@@ -391,6 +382,67 @@ def test_transformer_encoder(masks, norm_first):
     check_parity(Encoder(norm_first).eval(), inputs)
 
 
+def check_inference(model, inputs, fused_op):
+    """Under no_grad, ``model`` on jax matches torch CPU, runs nothing on the host, and
+    reaches ``fused_op`` (the modules' inference fast path)."""
+    jax_model = copy.deepcopy(model).to("jax")
+    with torch.no_grad():
+        expected = _float_outputs(model(**inputs))
+        actual = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            paths = t2j.coverage(lambda: actual.update(_float_outputs(jax_model(**{k: _to_jax(v) for k, v in
+                                                                                  inputs.items()}))))
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        _assert_close(actual[name], expected[name], f"output {name}")
+    assert str(fused_op) in paths, "the fast path was not taken"
+    assert [op for op, path in paths.items() if path == "fallback"] == [], "ops ran on the host"
+
+
+def _padding_inputs():
+    inputs = dict(input_ids=_ids(_gen()), padding_mask=torch.zeros(2, SEQ, dtype=torch.bool))
+    inputs["padding_mask"][1, -3:] = True
+    return inputs
+
+
+@pytest.mark.parametrize("masks", ["none", "padding", "causal"])
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+def test_transformer_encoder_fast_path(norm_first, masks):
+    torch.manual_seed(0)
+    inputs = _padding_inputs() if masks == "padding" else dict(input_ids=_ids(_gen()), causal=masks == "causal")
+    check_inference(Encoder(norm_first).eval(), inputs, torch.ops.aten._transformer_encoder_layer_fwd.default)
+
+
+@pytest.mark.xfail(strict=True, reason="nn.TransformerEncoder's nested-tensor fast path (eval, no_grad, padding "
+                                       "mask, enable_nested_tensor=True): aten._nested_tensor_from_mask cannot "
+                                       "make a nested tensor on the jax device")
+def test_transformer_encoder_nested_fast_path():
+    torch.manual_seed(0)
+    model = Encoder(False).eval()
+    model.encoder = nn.TransformerEncoder(model.encoder.layers[0], 2)  # enable_nested_tensor=True
+    check_inference(model, _padding_inputs(), torch.ops.aten._transformer_encoder_layer_fwd.default)
+
+
+@pytest.mark.parametrize("average", [True, False], ids=["average", "per_head"])
+def test_multihead_attention_fast_path(average):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x, mask):
+            return self.mha(x, x, x, key_padding_mask=mask, average_attn_weights=average)
+
+    mask = torch.zeros(2, SEQ, dtype=torch.bool)
+    mask[0, -2:] = True
+    x = torch.randn(2, SEQ, 32, generator=_gen())
+    check_inference(SelfAttention(), dict(x=x, mask=mask), torch.ops.aten._native_multi_head_attention.default)
+
+
 def test_multihead_attention_weights():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(32, 4, kdim=24, vdim=16, batch_first=True).eval()
@@ -408,23 +460,3 @@ def test_multihead_attention_weights():
             return self.mha(q, k, v, key_padding_mask=mask, need_weights=True, average_attn_weights=False)
 
     check_parity(Wrapper(), dict(q=q, k=k, v=v, mask=mask))
-
-
-# -- host fallbacks -------------------------------------------------------------------
-
-
-FALLBACK_CASES = {
-    **{name: (lambda name=name: build_hf(name, "sdpa"), HF_MODELS[name][2]) for name in HF_MODELS},
-    "mixtral_grouped_mm": (lambda: build_hf("mixtral", "sdpa", experts_implementation="grouped_mm"), _causal_inputs),
-    "resnet": (lambda: ResNet().train(), _resnet_input),
-    "lstm": (lambda: Recurrent(nn.LSTM, True), lambda: dict(input_ids=_ids(_gen()))),
-    "gru": (lambda: Recurrent(nn.GRU, True), lambda: dict(input_ids=_ids(_gen()))),
-    "transformer_encoder": (lambda: Encoder(False).eval(), lambda: dict(input_ids=_ids(_gen()))),
-}
-
-
-@pytest.mark.parametrize("name", list(FALLBACK_CASES))
-def test_no_host_fallback(name):
-    build, inputs = FALLBACK_CASES[name]
-    torch.manual_seed(0)
-    assert host_fallbacks(build(), inputs()) == []

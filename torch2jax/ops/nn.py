@@ -802,3 +802,69 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
 
 _library = torch.library.Library("aten", "IMPL")
 _library.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
+
+
+# -- transformer inference fast path ----------------------------------------------------
+#
+# In eval mode without grad, nn.MultiheadAttention (self-attention, batch_first) and
+# nn.TransformerEncoderLayer call these fused kernels instead of their Python forward.
+# Their masks are "masked out" flags (any nonzero float counts as masked, as in torch's
+# kernels): mask_type 0 is (L, S), 1 a key padding mask (B, S), 2 a merged (B, H, L, S).
+
+
+def _dense(x, weight, bias):
+    return jnp.matmul(x, weight.T, precision=_precision()) + bias
+
+
+def _fast_path_attention(q, k, v, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, mask_type):
+    """(output, per-head attention weights); a fully masked row gives NaN, as in torch."""
+    if not q.shape == k.shape == v.shape:
+        raise RuntimeError(f"_native_multi_head_attention: expected query/key/value shapes to match, got "
+                           f"{q.shape}, {k.shape}, {v.shape}")
+
+    def heads(x, weight, bias):
+        y = _dense(x, weight, bias)
+        return y.reshape(*y.shape[:-1], num_heads, -1).swapaxes(-2, -3)
+
+    weights, biases = jnp.split(qkv_weight, 3), jnp.split(qkv_bias, 3)
+    qh, kh, vh = (heads(x, w, b) for x, w, b in zip((q, k, v), weights, biases))
+    s = jnp.einsum("...qd,...kd->...qk", qh, kh, precision=_precision()) / math.sqrt(qh.shape[-1])
+    if mask is not None:
+        masked = mask if mask.dtype == np.bool_ else mask != 0
+        s = jnp.where(masked[:, None, None, :] if mask_type == 1 else masked, -jnp.inf, s)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("...qk,...kd->...qd", p, vh, precision=_precision()).swapaxes(-2, -3)
+    return _dense(out.reshape(q.shape), proj_weight, proj_bias), p
+
+
+@float_op(aten._native_multi_head_attention.default)
+def _native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias,
+                                 mask=None, need_weights=True, average_attn_weights=True, mask_type=None):
+    out, p = _fast_path_attention(query, key, value, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias, mask,
+                                  mask_type)
+    if not need_weights:
+        return out, None
+    return out, p.mean(axis=-3) if average_attn_weights else p
+
+
+@float_op(aten._transformer_encoder_layer_fwd.default)
+def _transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu,
+                                   norm_first, eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2,
+                                   ffn_weight_1, ffn_bias_1, ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
+    def attention(x):
+        return _fast_path_attention(x, x, x, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask,
+                                    mask_type)[0]
+
+    def feed_forward(x):
+        h = _dense(x, ffn_weight_1, ffn_bias_1)
+        return _dense(jax.nn.gelu(h, approximate=False) if use_gelu else jax.nn.relu(h), ffn_weight_2, ffn_bias_2)
+
+    def norm(x, weight, bias):
+        return _layer_norm(x, (embed_dim,), weight, bias, eps)[0]
+
+    x = src
+    if norm_first:
+        x = x + attention(norm(x, norm_weight_1, norm_bias_1))
+        return x + feed_forward(norm(x, norm_weight_2, norm_bias_2))
+    x = norm(x + attention(x), norm_weight_1, norm_bias_1)
+    return norm(x + feed_forward(x), norm_weight_2, norm_bias_2)
