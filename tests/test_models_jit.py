@@ -142,3 +142,66 @@ def test_plain_torch_models_jitted_training_matches_torch(name):
         torch.testing.assert_close(step(x, y).cpu(), expected.detach(), atol=2e-5, rtol=2e-5)
     for (n, b), r in zip(model.named_buffers(), ref.buffers()):
         torch.testing.assert_close(b.cpu(), r, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def _encoder_or_multimodal(name, g):
+    """(model, inputs, loss of outputs) for models without a built-in LM loss."""
+    torch.manual_seed(0)
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    if name == "roberta":
+        model = transformers.RobertaForMaskedLM(transformers.RobertaConfig(
+            vocab_size=V, hidden_dropout_prob=0, attention_probs_dropout_prob=0, max_position_embeddings=64, **tiny))
+        return model, dict(input_ids=torch.randint(3, V, (2, 16), generator=g))
+    if name == "distilbert":
+        model = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
+            vocab_size=V, dim=64, hidden_dim=128, n_layers=2, n_heads=4, dropout=0, attention_dropout=0))
+        return model, dict(input_ids=torch.randint(0, V, (2, 16), generator=g))
+    if name == "vit":
+        model = transformers.ViTForImageClassification(transformers.ViTConfig(
+            image_size=16, patch_size=4, num_labels=5, hidden_dropout_prob=0, attention_probs_dropout_prob=0, **tiny))
+        return model, dict(pixel_values=torch.randn(2, 3, 16, 16, generator=g))
+    if name == "clip":
+        model = transformers.CLIPModel(transformers.CLIPConfig(
+            text_config=dict(vocab_size=V, max_position_embeddings=32, **tiny),
+            vision_config=dict(image_size=16, patch_size=4, **tiny), projection_dim=32))
+        return model, dict(input_ids=torch.randint(0, V, (2, 8), generator=g),
+                           pixel_values=torch.randn(2, 3, 16, 16, generator=g))
+    if name == "whisper":
+        model = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+            vocab_size=V, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+            max_source_positions=16, max_target_positions=32, dropout=0, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, decoder_start_token_id=1))
+        return model, dict(input_features=torch.randn(2, 16, 32, generator=g),
+                           decoder_input_ids=torch.randint(3, V, (2, 8), generator=g))
+    raise ValueError(name)
+
+
+def _score(out):
+    logits = out.logits_per_image if hasattr(out, "logits_per_image") else out.logits
+    return logits.pow(2).mean()
+
+
+@pytest.mark.parametrize("name", ["roberta", "distilbert", "vit", "clip", "whisper"])
+def test_encoders_and_multimodal_jitted_training_matches_torch(name):
+    ref, _ = _encoder_or_multimodal(name, torch.Generator().manual_seed(0))
+    model = copy.deepcopy(ref).to("jax")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+    @t2j.jit
+    def step(inputs):
+        opt.zero_grad()
+        loss = _score(model(**inputs))
+        loss.backward()
+        opt.step()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        _, inputs = _encoder_or_multimodal(name, g)
+        ref_opt.zero_grad()
+        expected = _score(ref(**inputs))
+        expected.backward()
+        ref_opt.step()
+        torch.testing.assert_close(step(inputs).cpu(), expected.detach(), atol=1e-5, rtol=5e-5)
