@@ -25,6 +25,16 @@ def _build(name):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=V, num_key_value_heads=2, **small))
     if name == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(vocab_size=V, num_key_value_heads=2, **small))
+    if name == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(vocab_size=V, num_key_value_heads=2, **small))
+    if name == "gemma":
+        return transformers.GemmaForCausalLM(transformers.GemmaConfig(
+            vocab_size=V, num_key_value_heads=2, head_dim=16, **small))
+    if name == "bart":
+        return transformers.BartForConditionalGeneration(transformers.BartConfig(
+            vocab_size=V, d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, dropout=0, attention_dropout=0,
+            max_position_embeddings=64))
     if name == "phi":
         return transformers.PhiForCausalLM(transformers.PhiConfig(
             vocab_size=V, resid_pdrop=0, embd_pdrop=0, attention_dropout=0, **small))
@@ -38,7 +48,7 @@ def _build(name):
     raise ValueError(name)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "phi", "bert", "t5"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "gemma", "phi", "bert", "t5", "bart"])
 def test_jitted_training_matches_torch(name):
     ref = _build(name)
     model = copy.deepcopy(ref).to("jax")
