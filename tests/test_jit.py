@@ -243,3 +243,16 @@ def test_method_of_a_module_subclass():
     expected = net.lin(x).relu()
     net.to("jax")
     torch.testing.assert_close(net(x.to("jax")).cpu(), expected)
+
+
+def test_function_returning_nothing_or_an_empty_tuple():
+    lin = nn.Linear(2, 2).to("jax")
+
+    @t2j.jit
+    def zero_weights():
+        with torch.no_grad():
+            lin.weight.zero_()
+        return ()
+
+    assert zero_weights() == ()
+    assert lin.weight.abs().sum().item() == 0.0

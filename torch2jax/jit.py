@@ -508,7 +508,7 @@ class JitFunction:
             del out
             pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}
             arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
-            outs, kinds = [], []
+            outs, kinds, leaf = [], [], None
             for leaf in out_leaves:
                 if isinstance(leaf, Tensor) and id(leaf) in arg_index:
                     kinds.append(("arg", arg_index[id(leaf)]))
