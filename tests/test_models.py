@@ -207,23 +207,71 @@ HF_MODELS = {
                 AutoModelForSpeechSeq2Seq, _whisper_inputs),
 }
 
+# More architectures, one attention implementation each: sliding windows and softcapping
+# (Gemma 2/3), MoE (Qwen3-MoE), ALiBi (BLOOM), relative positions (DeBERTa-v2), CNNs
+# (ConvNeXt, MobileNetV2, ResNet), windowed attention (Swin), weight norm and 1D
+# convolutions (wav2vec2), a selective scan (Mamba).
+EXTRA_HF_MODELS = {
+    "gemma2": (dict(TINY_GQA, head_dim=8, sliding_window=4), *_CAUSAL),
+    "gemma3_text": (dict(TINY_GQA, head_dim=8, sliding_window=4), *_CAUSAL),
+    "qwen3": (dict(TINY_GQA, head_dim=8), *_CAUSAL),
+    "qwen3_moe": (dict(TINY_GQA, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                  *_CAUSAL),
+    "opt": (dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                 word_embed_proj_dim=32, max_position_embeddings=64), *_CAUSAL),
+    "gpt_neox": (dict(TINY, max_position_embeddings=64), *_CAUSAL),
+    "bloom": (dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4), *_CAUSAL),
+    "falcon": (dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4), *_CAUSAL),
+    "mamba": (dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4, expand=2, conv_kernel=4),
+              AutoModelForCausalLM, _causal_inputs),
+    "deberta-v2": (dict(TINY, max_position_embeddings=64, relative_attention=True, position_buckets=8,
+                        pos_att_type=["p2c", "c2p"]), AutoModel, _encoder_inputs()),
+    "convnext": (dict(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, patch_size=2, image_size=16), AutoModel,
+                 _vit_inputs),
+    "swin": (dict(image_size=16, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2),
+             AutoModel, _vit_inputs),
+    "mobilenet_v2": (dict(image_size=16, depth_multiplier=0.25), AutoModel, _vit_inputs),
+    "resnet": (dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic"), AutoModel,
+               _vit_inputs),
+    "wav2vec2": (dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                      num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2),
+                 AutoModel, lambda: dict(input_values=torch.randn(2, 400, generator=_gen()))),
+}
 
 def build_hf(name, attention="eager", **kwargs):
-    config_kwargs, auto, _ = HF_MODELS[name]
+    config_kwargs, auto, _ = HF_MODELS[name] if name in HF_MODELS else EXTRA_HF_MODELS[name]
     torch.manual_seed(0)
     config = AutoConfig.for_model(name, **config_kwargs)
     return auto.from_config(config, attn_implementation=attention, **kwargs).eval()
 
 
-@pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("name", list(HF_MODELS))
+# sdpa is the default attention of every model here; the eager one of these runs in the
+# slow set only, to keep the default run short.
+SLOW_EAGER = {"roberta", "distilbert", "t5", "bart", "vit", "clip", "whisper"}
+
+
+@pytest.mark.parametrize("name, attention", [
+    pytest.param(name, attention, id=f"{name}-{attention}",
+                 marks=[pytest.mark.slow] if attention == "eager" and name in SLOW_EAGER else [])
+    for name in HF_MODELS for attention in ATTENTION
+])
 def test_hf_model(name, attention):
     model = build_hf(name, attention)
     assert model.config._attn_implementation == attention
     check_parity(model, HF_MODELS[name][2]())
 
 
-@pytest.mark.parametrize("experts", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EXTRA_HF_MODELS))
+def test_hf_model_extra(name):
+    check_parity(build_hf(name, "eager"), EXTRA_HF_MODELS[name][2]())
+
+
+# grouped_mm is the default; the eager loop over experts compiles anew for every expert's
+# token count.
+@pytest.mark.parametrize("experts", [pytest.param("eager", marks=pytest.mark.slow), "grouped_mm",
+                                     pytest.param("batched_mm", marks=pytest.mark.slow)])
 def test_mixtral_experts(experts):
     model = build_hf("mixtral", "sdpa", experts_implementation=experts)
     assert model.config._experts_implementation == experts

@@ -601,6 +601,22 @@ def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_we
     return onehot * jnp.expand_dims(jnp.broadcast_to(scale, target.shape), cdim)
 
 
+# -- weight norm -------------------------------------------------------------------------
+#
+# The forward (`_weight_norm_interface`) goes through torch's decomposition; its fused
+# backward has none.
+
+
+def _weight_norm(v, g, dim):
+    axes = tuple(i for i in range(v.ndim) if i != dim)
+    return v * (g / jnp.sqrt(jnp.sum(v * v, axis=axes, keepdims=True)))
+
+
+@float_op(aten._weight_norm_interface_backward.default)
+def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    return _vjp(lambda v, g: _weight_norm(v, g, dim), (saved_v, saved_g), grad_w)
+
+
 # -- dropout -------------------------------------------------------------------------
 
 
