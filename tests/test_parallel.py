@@ -140,3 +140,47 @@ def test_mark_sharding_eager_and_inside_jit_and_errors():
     assert r["x"][1] == [4.0, 5.0, 6.0, 7.0]
     assert len(r["errors"]) == 3
     assert "3 entries" in r["errors"][0] and "'nope'" in r["errors"][1] and "not divisible by 4" in r["errors"][2]
+
+
+def test_shard_map_with_torch_distributed_collectives():
+    r = run_8("""
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+        mesh = P.make_mesh({"data": 4, "model": 2})
+        x = torch.arange(16.0).reshape(8, 2)
+        dp, tp = P.new_group("data"), P.new_group("model")
+
+        def total(x):
+            s = x.sum(0, keepdim=True)
+            dist.all_reduce(s)
+            return s, torch.tensor([float(dist.get_world_size())], device="jax")
+
+        s, ws = P.shard_map(total, mesh, in_specs=(("data", "model"),), out_specs=((), ()))(x.to("jax"))
+
+        def per_group(x):
+            rows = funcol.all_reduce(x, "sum", tp)
+            gathered = funcol.all_gather_tensor(x, 0, dp)       # all rows of this column
+            out = torch.empty(x.shape[0] // 4, x.shape[1], device="jax")
+            dist.reduce_scatter_tensor(out, x, group=dp)        # x is replicated over data: 4 * x
+            b = x.clone()
+            dist.broadcast(b, src=1, group=dp)
+            rank = x.new_zeros(1) + dist.get_rank(dp)
+            return rows * 1, gathered * 1, out, b, rank
+
+        rows, gathered, rs, b, rank = P.shard_map(
+            per_group, mesh, in_specs=((None, "model"),),
+            out_specs=((None, "model"), (None, "model"), ("data", "model"), (None, "model"), ("data",)),
+        )(x.to("jax"))
+        xg = x.clone().to("jax").requires_grad_(True)
+        loss = P.shard_map(lambda v: total(v)[0], mesh, in_specs=(("data", "model"),), out_specs=())(xg).sum()
+        loss.backward()
+        print(json.dumps({"s": s.tolist(), "ws": ws.tolist(), "rows": rows.tolist(), "gathered": list(gathered.shape),
+                          "rs": rs.tolist(), "b": b.tolist(), "rank": rank.tolist(), "grad": xg.grad.tolist()}))
+    """)
+    x = [[2.0 * i, 2.0 * i + 1] for i in range(8)]
+    assert r["s"] == [[sum(map(sum, x))]] and r["ws"] == [8.0]
+    assert r["rows"] == [[row[0] + row[1]] * 2 for row in x]     # each row summed over its 2 model shards
+    assert r["gathered"] == [32, 2]
+    assert r["rs"] == [[4 * v for v in row] for row in x]
+    assert r["b"] == x and r["rank"] == [0.0, 1.0, 2.0, 3.0]
+    assert r["grad"] == [[1.0, 1.0]] * 8

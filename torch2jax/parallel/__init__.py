@@ -5,6 +5,8 @@ engine: a sharded tensor is a jax.Array with a NamedSharding, and `t2j.jit`
 compiles an SPMD program from the shardings of what it is given.
 """
 
+from .collectives import Group, new_group
+from .shard_map import shard_map
 from .sharding import (
     ShardingError,
     fsdp,
@@ -18,12 +20,15 @@ from .sharding import (
 )
 
 __all__ = [
+    "Group",
     "ShardingError",
     "fsdp",
     "make_mesh",
     "mark_sharding",
     "named_sharding",
+    "new_group",
     "shard_batch",
+    "shard_map",
     "shard_model",
     "sharding_of",
     "tensor_parallel",
