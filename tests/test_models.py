@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import torch2jax as t2j
 
@@ -386,6 +387,28 @@ def test_resnet_batchnorm(train):
 def test_recurrent(cell, bidirectional):
     torch.manual_seed(0)
     check_parity(Recurrent(cell, bidirectional).eval(), dict(input_ids=_ids(_gen())))
+
+
+class PackedRecurrent(nn.Module):
+    def __init__(self, cell):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.rnn = cell(16, 24, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(48, VOCAB)
+
+    def forward(self, input_ids, lengths):
+        packed = pack_padded_sequence(self.embed(input_ids), lengths, batch_first=True, enforce_sorted=False)
+        out, state = self.rnn(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=input_ids.shape[1])
+        return self.head(out), state[0] if isinstance(state, tuple) else state
+
+
+# Every time step of a packed batch has its own batch size, so its own compilations.
+@pytest.mark.parametrize("cell", [nn.LSTM, pytest.param(nn.GRU, marks=pytest.mark.slow)], ids=["lstm", "gru"])
+def test_recurrent_packed(cell):
+    torch.manual_seed(0)
+    inputs = dict(input_ids=_ids(_gen(), batch=3), lengths=torch.tensor([SEQ, 3, 5]))
+    check_parity(PackedRecurrent(cell).eval(), inputs)
 
 
 class Cells(nn.Module):

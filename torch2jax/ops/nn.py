@@ -703,6 +703,31 @@ def _thnn_fused_gru_cell_backward(grad_hy, workspace, has_bias):
     return grad_input, grad_hidden, (grad_hy * z).astype(dtype), *biases
 
 
+@register(aten._pack_padded_sequence.default)
+def _pack_padded_sequence(x, lengths, batch_first):
+    """PackedSequence data of ``x``; its batch_sizes stay a CPU tensor, as torch requires."""
+    try:
+        lengths = np.asarray(lengths)
+    except jax.errors.ConcretizationTypeError:
+        raise RuntimeError("_pack_padded_sequence: lengths must be concrete (a CPU tensor), not traced") from None
+    if lengths.ndim != 1 or lengths.shape[0] != x.shape[0 if batch_first else 1]:
+        raise RuntimeError(f"_pack_padded_sequence: expected {x.shape[0 if batch_first else 1]} lengths, got "
+                           f"shape {lengths.shape}")
+    if lengths.size and lengths.min() <= 0:
+        raise RuntimeError("_pack_padded_sequence: every length must be greater than 0")
+    if np.any(np.diff(lengths) > 0):
+        raise RuntimeError("_pack_padded_sequence: lengths must be sorted in decreasing order")
+    if lengths.size and lengths[0] > x.shape[1 if batch_first else 0]:
+        raise RuntimeError(f"_pack_padded_sequence: a length of {lengths[0]} exceeds the sequence length "
+                           f"{x.shape[1 if batch_first else 0]}")
+    if batch_first:
+        x = jnp.swapaxes(x, 0, 1)
+    batch_sizes = (lengths[None, :] > np.arange(lengths[0] if lengths.size else 0)[:, None]).sum(axis=1)
+    rows = np.concatenate([t * x.shape[1] + np.arange(n) for t, n in enumerate(batch_sizes)] or [np.zeros(0, int)])
+    data = x.reshape(-1, *x.shape[2:])[rows]
+    return data, torch.from_numpy(batch_sizes.astype(np.int64))
+
+
 # -- grouped matmul ----------------------------------------------------------------------
 #
 # F.grouped_mm (aten::_grouped_mm) is the expert kernel of HF mixture-of-experts layers:
