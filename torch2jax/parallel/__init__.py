@@ -6,6 +6,7 @@ compiles an SPMD program from the shardings of what it is given.
 """
 
 from .collectives import Group, new_group
+from .multihost import initialize, process_count, process_index
 from .shard_map import shard_map
 from .sharding import (
     ShardingError,
@@ -23,10 +24,13 @@ __all__ = [
     "Group",
     "ShardingError",
     "fsdp",
+    "initialize",
     "make_mesh",
     "mark_sharding",
     "named_sharding",
     "new_group",
+    "process_count",
+    "process_index",
     "shard_batch",
     "shard_map",
     "shard_model",

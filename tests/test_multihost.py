@@ -1,0 +1,70 @@
+"""Two real jax.distributed processes on 127.0.0.1 train like one process."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch2jax as t2j
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import gpt  # noqa: E402
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_losses(steps):
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=64)).to("jax")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @t2j.jit
+    def step(x, y):
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        x, y = torch.randint(0, 96, (8, 32), generator=gen), torch.randint(0, 96, (8, 32), generator=gen)
+        out.append(step(x, y).item())
+    return out
+
+
+def test_two_processes_data_parallel_fsdp_match_one_process():
+    port = _free_port()
+    script = os.path.join(ROOT, "examples", "train_multihost.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, script, "--process-id", str(i), "--num-processes", "2",
+                               "--coordinator", f"127.0.0.1:{port}", "--steps", "3"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(2)]
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("multi-process run timed out")
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["process"] for r in results) == [0, 1]
+    assert all(r["processes"] == 2 and r["devices"] == 4 for r in results)
+    assert results[0]["losses"] == results[1]["losses"]
+    assert results[0]["losses"] == pytest.approx(_single_process_losses(3), abs=1e-4)
