@@ -269,6 +269,33 @@ def test_hf_model_extra(name):
     check_parity(build_hf(name, "eager"), EXTRA_HF_MODELS[name][2]())
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", pytest.param("t5", marks=pytest.mark.slow)])
+def test_hf_bfloat16(name):
+    """In bfloat16, the jax device is about as close to the float32 result as torch CPU is
+    (it computes some ops in float32 where CPU rounds each step), outputs and gradients."""
+    model = build_hf(name, "sdpa")
+    inputs = HF_MODELS[name][2]()
+    reference, weights = _forward_backward(model, inputs)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    jax_half = copy.deepcopy(half).to("jax")
+    weights = [w.to(torch.bfloat16) for w in weights]
+    cpu, _ = _forward_backward(half, inputs, weights)
+    actual, _ = _forward_backward(jax_half, {k: _to_jax(v) for k, v in inputs.items()}, weights)
+
+    def check(a, c, r, what):
+        assert a.dtype == c.dtype, f"{what}: dtype {a.dtype}, torch CPU's {c.dtype}"
+        scale = r.abs().max().item()
+        error, cpu_error = (a.detach().cpu().float() - r).abs().max().item(), (c.float() - r).abs().max().item()
+        assert error <= 2 * max(cpu_error, 8e-3 * scale), f"{what}: error {error:.3g}, torch CPU's {cpu_error:.3g}"
+
+    for key in reference:
+        check(actual[key], cpu[key], reference[key], f"output {key}")
+    cpu_params, jax_params = dict(half.named_parameters()), dict(jax_half.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            check(jax_params[name].grad, cpu_params[name].grad, p.grad, f"grad of {name}")
+
+
 # grouped_mm is the default; the eager loop over experts compiles anew for every expert's
 # token count.
 @pytest.mark.parametrize("experts", [pytest.param("eager", marks=pytest.mark.slow), "grouped_mm",
