@@ -184,3 +184,39 @@ def test_shard_map_with_torch_distributed_collectives():
     assert r["rs"] == [[4 * v for v in row] for row in x]
     assert r["b"] == x and r["rank"] == [0.0, 1.0, 2.0, 3.0]
     assert r["grad"] == [[1.0, 1.0]] * 8
+
+
+def test_sharded_checkpoint_resume(tmp_path):
+    r = run_8(f"""
+        base = gpt_model()
+        mesh = P.make_mesh({{"data": 8}})
+        data = batches(6)
+
+        def setup():
+            m = P.shard_model(copy.deepcopy(base).to("jax"), mesh, P.fsdp("data", min_size=256))
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+            @t2j.jit
+            def step(x, y):
+                opt.zero_grad()
+                _, loss = m(x, y)
+                loss.backward()
+                opt.step()
+                return loss
+
+            return m, opt, lambda x, y: step(P.shard_batch(x, mesh), P.shard_batch(y, mesh)).item()
+
+        _, _, step = setup()
+        full = [step(*b) for b in data]
+        m, opt, step = setup()
+        first = [step(*b) for b in data[:3]]
+        t2j.save({{"model": m, "optimizer": opt}}, {str(tmp_path / "ck")!r})
+        m2, opt2, step2 = setup()
+        t2j.load({str(tmp_path / "ck")!r}, {{"model": m2, "optimizer": opt2}})
+        w = m2.blocks[0].fc.weight
+        print(json.dumps({{"full": full, "resumed": first + [step2(*b) for b in data[3:]],
+                           "spec": str(P.sharding_of(w).spec),
+                           "state_spec": str(P.sharding_of(opt2.state[w]["exp_avg"]).spec)}}))
+    """)
+    assert r["resumed"] == pytest.approx(r["full"], abs=1e-6)
+    assert r["spec"] == r["state_spec"] == "P('data',)"

@@ -13,6 +13,7 @@ from . import pytree as _pytree  # noqa: F401
 from . import parallel, train
 from .dispatch import OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed, rng_key
+from .checkpoint import load, save
 from .compile import CompiledModule, compile
 from . import control_flow
 from .control_flow import checkpoint, cond, fori_loop, scan, scan_layers, use_scan_layers, while_loop
@@ -45,10 +46,12 @@ __all__ = [
     "functionalize",
     "jax_view",
     "jit",
+    "load",
     "parallel",
     "manual_seed",
     "path_of",
     "rng_key",
+    "save",
     "scan",
     "scan_layers",
     "torch_view",
