@@ -189,7 +189,7 @@ HF_MODELS = {
     "roberta": (dict(TINY, pad_token_id=1), AutoModel, _encoder_inputs()),
     "distilbert": (dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64), AutoModel, _encoder_inputs()),
     "t5": (dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                relative_attention_num_buckets=8, relative_attention_max_distance=16),
+                relative_attention_num_buckets=8, relative_attention_max_distance=16, decoder_start_token_id=0),
            AutoModelForSeq2SeqLM, _seq2seq_inputs),
     "bart": (dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64),
@@ -321,18 +321,23 @@ def test_grouped_mm(shapes):
     _assert_close(actual, expected, "_grouped_mm")
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_hf_generate_greedy(name):
+@pytest.mark.parametrize("name, cache", [
+    ("gpt2", "dynamic"), ("llama", "dynamic"), pytest.param("llama", "static", marks=pytest.mark.slow),
+    pytest.param("t5", "dynamic", marks=pytest.mark.slow), pytest.param("whisper", "dynamic", marks=pytest.mark.slow),
+])
+def test_hf_generate_greedy(name, cache):
+    """Greedy decoding with a KV cache, token for token (left padding for decoder-only)."""
     model = build_hf(name, "sdpa")
     model.generation_config.pad_token_id = 0
-    inputs = _causal_inputs()
-    del inputs["labels"]
-    kwargs = dict(max_new_tokens=8, do_sample=False, use_cache=True)
+    inputs = HF_MODELS[name][2]()
+    for key in ("labels", "decoder_input_ids"):
+        inputs.pop(key, None)
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, use_cache=True, cache_implementation=cache)
     expected = model.generate(**inputs, **kwargs)
     jax_model = copy.deepcopy(model).to("jax")
     actual = jax_model.generate(**{k: v.to("jax") for k, v in inputs.items()}, **kwargs)
     assert actual.device.type == "jax"
-    assert actual.shape == (2, SEQ + 8)
+    assert actual.shape == expected.shape
     assert actual.cpu().tolist() == expected.tolist()
 
 
