@@ -1,98 +1,211 @@
-"""Run the whole OpInfo suite and write docs/op_coverage.md and tests/opinfo_xfails.py.
+"""Run the OpInfo suite and write docs/op_coverage.md, docs/op_coverage.json and tests/opinfo_xfails.py.
 
-    python tools/op_coverage.py [--jobs 2] [name-substring ...]
+    python tools/op_coverage.py [--jobs 2] [--mode jit] [--dtype float32] [name-substring ...]
 
-With name filters, only matching ops are re-run and merged into the earlier
-results kept in docs/op_coverage.json.
+Only the selected cases are re-run; their results are merged into the earlier
+ones kept in docs/op_coverage.json (results of cases that no longer exist are
+dropped).
 
 For every (op, dtype, mode) case of tests/test_opinfo.py it counts passing
 samples; a case with any failing sample becomes a strict xfail with the first
-error as its reason. Cases run in worker processes, so one crash cannot stop
-the report.
+error as its reason. Cases run in chunks, each chunk in its own `python`
+process with a time limit per case, so a hard crash (a C++ abort, a segfault)
+or a hang loses only the case it happened in: the worker reports each case as
+it starts and ends, the case that was running is re-run alone in a fresh
+process to confirm it, and if it crashes alone it is recorded in CRASHES
+(skipped by the tests, with the reason). The rest of the chunk is re-queued.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures as cf
 import json
 import os
+import queue
+import select
+import signal
+import subprocess
 import sys
-import warnings
+import tempfile
+import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+TESTS = os.path.join(ROOT, "tests")
 RESULTS = os.path.join(ROOT, "docs", "op_coverage.json")
+XFAILS = os.path.join(TESTS, "opinfo_xfails.py")
 
 
-def _run_case(case):
-    warnings.simplefilter("ignore")
+def _one_line(e):
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:160]
+
+
+def run_case(case):
+    """(passed, total, reason) for one case; reason is the first failing sample's error or ''."""
     import torch
 
     import test_opinfo as T
-    from opinfo_util import RANDOM_OPS, _to_cpu, compare, grads, run_eager, run_jit, samples
+    from opinfo_util import check_sample, samples
 
     name, dname, mode = case
     op, dtype = T.OPS[name], T.DTYPES[dname]
-    values = op.name not in RANDOM_OPS
     passed = total = 0
     reason = ""
     torch.manual_seed(0)
     try:
         sample_list = samples(op, dtype, requires_grad=mode == "grad")
     except Exception as e:  # noqa: BLE001
-        return case, 0, 0, f"sample generation: {e}"
-    for s in sample_list:
+        return 0, 0, _one_line(e)
+    for i, s in enumerate(sample_list):
         try:
-            if mode == "grad":
-                try:
-                    expected = grads(op, s, "cpu")
-                except Exception:  # noqa: BLE001
-                    continue
-                if expected is None:
-                    continue
-                total += 1
-                actual = grads(op, s, "jax")
-                compare([_to_cpu(a) if a is not None else None for a in actual], list(expected), dtype, values)
-            else:
-                total += 1
-                try:
-                    expected = op(s.input, *s.args, **s.kwargs)
-                except Exception:  # noqa: BLE001 - torch rejects the sample; so must we
-                    try:
-                        run_eager(op, s)
-                    except Exception:  # noqa: BLE001
-                        passed += 1
-                        continue
-                    raise AssertionError("torch raises for this sample but torch2jax does not") from None
-                actual = run_eager(op, s) if mode == "eager" else run_jit(op, s)
-                compare(_to_cpu(actual), expected, dtype, values)
-            passed += 1
+            ran = check_sample(op, s, dtype, mode, f"{name} {dname} {mode} sample {i}")
         except Exception as e:  # noqa: BLE001
-            if not reason:
-                reason = f"{type(e).__name__}: {' '.join(str(e).split())}"[:160]
-    return case, passed, total, reason
+            total += 1
+            reason = reason or _one_line(e)
+            continue
+        total += ran
+        passed += ran
+    return passed, total, reason
+
+
+def worker():
+    """Run the cases given as a JSON list on stdin; one JSON line per case start and end on stdout."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, TESTS)
+    # ops may print: keep our protocol on a private copy of stdout
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    cases = json.load(sys.stdin)
+    for case in cases:
+        print(json.dumps({"start": case}), file=out, flush=True)
+        passed, total, reason = run_case(tuple(case))
+        print(json.dumps({"case": case, "result": [passed, total, reason]}), file=out, flush=True)
+
+
+def run_chunk(chunk, timeout):
+    """Run cases in one worker process.
+
+    Returns (results, crashed, message): results for the cases that finished;
+    crashed is the case that was running when the process died or timed out
+    (None if it exited normally), with a one-line message why.
+    """
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=ROOT, text=True,
+            start_new_session=True,
+        )
+        proc.stdin.write(json.dumps([list(c) for c in chunk]))
+        proc.stdin.close()
+        results, running, message = {}, None, ""
+        # time to import torch and the OpInfo database counts against the first case
+        deadline = time.monotonic() + timeout + 120
+        while True:
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                message = f"hangs: no result in {timeout}s"
+                break
+            line = proc.stdout.readline()
+            if not line:
+                proc.wait()
+                break
+            msg = json.loads(line)
+            if "start" in msg:
+                running = tuple(msg["start"])
+                deadline = time.monotonic() + timeout
+            else:
+                results[tuple(msg["case"])] = tuple(msg["result"])
+                running = None
+        if proc.returncode == 0 and not message:
+            return results, None, ""
+        if running is None:  # died before or between cases: blame the first unfinished one
+            running = next((c for c in chunk if c not in results), None)
+        if not message:
+            err.seek(0)
+            tail = [ln.strip() for ln in err.read().splitlines() if ln.strip()]
+            code = proc.returncode
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            message = f"crashes the process ({how}): {tail[-1] if tail else 'no output'}"
+        return results, running, message
+
+
+def run_all(cases, jobs, chunk_size, timeout):
+    """Results for every case: case -> (passed, total, reason, crashed)."""
+    work = queue.Queue()
+    for i in range(0, len(cases), chunk_size):
+        work.put(cases[i:i + chunk_size])
+    results, lock = {}, threading.Lock()
+    start = time.monotonic()
+
+    def progress():
+        done = len(results)
+        crashed = sum(r[3] for r in results.values())
+        print(f"\r{done}/{len(cases)} cases, {crashed} crashed, {time.monotonic() - start:.0f}s",
+              end="", file=sys.stderr, flush=True)
+
+    def loop():
+        while True:
+            chunk = work.get()
+            try:
+                done, crashed, message = run_chunk(chunk, timeout)
+                with lock:
+                    results.update({c: (*r, False) for c, r in done.items()})
+                    if crashed is not None and len(chunk) == 1:
+                        results[crashed] = (0, 0, message[:160], True)
+                    elif crashed is not None:
+                        print(f"\n{'|'.join(crashed)}: {message}; re-running it alone", file=sys.stderr)
+                        work.put([crashed])
+                        rest = [c for c in chunk if c not in done and c != crashed]
+                        if rest:
+                            work.put(rest)
+                    progress()
+            finally:
+                work.task_done()
+
+    for _ in range(jobs):
+        threading.Thread(target=loop, daemon=True).start()
+    work.join()
+    print(file=sys.stderr)
+    return results
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("filters", nargs="*")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes at once (default 2)")
+    ap.add_argument("--mode", action="append", choices=("eager", "jit", "grad"), help="only these modes")
+    ap.add_argument("--dtype", action="append", help="only these dtypes")
+    ap.add_argument("--chunk", type=int, default=40, help="cases per worker process (default 40)")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds one case may take (default 300)")
+    ap.add_argument("filters", nargs="*", help="op-name substrings, or exact name|dtype|mode keys")
     args = ap.parse_args()
+    if args.worker:
+        return worker()
+
+    sys.path.insert(0, TESTS)
     import test_opinfo as T
 
-    cases = [tuple(p.values) for p in T.cases()]
-    if args.filters:
-        cases = [c for c in cases if any(f in c[0] for f in args.filters)]
-    results = load_results() if args.filters else {}
-    with cf.ProcessPoolExecutor(args.jobs, max_tasks_per_child=200) as ex:
-        for case, passed, total, reason in ex.map(_run_case, cases, chunksize=8):
-            results[case] = (passed, total, reason)
+    every = [tuple(p.values) for p in T.cases()]
+    cases = [
+        c for c in every
+        if (not args.filters or any(f == "|".join(c) or ("|" not in f and f in c[0]) for f in args.filters))
+        and (not args.mode or c[2] in args.mode) and (not args.dtype or c[1] in args.dtype)
+    ]
+    print(f"running {len(cases)} cases", file=sys.stderr)
+    results = load_results()
+    results.update(run_all(cases, args.jobs, args.chunk, args.timeout))
+    results = {c: results[c] for c in every if c in results}
     with open(RESULTS, "w") as f:
-        json.dump(sorted([list(case) + list(r) for case, r in results.items()]), f, indent=0)
-    write_xfails(results)
+        f.write("[\n" + ",\n".join(json.dumps([*c, *r]) for c, r in sorted(results.items())) + "\n]\n")
+    write_xfails(results, every)
     write_doc(results)
+    for (dname, mode), (ok, n, _, _) in sorted(rates(results).items()):
+        print(f"{dname:10} {mode:6} {ok}/{n} cases ({100 * ok / max(n, 1):.1f}%)", file=sys.stderr)
 
 
 def load_results():
@@ -103,33 +216,62 @@ def load_results():
         return {tuple(row[:3]): tuple(row[3:]) for row in json.load(f)}
 
 
-def write_xfails(results):
-    lines = ['"""Known OpInfo failures (generated by tools/op_coverage.py; edit by re-running it)."""', "", "XFAIL = {"]
-    for (name, dname, mode), (passed, total, reason) in sorted(results.items()):
-        if reason:
-            lines.append(f"    {f'{name}|{dname}|{mode}'!r}: {reason!r},")
-    lines.append("}")
-    lines.append("CRASHES: dict = {}")
-    with open(os.path.join(ROOT, "tests", "opinfo_xfails.py"), "w") as f:
+def write_xfails(results, every):
+    """Failing cases become XFAIL, crashing ones CRASHES; cases never run keep their old entries."""
+    sys.path.insert(0, TESTS)
+    from opinfo_xfails import CRASHES, XFAIL
+
+    xfail = {k: v for k, v in XFAIL.items() if tuple(k.split("|")) in every}
+    crashes = {k: v for k, v in CRASHES.items() if tuple(k.split("|")) in every}
+    for case, (_, _, reason, crashed) in results.items():
+        key = "|".join(case)
+        xfail.pop(key, None)
+        crashes.pop(key, None)
+        if crashed:
+            crashes[key] = reason
+        elif reason:
+            xfail[key] = reason
+    lines = ['"""Known OpInfo failures (generated by tools/op_coverage.py; edit by re-running it)."""', ""]
+    for name, table in (("XFAIL", xfail), ("CRASHES", crashes)):
+        lines.append(f"{name}: dict = {{")
+        lines += [f"    {k!r}: {v!r}," for k, v in sorted(table.items())]
+        lines.append("}")
+    with open(XFAILS, "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
+def rates(results):
+    """(dtype, mode) -> [cases passing, cases, samples passing, samples]."""
+    per = collections.defaultdict(lambda: [0, 0, 0, 0])
+    for (_, dname, mode), (passed, total, reason, _) in results.items():
+        row = per[(dname, mode)]
+        row[0] += not reason
+        row[1] += 1
+        row[2] += passed
+        row[3] += total
+    return per
+
+
 def write_doc(results):
-    per = collections.defaultdict(lambda: [0, 0])
-    for (name, dname, mode), (passed, total, _) in results.items():
-        per[(dname, mode)][0] += passed
-        per[(dname, mode)][1] += total
-    out = ["# Op coverage", "", "Generated by `python tools/op_coverage.py` from PyTorch's OpInfo database",
-           "(samples per case: `T2J_OPINFO_SAMPLES`, default 4). A sample passes when dtype, shape and values",
-           "match torch CPU.", "", "## Samples passing, per dtype and mode", "",
-           "| dtype | mode | passed | total | rate |", "|---|---|---|---|---|"]
-    for (dname, mode), (p, t) in sorted(per.items()):
-        out.append(f"| {dname} | {mode} | {p} | {t} | {100 * p / max(t, 1):.1f}% |")
-    out += ["", "## Per op", "", "`ok` = every sample passed; otherwise passed/total and the first failure.", "",
-            "| op | dtype | mode | status |", "|---|---|---|---|"]
-    for (name, dname, mode), (p, t, reason) in sorted(results.items()):
-        status = "ok" if not reason else f"{p}/{t}: {reason.replace('|', '/')}"
-        out.append(f"| {name} | {dname} | {mode} | {status} |")
+    out = [
+        "# Op coverage", "",
+        "Generated by `python tools/op_coverage.py` from PyTorch's OpInfo database (`tests/test_opinfo.py`,",
+        "`T2J_OPINFO_SAMPLES` samples per case, default 4). A case is one (op, dtype, mode); a sample passes",
+        "when our result matches torch CPU in dtype, shape and values (for `grad`: the gradients of a",
+        "weighted sum of the outputs), and a case passes when all its samples do. `jit` runs the op inside",
+        "`jax.jit`. Failing cases are strict xfails in `tests/opinfo_xfails.py`, with the reason below.", "",
+        "## Passing, per dtype and mode", "",
+        "| dtype | mode | cases passing | cases | rate | samples passing | samples |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (dname, mode), (ok, n, sp, st) in sorted(rates(results).items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        out.append(f"| {dname} | {mode} | {ok} | {n} | {100 * ok / max(n, 1):.1f}% | {sp} | {st} |")
+    out += ["", "## Known failures", "", "passed/total samples and the first failure (crashes are skipped by the tests).",
+            "", "| op | dtype | mode | status |", "|---|---|---|---|"]
+    for (name, dname, mode), (p, t, reason, crashed) in sorted(results.items()):
+        if reason:
+            status = ("crash: " if crashed else f"{p}/{t}: ") + reason.replace("|", "/")
+            out.append(f"| {name} | {dname} | {mode} | {status} |")
     with open(os.path.join(ROOT, "docs", "op_coverage.md"), "w") as f:
         f.write("\n".join(out) + "\n")
 
