@@ -17,6 +17,7 @@ from .checkpoint import load, save
 from .compile import CompiledModule, compile
 from . import control_flow
 from .control_flow import checkpoint, cond, fori_loop, scan, scan_layers, use_scan_layers, while_loop
+from .export import export
 from .interop import call_jax, call_torch, functionalize, jax_view, torch_view
 from .jit import JitFunction, explain_recompiles, jit
 from .tensor import Tensor
@@ -43,6 +44,7 @@ __all__ = [
     "enable",
     "env",
     "explain_recompiles",
+    "export",
     "functionalize",
     "jax_view",
     "jit",

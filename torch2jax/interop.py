@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from . import tensor as _tensor
+from .pytree import ensure_jax_pytree
 from .env import default_rng as _rng
 from .tensor import Tensor, jax_array, new_tensor
 
@@ -69,7 +70,9 @@ def jax_view(x):
     """
     if callable(x) and not isinstance(x, torch.Tensor):
         return _JaxCallable(x)
-    return torch_pytree.tree_map(_to_jax, x)
+    out = torch_pytree.tree_map(_to_jax, x)
+    ensure_jax_pytree(out)
+    return out
 
 
 def torch_view(x):
