@@ -35,6 +35,9 @@ def _build(name):
             vocab_size=V, d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_layers=2, decoder_layers=2,
             encoder_attention_heads=4, decoder_attention_heads=4, dropout=0, attention_dropout=0,
             max_position_embeddings=64))
+    if name == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=V, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **small))
     if name == "phi":
         return transformers.PhiForCausalLM(transformers.PhiConfig(
             vocab_size=V, resid_pdrop=0, embd_pdrop=0, attention_dropout=0, **small))
@@ -48,7 +51,8 @@ def _build(name):
     raise ValueError(name)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "gemma", "phi", "bert", "t5", "bart"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "gemma", "mixtral", "phi", "bert", "t5",
+                                  "bart"])
 def test_jitted_training_matches_torch(name):
     ref = _build(name)
     model = copy.deepcopy(ref).to("jax")
