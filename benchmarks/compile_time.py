@@ -39,15 +39,7 @@ def measure(base, variant, batches):
         t2j.use_scan_layers(model, remat=True if "remat" in variant else None)
     elif "remat" in variant:
         _checkpointed_blocks(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    @t2j.jit
-    def step(x, y):
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        return loss
+    step, opt = gpt.adamw_step(model, t2j.jit)
 
     jb = [(x.to("jax"), y.to("jax")) for x, y in batches]
     step(*jb[0])  # creates grads and optimizer state; the steady-state program is traced next

@@ -37,15 +37,7 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 def run(base, n, args):
     mesh = P.make_mesh({"data": n}, devices=jax.devices()[:n])
     model = P.shard_model(copy.deepcopy(base).to("jax"), mesh, P.fsdp("data"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    @t2j.jit
-    def step(x, y):
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        return loss
+    step, opt = gpt.adamw_step(model, t2j.jit)
 
     g = torch.Generator().manual_seed(0)
     batches = [(P.shard_batch(torch.randint(0, 96, (args.batch, args.seq), generator=g), mesh),

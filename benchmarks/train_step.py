@@ -54,19 +54,10 @@ def _mem(compiled):
 
 
 def torch_eager(model, batches, compile_=False):
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-
-    def step(x, y):
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step, _ = gpt.adamw_step(copy.deepcopy(model), torch.compile if compile_ else (lambda f: f), lr=LR,
+                             weight_decay=WD)
     row = {}
     if compile_:
-        step = torch.compile(step)
         t = time.perf_counter()
         step(*batches[0])
         step(*batches[1])
@@ -79,16 +70,7 @@ def torch_eager(model, batches, compile_=False):
 
 def t2j_jit(model, batches):
     model = copy.deepcopy(model).to("jax")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-
-    @t2j.jit
-    def step(x, y):
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step, _ = gpt.adamw_step(model, t2j.jit, lr=LR, weight_decay=WD)
     jb = [(x.to("jax"), y.to("jax")) for x, y in batches]
     t = time.perf_counter()
     step(*jb[0])

@@ -135,6 +135,22 @@ class CharData:
         return "".join(self.chars[i] for i in ids)
 
 
+def adamw_step(model: nn.Module, compile_fn, lr: float = 1e-3, **adamw):
+    """The training step the benchmarks and tests share: zero_grad, forward with the
+    loss, backward, AdamW, all inside ``compile_fn`` (``t2j.jit``; the identity for eager).
+    Returns ``(step, optimizer)``; ``step(x, y)`` returns the loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, **adamw)
+
+    def step(x, y):
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return compile_fn(step), opt
+
+
 def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -145,4 +161,4 @@ def flops_per_token(cfg: GPTConfig) -> float:
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
-__all__ = ["GPT", "GPTConfig", "CharData", "make_text", "n_params", "flops_per_token"]
+__all__ = ["GPT", "GPTConfig", "CharData", "adamw_step", "make_text", "n_params", "flops_per_token"]

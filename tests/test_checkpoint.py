@@ -16,16 +16,7 @@ import gpt  # noqa: E402
 
 def _setup(base):
     model = copy.deepcopy(base).to("jax")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    @t2j.jit
-    def step(x, y):
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step, opt = gpt.adamw_step(model, t2j.jit)
     return model, opt, step
 
 

@@ -28,15 +28,7 @@ def _free_port():
 def _single_process_losses(steps):
     torch.manual_seed(0)
     model = gpt.GPT(gpt.GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=64)).to("jax")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    @t2j.jit
-    def step(x, y):
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        return loss
+    step, _ = gpt.adamw_step(model, t2j.jit)
 
     gen = torch.Generator().manual_seed(0)
     out = []
