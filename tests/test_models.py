@@ -296,6 +296,31 @@ def test_hf_bfloat16(name):
             check(jax_params[name].grad, cpu_params[name].grad, p.grad, f"grad of {name}")
 
 
+class AllOutputs(nn.Module):
+    """A model whose forward returns every attention map and hidden state as well."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        out = self.model(**inputs, output_attentions=True, output_hidden_states=True)
+        return (out.last_hidden_state, *out.attentions, *out.hidden_states)
+
+
+def test_hf_attentions_and_hidden_states():
+    check_parity(AllOutputs(build_hf("bert", "eager")), HF_MODELS["bert"][2]())
+
+
+@pytest.mark.slow
+def test_hf_gradient_checkpointing():
+    """torch.utils.checkpoint reruns each layer's forward on the jax device during backward."""
+    model = build_hf("llama", "sdpa").train()  # checkpointing is active in training mode only; no dropout here
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable()
+    check_parity(model, _causal_inputs())
+
+
 # grouped_mm is the default; the eager loop over experts compiles anew for every expert's
 # token count.
 @pytest.mark.parametrize("experts", [pytest.param("eager", marks=pytest.mark.slow), "grouped_mm",
@@ -338,6 +363,19 @@ def test_hf_generate_greedy(name, cache):
     actual = jax_model.generate(**{k: v.to("jax") for k, v in inputs.items()}, **kwargs)
     assert actual.device.type == "jax"
     assert actual.shape == expected.shape
+    assert actual.cpu().tolist() == expected.tolist()
+
+
+@pytest.mark.slow
+def test_hf_generate_beam_search():
+    """Beam search reorders the KV cache by beam every step (index_select on the cache)."""
+    model = build_hf("gpt2", "sdpa")
+    model.generation_config.pad_token_id = 0
+    inputs = _causal_inputs()
+    del inputs["labels"]
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, num_beams=3, do_sample=False)
+    expected = model.generate(**inputs, **kwargs)
+    actual = copy.deepcopy(model).to("jax").generate(**{k: v.to("jax") for k, v in inputs.items()}, **kwargs)
     assert actual.cpu().tolist() == expected.tolist()
 
 
@@ -404,14 +442,20 @@ def _resnet_input():
     return dict(x=torch.randn(4, 3, 16, 16, generator=_gen()))
 
 
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-def test_resnet_batchnorm(train):
+@pytest.mark.parametrize("train, channels_last", [(True, False), (False, False),
+                                                  pytest.param(True, True, marks=pytest.mark.slow)],
+                         ids=["train", "eval", "train_channels_last"])
+def test_resnet_batchnorm(train, channels_last):
     torch.manual_seed(0)
     model = ResNet()
     # Non-trivial running statistics, so eval mode does not normalize by (0, 1).
     with torch.no_grad():
         model.train()(torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(2)))
-    check_parity(model.train(train), _resnet_input(), buffers=True)
+    inputs = _resnet_input()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        inputs["x"] = inputs["x"].to(memory_format=torch.channels_last)
+    check_parity(model.train(train), inputs, buffers=True)
 
 
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
@@ -436,7 +480,8 @@ class PackedRecurrent(nn.Module):
 
 
 # Every time step of a packed batch has its own batch size, so its own compilations.
-@pytest.mark.parametrize("cell", [nn.LSTM, pytest.param(nn.GRU, marks=pytest.mark.slow)], ids=["lstm", "gru"])
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
 def test_recurrent_packed(cell):
     torch.manual_seed(0)
     inputs = dict(input_ids=_ids(_gen(), batch=3), lengths=torch.tensor([SEQ, 3, 5]))
