@@ -346,6 +346,17 @@ def test_grouped_mm(shapes):
     _assert_close(actual, expected, "_grouped_mm")
 
 
+def test_grouped_mm_errors():
+    a, b = torch.randn(10, 8, device="jax"), torch.randn(3, 8, 8, device="jax")
+    offs = torch.tensor([3, 3, 8], dtype=torch.int32, device="jax")
+    with pytest.raises(RuntimeError, match="offs must be a 1D int32 tensor"):
+        torch._grouped_mm(a, b, offs=offs.long())
+    with pytest.raises(RuntimeError, match="offs is required"):
+        torch._grouped_mm(a, b)
+    with pytest.raises(RuntimeError, match="bias is not supported"):
+        torch._grouped_mm(a, b, offs=offs, bias=torch.zeros(3, 8, device="jax"))
+
+
 @pytest.mark.parametrize("name, cache", [
     ("gpt2", "dynamic"), ("llama", "dynamic"), pytest.param("llama", "static", marks=pytest.mark.slow),
     pytest.param("t5", "dynamic", marks=pytest.mark.slow), pytest.param("whisper", "dynamic", marks=pytest.mark.slow),
@@ -486,6 +497,16 @@ def test_recurrent_packed(cell):
     torch.manual_seed(0)
     inputs = dict(input_ids=_ids(_gen(), batch=3), lengths=torch.tensor([SEQ, 3, 5]))
     check_parity(PackedRecurrent(cell).eval(), inputs)
+
+
+def test_pack_padded_sequence_errors():
+    x = torch.randn(3, 5, 2, device="jax")
+    with pytest.raises(RuntimeError, match="sorted in decreasing order"):
+        pack_padded_sequence(x, [2, 3, 1], batch_first=True)
+    with pytest.raises(RuntimeError, match="greater than 0"):
+        pack_padded_sequence(x, [5, 0, 0], batch_first=True)
+    with pytest.raises(RuntimeError, match="exceeds the sequence length"):
+        pack_padded_sequence(x, [6, 2, 1], batch_first=True)
 
 
 class Cells(nn.Module):

@@ -19,6 +19,7 @@ from jax import lax
 
 from .. import dtypes as _dt
 from .. import env as _env
+from ..dispatch import OpError
 from .linalg import _acc_dtype, _precision
 from .registry import canonical_dim, decomposition, register
 
@@ -708,17 +709,18 @@ def _pack_padded_sequence(x, lengths, batch_first):
     """PackedSequence data of ``x``; its batch_sizes stay a CPU tensor, as torch requires."""
     try:
         lengths = np.asarray(lengths)
-    except jax.errors.ConcretizationTypeError:
-        raise RuntimeError("_pack_padded_sequence: lengths must be concrete (a CPU tensor), not traced") from None
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        raise OpError("torch2jax: _pack_padded_sequence: lengths must be concrete (a CPU tensor), not traced") from None
     if lengths.ndim != 1 or lengths.shape[0] != x.shape[0 if batch_first else 1]:
-        raise RuntimeError(f"_pack_padded_sequence: expected {x.shape[0 if batch_first else 1]} lengths, got "
+        raise OpError(f"torch2jax: _pack_padded_sequence: expected {x.shape[0 if batch_first else 1]} lengths, got "
                            f"shape {lengths.shape}")
     if lengths.size and lengths.min() <= 0:
-        raise RuntimeError("_pack_padded_sequence: every length must be greater than 0")
+        raise OpError("torch2jax: _pack_padded_sequence: every length must be greater than 0")
     if np.any(np.diff(lengths) > 0):
-        raise RuntimeError("_pack_padded_sequence: lengths must be sorted in decreasing order")
+        raise OpError("torch2jax: _pack_padded_sequence: lengths must be sorted in decreasing order (or pass "
+                      "enforce_sorted=False to pack_padded_sequence)")
     if lengths.size and lengths[0] > x.shape[1 if batch_first else 0]:
-        raise RuntimeError(f"_pack_padded_sequence: a length of {lengths[0]} exceeds the sequence length "
+        raise OpError(f"torch2jax: _pack_padded_sequence: a length of {lengths[0]} exceeds the sequence length "
                            f"{x.shape[1 if batch_first else 0]}")
     if batch_first:
         x = jnp.swapaxes(x, 0, 1)
@@ -738,17 +740,17 @@ def _pack_padded_sequence(x, lengths, batch_first):
 
 def _check_grouped_mm(a, b, offs, bias, out_dtype):
     if a.ndim not in (2, 3) or b.ndim not in (2, 3):
-        raise RuntimeError(f"_grouped_mm: operands must be 2D or 3D, got {a.ndim}D and {b.ndim}D")
+        raise OpError(f"torch2jax: _grouped_mm: operands must be 2D or 3D, got {a.ndim}D and {b.ndim}D")
     if a.dtype != b.dtype:
-        raise RuntimeError(f"_grouped_mm: operands must have the same dtype, got {a.dtype} and {b.dtype}")
+        raise OpError(f"torch2jax: _grouped_mm: operands must have the same dtype, got {a.dtype} and {b.dtype}")
     if (offs is None) != (a.ndim == 3 and b.ndim == 3):
-        raise RuntimeError("_grouped_mm: offs is required with a 2D operand and not allowed with two 3D operands")
+        raise OpError("torch2jax: _grouped_mm: offs is required with a 2D operand and not allowed with two 3D operands")
     if offs is not None and (offs.ndim != 1 or offs.dtype != np.int32):
-        raise RuntimeError(f"_grouped_mm: offs must be a 1D int32 tensor, got {offs.ndim}D {offs.dtype}")
+        raise OpError(f"torch2jax: _grouped_mm: offs must be a 1D int32 tensor, got {offs.ndim}D {offs.dtype}")
     if bias is not None:
-        raise RuntimeError("_grouped_mm: bias is not supported")
+        raise OpError("torch2jax: _grouped_mm: bias is not supported")
     if out_dtype is not None and _dt.to_jax(out_dtype) != a.dtype:
-        raise RuntimeError(f"_grouped_mm: out_dtype must be the operands' dtype {a.dtype}, got {out_dtype}")
+        raise OpError(f"torch2jax: _grouped_mm: out_dtype must be the operands' dtype {a.dtype}, got {out_dtype}")
 
 
 @register(aten._grouped_mm.default)
@@ -860,8 +862,8 @@ def _dense(x, weight, bias):
 def _fast_path_attention(q, k, v, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, mask_type):
     """(output, per-head attention weights); a fully masked row gives NaN, as in torch."""
     if not q.shape == k.shape == v.shape:
-        raise RuntimeError(f"_native_multi_head_attention: expected query/key/value shapes to match, got "
-                           f"{q.shape}, {k.shape}, {v.shape}")
+        raise OpError(f"torch2jax: _native_multi_head_attention: expected query/key/value shapes to match, got "
+                      f"{q.shape}, {k.shape}, {v.shape}")
 
     def heads(x, weight, bias):
         y = _dense(x, weight, bias)
