@@ -147,6 +147,30 @@ def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_mem
     return jnp.linspace(start, end, steps, dtype=np.float64).astype(dt)
 
 
+@register(aten.logspace.default)
+def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    # in float64 and cast once, which truncates integer results as torch does
+    exponents = linspace(start, end, steps, dtype=torch.float64)
+    return (jnp.asarray(base, np.float64) ** exponents).astype(jax_dtype(dtype))
+
+
+def _triangle_indices(np_indices, row, col, offset, dtype):
+    if row < 0 or col < 0:
+        raise RuntimeError(f"row and col must be non-negative, got row={row}, col={col}")
+    r, c = np_indices(row, offset, col)
+    return jnp.asarray(np.stack([r, c]), jax_dtype(dtype, np.int64))
+
+
+@register(aten.tril_indices.default)
+def tril_indices(row, col, offset=0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _triangle_indices(np.tril_indices, row, col, offset, dtype)
+
+
+@register(aten.triu_indices.default)
+def triu_indices(row, col, offset=0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _triangle_indices(np.triu_indices, row, col, offset, dtype)
+
+
 @register(aten.eye.default, aten.eye.m)
 def eye(n, m=None, *, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.eye(n, n if m is None else m, dtype=jax_dtype(dtype))

@@ -19,7 +19,7 @@ import torch
 from .. import dtypes as _dt
 from ..env import next_key
 from .creation import jax_dtype
-from .registry import register
+from .registry import decomposition, register
 
 aten = torch.ops.aten
 
@@ -212,8 +212,9 @@ def bernoulli(p, *, generator=None):
     return (u < p.astype(u.dtype)).astype(p.dtype)
 
 
+# p defaults to 0.5 as in bernoulli_.float, whose call reaches us without p when it is 0.5
 @register(aten.bernoulli.p)
-def bernoulli_p(x, p, *, generator=None):
+def bernoulli_p(x, p=0.5, *, generator=None):
     _probability(p)
     return (_uniform(generator, x.shape, np.float32) < p).astype(x.dtype)
 
@@ -223,6 +224,27 @@ def bernoulli_tensor(x, p, *, generator=None):
     dt = _sample_dtype(p.dtype) if _dt.is_floating(p.dtype) else np.dtype(np.float32)
     u = _uniform(generator, x.shape, dt)
     return (u < jnp.broadcast_to(p, x.shape).astype(dt)).astype(x.dtype)
+
+
+@register(aten.rrelu_with_noise_functional.default)
+def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    """(output, noise): in training each non-positive element gets a slope drawn from
+    U(lower, upper), recorded in noise (1 elsewhere) for the backward; in eval the
+    slope is the mean and noise is left as it was."""
+    if not training:
+        return jnp.where(x > 0, x, x * ((lower + upper) / 2)).astype(x.dtype), noise
+    slope = _uniform(generator, x.shape, x.dtype, lower, upper)
+    negative = x <= 0
+    out = jnp.where(negative, x.astype(slope.dtype) * slope, x.astype(slope.dtype))
+    return out.astype(x.dtype), jnp.where(negative, slope, 1).astype(noise.dtype)
+
+
+# rrelu_with_noise writes noise but has no in-place name that would lead to the functional variant
+@decomposition(aten.rrelu_with_noise.default)
+def rrelu_with_noise(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    out, new_noise = aten.rrelu_with_noise_functional.default(x, noise, lower, upper, training, generator)
+    noise.copy_(new_noise)
+    return out
 
 
 @register(aten.geometric.default)
