@@ -911,3 +911,12 @@ def _transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bi
         return x + feed_forward(norm(x, norm_weight_2, norm_bias_2))
     x = norm(x + attention(x), norm_weight_1, norm_bias_1)
     return norm(x + feed_forward(x), norm_weight_2, norm_bias_2)
+
+
+@register(aten._nested_tensor_from_mask.default)
+def _nested_tensor_from_mask(t, mask, mask_check=True):
+    raise OpError(
+        "torch2jax: _nested_tensor_from_mask: the jax device has no nested tensors; nn.TransformerEncoder takes "
+        "this path in eval mode without grad when given a src_key_padding_mask: build it with "
+        "enable_nested_tensor=False (or set its use_nested_tensor = False)"
+    )
