@@ -25,8 +25,6 @@ XFAIL: dict = {
     'kthvalue|int64|eager': 'AssertionError: kthvalue int64 eager sample 0[1]: Tensor-likes are not close! Mismatched elements: 6 / 25 (24.0%) Greatest absolute difference: 3 at index (1, 0',
     'linalg.eigh|complex64|eager': 'AssertionError: linalg.eigh complex64 eager sample 0[1]: Tensor-likes are not close! Mismatched elements: 10 / 25 (40.0%) Greatest absolute difference: 1.303561',
     'linalg.eigh|float32|eager': 'AssertionError: linalg.eigh float32 eager sample 0[1]: Tensor-likes are not close! Mismatched elements: 10 / 25 (40.0%) Greatest absolute difference: 1.51718783',
-    'logspace|int32|eager': "torch2jax.dispatch.TorchRuntimeError: result type torch.float32 can't be cast to the desired output type torch.int32",
-    'logspace|int64|eager': "torch2jax.dispatch.TorchRuntimeError: result type torch.float32 can't be cast to the desired output type torch.int64",
     'matrix_exp|bfloat16|eager': 'AssertionError: matrix_exp bfloat16 eager sample 0: Tensor-likes are not close! Mismatched elements: 25 / 25 (100.0%) Greatest absolute difference: nan at index',
     'matrix_exp|float16|eager': 'AssertionError: matrix_exp float16 eager sample 0: Tensor-likes are not close! Mismatched elements: 25 / 25 (100.0%) Greatest absolute difference: nan at index ',
     'matrix_exp|float32|eager': 'AssertionError: matrix_exp float32 eager sample 1: Tensor-likes are not close! Mismatched elements: 2 / 125 (1.6%) Greatest absolute difference: 0.0002708435058',
@@ -92,10 +90,6 @@ XFAIL: dict = {
     'topk|bfloat16|eager': 'AssertionError: topk bfloat16 eager sample 1[1]: Tensor-likes are not close! Mismatched elements: 4 / 75 (5.3%) Greatest absolute difference: 7 at index (2, 1, ',
     'topk|int32|eager': 'AssertionError: topk int32 eager sample 0[1]: Tensor-likes are not close! Mismatched elements: 16 / 150 (10.7%) Greatest absolute difference: 4 at index (3, 8, ',
     'topk|int64|eager': 'AssertionError: topk int64 eager sample 0[1]: Tensor-likes are not close! Mismatched elements: 16 / 150 (10.7%) Greatest absolute difference: 4 at index (3, 8, ',
-    'tril_indices|int32|eager': 'torch2jax.dispatch.OpError: torch2jax: ZeroDivisionError (integer division by zero)',
-    'tril_indices|int64|eager': 'torch2jax.dispatch.OpError: torch2jax: ZeroDivisionError (integer division by zero)',
-    'triu_indices|int32|eager': 'torch2jax.dispatch.OpError: torch2jax: ZeroDivisionError (integer division by zero)',
-    'triu_indices|int64|eager': 'torch2jax.dispatch.OpError: torch2jax: ZeroDivisionError (integer division by zero)',
     'view_as_complex|float16|eager': 'torch2jax.dispatch.OpError: torch2jax: aten.view_as_complex.default failed on inputs (Tensor([5, 2], torch.float16, jax:0)): TypeError: complex does not accept ',
 }
 CRASHES: dict = {
