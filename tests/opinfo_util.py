@@ -13,7 +13,8 @@ import jax
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
 
-import torch2jax  # noqa: F401
+import torch2jax
+from torch2jax.symbolic import is_traced_number, value_of
 from torch2jax.tensor import Tensor, new_tensor
 
 DTYPES = {
@@ -37,6 +38,14 @@ RANDOM_OPS = {
     "nn.functional.fractional_max_pool3d", "normal_in_place", "bernoulli_", "uniform_",
 }
 
+# Ops whose positional arguments torch requires on the CPU whatever the input's device
+# (as in torch's own tests on CUDA): they stay CPU tensors.
+HOST_ARGS = {"tensor_split"}
+
+# Ops that leave the order of equal elements unspecified (torch's unstable sort and
+# selection): position of `dim` among the positional arguments.
+TIE_OPS = {"sort": 0, "argsort": 0, "topk": 1, "kthvalue": 1}
+
 TOLERANCE = {
     torch.float32: (1.3e-5, 1e-5),
     torch.bfloat16: (1.6e-2, 1e-2),
@@ -56,14 +65,27 @@ def cpu_ops():
     return seen
 
 
-def _to_jax(x):
-    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+def _to_device(x):
+    """``x`` on the jax device as if created there: a view into a larger storage
+    (as_strided samples) stays a view of that whole storage moved over."""
+    numel = x.untyped_storage().nbytes() // x.element_size() if x.layout == torch.strided else 0
+    if x.requires_grad or x.layout != torch.strided or (x.storage_offset() == 0 and numel == x.numel()):
         return x.detach().to("jax").requires_grad_(x.requires_grad)
+    storage = x.detach().as_strided((numel,), (1,), 0).to("jax")
+    return storage.as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+def _to_jax(x):
+    """The sample as if made for the jax device: tensors moved, and the factories'
+    and ``to``'s device "cpu" (a string or torch.device) becoming "jax"."""
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        return _to_device(x)
+    if (isinstance(x, torch.device) and x.type == "cpu") or (isinstance(x, str) and x == "cpu"):
+        return "jax"
     if isinstance(x, (list, tuple)):
         return type(x)(_to_jax(v) for v in x)
     if isinstance(x, dict):
-        # factory samples ask for device="cpu": run them on the jax device instead
-        return {k: ("jax" if k == "device" and str(v) == "cpu" else _to_jax(v)) for k, v in x.items()}
+        return {k: _to_jax(v) for k, v in x.items()}
     return x
 
 
@@ -109,38 +131,105 @@ def samples(op, dtype, requires_grad=False):
     return out
 
 
+def _args(op, sample):
+    return sample.args if op.name in HOST_ARGS else _to_jax(sample.args)
+
+
 def run_eager(op, sample):
-    return op(_to_jax(sample.input), *_to_jax(sample.args), **_to_jax(sample.kwargs))
+    return op(_to_jax(sample.input), *_args(op, sample), **_to_jax(sample.kwargs))
 
 
 def run_jit(op, sample):
-    """Run the op inside jax.jit: tensors in the sample become traced arguments."""
-    inputs = (sample.input, sample.args, sample.kwargs)
+    """Run the op inside jax.jit: tensors in the sample become traced arguments and random
+    ops draw from a traced key; results that are not tensors (sizes, ``item()``'s traced
+    numbers) come back as Python values."""
+    host = op.name in HOST_ARGS
+    inputs = _to_jax((sample.input, sample.kwargs, () if host else sample.args))
     leaves, treedef = jax.tree_util.tree_flatten(inputs, is_leaf=lambda x: isinstance(x, torch.Tensor))
-    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    arrays = [_to_jax(leaves[i]).jax() for i in positions]
-    out_tree = {}
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+    out = {}
 
-    def fn(*arrays):
+    def traced(o):
+        return isinstance(o, Tensor) or is_traced_number(o)
+
+    def fn(key, *arrays):
         filled = list(leaves)
         for i, a in zip(positions, arrays):
             filled[i] = new_tensor(a)
-        inp, args, kwargs = jax.tree_util.tree_unflatten(treedef, filled)
-        out = op(inp, *args, **kwargs)
-        out_leaves, out_tree["def"] = jax.tree_util.tree_flatten(out, is_leaf=lambda x: isinstance(x, torch.Tensor))
-        return [o.jax() if isinstance(o, Tensor) else o for o in out_leaves]
+        inp, kwargs, args = jax.tree_util.tree_unflatten(treedef, filled)
+        with torch2jax.rng_key(key):
+            result = op(inp, *(sample.args if host else args), **kwargs)
+        out_leaves, out["tree"] = jax.tree_util.tree_flatten(result, is_leaf=lambda x: isinstance(x, torch.Tensor))
+        out["leaves"] = [(o if not traced(o) else isinstance(o, Tensor)) for o in out_leaves]
+        return [o.jax() if isinstance(o, Tensor) else value_of(o) for o in out_leaves if traced(o)]
 
     with jax.enable_x64(True):
-        outs = jax.jit(fn)(*arrays)
-    outs = [new_tensor(o) if isinstance(o, jax.Array) else o for o in outs]
-    return jax.tree_util.tree_unflatten(out_tree["def"], outs)
+        arrays = iter(jax.jit(fn)(jax.random.key(0), *[leaves[i].jax() for i in positions]))
+    results = [
+        (new_tensor(next(arrays)) if o else next(arrays).item()) if isinstance(o, bool) else o for o in out["leaves"]
+    ]
+    return jax.tree_util.tree_unflatten(out["tree"], results)
+
+
+def check_sample(op, sample, dtype, mode, where=""):
+    """Run one sample in `mode` (eager, jit or grad) and assert it matches torch CPU.
+
+    Returns False when the sample does not apply: torch cannot differentiate
+    it. Where torch rejects a sample in eager or jit mode, we must reject it too.
+    """
+    values = op.name not in RANDOM_OPS
+    if mode == "grad":
+        try:
+            expected = grads(op, sample, "cpu")
+        except Exception:  # noqa: BLE001 - torch cannot differentiate this sample
+            return False
+        if expected is None:
+            return False
+        actual = grads(op, sample, "jax")
+        compare([_to_cpu(a) if a is not None else None for a in actual], list(expected), dtype, values, where)
+        return True
+    try:
+        expected = op(sample.input, *sample.args, **sample.kwargs)
+    except Exception:  # noqa: BLE001
+        try:
+            run_eager(op, sample)
+        except Exception:  # noqa: BLE001
+            return True
+        raise AssertionError(f"{where}: torch raises for this sample but torch2jax does not") from None
+    actual = _to_cpu(run_eager(op, sample) if mode == "eager" else run_jit(op, sample))
+    if op.name in TIE_OPS:
+        actual = _same_picks(op, sample, actual, expected)
+    compare(actual, expected, dtype, values, where)
+    return True
+
+
+def _same_picks(op, sample, actual, expected):
+    """``actual`` with its indices replaced by torch's where both pick equal values of the input."""
+    args, kwargs, x = sample.args, sample.kwargs, sample.input.detach()
+    lead = TIE_OPS[op.name]
+    if kwargs.get("stable") or x.ndim == 0:
+        return actual
+    dim = kwargs.get("dim", args[lead] if len(args) > lead else -1)
+    keepdim = op.name != "kthvalue" or kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    mine, torchs = (actual, expected) if op.name == "argsort" else (actual[1], expected[1])
+    if not (isinstance(mine, torch.Tensor) and mine.shape == torchs.shape and mine.dtype == torchs.dtype):
+        return actual
+    if not keepdim:
+        mine, torchs = mine.unsqueeze(dim), torchs.unsqueeze(dim)
+    try:
+        a, e = x.take_along_dim(mine, dim), x.take_along_dim(torchs, dim)
+    except (IndexError, RuntimeError):
+        return actual
+    if not bool(((a == e) | (a.isnan() & e.isnan())).all()):
+        return actual
+    return expected if op.name == "argsort" else [actual[0], expected[1]]
 
 
 def grads(op, sample, device):
     """Gradients of sum(out * weights) with respect to every floating input tensor."""
     inputs = (sample.input, sample.args, sample.kwargs)
     if device == "jax":
-        inputs = _to_jax(inputs)
+        inputs = (_to_jax(sample.input), _args(op, sample), _to_jax(sample.kwargs))
     leaves = [x for x in jax.tree_util.tree_leaves(inputs, is_leaf=lambda x: isinstance(x, torch.Tensor))
               if isinstance(x, torch.Tensor) and x.requires_grad]
     out = op(inputs[0], *inputs[1], **inputs[2])
@@ -151,8 +240,6 @@ def grads(op, sample, device):
     gen = torch.Generator().manual_seed(0)
     total = 0
     for o in outs:
-        w = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
-        if device == "jax":
-            w = w.to("jax")
+        w = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype)
         total = total + (o * w).sum().real if o.is_complex() else total + (o * w).sum()
     return torch.autograd.grad(total, leaves, allow_unused=True)

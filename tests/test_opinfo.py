@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opinfo_util import DTYPES, RANDOM_OPS, _to_cpu, compare, cpu_ops, grads, run_eager, run_jit, samples
+from opinfo_util import DTYPES, check_sample, cpu_ops, samples
 from opinfo_xfails import CRASHES, XFAIL
 
 OPS = cpu_ops()
@@ -41,35 +41,10 @@ def cases():
 
 
 def check(name, dname, mode):
-    op = OPS[name]
-    dtype = DTYPES[dname]
-    values = op.name not in RANDOM_OPS
-    ran = 0
+    op, dtype = OPS[name], DTYPES[dname]
     torch.manual_seed(0)  # the same samples whatever ran before in this process
     for i, s in enumerate(samples(op, dtype, requires_grad=mode == "grad")):
-        where = f"{name} {dname} {mode} sample {i}"
-        if mode == "grad":
-            try:
-                expected = grads(op, s, "cpu")
-            except Exception:  # noqa: BLE001 - torch rejects the sample; so must we
-                continue
-            if expected is None:
-                continue
-            actual = grads(op, s, "jax")
-            compare([_to_cpu(a) if a is not None else None for a in actual],
-                    [e for e in expected], dtype, values, where)
-            ran += 1
-            continue
-        try:
-            expected = op(s.input, *s.args, **s.kwargs)
-        except Exception:  # noqa: BLE001
-            with pytest.raises(Exception):
-                run_eager(op, s)
-            continue
-        actual = run_eager(op, s) if mode == "eager" else run_jit(op, s)
-        compare(_to_cpu(actual), expected, dtype, values, where)
-        ran += 1
-    return ran
+        check_sample(op, s, dtype, mode, f"{name} {dname} {mode} sample {i}")
 
 
 @pytest.mark.parametrize("name,dname,mode", list(cases()))

@@ -38,7 +38,10 @@ XFAILS = os.path.join(TESTS, "opinfo_xfails.py")
 
 
 def _one_line(e):
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:160]
+    text = str(e)
+    if "Traceback (most recent call last)" in text:  # an error raised in a host callback: keep its last line
+        text = text.strip().splitlines()[-1]
+    return f"{type(e).__name__}: {' '.join(text.split())}"[:160]
 
 
 def run_case(case):
@@ -134,8 +137,9 @@ def run_chunk(chunk, timeout):
         return results, running, message
 
 
-def run_all(cases, jobs, chunk_size, timeout):
-    """Results for every case: case -> (passed, total, reason, crashed)."""
+def run_all(cases, jobs, chunk_size, timeout, save):
+    """Results for every case: case -> (passed, total, reason, crashed); ``save(results)``
+    after every chunk, so an interrupted run keeps what it did."""
     work = queue.Queue()
     for i in range(0, len(cases), chunk_size):
         work.put(cases[i:i + chunk_size])
@@ -164,6 +168,7 @@ def run_all(cases, jobs, chunk_size, timeout):
                         if rest:
                             work.put(rest)
                     progress()
+                    save(results)
             finally:
                 work.task_done()
 
@@ -197,11 +202,17 @@ def main():
         and (not args.mode or c[2] in args.mode) and (not args.dtype or c[1] in args.dtype)
     ]
     print(f"running {len(cases)} cases", file=sys.stderr)
-    results = load_results()
-    results.update(run_all(cases, args.jobs, args.chunk, args.timeout))
-    results = {c: results[c] for c in every if c in results}
-    with open(RESULTS, "w") as f:
-        f.write("[\n" + ",\n".join(json.dumps([*c, *r]) for c, r in sorted(results.items())) + "\n]\n")
+    earlier = load_results()
+
+    def save(new):
+        merged = {**earlier, **new}
+        merged = {c: merged[c] for c in every if c in merged}
+        with open(RESULTS + ".tmp", "w") as f:
+            f.write("[\n" + ",\n".join(json.dumps([*c, *r]) for c, r in sorted(merged.items())) + "\n]\n")
+        os.replace(RESULTS + ".tmp", RESULTS)
+        return merged
+
+    results = save(run_all(cases, args.jobs, args.chunk, args.timeout, save))
     write_xfails(results, every)
     write_doc(results)
     for (dname, mode), (ok, n, _, _) in sorted(rates(results).items()):
