@@ -25,6 +25,18 @@ from .tensor import Tensor
 _device.register_factories(_ops.registry.LOWERINGS)
 control_flow.install_torch_higher_order_ops()
 
+# Integrations that pull in optional machinery are imported on first use:
+# ``t2j.amp``, ``t2j.quantize``, ``t2j.offload``, ``t2j.debug``, ``t2j.modules``.
+_LAZY_SUBMODULES = ("amp", "quantize", "offload", "debug", "modules")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CompiledModule",
