@@ -12,6 +12,7 @@ from . import ops as _ops
 from . import pytree as _pytree  # noqa: F401
 from . import parallel, train
 from .dispatch import OpError, coverage, path_of
+from . import dynamo as _dynamo  # noqa: F401 - registers torch.compile(backend="torch2jax")
 from .env import Config, config, disable, enable, env, manual_seed, rng_key
 from .checkpoint import load, save
 from .compile import CompiledModule, compile

@@ -1,0 +1,135 @@
+"""``torch.compile(model, backend="torch2jax")``: Dynamo graphs run as jitted JAX programs.
+
+Dynamo captures the torch program (graph breaks, guards and recompiles are its
+own), AOTAutograd splits each captured graph into a functional forward and
+backward ATen graph (torch's decompositions applied, minus the ops torch2jax
+lowers directly: `torch2jax.fx.decompositions`), and each of those becomes one
+`jax.jit` program evaluated by `torch2jax.fx.run`. ``loss.backward()`` runs the
+jitted backward; ``torch.optim`` steps outside the graphs as usual.
+
+The model and its inputs stay ordinary torch CPU tensors: they are handed to the
+JAX program and its results come back as CPU tensors (an output keeps the
+device torch gave it while tracing). Dynamo cannot trace `torch2jax.Tensor`
+(a ``__torch_dispatch__`` subclass without inner tensors): on the jax device use
+`t2j.jit` or `t2j.compile`; there ``torch.compile`` runs the model eagerly.
+
+Example::
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cmodel = torch.compile(model, backend="torch2jax")
+    loss = cmodel(torch.randn(16, 8)).pow(2).mean()
+    loss.backward()                   # the jitted JAX backward
+    opt.step()
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch._dynamo
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from . import fx
+from .env import default_rng
+from .tensor import Tensor, jax_array, new_tensor, torch_cpu
+
+BACKEND = "torch2jax"
+
+
+def _array(t):
+    return t._value() if isinstance(t, Tensor) else jax_array(t)
+
+
+def _output_kind(value):
+    """How an output of the graph goes back to torch: by the example value torch traced."""
+    if isinstance(value, torch.Tensor):
+        return "jax" if value.device.type == "jax" else "cpu"
+    if isinstance(value, (torch.SymInt, int)):
+        return "int"
+    if isinstance(value, (torch.SymFloat, float)):
+        return "float"
+    if isinstance(value, (torch.SymBool, bool)):
+        return "bool"
+    return "none"
+
+
+_FROM_ARRAY = {
+    "jax": new_tensor,
+    "cpu": torch_cpu,
+    "int": int,
+    "float": float,
+    "bool": bool,
+}
+
+
+def _to_torch(kind, value):
+    return None if value is None else _FROM_ARRAY[kind](value)
+
+
+def _as_array(value):
+    return None if value is None else jnp.asarray(value)
+
+
+class GraphProgram:
+    """One ATen graph as a jitted JAX function, called with torch values.
+
+    Tensors are traced; integer inputs (sizes, under dynamic shapes) are static,
+    so each distinct size compiles once. Random ops draw from torch2jax's RNG key,
+    which is an input and an output of the program.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.gm = gm
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        results = output.args[0]
+        self.kinds = [_output_kind(n.meta.get("val") if isinstance(n, torch.fx.Node) else n) for n in results]
+        self.static = [not isinstance(x, torch.Tensor) for x in example_inputs]
+        self._jitted = jax.jit(self._program, static_argnums=2)
+
+    def _program(self, key, arrays, statics):
+        args, tensors, values = [], iter(arrays), iter(statics)
+        for static in self.static:
+            args.append(next(values) if static else next(tensors))
+        with default_rng.traced_key(key) as r:
+            outs = fx.run(self.gm, *args)
+        return [_as_array(o) for o in outs], r.key
+
+    def __call__(self, *args):
+        arrays = [_array(a) for a, s in zip(args, self.static) if not s]
+        statics = tuple(int(a) if isinstance(a, (int, torch.SymInt)) else a for a, s in zip(args, self.static) if s)
+        with jax.enable_x64(True):
+            outs, default_rng.key = self._jitted(default_rng.key, arrays, statics)
+        return [_to_torch(k, o) for k, o in zip(self.kinds, outs)]
+
+
+def _compile_graph(gm, example_inputs):
+    return make_boxed_func(GraphProgram(gm, example_inputs))
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs, **options):
+    """The Dynamo backend: AOTAutograd with torch2jax's decompositions, each forward and
+    backward graph a `GraphProgram`. Registered as ``"torch2jax"``.
+
+    >>> cmodel = torch.compile(model, backend="torch2jax")
+    """
+    if options:
+        raise TypeError(f"torch2jax dynamo backend: unexpected options {sorted(options)}; it takes none")
+    compile_with_aot = aot_autograd(
+        fw_compiler=_compile_graph, bw_compiler=_compile_graph, decompositions=fx.decompositions()
+    )
+    return compile_with_aot(gm, example_inputs)
+
+
+def register() -> None:
+    """Make ``torch.compile(..., backend="torch2jax")`` find `backend` (done on import)."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if _COMPILER_FNS.get(BACKEND) is not backend:
+        _COMPILER_FNS.pop(BACKEND, None)
+        register_backend(backend, name=BACKEND)
+
+
+register()

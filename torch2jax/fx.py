@@ -1,0 +1,303 @@
+"""Run an ATen-level `torch.fx.GraphModule` on jax.Arrays with torch2jax's lowerings.
+
+The graphs AOTAutograd hands a Dynamo backend and the graphs of
+``torch.export.export(...).run_decompositions()`` are functional ATen programs.
+`run` walks one node by node: each op runs its lowering from `torch2jax.ops`
+(view ops their forward function: the graph is functional, so nothing is
+written back through them), and an op without one goes through the dispatcher
+(`torch2jax.dispatch`: decomposition, composite kernel, host fallback) on
+`torch2jax.Tensor` wrappers of the arrays. Size nodes (``aten.sym_size``) and the
+integer arithmetic on them run on the arrays' shapes, which under
+`jax.export` are symbolic dimensions (`jax.export.symbolic_shape`): the same
+interpreter serves `t2j.export` with dynamic shapes.
+
+Example::
+
+    gm = torch.export.export(model, (x,)).run_decompositions(t2j.fx.decompositions()).module()
+    out = jax.jit(lambda *a: t2j.fx.run(gm, *a))(*params_and_inputs)
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax._src import core as _jax_core
+
+from . import dtypes as _dt
+from .dispatch import DECOMPOSITION_DENYLIST, OpError
+from .ops import registry as _reg
+from .tensor import DEVICE, Tensor, jax_array, new_tensor
+
+aten = torch.ops.aten
+
+
+def decompositions() -> dict:
+    """torch's decomposition table without the ops torch2jax lowers directly: what
+    `run_decompositions` / AOTAutograd should apply before `run`.
+
+    >>> ep = torch.export.export(model, (x,)).run_decompositions(t2j.fx.decompositions())
+    """
+    from torch._decomp import decomposition_table
+
+    lowered = set(_reg.LOWERINGS) | set(_reg.VIEWS)
+    return {
+        op: fn
+        for op, fn in decomposition_table.items()
+        if isinstance(op, torch._ops.OpOverload) and op not in lowered and op not in DECOMPOSITION_DENYLIST
+    }
+
+
+# ---------------------------------------------------------------------------
+# integer (size) arithmetic: Python ints or jax symbolic dimensions
+# ---------------------------------------------------------------------------
+
+
+def _sym_max(a, b):
+    return _jax_core.max_dim(a, b) if _is_symbolic(a, b) else max(a, b)
+
+
+def _sym_min(a, b):
+    return _jax_core.min_dim(a, b) if _is_symbolic(a, b) else min(a, b)
+
+
+def _is_symbolic(*values):
+    return any(_jax_core.is_symbolic_dim(v) for v in values)
+
+
+def _sym_float(a):
+    if _is_symbolic(a):
+        raise OpError(f"torch2jax.fx: torch.sym_float of the symbolic dimension {a} has no JAX equivalent")
+    return float(a)
+
+
+def _no_op(*args, **kwargs):
+    return None
+
+
+# Shape checks torch.export records as nodes; jax.export's symbolic constraints
+# (the Dim ranges) already hold them.
+_ASSERTS = {
+    aten._assert_scalar.default,
+    aten.sym_constrain_range.default,
+    aten.sym_constrain_range_for_size.default,
+    aten._assert_tensor_metadata.default,
+}
+
+_PYTHON_FUNCTIONS = {
+    torch.sym_max: _sym_max,
+    torch.sym_min: _sym_min,
+    torch.sym_float: _sym_float,
+    torch.sym_int: int,
+    torch.sym_not: operator.not_,
+    math.ceil: math.ceil,
+    math.floor: math.floor,
+}
+
+
+def _sym_size(x, dim):
+    return x.shape[dim]
+
+
+def _sym_numel(x):
+    return math.prod(x.shape)
+
+
+def _sym_stride(x, dim):
+    return math.prod(x.shape[dim + 1:])
+
+
+_SIZE_OPS = {
+    aten.sym_size.int: _sym_size,
+    aten.sym_numel.default: _sym_numel,
+    aten.sym_stride.int: _sym_stride,
+    aten.sym_storage_offset.default: lambda x: 0,
+}
+
+
+# ---------------------------------------------------------------------------
+# factories whose sizes may be symbolic: the registered lowerings ask for ints
+# ---------------------------------------------------------------------------
+
+
+def _dtype_or(dtype, default):
+    return _dt.to_jax(dtype) if dtype is not None else default
+
+
+def _full(size, fill_value, *, dtype=None, **_):
+    default = _dt.to_jax(torch.get_default_dtype()) if isinstance(fill_value, float) else None
+    if isinstance(fill_value, bool):
+        default = np.dtype(np.bool_)
+    elif isinstance(fill_value, int):
+        default = np.dtype(np.int64)
+    return jnp.full(tuple(size), fill_value, _dtype_or(dtype, default))
+
+
+def _filled(value):
+    def make(size, *, dtype=None, **_):
+        return jnp.full(tuple(size), value, _dtype_or(dtype, _dt.to_jax(torch.get_default_dtype())))
+
+    return make
+
+
+def _new_filled(value):
+    def make(x, size, *, dtype=None, **_):
+        return jnp.full(tuple(size), value, _dtype_or(dtype, x.dtype))
+
+    return make
+
+
+def _new_full(x, size, fill_value, *, dtype=None, **_):
+    return jnp.full(tuple(size), fill_value, _dtype_or(dtype, x.dtype))
+
+
+def _arange(*args, dtype=None, **_):
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (args + (1,))[:3]
+    if any(isinstance(a, float) for a in (start, end, step)):
+        default = _dt.to_jax(torch.get_default_dtype())
+    else:
+        default = np.dtype(np.int64)
+    dt = _dtype_or(dtype, default)
+    n = (end - start + step - 1) // step if step > 0 else (start - end - step - 1) // -step
+    return (start + step * jax.lax.iota(dt, n)).astype(dt)
+
+
+_SYMBOLIC_FACTORIES = {
+    aten.full.default: _full,
+    aten.zeros.default: _filled(0),
+    aten.ones.default: _filled(1),
+    aten.empty.memory_format: _filled(0),
+    aten.new_zeros.default: _new_filled(0),
+    aten.new_ones.default: _new_filled(1),
+    aten.new_empty.default: _new_filled(0),
+    aten.new_full.default: _new_full,
+    aten.arange.default: _arange,
+    aten.arange.start: _arange,
+    aten.arange.start_step: _arange,
+}
+
+
+def _has_symbolic(value):
+    if isinstance(value, (list, tuple)):
+        return any(_has_symbolic(v) for v in value)
+    return _is_symbolic(value)
+
+
+# ---------------------------------------------------------------------------
+# the interpreter
+# ---------------------------------------------------------------------------
+
+
+def _to_tensor(value):
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        return new_tensor(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_tensor(v) for v in value)
+    return value
+
+
+def _to_array(value):
+    if isinstance(value, Tensor):
+        return value._value()
+    if isinstance(value, torch.Tensor):
+        return jax_array(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_array(v) for v in value)
+    return value
+
+
+def _via_dispatch(op, args, kwargs):
+    """``op`` through the dispatcher on torch2jax tensors wrapping the arrays."""
+    if _has_symbolic((args, list(kwargs.values()))) or any(
+        isinstance(a, (jax.Array, jax.core.Tracer)) and _has_symbolic(a.shape) for a in jax.tree.leaves((args, kwargs))
+    ):
+        raise OpError(
+            f"torch2jax.fx: {op} has no JAX lowering, and its decomposition needs concrete sizes; it cannot run "
+            f"with symbolic dimensions"
+        )
+    if "device" in kwargs:
+        kwargs = {**kwargs, "device": DEVICE}
+    return _to_array(op(*_to_tensor(args), **_to_tensor(kwargs)))
+
+
+def call_op(op, args, kwargs):
+    """Run ATen op ``op`` (an `OpOverload`) on arrays and Python values; returns arrays."""
+    if op in _SIZE_OPS:
+        return _SIZE_OPS[op](*args, **kwargs)
+    if op in _ASSERTS:
+        return None
+    if op in _SYMBOLIC_FACTORIES and _has_symbolic((args, list(kwargs.values()))):
+        return _SYMBOLIC_FACTORIES[op](*args, **kwargs)
+    if op in _reg.VIEWS:
+        return _reg.VIEWS[op][0](*args, **kwargs)
+    if op in _reg.LOWERINGS:
+        return _reg.LOWERINGS[op](*args, **kwargs)
+    if op._schema.is_mutable:
+        raise OpError(
+            f"torch2jax.fx: {op} mutates its input; the graph must be functional (export it with "
+            f"torch.export / AOTAutograd, which functionalize it)"
+        )
+    return _via_dispatch(op, args, kwargs)
+
+
+def _call_function(target, args, kwargs):
+    if isinstance(target, torch._ops.OpOverload):
+        return call_op(target, args, kwargs)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return _via_dispatch(target, args, kwargs)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return _higher_order(target, args, kwargs)
+    return _PYTHON_FUNCTIONS.get(target, target)(*args, **kwargs)
+
+
+def _higher_order(op, args, kwargs):
+    if op is torch.ops.higher_order.wrap_with_set_grad_enabled:
+        _, body, *rest = args
+        return run(body, *rest)
+    if op is torch.ops.higher_order.wrap_with_autocast:
+        *_, body = args[:5]
+        return run(body, *args[5:])
+    raise OpError(f"torch2jax.fx: the higher-order op {op} is not supported")
+
+
+def _constant(value):
+    if isinstance(value, torch.Tensor):
+        return _to_array(value)
+    return value
+
+
+def run(gm: torch.fx.GraphModule, *args):
+    """Evaluate the ATen graph of ``gm`` on ``args`` (jax arrays and Python ints for its
+    placeholders, in order) and return its output structure with jax arrays.
+
+    >>> gm = make_fx(lambda x: torch.relu(x) * x.shape[0])(torch.randn(3))
+    >>> t2j.fx.run(gm, jnp.ones(3))
+    Array([3., 3., 3.], dtype=float32)
+    """
+    env = {}
+    inputs = iter(args)
+    result = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(inputs)
+        elif node.op == "get_attr":
+            env[node] = _constant(_attribute(gm, node.target))
+        elif node.op == "call_function":
+            a, kw = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            env[node] = _call_function(node.target, a, kw)
+        elif node.op == "output":
+            result = torch.fx.node.map_arg(node.args[0], env.__getitem__)
+        else:
+            raise OpError(f"torch2jax.fx: node {node.name} is a {node.op}; expected an ATen-level graph")
+    return result
+
+
+def _attribute(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
