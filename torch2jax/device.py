@@ -137,6 +137,10 @@ def register() -> None:
     impl = torch.library.Library("aten", "IMPL")
     impl.impl("copy_", _copy, "PrivateUse1")
     _libs.extend([fallback, impl])
+    # torch.autocast("jax") turns on AutocastPrivateUse1, whose kernels the backend must provide.
+    from . import amp
+
+    amp.install()
 
 
 def register_factories(lowerings) -> None:
