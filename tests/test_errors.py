@@ -15,6 +15,14 @@ _lib = torch.library.Library("t2jtest", "DEF")
 _lib.define("double_it(Tensor x) -> Tensor")
 _lib.impl("double_it", lambda x: x * 2, "CPU")
 _lib.impl("double_it", lambda x: torch.empty_like(x), "Meta")
+_lib.define("mix(Tensor a, Tensor b) -> Tensor")
+_lib.impl("mix", lambda a, b: a + b, "CPU")
+# A mutating op whose default its functional variant lacks (like bernoulli_.float / bernoulli.p).
+_lib.define("scale_(Tensor(a!) x, float factor=3.0) -> Tensor(a!)")
+_lib.define("scale(Tensor x, float factor) -> Tensor")
+_lib.impl("scale_", lambda x, factor=3.0: x.mul_(factor), "CPU")
+_lib.impl("scale", lambda x, factor: x * factor, "CPU")
+_lib.impl("scale", lambda x, factor: torch.empty_like(x), "Meta")
 
 
 def test_unlowered_op_falls_back_to_host_with_one_warning():
@@ -81,3 +89,103 @@ def test_item_inside_jit_is_a_clear_error():
 
     with pytest.raises(Exception, match="(?i)concrete|trac"):
         jax.jit(f)(jax.numpy.ones(3))
+
+
+# -- devices: CPU tensors beside jax tensors ------------------------------------
+
+
+def test_cpu_tensor_with_jax_tensor_names_the_op_and_devices():
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, device="jax")
+    with pytest.raises(RuntimeError, match=r"aten\.mul\.Tensor.*same device.*jax:0 and cpu.*shape \[3\]"):
+        a * b
+    with pytest.raises(RuntimeError, match=r"aten\.add\.Tensor.*shape \[2, 3\]"):
+        b + torch.ones(2, 3)
+
+
+def test_cpu_tensor_inside_a_decomposition_names_the_called_op():
+    from torch2jax.dispatch import DeviceMismatchError, path_of
+
+    assert path_of(torch.ops.aten.dist.default) == "decomposition"
+    with pytest.raises(DeviceMismatchError, match=r"aten\.dist\.default"):
+        torch.dist(torch.ones(3, device="jax"), torch.zeros(3))
+
+
+def test_cpu_tensor_into_a_host_fallback_op_is_refused():
+    from torch2jax.dispatch import DeviceMismatchError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.ops.t2jtest.mix(torch.ones(2, device="jax"), torch.ones(2, device="jax")).cpu().tolist() == [2, 2]
+    with pytest.raises(DeviceMismatchError, match=r"t2jtest\.mix\.default"):
+        torch.ops.t2jtest.mix(torch.ones(2, device="jax"), torch.ones(2))
+
+
+def test_cpu_tensor_in_place_into_a_jax_tensor_is_refused():
+    x = torch.zeros(3, device="jax")
+    with pytest.raises(RuntimeError, match=r"aten\.add_\.Tensor.*same device"):
+        x.add_(torch.ones(3))
+    assert x.cpu().tolist() == [0.0, 0.0, 0.0]
+
+
+def test_zero_dim_cpu_tensors_mix_with_jax_tensors_and_get_gradients():
+    a = torch.tensor(2.0, requires_grad=True)
+    b = torch.tensor([1.0, 2.0, 3.0], device="jax", requires_grad=True)
+    ga, gb = torch.autograd.grad((a * b).sum(), [a, b])
+    assert ga.device.type == "cpu" and ga.item() == 6.0
+    assert gb.cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_cpu_tensors_where_torch_takes_them_on_another_device():
+    x = torch.arange(12.0).reshape(4, 3)
+    xj = x.to("jax")
+    idx = torch.tensor([2, 0])
+    torch.testing.assert_close(xj[idx].cpu(), x[idx])
+    torch.testing.assert_close(xj[torch.tensor([True, False, True, False])].cpu(), x[[0, 2]])
+    y, yj = x.clone(), xj.clone()
+    y[idx] = torch.tensor(7.0)
+    yj[idx] = torch.tensor(7.0)
+    torch.testing.assert_close(yj.cpu(), y)
+    parts = torch.tensor_split(xj, torch.tensor([1, 3]))
+    assert [list(p.shape) for p in parts] == [[1, 3], [2, 3], [1, 3]]
+    z = torch.zeros(4, 3, device="jax")
+    z.copy_(x)
+    torch.testing.assert_close(z.cpu(), x)
+
+
+def test_cpu_values_for_index_put_are_refused_like_torch():
+    xj = torch.zeros(4, device="jax")
+    with pytest.raises(RuntimeError, match="same device"):
+        xj.index_put_((torch.tensor([0, 1]),), torch.tensor([1.0, 2.0]))
+
+
+# -- in-place ops rerouted to their functional variant: omitted defaults ------------
+
+
+def test_bernoulli_in_place_takes_its_default_p():
+    torch.manual_seed(0)
+    x = torch.zeros(20000, device="jax")
+    x.bernoulli_()
+    assert set(x.unique().cpu().tolist()) == {0.0, 1.0}
+    assert abs(x.mean().item() - 0.5) < 0.02
+    out = torch.empty(20000, device="jax")
+    torch.ops.aten.bernoulli.float_out(x, out=out)
+    assert abs(out.mean().item() - 0.5) < 0.02
+    x.bernoulli_(0.1)
+    assert abs(x.mean().item() - 0.1) < 0.02
+
+
+def test_in_place_op_default_reaches_its_functional_variant():
+    from torch2jax.dispatch import path_of
+
+    x = torch.arange(4.0)
+    xj = x.to("jax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.ops.t2jtest.scale_(xj)
+        torch.ops.t2jtest.scale_(x)
+        torch.testing.assert_close(xj.cpu(), x)
+        torch.ops.t2jtest.scale_(xj, 0.5)
+        torch.ops.t2jtest.scale_(x, 0.5)
+    torch.testing.assert_close(xj.cpu(), x)
+    assert path_of(torch.ops.t2jtest.scale_.default) == "functional"

@@ -45,6 +45,29 @@ class TorchRuntimeError(RuntimeError):
     """The RuntimeError torch itself raises for this input, with torch's message."""
 
 
+class DeviceMismatchError(OpError):
+    """An op got a CPU tensor of one or more dimensions beside tensors on the jax device.
+
+    torch refuses to mix devices in one op (except 0-dim CPU tensors, which act as
+    scalars); mixing here would also break autograd, whose engine cannot route a
+    gradient from the jax device back to the CPU tensor. The message names the op
+    the user called (the outermost one when the mix is found inside a decomposition).
+    """
+
+    def __init__(self, tensor):
+        super().__init__()
+        self.shape, self.dtype = list(tensor.shape), tensor.dtype
+        self.ops: list = []
+
+    def __str__(self):
+        op = self.ops[-1] if self.ops else "an op"
+        return (
+            f"torch2jax: {op}: Expected all tensors to be on the same device, but found at least two devices, "
+            f"{DEVICE} and cpu! A CPU tensor of shape {self.shape} ({self.dtype}) was passed with tensors on "
+            f"the jax device; only 0-dim CPU tensors mix with them (as with CUDA). Move it with .to('jax')."
+        )
+
+
 _HANDLERS: dict = {}
 _PATHS: dict = {}
 _coverage_log: list | None = None
@@ -67,6 +90,9 @@ def dispatch(func, args, kwargs):
 def _run(handler, func, args, kwargs):
     try:
         return handler(func, args, kwargs)
+    except DeviceMismatchError as e:
+        e.ops.append(func)
+        raise
     except (OpError, TorchRuntimeError, IndexError, NotImplementedError, jax.errors.ConcretizationTypeError):
         raise
     except Exception as e:
@@ -112,15 +138,21 @@ def _describe(args, kwargs):
 # ---------------------------------------------------------------------------
 
 
-def _unwrap(a):
+def _unwrap(a, cpu_ok=False):
     if isinstance(a, Tensor):
         if _tensor.CAPTURE is not None:
             _tensor.CAPTURE.read(a)
         return a._value()
     if isinstance(a, torch.Tensor):
-        return jax_array(a) if a.device.type == "cpu" else _foreign(a)
+        if a.device.type != "cpu":
+            return _foreign(a)
+        if a.dim() and not cpu_ok:
+            raise DeviceMismatchError(a)
+        return jax_array(a)
     if isinstance(a, (list, tuple)):
-        return type(a)(_unwrap(b) for b in a) if any(isinstance(b, (torch.Tensor, list, tuple, _SYM)) for b in a) else a
+        if any(isinstance(b, (torch.Tensor, list, tuple, _SYM)) for b in a):
+            return type(a)(_unwrap(b, cpu_ok) for b in a)
+        return a
     if isinstance(a, _SYM) and _sym.is_traced_number(a):
         return _sym.value_of(a)
     return a
@@ -131,6 +163,72 @@ _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 def _foreign(a):
     raise OpError(f"torch2jax: expected a tensor on the jax or cpu device, got one on {a.device}")
+
+
+# Arguments that torch lets stay on the CPU beside tensors on an accelerator: index
+# tensors, tensor_split's split points, a packed sequence's lengths and batch sizes,
+# and both sides of a copy across devices ("*": every argument).
+_CPU_ARGUMENTS = {
+    "copy": "*",
+    "copy_": "*",
+    "_copy_from": "*",
+    "_copy_from_and_resize": "*",
+    "_to_copy": "*",
+    "index": {"indices"},
+    "index_put": {"indices"},
+    "index_put_": {"indices"},
+    "_index_put_impl_": {"indices"},
+    "_unsafe_index": {"indices"},
+    "_unsafe_index_put": {"indices"},
+    "tensor_split": {"tensor_indices_or_sections"},
+    "_pack_padded_sequence": {"lengths"},
+    "_pack_padded_sequence_backward": {"batch_sizes"},
+    "_pad_packed_sequence": {"batch_sizes"},
+    "lstm": {"batch_sizes"},
+    "gru": {"batch_sizes"},
+    "rnn_tanh": {"batch_sizes"},
+    "rnn_relu": {"batch_sizes"},
+}
+
+
+def _cpu_arguments(func):
+    """(positions, names) of the arguments of ``func`` that may be CPU tensors, or None."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return None
+    names = _CPU_ARGUMENTS.get(func._schema.name.split("::")[1])
+    if names is None:
+        return None
+    arguments = func._schema.arguments
+    if names == "*":
+        names = {a.name for a in arguments}
+    return {i for i, a in enumerate(arguments) if a.name in names}, names
+
+
+def _unwrap_call(cpu_args, args, kwargs):
+    """``args`` and ``kwargs`` as arrays, CPU tensors allowed in the ``cpu_args`` of `_cpu_arguments`."""
+    positions, names = cpu_args
+    return (
+        [_unwrap(a, i in positions) for i, a in enumerate(args)],
+        {k: _unwrap(v, k in names) for k, v in kwargs.items()},
+    )
+
+
+def _check_devices(func, args, kwargs):
+    """Raise `DeviceMismatchError` for a CPU tensor that torch would not mix with the jax device."""
+    cpu_args = _cpu_arguments(func)
+    positions, names = cpu_args if cpu_args is not None else ((), ())
+
+    def check(a, ok):
+        if isinstance(a, torch.Tensor) and not isinstance(a, Tensor) and a.device.type == "cpu" and a.dim() and not ok:
+            raise DeviceMismatchError(a)
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                check(b, ok)
+
+    for i, a in enumerate(args):
+        check(a, i in positions)
+    for k, v in kwargs.items():
+        check(v, k in names)
 
 
 def _wrap(out):
@@ -184,7 +282,7 @@ def _choose(func):
     if func in _reg.VIEWS:
         return _view_handler(*_reg.VIEWS[func]), "lowering"
     if func in _reg.LOWERINGS:
-        return _lowering_handler(_reg.LOWERINGS[func]), "lowering"
+        return _lowering_handler(_reg.LOWERINGS[func], _cpu_arguments(func)), "lowering"
     if isinstance(func, torch._ops.OpOverload) and func.is_view:
         if _has_composite(func):
             return _composite_handler, "decomposition"
@@ -224,11 +322,14 @@ def _has_composite(func):
     )
 
 
-def _lowering_handler(lowering):
+def _lowering_handler(lowering, cpu_args=None):
     def run(func, args, kwargs):
         if kwargs and _is_foreign_device(kwargs):
             return _host_run(func, args, kwargs)
-        return _wrap(lowering(*_unwrap(args), **{k: _unwrap(v) for k, v in kwargs.items()}))
+        if cpu_args is None:
+            return _wrap(lowering(*_unwrap(args), **{k: _unwrap(v) for k, v in kwargs.items()}))
+        uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
+        return _wrap(lowering(*uargs, **ukwargs))
 
     return run
 
@@ -426,13 +527,46 @@ def functional_variant(func):
     return None
 
 
+def _omitted_defaults(func, functional):
+    """What torch leaves out of a call of mutating ``func`` that ``functional`` needs.
+
+    torch drops trailing arguments equal to their defaults before
+    ``__torch_dispatch__``; when the functional variant has no such default
+    (``bernoulli_.float`` has ``p=0.5``, ``bernoulli.p`` has none) they are put back.
+    Returns the defaults of the leading positional arguments to fill up to
+    (empty if none is needed) and the ``{name: default}`` of keyword-only ones.
+    """
+    mutated = _mutated(func._schema)
+    own = [a for i, a in enumerate(func._schema.arguments) if i not in mutated or not a.kwarg_only]
+    theirs = functional._schema.arguments
+    keywords = {a.name: a for a in theirs if a.kwarg_only}
+    n_positional, by_name = 0, {}
+    for i, a in enumerate(own):
+        if not a.has_default_value():
+            continue
+        other = keywords.get(a.name) if a.kwarg_only else (theirs[i] if i < len(theirs) else None)
+        if other is None or (other.has_default_value() and other.default_value == a.default_value):
+            continue
+        if a.kwarg_only:
+            by_name[a.name] = a.default_value
+        else:
+            n_positional = i + 1
+    positional = [a.default_value if a.has_default_value() else None for a in own[:n_positional]]
+    return positional, by_name
+
+
 def _mutation_handler(func, functional):
     schema = func._schema
     mutated = _mutated(schema)
     names = [schema.arguments[i].name for i in mutated]
     is_out = schema.arguments[mutated[0]].kwarg_only
+    positional, by_name = _omitted_defaults(func, functional)
 
     def run(func, args, kwargs):
+        if len(args) < len(positional):
+            args = (*args, *positional[len(args):])
+        if by_name:
+            kwargs = {**by_name, **kwargs}
         if is_out:
             targets = [kwargs[n] for n in names]
             fkwargs = {k: v for k, v in kwargs.items() if k not in names}
@@ -505,6 +639,7 @@ def write(target, value, func, resize=False):
 
 
 def _host_handler(func, args, kwargs):
+    _check_devices(func, args, kwargs)
     mode = _env.config().fallback
     if mode == "error":
         raise OpError(
