@@ -30,6 +30,7 @@ from jax._src import core as _jax_core
 
 from . import dtypes as _dt
 from .dispatch import DECOMPOSITION_DENYLIST, OpError
+from .ops import nn as _nn
 from .ops import registry as _reg
 from .tensor import DEVICE, Tensor, jax_array, new_tensor
 
@@ -44,7 +45,7 @@ def decompositions() -> dict:
     """
     from torch._decomp import decomposition_table
 
-    lowered = set(_reg.LOWERINGS) | set(_reg.VIEWS)
+    lowered = set(_reg.LOWERINGS) | set(_reg.VIEWS) | set(_CPU_KERNELS)
     return {
         op: fn
         for op, fn in decomposition_table.items()
@@ -181,6 +182,39 @@ _SYMBOLIC_FACTORIES = {
 }
 
 
+# ---------------------------------------------------------------------------
+# ops that only graphs traced on CPU tensors hold
+# ---------------------------------------------------------------------------
+
+
+def _check_no_dropout(op, dropout_p):
+    if dropout_p:
+        raise OpError(f"torch2jax.fx: {op} with dropout_p={dropout_p} is not supported (its mask is not replayable)")
+
+
+def _flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    _check_no_dropout(aten._scaled_dot_product_flash_attention_for_cpu, dropout_p)
+    return _nn._attention(q, k, v, attn_mask, 0.0, is_causal, scale, None)
+
+
+def _flash_cpu_backward(grad, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    _check_no_dropout(aten._scaled_dot_product_flash_attention_for_cpu_backward, dropout_p)
+
+    def attention(q, k, v):
+        return _nn._attention(q, k, v, attn_mask, 0.0, is_causal, scale, None)[0]
+
+    return _nn._vjp(attention, (q, k, v), grad)
+
+
+# torch picks its CPU flash-attention kernel for F.scaled_dot_product_attention
+# (without dropout) while AOTAutograd traces CPU tensors; its backward has no
+# decomposition.
+_CPU_KERNELS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_cpu_backward,
+}
+
+
 def _has_symbolic(value):
     if isinstance(value, (list, tuple)):
         return any(_has_symbolic(v) for v in value)
@@ -221,7 +255,7 @@ def _via_dispatch(op, args, kwargs):
         )
     if "device" in kwargs:
         kwargs = {**kwargs, "device": DEVICE}
-    return _to_array(op(*_to_tensor(args), **_to_tensor(kwargs)))
+    return _to_array(op(*_to_tensor(args), **{k: _to_tensor(v) for k, v in kwargs.items()}))
 
 
 def call_op(op, args, kwargs):
@@ -232,6 +266,8 @@ def call_op(op, args, kwargs):
         return None
     if op in _SYMBOLIC_FACTORIES and _has_symbolic((args, list(kwargs.values()))):
         return _SYMBOLIC_FACTORIES[op](*args, **kwargs)
+    if op in _CPU_KERNELS:
+        return _CPU_KERNELS[op](*args, **kwargs)
     if op in _reg.VIEWS:
         return _reg.VIEWS[op][0](*args, **kwargs)
     if op in _reg.LOWERINGS:
