@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import os
 import warnings
 
 import jax
@@ -73,6 +75,14 @@ _PATHS: dict = {}
 _coverage_log: list | None = None
 _warned: set = set()
 
+# Events counted for `t2j.debug.counters` (t2j.jit adds its traces, compiles and cache hits).
+COUNTERS = dict.fromkeys(("traces", "compiles", "cache_hits", "host_fallbacks", "decompositions"), 0)
+
+# Set by `t2j.debug.set_log("ops")`: every dispatched op is logged (one boolean check when off).
+log_ops = False
+_ops_logger = logging.getLogger("torch2jax.ops")
+_log_depth = 0
+
 
 def dispatch(func, args, kwargs):
     """Run ATen op ``func`` on torch2jax tensors and return torch2jax tensors."""
@@ -81,10 +91,48 @@ def dispatch(func, args, kwargs):
         handler = _resolve(func)
     if _coverage_log is not None:
         _coverage_log.append(func)
+    if log_ops:
+        return _run_logged(handler, func, args, kwargs)
     if _jax_config.enable_x64.value:
         return _run(handler, func, args, kwargs)
     with jax.enable_x64(True):
         return _run(handler, func, args, kwargs)
+
+
+def _run_logged(handler, func, args, kwargs):
+    """`dispatch` with a log line per op; the ops a decomposition runs are indented under it."""
+    global _log_depth
+    _ops_logger.info("%s%s [%s] %s", "  " * _log_depth, func, _PATHS[func], _brief(args, kwargs))
+    _log_depth += 1
+    try:
+        with jax.enable_x64(True):
+            return _run(handler, func, args, kwargs)
+    finally:
+        _log_depth -= 1
+
+
+def _brief(args, kwargs):
+    """Inputs in JAX's short notation: ``(f32[4,8], i64[4]@cpu, 1)``."""
+
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            where = "" if isinstance(a, Tensor) else f"@{a.device}"
+            return f"{_short_dtype(a.dtype)}[{','.join(map(str, a.shape))}]{where}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(one(b) for b in a) + "]"
+        return repr(a)
+
+    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+@functools.lru_cache(maxsize=None)
+def _short_dtype(dtype):
+    name = str(dtype).removeprefix("torch.")
+    for long, short in (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i"), ("complex", "c")):
+        if name.startswith(long):
+            return short + name[len(long):]
+    return name
 
 
 def _run(handler, func, args, kwargs):
@@ -336,12 +384,14 @@ def _lowering_handler(lowering, cpu_args=None):
 
 def _decomposition_handler(decomp):
     def run(func, args, kwargs):
+        COUNTERS["decompositions"] += 1
         return decomp(*args, **kwargs)
 
     return run
 
 
 def _composite_handler(func, args, kwargs):
+    COUNTERS["decompositions"] += 1
     return func.decompose(*args, **kwargs)
 
 
@@ -640,6 +690,7 @@ def write(target, value, func, resize=False):
 
 def _host_handler(func, args, kwargs):
     _check_devices(func, args, kwargs)
+    COUNTERS["host_fallbacks"] += 1
     mode = _env.config().fallback
     if mode == "error":
         raise OpError(
@@ -756,13 +807,17 @@ def path_of(func) -> str:
 
 @contextlib.contextmanager
 def record_ops():
-    """Collect every op dispatched to the jax device inside the block into a list."""
+    """Collect every op dispatched to the jax device inside the block into a list
+    (an enclosing `record_ops` block gets them too)."""
     global _coverage_log
     previous, _coverage_log = _coverage_log, []
+    log = _coverage_log
     try:
-        yield _coverage_log
+        yield log
     finally:
         _coverage_log = previous
+        if previous is not None:
+            previous.extend(log)
 
 
 def coverage(fn, *args, **kwargs) -> dict:
@@ -777,3 +832,9 @@ def coverage(fn, *args, **kwargs) -> dict:
     return {str(op): path_of(op) for op in dict.fromkeys(log)}
 
 
+
+
+if os.environ.get("TORCH2JAX_LOG"):
+    from . import debug as _debug
+
+    _debug.set_log_from_environment()
