@@ -32,6 +32,7 @@ KEY = "AutocastPrivateUse1"
 _EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
 
 # Each entry is an ATen overload ("pow.Tensor_Scalar"; a bare name is the default overload).
+# torch's named-tensor (Dimname) overloads are not listed: this torch has none.
 LOWER_PRECISION = (
     "_convolution", "_convolution.deprecated", "conv1d", "conv1d.padding", "conv2d", "conv2d.padding",
     "conv3d", "conv3d.padding", "conv_tbc", "conv_transpose1d", "conv_transpose2d.input",
@@ -74,15 +75,13 @@ FP32 = (
 )
 # Reductions that take a ``dtype=``: given none, they accumulate and return float32.
 FP32_SET_OPT_DTYPE = (
-    "prod", "prod.dim_int", "prod.dim_Dimname", "softmax.int", "softmax.Dimname", "log_softmax.int",
-    "log_softmax.Dimname", "cumprod", "cumprod.dimname", "cumsum", "cumsum.dimname", "linalg_vector_norm",
-    "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList", "sum.dim_DimnameList",
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
 )
 # Overloads without a ``dtype=`` run as their sibling that has one, in float32.
 FP32_APPEND_DTYPE = {
     "norm.Scalar": "norm.ScalarOpt_dtype",
     "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
-    "norm.names_ScalarOpt_dim": "norm.names_ScalarOpt_dim_dtype",
 }
 # Run in the widest floating dtype among the autocast dtype and the inputs.
 PROMOTE = (
