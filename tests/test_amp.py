@@ -302,3 +302,22 @@ def test_jit_retraces_when_autocast_state_changes():
         with t2j.amp.autocast():
             assert f(aj).dtype == BF16
         assert f(aj).dtype == torch.float32
+
+
+@pytest.mark.xfail(strict=True, reason="t2j.compile traces its backward outside the autocast region, so the VJP "
+                                       "sees float32 where the forward gave bfloat16 (fix in torch2jax/compile.py, "
+                                       "see docs/amp_quantize.md)")
+def test_compile_forward_and_backward_under_autocast():
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(6, 8)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = model(x)
+    expected.float().sum().backward()
+    with t2j.env():
+        mj = copy.deepcopy(model).to("jax")
+        mj.zero_grad()
+        with t2j.amp.autocast():
+            got = t2j.compile(mj)(x.to("jax"))
+        got.float().sum().backward()
+    assert got.dtype == BF16
+    torch.testing.assert_close(mj.fc1.weight.grad.cpu(), model.fc1.weight.grad, rtol=5e-2, atol=1e-2)
