@@ -416,3 +416,15 @@ def test_from_jax_modules_refuse_bad_input():
     block = t2j.modules.from_nnx(_NnxMLP(nnx.Rngs(0)))
     with pytest.raises(TypeError, match=r"from_nnx: calling the wrapped _NnxMLP on inputs"):
         block(torch.zeros(5, 3, device="jax"))
+
+
+@pytest.mark.slow
+def test_mixed_flax_torch_example_trains():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import mixed_flax_torch
+
+    losses = mixed_flax_torch.main(steps=60, batch=8)
+    assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:10])
