@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
 
 import torch2jax as t2j
+from torch2jax.checkpoint import load_safetensors
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import gpt  # noqa: E402
@@ -47,3 +55,129 @@ def test_plain_tensors_round_trip(tmp_path):
     back = t2j.load(str(tmp_path / "c"))
     assert back["w"].device.type == "jax" and back["w"].tolist() == t["w"].tolist()
     assert back["i"].dtype == torch.int64 and back["i"].tolist() == [1, 2] and back["n"] == 7
+
+
+# -- safetensors -------------------------------------------------------------------
+
+transformers.logging.set_verbosity_error()
+
+
+def _gpt2(seed):
+    cfg = transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _llama(seed):
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, max_position_embeddings=32,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2_tied", "llama"])
+def test_safetensors_into_a_fresh_hf_model_gives_the_same_logits(tmp_path, make):
+    original = make(0)
+    original.save_pretrained(tmp_path, safe_serialization=True)
+    fresh = make(1).to("jax")
+    assert load_safetensors(tmp_path, model=fresh) is fresh
+    ids = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids.to("jax")).logits.cpu(), original(ids).logits)
+    if make is _gpt2:
+        assert fresh.lm_head.weight is fresh.transformer.wte.weight  # tied weights stay one tensor
+        assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+
+
+def test_sharded_safetensors_with_an_index(tmp_path):
+    original = _llama(0)
+    original.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    assert index.exists() and len(set(json.loads(index.read_text())["weight_map"].values())) > 2
+    expected = original.state_dict()
+    for source in (tmp_path, index):
+        fresh = _llama(1).to("jax")
+        load_safetensors(source, model=fresh)
+        for k, v in fresh.state_dict().items():
+            torch.testing.assert_close(v.cpu(), expected[k], rtol=0, atol=0, msg=k)
+    shards = sorted(str(p) for p in tmp_path.glob("model-*.safetensors"))
+    state = load_safetensors(shards)
+    assert set(state) == set(expected)
+
+
+def test_safetensors_state_dict_keeps_dtypes(tmp_path):
+    tensors = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "f16": torch.randn(4).half(),
+        "i64": torch.tensor([2**40, -3]),
+        "f64": torch.randn(2, dtype=torch.float64),
+        "bool": torch.tensor([True, False]),
+        "u8": torch.arange(7, dtype=torch.uint8),
+        "f8": torch.randn(6).to(torch.float8_e4m3fn),
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(1.5),
+    }
+    save_file(tensors, tmp_path / "t.safetensors")
+    state = load_safetensors(tmp_path / "t.safetensors")
+    assert set(state) == set(tensors)
+    for k, expected in tensors.items():
+        got = state[k]
+        assert isinstance(got, t2j.Tensor) and got.dtype == expected.dtype and got.shape == expected.shape, k
+        assert torch.equal(got.cpu().reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), k
+    assert state["bf16"].jax().dtype == ml_dtypes.bfloat16
+
+
+def test_safetensors_into_a_meta_model(tmp_path):
+    original = _gpt2(0)
+    original.save_pretrained(tmp_path, safe_serialization=True)
+    with torch.device("meta"):
+        model = _gpt2(1)
+    load_safetensors(tmp_path, model=model)
+    assert all(isinstance(p, torch.nn.Parameter) and p.device.type == "jax" for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 100, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids.to("jax")).logits.cpu(), original(ids).logits)
+
+
+def test_safetensors_casts_to_the_model_dtype(tmp_path):
+    original = _llama(0).to(torch.bfloat16)
+    original.save_pretrained(tmp_path, safe_serialization=True)
+    fresh = _llama(1).to("jax")
+    load_safetensors(tmp_path, model=fresh)
+    w = fresh.model.embed_tokens.weight
+    assert w.dtype == torch.float32
+    torch.testing.assert_close(w.cpu(), original.model.embed_tokens.weight.float(), rtol=0, atol=0)
+
+
+def test_safetensors_key_and_shape_errors(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to("jax")
+    good = {k: v.cpu() for k, v in model.state_dict().items()}
+    save_file({k: v for k, v in good.items() if k != "1.bias"} | {"extra.weight": torch.ones(2)}, tmp_path / "a.safetensors")
+    with pytest.raises(RuntimeError, match=r"load_safetensors: .*missing keys 1\.bias; unexpected keys extra\.weight"):
+        load_safetensors(tmp_path / "a.safetensors", model=model)
+    load_safetensors(tmp_path / "a.safetensors", model=model, strict=False)
+    torch.testing.assert_close(model[0].weight.cpu(), good["0.weight"])
+    save_file(good | {"0.weight": torch.ones(4, 4)}, tmp_path / "b.safetensors")
+    with pytest.raises(ValueError, match=r"'0\.weight' has shape \[4, 4\] in the checkpoint but \[4, 3\] in the model"):
+        load_safetensors(tmp_path / "b.safetensors", model=model)
+
+
+def test_safetensors_bad_input_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="load_safetensors: no model.safetensors.index.json or model.safetensors"):
+        load_safetensors(tmp_path)
+    (tmp_path / "junk.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00hello")
+    with pytest.raises(ValueError, match="junk.safetensors is not a safetensors file"):
+        load_safetensors(tmp_path / "junk.safetensors")
+    with pytest.raises(TypeError, match="load_safetensors: expected a path"):
+        load_safetensors(3)
+    save_file({"a": torch.ones(2)}, tmp_path / "one.safetensors")
+    with pytest.raises(ValueError, match="load_safetensors: device must be 'jax'"):
+        load_safetensors(tmp_path / "one.safetensors", device="cuda")
+    with pytest.raises(ValueError, match="tensor 'a' is in both"):
+        load_safetensors([tmp_path / "one.safetensors", tmp_path / "one.safetensors"])
+    assert np.asarray(load_safetensors(tmp_path / "one.safetensors", device=jax.devices()[-1])["a"].jax()).tolist() == [1, 1]

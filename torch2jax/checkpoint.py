@@ -6,22 +6,32 @@ the rest (optimizer hyperparameters, step counters, Python values) beside it.
 `load` restores into live modules and optimizers, placing every array with the
 sharding of the tensor it replaces, so a sharded run resumes sharded.
 
+`load_safetensors` reads safetensors files (Hugging Face's format, sharded or not)
+straight into jax arrays, one tensor at a time.
+
 Example::
 
     t2j.save({"model": model, "optimizer": opt, "step": 100}, "ckpt/100")
     ...
     t2j.load("ckpt/100", {"model": model, "optimizer": opt})   # in place
+
+    t2j.load_safetensors("hf_model_dir", model=model)         # model.safetensors(.index.json)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import struct
 
 import jax
+import ml_dtypes
+import numpy as np
 import orbax.checkpoint as ocp
 import torch
 
+from . import dtypes as _dt
 from .tensor import Tensor, jax_array, new_tensor
 
 _SKELETON = "torch2jax_structure.pkl"
@@ -169,4 +179,225 @@ def load(path: str, target=None):
         return _apply(_join(skeleton, arrays), target)
 
 
-__all__ = ["save", "load"]
+# -- safetensors -----------------------------------------------------------------
+
+# The format: an 8-byte little-endian header length, a JSON header
+# {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}},
+# then the tensors' bytes (little-endian, C order), offsets relative to the data start.
+_SAFETENSORS_DTYPES = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype("u1"),
+    "I8": np.dtype("i1"),
+    "U16": np.dtype("<u2"),
+    "I16": np.dtype("<i2"),
+    "U32": np.dtype("<u4"),
+    "I32": np.dtype("<i4"),
+    "U64": np.dtype("<u8"),
+    "I64": np.dtype("<i8"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "C64": np.dtype("<c8"),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+_INDEX_NAMES = ("model.safetensors.index.json", "model.safetensors")
+
+
+class _Entry:
+    """Where one tensor of a safetensors file lies."""
+
+    __slots__ = ("path", "key", "dtype", "shape", "start", "nbytes")
+
+    def __init__(self, path, key, dtype, shape, start, nbytes):
+        self.path, self.key, self.dtype, self.shape, self.start, self.nbytes = path, key, dtype, shape, start, nbytes
+
+
+def _read_header(path):
+    """The `_Entry` of every tensor in safetensors file ``path``, in file order."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"t2j.load_safetensors: {path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError, MemoryError, OverflowError) as e:
+            raise ValueError(f"t2j.load_safetensors: {path} is not a safetensors file (bad header: {e})") from None
+    entries = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(
+                f"t2j.load_safetensors: {path}: tensor {key!r} has dtype {info['dtype']}; "
+                f"supported: {sorted(_SAFETENSORS_DTYPES)}"
+            )
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        shape = tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise ValueError(
+                f"t2j.load_safetensors: {path}: tensor {key!r} holds {end - begin} bytes, "
+                f"not what shape {list(shape)} of {info['dtype']} needs"
+            )
+        entries.append(_Entry(path, key, dtype, shape, 8 + n + begin, end - begin))
+    return entries
+
+
+def _files(path_or_paths):
+    """The safetensors files named by a file, a directory, an index json or a list of files."""
+    if isinstance(path_or_paths, (list, tuple)):
+        out = []
+        for p in path_or_paths:
+            out += _files(p)
+        return out
+    if not isinstance(path_or_paths, (str, os.PathLike)):
+        raise TypeError(
+            f"t2j.load_safetensors: expected a path (file, directory or index json) or a list of paths, "
+            f"got {type(path_or_paths).__name__}"
+        )
+    path = os.fspath(path_or_paths)
+    if os.path.isdir(path):
+        for name in _INDEX_NAMES:
+            if os.path.exists(os.path.join(path, name)):
+                return _files(os.path.join(path, name))
+        raise FileNotFoundError(f"t2j.load_safetensors: no {' or '.join(_INDEX_NAMES)} in directory {path}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"t2j.load_safetensors: no such file {path}")
+    if path.endswith(".json"):
+        with open(path) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"t2j.load_safetensors: index {path} has no 'weight_map'")
+        folder = os.path.dirname(path)
+        return [os.path.join(folder, name) for name in dict.fromkeys(weight_map.values())]
+    return [path]
+
+
+def _entries(path_or_paths):
+    """``{key: _Entry}`` over all files; a key in two files is an error."""
+    out: dict = {}
+    for path in _files(path_or_paths):
+        for e in _read_header(path):
+            if e.key in out:
+                raise ValueError(f"t2j.load_safetensors: tensor {e.key!r} is in both {out[e.key].path} and {path}")
+            out[e.key] = e
+    return out
+
+
+def _read(entry, handles, placement):
+    """One tensor as a jax array placed by ``placement``; only it passes through host memory."""
+    f = handles.get(entry.path)
+    if f is None:
+        f = handles[entry.path] = open(entry.path, "rb")
+    buf = np.empty(entry.nbytes, np.uint8)
+    f.seek(entry.start)
+    if f.readinto(buf) != entry.nbytes:
+        raise ValueError(f"t2j.load_safetensors: {entry.path} is truncated (tensor {entry.key!r})")
+    with jax.enable_x64(True):  # int64 / float64 stay 64-bit
+        return jax.device_put(buf.view(entry.dtype).reshape(entry.shape), placement)
+
+
+def _placement(device):
+    if isinstance(device, (jax.Device, jax.sharding.Sharding)):
+        return device
+    if device == "jax" or (isinstance(device, torch.device) and device.type == "jax"):
+        return jax.devices()[0]
+    raise ValueError(
+        f"t2j.load_safetensors: device must be 'jax', a jax.Device or a jax.sharding.Sharding, got {device!r}"
+    )
+
+
+def _slots(model):
+    """The model's state-dict tensors grouped by identity (tied weights form one group):
+    a list of (tensor, [(module, kind, name, key), ...])."""
+    groups: dict = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for name, t in module._parameters.items():
+            if t is not None:
+                groups.setdefault(id(t), (t, []))[1].append((module, "_parameters", name, dot + name))
+        for name, t in module._buffers.items():
+            if t is not None and name not in module._non_persistent_buffers_set:
+                groups.setdefault(id(t), (t, []))[1].append((module, "_buffers", name, dot + name))
+    return list(groups.values())
+
+
+def _check_keys(groups, entries, strict):
+    keys = {key for _, slots in groups for *_, key in slots}
+    missing = [[key for *_, key in slots] for _, slots in groups if not any(key in entries for *_, key in slots)]
+    unexpected = [k for k in entries if k not in keys]
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append("missing keys " + ", ".join(" = ".join(group) for group in missing))
+        if unexpected:
+            parts.append("unexpected keys " + ", ".join(unexpected))
+        raise RuntimeError(f"t2j.load_safetensors: the checkpoint does not match the model: {'; '.join(parts)}")
+
+
+def _load_into(model, entries, handles, placement, strict):
+    groups = _slots(model)
+    _check_keys(groups, entries, strict)
+    for tensor, slots in groups:
+        entry = next((entries[key] for *_, key in slots if key in entries), None)
+        if entry is None:
+            continue
+        if tuple(entry.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"t2j.load_safetensors: {entry.key!r} has shape {list(entry.shape)} in the checkpoint "
+                f"but {list(tensor.shape)} in the model"
+            )
+        live = isinstance(tensor, Tensor)
+        array = _read(entry, handles, tensor._value().sharding if live else placement)
+        dtype = _dt.to_jax(tensor.dtype)
+        if array.dtype != dtype:
+            array = array.astype(dtype)
+        if live:
+            tensor._assign(array)
+            continue
+        new = new_tensor(array)
+        if isinstance(tensor, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+        for module, kind, name, _ in slots:
+            getattr(module, kind)[name] = new
+    return model
+
+
+def load_safetensors(path_or_paths, model: torch.nn.Module | None = None, device="jax", *, strict: bool = True):
+    """Load safetensors weights straight into jax arrays, one tensor at a time (no
+    full copy in torch CPU memory; bfloat16, float8, int64 kept).
+
+    ``path_or_paths``: a ``.safetensors`` file, a list of them, a sharded
+    checkpoint's index json (``model.safetensors.index.json``), or a directory
+    holding either (what ``save_pretrained`` writes). Without ``model``, returns
+    ``{name: t2j.Tensor}`` placed on ``device`` ("jax": the default jax device, or a
+    ``jax.Device`` / ``jax.sharding.Sharding``). With ``model``, loads into its
+    parameters and persistent buffers and returns the model: tensors already on
+    the jax device are overwritten in place (keeping their sharding, and tied
+    weights stay one tensor), others (CPU, meta) are replaced by jax tensors;
+    values are cast to the model's dtypes. With ``strict`` (default) the keys must
+    match the model's state dict exactly (a tied weight saved under one name is
+    enough); a shape mismatch is always an error.
+
+    >>> model = transformers.AutoModelForCausalLM.from_config(config).to("jax")
+    >>> t2j.load_safetensors("gpt2-dir", model=model)        # model.safetensors(.index.json)
+    >>> state = t2j.load_safetensors("model.safetensors")    # {name: t2j.Tensor}
+    """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"t2j.load_safetensors: model must be a torch.nn.Module, got {type(model).__name__}")
+    placement = _placement(device)
+    entries = _entries(path_or_paths)
+    handles: dict = {}
+    try:
+        if model is not None:
+            return _load_into(model, entries, handles, placement, strict)
+        return {key: new_tensor(_read(e, handles, placement)) for key, e in entries.items()}
+    finally:
+        for f in handles.values():
+            f.close()
+
+
+__all__ = ["save", "load", "load_safetensors"]
