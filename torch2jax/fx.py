@@ -38,19 +38,18 @@ aten = torch.ops.aten
 
 
 def decompositions() -> dict:
-    """torch's decomposition table without the ops torch2jax lowers directly: what
-    `run_decompositions` / AOTAutograd should apply before `run`.
+    """torch's decompositions without the ops torch2jax lowers directly: what AOTAutograd
+    / `run_decompositions` should apply before `run`. It holds torch's decomposition
+    table and the CompositeImplicitAutograd ops torch.export decomposes by default.
 
     >>> ep = torch.export.export(model, (x,)).run_decompositions(t2j.fx.decompositions())
     """
     from torch._decomp import decomposition_table
 
-    lowered = set(_reg.LOWERINGS) | set(_reg.VIEWS) | set(_CPU_KERNELS)
-    return {
-        op: fn
-        for op, fn in decomposition_table.items()
-        if isinstance(op, torch._ops.OpOverload) and op not in lowered and op not in DECOMPOSITION_DENYLIST
-    }
+    lowered = set(_reg.LOWERINGS) | set(_reg.VIEWS) | set(_CPU_KERNELS) | DECOMPOSITION_DENYLIST
+    table = dict(torch.export.default_decompositions().items())
+    table.update(decomposition_table)
+    return {op: fn for op, fn in table.items() if isinstance(op, torch._ops.OpOverload) and op not in lowered}
 
 
 # ---------------------------------------------------------------------------
@@ -167,7 +166,21 @@ def _arange(*args, dtype=None, **_):
     return (start + step * jax.lax.iota(dt, n)).astype(dt)
 
 
+def _reshape(x, size):
+    return jnp.reshape(x, tuple(size))
+
+
+def _expand(x, size, *, implicit=False):
+    lead = len(size) - x.ndim
+    shape = tuple(x.shape[i - lead] if s == -1 else s for i, s in enumerate(size))
+    return jnp.broadcast_to(x, shape)
+
+
 _SYMBOLIC_FACTORIES = {
+    aten.view.default: _reshape,
+    aten._unsafe_view.default: _reshape,
+    aten.reshape.default: _reshape,
+    aten.expand.default: _expand,
     aten.full.default: _full,
     aten.zeros.default: _filled(0),
     aten.ones.default: _filled(1),
