@@ -87,26 +87,32 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor, ids: torch.Tensor) -> d
 
 
 def quantize_report(layers: int = 4, hidden: int = 256, vocab: int = 4096, batch: int = 4, seq: int = 128) -> dict:
-    """Parameter bytes and logit changes of `t2j.quantize.int8_weight_only` on a small Llama."""
+    """Parameter bytes, compiled-forward memory and logit changes of
+    `t2j.quantize.int8_weight_only` on a small Llama."""
     model = tiny_llama(layers, hidden, vocab)
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
-    with t2j.env():
+    with t2j.env(), torch.no_grad():
+        xj = ids.to("jax")
         float_model = copy.deepcopy(model).to("jax")
-        with torch.no_grad():
-            ref = float_model(ids.to("jax")).logits.cpu()
-        before = t2j.quantize.nbytes(float_model)
-        qmodel = t2j.quantize.int8_weight_only(float_model)
-        after = t2j.quantize.nbytes(qmodel)
-        with torch.no_grad():
-            eager = qmodel(ids.to("jax")).logits.cpu()
-            jitted = t2j.jit(lambda i: qmodel(i).logits)(ids.to("jax")).cpu()
+        qmodel = t2j.quantize.int8_weight_only(copy.deepcopy(model).to("jax"))
+        ref = float_model(xj).logits.cpu()
+        eager = qmodel(xj).logits.cpu()
+        float_fwd = t2j.jit(lambda i: float_model(i).logits)
+        int8_fwd = t2j.jit(lambda i: qmodel(i).logits)
+        jitted = int8_fwd(xj).cpu()
+        mem_float = float_fwd.lower(xj).compile().memory_analysis()
+        mem_int8 = int8_fwd.lower(xj).compile().memory_analysis()
     linear_params = sum(m.weight.numel() for m in qmodel.modules() if isinstance(m, t2j.quantize.Int8Linear))
     return {
         "config": f"Llama {layers} layers, d={hidden}, vocab={vocab}, batch {batch}x{seq} random tokens",
-        "bytes_float": before,
-        "bytes_int8": after,
-        "ratio": after / before,
+        "bytes_float": t2j.quantize.nbytes(float_model),
+        "bytes_int8": t2j.quantize.nbytes(qmodel),
+        "ratio": t2j.quantize.nbytes(qmodel) / t2j.quantize.nbytes(float_model),
         "linear_weight_params": linear_params,
+        "jit_args_float": mem_float.argument_size_in_bytes,
+        "jit_args_int8": mem_int8.argument_size_in_bytes,
+        "jit_temp_float": mem_float.temp_size_in_bytes,
+        "jit_temp_int8": mem_int8.temp_size_in_bytes,
         **compare_logits(ref, eager, ids),
         "jit_vs_eager_max_diff": (jitted - eager).abs().max().item(),
     }
@@ -118,6 +124,10 @@ def print_report(r: dict) -> None:
           f"int8 weight-only ({r['ratio']:.2f}x; {r['linear_weight_params']:,} linear weights quantized)")
     print(f"logits: max |diff| {r['max_abs_logit_diff']:.4f} ({r['max_diff_over_logit_std']:.3f} of the logits' std), "
           f"top-1 agreement {r['top1_agreement']:.4f}, KL(float||int8) per token {r['kl_ref_got']:.2e}")
+    mib = 2**20
+    print(f"jitted forward (XLA memory analysis): arguments {r['jit_args_float'] / mib:.2f} -> "
+          f"{r['jit_args_int8'] / mib:.2f} MiB, temporaries {r['jit_temp_float'] / mib:.2f} -> "
+          f"{r['jit_temp_int8'] / mib:.2f} MiB")
     print(f"perplexity on random tokens: float {r['ppl_ref']:.2f}, int8 {r['ppl_got']:.2f}; "
           f"t2j.jit vs eager max |diff| {r['jit_vs_eager_max_diff']:.2e}")
 

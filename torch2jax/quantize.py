@@ -44,10 +44,10 @@ def quantize_per_channel(weight: torch.Tensor, dim: int = 0) -> tuple[torch.Tens
         raise ValueError(f"t2j.quantize.quantize_per_channel: weight must be 2-D, got shape {tuple(weight.shape)}")
     with torch.no_grad():
         w = weight.detach()
-        amax = w.abs().amax(dim=1 - dim, keepdim=True)
+        amax = w.abs().amax(dim=1 - dim)
         scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax))
-        q = torch.clamp(torch.round(w / scale), -_QMAX, _QMAX).to(torch.int8)
-    return q, scale.reshape(-1)
+        q = torch.clamp(torch.round(w / scale.unsqueeze(1 - dim)), -_QMAX, _QMAX).to(torch.int8)
+    return q, scale
 
 
 class Int8Linear(nn.Linear):
