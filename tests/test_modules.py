@@ -428,3 +428,40 @@ def test_mixed_flax_torch_example_trains():
 
     losses = mixed_flax_torch.main(steps=60, batch=8)
     assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:10])
+
+
+def test_from_equinox_stateful_batchnorm_matches_jax_reference():
+    eqx_model, eqx_state = eqx.nn.make_with_state(eqx.nn.Sequential)(
+        [eqx.nn.Linear(3, 4, key=jax.random.key(0)), eqx.nn.BatchNorm(4, axis_name="batch", mode="ema")])
+    wrapped = t2j.modules.from_equinox(eqx_model, eqx_state, vmap=True)
+    assert [n for n, _ in wrapped.named_buffers()] == ["jax_state.0", "jax_state.1.0", "jax_state.1.1"]
+    x = _x(6, 3)
+
+    def reference(model, state, x):
+        out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+        return (out ** 2).mean(), state
+
+    (value, new_state), grads = eqx.filter_value_and_grad(reference, has_aux=True)(eqx_model, eqx_state, x)
+    step = t2j.jit(lambda x: wrapped(x).pow(2).mean())
+    xt = torch.from_numpy(x).to("jax").requires_grad_()
+    loss = wrapped(xt).pow(2).mean()
+    loss.backward()
+    np.testing.assert_allclose(loss.item(), value, rtol=1e-6)
+    np.testing.assert_allclose(wrapped.get_parameter("jax_params.layers.0.weight").grad.jax(),
+                               grads.layers[0].weight, atol=1e-6)
+    _, state = wrapped.to_jax()
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    x2 = _x(6, 3, seed=1)
+    step(torch.from_numpy(x2).to("jax"))  # under t2j.jit too: the state buffers are carried out of the program
+    _, state = wrapped.to_jax()
+    _, second_state = reference(eqx_model, new_state, x2)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(second_state)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    wrapped.eval()
+    expected, _ = jax.vmap(eqx.nn.inference_mode(eqx_model), axis_name="batch", in_axes=(0, None),
+                           out_axes=(0, None))(x, new_state)
+    after_one = t2j.modules.from_equinox(eqx_model, new_state, vmap=True).eval()
+    np.testing.assert_allclose(after_one(torch.from_numpy(x).to("jax")).detach().jax(), expected, atol=1e-5)
+    with pytest.raises(TypeError, match="from_equinox: state must be an eqx.nn.State"):
+        t2j.modules.from_equinox(eqx_model, {"a": 1})

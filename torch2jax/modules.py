@@ -344,33 +344,58 @@ def from_nnx(module: nnx.Module) -> FromNnx:
 class FromEquinox(torch.nn.Module):
     """An equinox module as a torch module (see `from_equinox`)."""
 
-    def __init__(self, module: eqx.Module, vmap: bool = False):
+    def __init__(self, module: eqx.Module, vmap: bool = False, state: eqx.nn.State | None = None,
+                 axis_name: str = "batch"):
         super().__init__()
-        self.vmap = vmap
+        self.vmap, self.axis_name = vmap, axis_name
         params, self._t2j_static = eqx.partition(module, eqx.is_inexact_array)
         self.jax_params = _Holder()
         self._t2j_params = _Leaves(self.jax_params, params, "param", drop_last=False)
+        self._t2j_state = None
+        if state is not None:
+            self.jax_state = _Holder()
+            self._t2j_state = _Leaves(self.jax_state, state, "buffer", drop_last=False)
 
     def forward(self, *args, **kwargs):
-        leaves, static, training, vmap = self._t2j_params, self._t2j_static, self.training, self.vmap
+        leaves, static, training = self._t2j_params, self._t2j_static, self.training
+        state_leaves, vmap, axis_name = self._t2j_state, self.vmap, self.axis_name
 
-        def pure(param_arrays, args, kwargs):
+        def pure(param_arrays, state_arrays, args, kwargs):
             module = eqx.nn.inference_mode(eqx.combine(leaves.tree(param_arrays), static), value=not training)
-            return jax.vmap(module)(*args, **kwargs) if vmap else module(*args, **kwargs)
+            if state_leaves is None:
+                return jax.vmap(module, axis_name=axis_name)(*args, **kwargs) if vmap else module(*args, **kwargs)
+            state = state_leaves.tree(state_arrays)
 
+            def call(*a, **k):
+                return module(*a, state=state, **k)
+
+            out, new_state = (jax.vmap(call, axis_name=axis_name, out_axes=(0, None))(*args, **kwargs) if vmap
+                              else call(*args, **kwargs))
+            return out, state_leaves.flat(new_state)
+
+        buffers = state_leaves.tensors(self.jax_state) if state_leaves is not None else []
         with _jax_errors("from_equinox", self._t2j_static, args):
-            return call_jax(pure, leaves.tensors(self.jax_params), args, kwargs)
+            out = call_jax(pure, leaves.tensors(self.jax_params), buffers, args, kwargs)
+        if state_leaves is None:
+            return out
+        _write_buffers(buffers, out[1])
+        return out[0]
 
-    def to_jax(self) -> eqx.Module:
-        """A new equinox module (they are immutable) with this module's current parameters.
+    def to_jax(self):
+        """A new equinox module (they are immutable) with this module's current parameters;
+        ``(module, state)`` when it was built with a ``state``.
 
         >>> trained = torch_side.to_jax()
         """
         arrays = [t._value() for t in self._t2j_params.tensors(self.jax_params)]
-        return eqx.combine(self._t2j_params.tree(arrays), self._t2j_static)
+        module = eqx.combine(self._t2j_params.tree(arrays), self._t2j_static)
+        if self._t2j_state is None:
+            return module
+        return module, self._t2j_state.tree([t._value() for t in self._t2j_state.tensors(self.jax_state)])
 
 
-def from_equinox(module: eqx.Module, *, vmap: bool = False) -> FromEquinox:
+def from_equinox(module: eqx.Module, state: eqx.nn.State | None = None, *, vmap: bool = False,
+                 axis_name: str = "batch") -> FromEquinox:
     """A ``torch.nn.Module`` running the equinox ``module``.
 
     Every floating-point array leaf of the module becomes an ``nn.Parameter`` on
@@ -378,16 +403,27 @@ def from_equinox(module: eqx.Module, *, vmap: bool = False) -> FromEquinox:
     (``jax_params.layers.0.weight``); other leaves stay constant. The forward
     calls the module through `t2j.call_jax`, so gradients, ``torch.optim`` and
     `t2j.jit` work as for a torch layer; ``eval()`` turns on
-    ``eqx.nn.inference_mode``. ``.to_jax()`` returns a new equinox module holding
-    the current (trained) values. Equinox layers are usually written for one
-    example: ``vmap=True`` maps the module over dim 0 of every tensor argument.
+    ``eqx.nn.inference_mode``. Equinox layers are usually written for one
+    example: ``vmap=True`` maps the module over dim 0 of every tensor argument
+    (under the vmap axis ``axis_name``, which ``eqx.nn.BatchNorm`` reduces over).
+
+    A stateful module (``eqx.nn.make_with_state``) comes with its ``state``: its
+    arrays become buffers under ``jax_state``, the forward calls
+    ``module(x, state=state)`` and writes the returned state back into them.
+
+    ``.to_jax()`` returns a new equinox module holding the current (trained)
+    values, and the current state as well when there is one.
 
     >>> mlp = t2j.modules.from_equinox(eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0)), vmap=True)
     >>> mlp(torch.randn(16, 4, device="jax")).sum().backward()
+    >>> bn = t2j.modules.from_equinox(*eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "batch"), vmap=True)
     """
     if not isinstance(module, eqx.Module):
         raise TypeError(f"t2j.modules.from_equinox: expected an equinox.Module, got {type(module).__name__}")
-    return FromEquinox(module, vmap)
+    if state is not None and not isinstance(state, eqx.nn.State):
+        raise TypeError(f"t2j.modules.from_equinox: state must be an eqx.nn.State (from eqx.nn.make_with_state), "
+                        f"got {type(state).__name__}")
+    return FromEquinox(module, vmap, state, axis_name)
 
 
 __all__ = ["EquinoxModule", "FromEquinox", "FromNnx", "NnxModule", "from_equinox", "from_nnx", "to_equinox", "to_nnx"]
