@@ -465,3 +465,20 @@ def test_from_equinox_stateful_batchnorm_matches_jax_reference():
     np.testing.assert_allclose(after_one(torch.from_numpy(x).to("jax")).detach().jax(), expected, atol=1e-5)
     with pytest.raises(TypeError, match="from_equinox: state must be an eqx.nn.State"):
         t2j.modules.from_equinox(eqx_model, {"a": 1})
+
+
+def test_round_trip_torch_to_nnx_to_torch_matches_torch():
+    x = _x(5, 4)
+    torch_model = _mlp()
+    expected_out = torch_model(torch.from_numpy(x))
+    expected = _torch_grads(_mlp(), x)
+    wrapped = t2j.modules.from_nnx(t2j.modules.to_nnx(_mlp()))
+    assert [n for n, _ in wrapped.named_parameters()] == [
+        "jax_params.params.0_bias", "jax_params.params.0_weight", "jax_params.params.2_bias",
+        "jax_params.params.2_weight"]
+    out = wrapped(torch.from_numpy(x).to("jax"))
+    out.pow(2).mean().backward()
+    np.testing.assert_allclose(out.detach().cpu().numpy(), expected_out.detach().numpy(), atol=ATOL)
+    grads = {n.removeprefix("jax_params.params.").replace("_", "."): p.grad.cpu().numpy()
+             for n, p in wrapped.named_parameters()}
+    _assert_tree_close(grads, expected)

@@ -195,10 +195,11 @@ def to_equinox(module: torch.nn.Module) -> EquinoxModule:
 
 
 def _key_name(k) -> str:
+    # torch names cannot contain "." (a `to_nnx` module's keys do: "0.weight")
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
+            return str(getattr(k, attr)).replace(".", "_")
+    return str(k).replace(".", "_")
 
 
 def _is_key(a) -> bool:
