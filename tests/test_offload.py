@@ -170,8 +170,9 @@ def test_gpt_step_memory_with_offload_policy():
     from gpt import GPTConfig
 
     cfg = GPTConfig(vocab_size=96, block_size=128, n_layer=4, n_head=4, n_embd=128)
+    save_dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     variants = {"no remat": None, "remat (save nothing)": True,
-                "remat, save dots (dots_with_no_batch_dims_saveable)": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                "remat, save dots (dots_with_no_batch_dims_saveable)": save_dots,
                 "remat, offload dots (t2j.offload.offload_policy())": offload.offload_policy()}
     rows = {name: _gpt_step_memory(remat, cfg, batch=8) for name, remat in variants.items()}
     print(f"\nbackend={jax.default_backend()} GPT {cfg.n_layer} layers, d={cfg.n_embd}, T={cfg.block_size}, batch 8, "
