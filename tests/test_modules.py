@@ -140,11 +140,18 @@ def _gpt2_ids():
 def test_to_nnx_gpt2_logits_and_grads_match_torch():
     ids = _gpt2_ids()
     torch_model = _gpt2()
-    loss = torch_model(torch.from_numpy(ids)).logits.pow(2).mean()
+    logits = torch_model(torch.from_numpy(ids)).logits
+    loss = logits.pow(2).mean()
     loss.backward()
     expected = {n: p.grad.numpy() for n, p in torch_model.named_parameters()}
     model = t2j.modules.to_nnx(_gpt2())
-    value, grads = nnx.jit(nnx.value_and_grad(lambda m, ids: (m(ids).logits ** 2).mean()))(model, jnp.asarray(ids))
+
+    def loss_fn(m, ids):
+        out = m(ids).logits
+        return (out ** 2).mean(), out
+
+    (value, out), grads = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))(model, jnp.asarray(ids))
+    np.testing.assert_allclose(out, logits.detach().numpy(), atol=1e-5)
     np.testing.assert_allclose(value, loss.item(), rtol=1e-5)
     _assert_tree_close({n: v[...] for n, v in grads["params"].items()}, expected, atol=1e-4)
 
