@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from torch.export import Dim
 
 import torch2jax as t2j
 
@@ -44,9 +47,64 @@ def test_export_train_mode_returns_buffers_and_advances_the_key():
     assert not np.array_equal(out_a, out_b)  # a new dropout mask from the advanced key
 
 
-def test_dynamic_shapes_are_refused_clearly():
-    with pytest.raises(NotImplementedError, match="symbolic dimensions"):
+def test_unsupported_dynamic_shape_spec_is_refused_clearly():
+    with pytest.raises(TypeError, match=r"dynamic_shapes\['input'\]\[0\] is 'batch'; expected a torch.export.Dim"):
         t2j.export(_model(), torch.randn(2, 16), dynamic_shapes={"input": {0: "batch"}})
+    with pytest.raises(ValueError, match=r"names \['x'\], which are not tensor arguments of Sequential.forward"):
+        t2j.export(_model(), torch.randn(2, 16), dynamic_shapes={"x": {0: Dim("batch")}})
+
+
+def _call(exported, state, *arrays, key=0):
+    return exported.call(state, jax.random.key(key), *(jnp.asarray(a) for a in arrays))
+
+
+def test_dynamic_batch_eval_matches_torch_at_several_sizes():
+    model = _model().eval()
+    exported = t2j.export(model, torch.randn(6, 16), dynamic_shapes=({0: Dim("batch", min=2, max=64)},))
+    assert not isinstance(exported.in_avals[-1].shape[0], int)  # a symbolic dimension
+    _, state = t2j.functionalize(model)
+    for n in (2, 9, 64):
+        x = torch.randn(n, 16)
+        out, _, _ = _call(exported, state, x.numpy())
+        np.testing.assert_allclose(out, model(x).detach().numpy(), atol=1e-5)
+    with pytest.raises(ValueError, match="batch|s[0-9]+"):  # outside the Dim's range
+        _call(exported, state, np.zeros((65, 16), np.float32))
+
+
+def test_dynamic_batch_train_mode_updates_batchnorm_statistics():
+    model = _model().train()
+    # batch statistics need two samples, as in torch: min=2 makes that provable for the symbolic batch
+    exported = t2j.export(model, torch.randn(6, 16), dynamic_shapes=({0: Dim("batch", min=2, max=64)},))
+    _, state = t2j.functionalize(model)
+    for n in (4, 11):
+        x = torch.randn(n, 16)
+        out, buffers, _ = _call(exported, state, x.numpy())
+        assert out.shape == (n, 4)
+        h = model[0](x).detach()
+        np.testing.assert_allclose(buffers["1.running_mean"], 0.1 * h.mean(0).numpy(), atol=1e-5)
+        np.testing.assert_allclose(buffers["1.running_var"], 0.9 + 0.1 * h.var(0).numpy(), atol=1e-5)
+        assert int(buffers["1.num_batches_tracked"]) == 1
+
+
+def test_dynamic_export_round_trips_through_bytes():
+    model = _model().eval()
+    exported = t2j.export(model, torch.randn(6, 16), dynamic_shapes=({0: Dim("batch", max=64)},))
+    restored = jax.export.deserialize(exported.serialize())
+    _, state = t2j.functionalize(model)
+    x = torch.randn(13, 16)
+    out, _, _ = _call(restored, state, x.numpy())
+    np.testing.assert_allclose(out, model(x).detach().numpy(), atol=1e-5)
+
+
+def test_dynamic_export_of_a_module_on_the_jax_device():
+    model = _model().eval()
+    expected_model = copy.deepcopy(model)
+    model.to("jax")
+    exported = t2j.export(model, torch.randn(6, 16).to("jax"), dynamic_shapes=({0: Dim("batch")},))
+    _, state = t2j.functionalize(model)
+    x = torch.randn(3, 16)
+    out, _, _ = _call(exported, state, x.numpy())
+    np.testing.assert_allclose(out, expected_model(x).detach().numpy(), atol=1e-5)
 
 
 def test_export_hf_gpt2():
@@ -60,3 +118,33 @@ def test_export_hf_gpt2():
     _, state = t2j.functionalize(model)
     out, _, _ = exported.call(state, jax.random.key(0), jnp.asarray(ids.numpy()))
     np.testing.assert_allclose(out["logits"], model(ids, use_cache=False).logits.detach().numpy(), atol=1e-4)
+
+
+def _hf(name):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+        return transformers.GPT2LMHeadModel(config).eval(), {"use_cache": False}
+    if name == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                          max_position_embeddings=32)
+        return transformers.LlamaForCausalLM(config).eval(), {"use_cache": False}
+    config = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     vocab_size=64, max_position_embeddings=32)
+    return transformers.BertForMaskedLM(config).eval(), {}
+
+
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow),
+                                  pytest.param("bert", marks=pytest.mark.slow)])
+def test_export_hf_with_dynamic_batch_and_sequence(name):
+    model, kwargs = _hf(name)
+    dims = {"input_ids": {0: Dim("batch", max=16), 1: Dim("seq", max=32)}}
+    exported = t2j.export(model, torch.randint(0, 64, (2, 8)), dynamic_shapes=dims, **kwargs)
+    _, state = t2j.functionalize(model)
+    for batch, seq in ((3, 5), (1, 17)):
+        ids = torch.randint(0, 64, (batch, seq))
+        out, _, _ = _call(exported, state, ids.numpy())
+        np.testing.assert_allclose(out["logits"], model(ids, **kwargs).logits.detach().numpy(), atol=1e-4)

@@ -79,11 +79,20 @@ def export(module, *args, dynamic_shapes=None, platforms=None, **kwargs) -> jax_
             out, new_state = fn.apply(state, *arrays, **kwargs)
         return out, new_state["buffers"], r.key
 
-    specs = _arg_specs(args)
-    state_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-    key_spec = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    return _export_jitted(run, state, _arg_specs(args), platforms)
+
+
+def _export_jitted(run, state, arg_specs, platforms):
+    """`jax.export` of ``run(state, key, *args)``. The state's specs are its arrays' own
+    dtypes (int64 buffers of a module on the jax device stay int64); the arguments'
+    follow JAX's defaults where they were made (int64 ids are int32 without x64)."""
     with jax.enable_x64(True):
-        return jax_export.export(jax.jit(run), platforms=platforms)(state_specs, key_spec, *specs)
+        state_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+        return jax_export.export(jax.jit(run), platforms=platforms)(state_specs, _key_spec(), *arg_specs)
+
+
+def _key_spec():
+    return jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -173,7 +182,7 @@ def _constraints(range_constraints):
             continue
         if int(vr.lower) > 1:
             out.append(f"{symbol} >= {int(vr.lower)}")
-        if vr.upper.is_finite:
+        if isinstance(vr.upper, sympy.Integer):  # not int_oo
             out.append(f"{symbol} <= {int(vr.upper)}")
     return out
 
@@ -239,14 +248,13 @@ def _graph_outputs(ep, names, outs, buffers):
 
 def _export_symbolic(module, args, kwargs, dynamic_shapes, platforms):
     _check_spec(dynamic_shapes, "dynamic_shapes")
-    module = _cpu_module(module)
     spec = _positional_spec(module, args, dynamic_shapes)
+    _, state = functionalize(module)  # the caller's state: its dtypes are the signature's
+    names = _canonical_names(module)
     cpu_args = tuple(_cpu(a) for a in args)
     # _Bound.forward takes *args: torch.export sees one argument, the tuple of tensors
-    ep = torch.export.export(_Bound(module, kwargs), cpu_args, dynamic_shapes=(spec,), strict=False)
+    ep = torch.export.export(_Bound(_cpu_module(module), kwargs), cpu_args, dynamic_shapes=(spec,), strict=False)
     ep = ep.run_decompositions(fx.decompositions())
-    _, state = functionalize(module)
-    names = _canonical_names(module)
 
     def run(state, key, *arrays):
         with default_rng.traced_key(key) as r:
@@ -254,7 +262,4 @@ def _export_symbolic(module, args, kwargs, dynamic_shapes, platforms):
         out, buffers = _graph_outputs(ep, names, outs, state["buffers"])
         return out, buffers, r.key
 
-    state_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-    key_spec = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-    with jax.enable_x64(True):
-        return jax_export.export(jax.jit(run), platforms=platforms)(state_specs, key_spec, *_symbolic_specs(ep))
+    return _export_jitted(run, state, _symbolic_specs(ep), platforms)
