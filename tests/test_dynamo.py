@@ -124,6 +124,17 @@ def test_unknown_backend_option_is_refused():
         torch.compile(_mlp(), backend="torch2jax", options={"mode": "fast"})(torch.randn(2, 8))
 
 
+def test_module_on_the_jax_device_runs_eagerly_under_torch_compile():
+    # Dynamo cannot trace torch2jax tensors; the model still runs, op by op on JAX
+    model = _mlp()
+    x = torch.randn(3, 8)
+    expected = model(x)
+    model.to("jax")
+    out = torch.compile(model, backend="torch2jax")(x.to("jax"))
+    assert isinstance(out, t2j.Tensor)
+    _assert_close(out.cpu(), expected)
+
+
 def test_plain_torch_compile_still_works_after_import():
     # renaming PrivateUse1 to "jax" must not break torch's own compiler (DESIGN.md)
     model = _mlp()

@@ -130,6 +130,11 @@ def register() -> None:
     if _COMPILER_FNS.get(BACKEND) is not backend:
         _COMPILER_FNS.pop(BACKEND, None)
         register_backend(backend, name=BACKEND)
+    # Dynamo must not trace into JAX or torch2jax: where it gives up on a torch2jax
+    # tensor and runs the code eagerly, the ops reach __torch_dispatch__ in Python
+    # frames that Dynamo would otherwise try to compile, and break JAX.
+    for package in ("jax", "jaxlib", "torch2jax"):
+        torch._dynamo.trace_rules.add(package)
 
 
 register()
