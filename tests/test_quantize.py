@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch2jax as t2j
+import torch2jax.ops.quantized  # noqa: F401  (registers its lowering until torch2jax.ops imports it)
 from torch2jax.quantize import Int8Conv1D, Int8Linear, int8_weight_only, nbytes, quantize_per_channel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -191,3 +192,34 @@ def test_gpt2_conv1d_quantized_and_tied_head_kept():
         got = qj(ids.to("jax")).logits.cpu()
     torch.testing.assert_close(got, cpu_logits, rtol=1e-4, atol=1e-4)
     assert amp_quantize.compare_logits(ref, got, ids)["top1_agreement"] > 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weight_int8pack_mm_lowering_matches_torch_cpu(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 32, generator=g).to(dtype)
+    w = torch.randint(-127, 128, (12, 32), dtype=torch.int8, generator=g)
+    s = (torch.rand(12, generator=g) / 100).to(dtype)
+    expected = torch._weight_int8pack_mm(x, w, s)
+    with t2j.env(fallback="error"):
+        args = [t.to("jax") for t in (x, w, s)]
+        got = torch._weight_int8pack_mm(*args)
+        jitted = t2j.jit(torch._weight_int8pack_mm)(*args)
+    assert got.dtype == jitted.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.cpu(), expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(jitted.cpu(), got.cpu())
+
+
+def test_weight_int8pack_mm_bad_input_errors_like_torch():
+    x, w, s = torch.randn(5, 32), torch.ones(12, 32, dtype=torch.int8), torch.ones(12)
+    with t2j.env(fallback="error"):
+        xj, wj, sj = (t.to("jax") for t in (x, w, s))
+        with pytest.raises(RuntimeError, match=r"expected w to be int8, got torch.float32"):
+            torch._weight_int8pack_mm(xj, wj.float(), sj)
+        with pytest.raises(RuntimeError, match=r"expected w.size\(1\) \(16\) == x.size\(1\) \(32\)"):
+            torch._weight_int8pack_mm(xj, wj[:, :16], sj)
+        with pytest.raises(RuntimeError, match=r"expected x to be f32/f16/bf16, got torch.float64"):
+            torch._weight_int8pack_mm(xj.double(), wj, sj)
+        with pytest.raises(RuntimeError, match=r"_weight_int8pack_mm: expected scales to have x's dtype"):
+            torch._weight_int8pack_mm(xj.bfloat16(), wj, sj)
