@@ -108,7 +108,11 @@ def autocast(dtype: torch.dtype = torch.bfloat16, enabled: bool = True) -> torch
 
 def overload(name: str):
     """The `OpOverload` an autocast list entry names ("pow.Tensor_Scalar", "linear"), or None
-    when this torch has no such op."""
+    when this torch has no such op.
+
+    >>> t2j.amp.overload("pow.Tensor_Scalar") is torch.ops.aten.pow.Tensor_Scalar
+    True
+    """
     packet, _, which = name.partition(".")
     return getattr(getattr(torch.ops.aten, packet, None), which or "default", None)
 
@@ -214,7 +218,10 @@ def _kernel(op, policy):
 
 
 def install() -> None:
-    """Register the autocast kernels of the jax device (idempotent; done by ``import torch2jax``)."""
+    """Register the autocast kernels of the jax device (idempotent; done by ``import torch2jax``).
+
+    >>> t2j.amp.install()          # nothing to do: already installed on import
+    """
     if _libs:
         return
     fallback = torch.library.Library("_", "IMPL")
