@@ -321,3 +321,20 @@ def test_compile_forward_and_backward_under_autocast():
         got.float().sum().backward()
     assert got.dtype == BF16
     torch.testing.assert_close(mj.fc1.weight.grad.cpu(), model.fc1.weight.grad, rtol=5e-2, atol=1e-2)
+
+
+def test_hf_llama_forward_under_autocast_matches_cpu_autocast():
+    # LlamaRotaryEmbedding turns autocast off for its own device type inside: nesting on "jax".
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        expected = model(ids).logits
+    with t2j.env(), torch.no_grad(), torch.autocast("jax", dtype=BF16):
+        got = copy.deepcopy(model).to("jax")(ids.to("jax")).logits
+    assert got.dtype == expected.dtype == BF16
+    torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=2e-2, atol=1e-2)
