@@ -338,3 +338,24 @@ def test_hf_llama_forward_under_autocast_matches_cpu_autocast():
         got = copy.deepcopy(model).to("jax")(ids.to("jax")).logits
     assert got.dtype == expected.dtype == BF16
     torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=2e-2, atol=1e-2)
+
+
+def test_autocast_inside_a_jax_jitted_functionalized_module():
+    import jax
+    import jax.numpy as jnp
+
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(8, 4), torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = lin(x)
+    with t2j.env():
+        fn, state = t2j.functionalize(copy.deepcopy(lin).to("jax"))
+
+        def f(state, x):
+            with t2j.amp.autocast():
+                return fn(state, x)
+
+        got = jax.jit(f)(state, jnp.asarray(x.numpy()))
+    assert got.dtype == jnp.bfloat16
+    torch.testing.assert_close(torch.tensor(got.astype(jnp.float32).tolist()), expected.detach().float(),
+                               rtol=1e-2, atol=1e-2)
