@@ -208,3 +208,54 @@ def test_graph_program_runs_an_aten_graph_directly():
     x, w = torch.randn(2, 3), torch.randn(3, 4)
     (out,) = program(x, w)
     _assert_close(out, torch.relu(x @ w))
+
+
+def test_dropout_draws_fresh_masks_and_follows_manual_seed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)).train()
+    compiled = torch.compile(model, backend="torch2jax")
+    x = torch.randn(4, 8)
+    torch.manual_seed(1)
+    a, b = compiled(x), compiled(x)
+    torch.manual_seed(1)
+    c = compiled(x)
+    assert not torch.equal(a, b)
+    assert torch.equal(a, c)
+    zeros = (a == 0).float().mean().item()
+    assert 0.3 < zeros < 0.7
+    kept = a != 0
+    _assert_close(a[kept], (model[0](x) * 2)[kept])
+
+
+# -- the FX interpreter on its own ------------------------------------------------
+
+
+def test_fx_run_evaluates_size_arithmetic_on_jax_symbolic_dims():
+    import jax
+
+    from torch2jax import fx
+
+    def fn(x):
+        n, d = x.shape
+        return (x.reshape(n * d) * (n + 1)).view(n, d).sum(0), torch.zeros(n // 2 + 1, d)
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(fn, tracing_mode="symbolic")(torch.randn(4, 3))
+    assert any(n.target is torch.ops.aten.sym_size.int for n in gm.graph.nodes)
+    (batch,) = jax.export.symbolic_shape("batch")
+    exported = jax.export.export(jax.jit(lambda x: fx.run(gm, x)))(jax.ShapeDtypeStruct((batch, 3), np.float32))
+    for n in (2, 7):
+        x = torch.randn(n, 3)
+        total, zeros = exported.call(x.numpy())
+        expected_total, expected_zeros = fn(x)
+        np.testing.assert_allclose(total, expected_total.numpy(), rtol=1e-6)
+        assert zeros.shape == tuple(expected_zeros.shape)
+
+
+def test_fx_run_refuses_a_mutating_graph_by_name():
+    from torch2jax import fx
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.add_.Tensor, (x, x)))
+    with pytest.raises(t2j.OpError, match=r"aten.add_.Tensor mutates its input; the graph must be functional"):
+        fx.run(torch.fx.GraphModule({}, graph), np.ones(2, np.float32))
