@@ -75,10 +75,6 @@ def _sym_float(a):
     return float(a)
 
 
-def _no_op(*args, **kwargs):
-    return None
-
-
 # Shape checks torch.export records as nodes; jax.export's symbolic constraints
 # (the Dim ranges) already hold them.
 _ASSERTS = {
@@ -94,8 +90,6 @@ _PYTHON_FUNCTIONS = {
     torch.sym_float: _sym_float,
     torch.sym_int: int,
     torch.sym_not: operator.not_,
-    math.ceil: math.ceil,
-    math.floor: math.floor,
 }
 
 
@@ -107,20 +101,14 @@ def _sym_numel(x):
     return math.prod(x.shape)
 
 
-def _sym_stride(x, dim):
-    return math.prod(x.shape[dim + 1:])
-
-
 _SIZE_OPS = {
     aten.sym_size.int: _sym_size,
     aten.sym_numel.default: _sym_numel,
-    aten.sym_stride.int: _sym_stride,
-    aten.sym_storage_offset.default: lambda x: 0,
 }
 
 
 # ---------------------------------------------------------------------------
-# factories whose sizes may be symbolic: the registered lowerings ask for ints
+# ops whose sizes may be symbolic: the registered lowerings ask for ints
 # ---------------------------------------------------------------------------
 
 
@@ -128,13 +116,17 @@ def _dtype_or(dtype, default):
     return _dt.to_jax(dtype) if dtype is not None else default
 
 
+def _scalar_dtype(value):
+    """torch's dtype for a tensor filled with Python number ``value``."""
+    if isinstance(value, bool):
+        return np.dtype(np.bool_)
+    if isinstance(value, int):
+        return np.dtype(np.int64)
+    return _dt.to_jax(torch.get_default_dtype())
+
+
 def _full(size, fill_value, *, dtype=None, **_):
-    default = _dt.to_jax(torch.get_default_dtype()) if isinstance(fill_value, float) else None
-    if isinstance(fill_value, bool):
-        default = np.dtype(np.bool_)
-    elif isinstance(fill_value, int):
-        default = np.dtype(np.int64)
-    return jnp.full(tuple(size), fill_value, _dtype_or(dtype, default))
+    return jnp.full(tuple(size), fill_value, _dtype_or(dtype, _scalar_dtype(fill_value)))
 
 
 def _filled(value):
@@ -158,10 +150,8 @@ def _new_full(x, size, fill_value, *, dtype=None, **_):
 def _arange(*args, dtype=None, **_):
     start, end, step = (0, args[0], 1) if len(args) == 1 else (args + (1,))[:3]
     if any(isinstance(a, float) for a in (start, end, step)):
-        default = _dt.to_jax(torch.get_default_dtype())
-    else:
-        default = np.dtype(np.int64)
-    dt = _dtype_or(dtype, default)
+        raise OpError(f"torch2jax.fx: aten.arange with a symbolic bound takes integer bounds, got {args}")
+    dt = _dtype_or(dtype, np.dtype(np.int64))
     n = (end - start + step - 1) // step if step > 0 else (start - end - step - 1) // -step
     return (start + step * jax.lax.iota(dt, n)).astype(dt)
 
@@ -176,7 +166,7 @@ def _expand(x, size, *, implicit=False):
     return jnp.broadcast_to(x, shape)
 
 
-_SYMBOLIC_FACTORIES = {
+_SYMBOLIC_SIZE_OPS = {
     aten.view.default: _reshape,
     aten._unsafe_view.default: _reshape,
     aten.reshape.default: _reshape,
@@ -277,8 +267,8 @@ def call_op(op, args, kwargs):
         return _SIZE_OPS[op](*args, **kwargs)
     if op in _ASSERTS:
         return None
-    if op in _SYMBOLIC_FACTORIES and _has_symbolic((args, list(kwargs.values()))):
-        return _SYMBOLIC_FACTORIES[op](*args, **kwargs)
+    if op in _SYMBOLIC_SIZE_OPS and _has_symbolic((args, list(kwargs.values()))):
+        return _SYMBOLIC_SIZE_OPS[op](*args, **kwargs)
     if op in _CPU_KERNELS:
         return _CPU_KERNELS[op](*args, **kwargs)
     if op in _reg.VIEWS:
