@@ -39,8 +39,20 @@ from .tensor import Tensor, jax_array, new_tensor, torch_cpu
 BACKEND = "torch2jax"
 
 
+# dtypes NumPy holds as they are: such CPU tensors go to jax.jit as NumPy arrays,
+# which it transfers in one batch (far cheaper than one jnp.asarray per tensor)
+_NUMPY_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64, torch.complex128,
+}
+
+
 def _array(t):
-    return t._value() if isinstance(t, Tensor) else jax_array(t)
+    if isinstance(t, Tensor):
+        return t._value()
+    if t.dtype in _NUMPY_DTYPES and t.device.type == "cpu":
+        return t.detach().resolve_conj().resolve_neg().numpy()
+    return jax_array(t)
 
 
 def _output_kind(value):
