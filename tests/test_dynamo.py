@@ -259,3 +259,19 @@ def test_fx_run_refuses_a_mutating_graph_by_name():
     graph.output(graph.call_function(torch.ops.aten.add_.Tensor, (x, x)))
     with pytest.raises(t2j.OpError, match=r"aten.add_.Tensor mutates its input; the graph must be functional"):
         fx.run(torch.fx.GraphModule({}, graph), np.ones(2, np.float32))
+
+
+def test_fx_run_names_an_op_that_needs_concrete_sizes():
+    import jax
+
+    from torch2jax import fx
+
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    graph.output(graph.call_function(torch.ops.aten.linear.default, (x, w)))  # no lowering: decomposed by dispatch
+    gm = torch.fx.GraphModule({}, graph)
+    w_value = np.ones((2, 3), np.float32)
+    np.testing.assert_allclose(fx.run(gm, np.ones((4, 3), np.float32), w_value), np.full((4, 2), 3.0))
+    (batch,) = jax.export.symbolic_shape("batch")
+    with pytest.raises(t2j.OpError, match=r"aten.linear.default has no JAX lowering.*symbolic dimensions"):
+        jax.export.export(jax.jit(lambda x: fx.run(gm, x, w_value)))(jax.ShapeDtypeStruct((batch, 3), np.float32))

@@ -230,8 +230,8 @@ def _has_symbolic(value):
 
 
 def _to_tensor(value):
-    if isinstance(value, (jax.Array, jax.core.Tracer)):
-        return new_tensor(value)
+    if isinstance(value, (jax.Array, jax.core.Tracer, np.ndarray)):
+        return new_tensor(jnp.asarray(value))
     if isinstance(value, (list, tuple)):
         return type(value)(_to_tensor(v) for v in value)
     return value
