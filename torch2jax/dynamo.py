@@ -91,6 +91,9 @@ class GraphProgram:
     Tensors are traced; integer inputs (sizes, under dynamic shapes) are static,
     so each distinct size compiles once. Random ops draw from torch2jax's RNG key,
     which is an input and an output of the program.
+
+    >>> gm = make_fx(lambda x, w: (torch.relu(x @ w),))(x, w)
+    >>> (out,) = GraphProgram(gm, [x, w])(x, w)      # a torch CPU tensor, computed by XLA
     """
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs):
