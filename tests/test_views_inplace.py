@@ -143,13 +143,13 @@ def p_bool_mask_setitem(x):
 
 
 def p_index_tensor_setitem(x):
-    x[torch.tensor([0, 2])] = torch.ones(4)
+    x[torch.tensor([0, 2])] = torch.ones(4, device=x.device)
     return x
 
 
 def p_index_put_accumulate(x):
     idx = (torch.tensor([0, 0, 1]),)
-    x.index_put_(idx, torch.ones(3, 4), accumulate=True)
+    x.index_put_(idx, torch.ones(3, 4, device=x.device), accumulate=True)
     return x
 
 
