@@ -154,8 +154,8 @@ class _Slots:
     """The state of one call: tensors (by slot), storages and a structural key."""
 
     tensors: list  # Tensor | None per slot
-    setters: list  # how to point each slot at another tensor
-    names: list  # a readable name per slot (for explain_recompiles)
+    setters: list  # how to point each slot at another tensor (only when collected in full)
+    names: list  # a readable name per slot, for explain_recompiles (only when collected in full)
     storages: list  # the distinct storages of all slot tensors
     key: tuple
     static: list  # (name, value) of the Python values the trace depends on
@@ -191,96 +191,205 @@ def _make_capturable(opt) -> None:
                 st[k] = v.to(_tensor.DEVICE)
 
 
-def _collect(args_leaves, roots: _Roots, full: bool = False) -> _Slots:
-    """The slots of a call. The fast form (every call) builds only the tensors and
-    the key; ``full`` (when tracing) adds each slot's name and setter. Names and
-    setters are passed as functions so that the fast form never builds them."""
-    tensors, setters, names, static = [], [], [], []
-    seen_grads = set()
+class _Walk:
+    """The tensors a call's state consists of, in slot order, found by one walk over
+    the roots (or the arguments). Where each came from (its *origin*, from which a
+    slot's name and setter are made) is recorded only when ``full``: a walk runs on
+    every call and must stay cheap."""
 
-    def add(t, setter, name):
-        if t is not None and not isinstance(t, Tensor):
-            raise JitError(
-                f"t2j.jit: {name()} is a tensor on {t.device}, not on the jax device; move it first "
-                "(module.to('jax'), tensor.to('jax'))"
-            )
-        tensors.append(t)
-        if full:
-            setters.append(setter() if setter is not None else None)
-            names.append(name())
+    def __init__(self, full: bool, grads_seen=()):
+        self.full = full
+        self.tensors, self.origins, self.static, self.lr_groups = [], [], [], []
+        self.grads_seen = set(grads_seen)
 
-    def add_grad(p, name):
-        if not p.requires_grad or id(p) in seen_grads:
-            return
-        seen_grads.add(id(p))
-        add(p.grad, lambda: functools.partial(_set_grad, p), lambda: name() + ".grad")
+    def add(self, t, origin):
+        self.tensors.append(t)
+        if self.full:
+            self.origins.append(origin)
 
-    for i, leaf in enumerate(args_leaves):
-        if isinstance(leaf, Tensor):
-            add(leaf, None, lambda i=i: f"argument {i}")
-            add_grad(leaf, lambda i=i: f"argument {i}")
-    for i, t in enumerate(roots.tensors):
-        add(t, None, lambda i=i: f"captured tensor {i}")
-    for k, m in enumerate(roots.modules):
-        subs = list(m.named_modules()) if full else [("", sub) for sub in m.modules()]
-        static.append((("module", k, "training"), tuple(sub.training for _, sub in subs)))
-        for prefix, sub in subs:
-            for name, p in sub._parameters.items():
-                pname = functools.partial(_module_slot_name, m, prefix, name)
-                add(p, lambda sub=sub, name=name: functools.partial(_set_param, sub, name), pname)
-                if p is not None:
-                    add_grad(p, pname)
-            for name, b in sub._buffers.items():
-                add(b, lambda sub=sub, name=name: functools.partial(_set_buffer, sub, name),
-                    functools.partial(_module_slot_name, m, prefix, name))
-    lr_groups = []
-    for k, opt in enumerate(roots.optimizers):
+    def add_grad(self, p, origin):
+        if p.requires_grad and id(p) not in self.grads_seen:
+            self.grads_seen.add(id(p))
+            self.add(p.grad, ("grad", p, origin) if self.full else None)
+
+    def roots(self, roots: _Roots):
+        for i, t in enumerate(roots.tensors):
+            self.add(t, ("captured", i))
+        for k, m in enumerate(roots.modules):
+            subs = list(m.modules())
+            self.static.append((("module", k, "training"), tuple(sub.training for sub in subs)))
+            for sub in subs:
+                for name, p in sub._parameters.items():
+                    self.add(p, ("param", m, sub, name))
+                    if p is not None:
+                        self.add_grad(p, ("param", m, sub, name))
+                for name, b in sub._buffers.items():
+                    self.add(b, ("buffer", m, sub, name))
+        for k, opt in enumerate(roots.optimizers):
+            self.optimizer(k, opt)
+        return self
+
+    def optimizer(self, k, opt):
         _make_capturable(opt)
-        oname = f"{type(opt).__name__}#{k}"
         for gi, group in enumerate(opt.param_groups):
             hyper = []
             for hk, hv in sorted(group.items()):
                 if hk == "params":
                     continue
                 if hk == "lr" and isinstance(hv, float):
-                    lr_groups.append(group)
+                    self.lr_groups.append(group)
                 elif isinstance(hv, Tensor):
-                    add(hv, None, lambda gi=gi, hk=hk: f"{oname}.param_groups[{gi}][{hk!r}]")
+                    self.add(hv, ("hyper", opt, k, gi, hk))
                 else:
                     hyper.append((hk, hv))
-            static.append((("optimizer", k, "param_groups", gi), tuple(hyper)))
+            self.static.append((("optimizer", k, "param_groups", gi), tuple(hyper)))
             for pi, p in enumerate(group["params"]):
-                add_grad(p, lambda gi=gi, pi=pi: f"{oname}.param_groups[{gi}].params[{pi}]")
+                self.add_grad(p, ("opt_param", opt, k, gi, pi))
                 st = opt.state.get(p)
                 if st is None:
-                    static.append((("optimizer", k, "state", gi, pi), None))
+                    self.static.append((("optimizer", k, "state", gi, pi), None))
                     continue
                 values = []
                 for sk, sv in sorted(st.items()):
                     if isinstance(sv, torch.Tensor):
-                        add(sv, lambda opt=opt, p=p, sk=sk: functools.partial(_set_opt_state, opt, p, sk),
-                            lambda pi=pi, sk=sk: f"{oname}.state[{pi}][{sk!r}]")
+                        self.add(sv, ("opt_state", opt, k, pi, p, sk))
                         values.append(sk)
                     else:
                         values.append((sk, sv))
-                static.append((("optimizer", k, "state", gi, pi), tuple(values)))
+                self.static.append((("optimizer", k, "state", gi, pi), tuple(values)))
 
-    storages, index = [], {}
-    sig = []
-    for t in tensors:
-        if t is None:
-            sig.append(None)
-            continue
-        st = t._t2j_storage
-        i = index.get(id(st))
-        if i is None:
-            i = index[id(st)] = len(storages)
-            storages.append(st)
-        view = (t.stride(), t.storage_offset()) if t._t2j_view else None
-        sig.append((tuple(t.shape), t.dtype, t.requires_grad, i, view))
-    avals = tuple((st.array.shape, st.array.dtype) for st in storages)
-    key = (tuple(sig), avals, tuple(static), len(lr_groups))
-    return _Slots(tensors, setters, names, storages, key, static, lr_groups)
+    def args(self, leaves):
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor):
+                self.add(leaf, ("arg", i))
+                self.add_grad(leaf, ("arg", i))
+        return self
+
+
+def _slot_name(origin, prefixes) -> str:
+    kind = origin[0]
+    if kind == "arg":
+        return f"argument {origin[1]}"
+    if kind == "captured":
+        return f"captured tensor {origin[1]}"
+    if kind == "grad":
+        return _slot_name(origin[2], prefixes) + ".grad"
+    if kind in ("param", "buffer"):
+        _, m, sub, name = origin
+        return _module_slot_name(m, prefixes[id(m)][id(sub)], name)
+    oname = f"{type(origin[1]).__name__}#{origin[2]}"
+    if kind == "hyper":
+        return f"{oname}.param_groups[{origin[3]}][{origin[4]!r}]"
+    if kind == "opt_param":
+        return f"{oname}.param_groups[{origin[3]}].params[{origin[4]}]"
+    return f"{oname}.state[{origin[3]}][{origin[5]!r}]"
+
+
+def _slot_setter(origin):
+    kind = origin[0]
+    if kind == "grad":
+        return functools.partial(_set_grad, origin[1])
+    if kind == "param":
+        return functools.partial(_set_param, origin[2], origin[3])
+    if kind == "buffer":
+        return functools.partial(_set_buffer, origin[2], origin[3])
+    if kind == "opt_state":
+        return functools.partial(_set_opt_state, origin[1], origin[4], origin[5])
+    return None
+
+
+def _check_on_device(walk: _Walk, prefixes):
+    for i, t in enumerate(walk.tensors):
+        if t is not None and not isinstance(t, Tensor):
+            name = _slot_name(walk.origins[i], prefixes) if walk.full else f"a state tensor (slot {i})"
+            raise JitError(
+                f"t2j.jit: {name} is a tensor on {t.device}, not on the jax device; move it first "
+                "(module.to('jax'), tensor.to('jax'))"
+            )
+
+
+class _RootState:
+    """The roots' part of the slots, kept from call to call: when the same tensors
+    with the same storages, shapes and flags come back, the signature is reused
+    instead of being rebuilt (the per-call cost of a step with many parameters)."""
+
+    def __init__(self, walk: _Walk):
+        self.tensors = walk.tensors
+        self.static = walk.static
+        self.n_lr = len(walk.lr_groups)
+        self.grads_seen = walk.grads_seen
+        self.storages, self.index, self.sig = [], {}, []
+        for t in walk.tensors:
+            self.sig.append(_signature(t, self.storages, self.index))
+        self.storage_of = [t._t2j_storage if t is not None else None for t in walk.tensors]
+        self.flags = _flags(walk.tensors)
+        self.avals = _avals(self.storages)
+
+    def matches(self, walk: _Walk) -> bool:
+        ts = walk.tensors
+        if len(ts) != len(self.tensors) or not all(map(_is, ts, self.tensors)):
+            return False
+        if walk.static != self.static or len(walk.lr_groups) != self.n_lr:
+            return False
+        storages = [t._t2j_storage if t is not None else None for t in ts]
+        if not all(map(_is, storages, self.storage_of)):
+            return False
+        return _flags(ts) == self.flags and _avals(self.storages) == self.avals
+
+
+def _is(a, b):
+    return a is b
+
+
+def _flags(tensors):
+    return [t is not None and t.requires_grad for t in tensors]
+
+
+def _avals(storages):
+    return [(st.array.shape, st.array.dtype) for st in storages]
+
+
+def _signature(t, storages, index):
+    """What the trace of a slot depends on; registers the tensor's storage."""
+    if t is None:
+        return None
+    st = t._t2j_storage
+    i = index.get(id(st))
+    if i is None:
+        i = index[id(st)] = len(storages)
+        storages.append(st)
+    view = (t.stride(), t.storage_offset()) if t._t2j_view else None
+    return (tuple(t.shape), t.dtype, t.requires_grad, i, view)
+
+
+def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None = None) -> _Slots:
+    """The slots of a call: the roots' state first, then the tensor arguments.
+
+    ``full`` (when tracing) adds each slot's name and setter. ``memo`` is a
+    one-element list holding the last call's `_RootState`, reused when it still
+    matches and replaced when not.
+    """
+    walk = _Walk(full).roots(roots)
+    prefixes = {id(m): {id(sub): prefix for prefix, sub in m.named_modules()} for m in roots.modules} if full else {}
+    _check_on_device(walk, prefixes)
+    state = memo[0] if memo else None
+    if state is None or not state.matches(walk):
+        state = _RootState(walk)
+        if memo is not None:
+            memo[:] = [state]
+    args = _Walk(full, state.grads_seen).args(args_leaves)
+    _check_on_device(args, prefixes)
+    storages, index = list(state.storages), dict(state.index)
+    sig = state.sig + [_signature(t, storages, index) for t in args.tensors]
+    avals = tuple(state.avals) + tuple((st.array.shape, st.array.dtype) for st in storages[len(state.storages):])
+    key = (tuple(sig), avals, tuple(walk.static), len(walk.lr_groups))
+    tensors = walk.tensors + args.tensors
+    setters, names = [], []
+    if full:
+        origins = walk.origins + args.origins
+        setters = [_slot_setter(o) for o in origins]
+        names = [_slot_name(o, prefixes) for o in origins]
+    return _Slots(tensors, setters, names, storages, key, walk.static, walk.lr_groups)
 
 
 def _module_slot_name(module, prefix, name):
@@ -342,6 +451,7 @@ class JitFunction:
         self.donate = donate
         self._cache: dict = {}
         self._extra: list = []  # weakrefs to storages read but not found as slots
+        self._roots_memo: list = []  # the last call's _RootState
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0}
         functools.update_wrapper(self, fn)
 
@@ -378,7 +488,7 @@ class JitFunction:
         leaves = [_to_device(x) for x in leaves]
         roots = _find_roots(self.fn, args, kwargs)
         for _ in range(3):
-            slots = _collect(leaves, roots)
+            slots = _collect(leaves, roots, memo=self._roots_memo)
             extra = [s for s in (r() for r in self._extra) if s is not None]
             extra = [s for s in extra if not any(s is st for st in slots.storages)]
             storages = slots.storages + extra
