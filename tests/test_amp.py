@@ -292,8 +292,6 @@ def test_jit_with_autocast_inside_and_decorator():
     assert "bf16" in text and "dot_general" in text
 
 
-@pytest.mark.xfail(strict=True, reason="t2j.jit's cache key lacks the autocast state: a program traced under "
-                                       "autocast is reused outside it (fix in torch2jax/jit.py, see docs/amp_quantize.md)")
 def test_jit_retraces_when_autocast_state_changes():
     a = _inputs()["a"]
     with t2j.env():
@@ -304,9 +302,6 @@ def test_jit_retraces_when_autocast_state_changes():
         assert f(aj).dtype == torch.float32
 
 
-@pytest.mark.xfail(strict=True, reason="t2j.compile traces its backward outside the autocast region, so the VJP "
-                                       "sees float32 where the forward gave bfloat16 (fix in torch2jax/compile.py, "
-                                       "see docs/amp_quantize.md)")
 def test_compile_forward_and_backward_under_autocast():
     torch.manual_seed(0)
     model, x = _Net(), torch.randn(6, 8)

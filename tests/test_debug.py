@@ -59,7 +59,6 @@ def test_count_refuses_unknown_events():
         t2j.debug.count("trace")
 
 
-@pytest.mark.xfail(strict=True, reason="needs the t2j.debug.count calls in torch2jax/jit.py (lead's file)")
 def test_counters_count_jit_traces_compiles_and_cache_hits():
     model = torch.nn.Linear(3, 2).to("jax")
 

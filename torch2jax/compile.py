@@ -20,6 +20,7 @@ import jax
 import torch
 import torch.utils._pytree as torch_pytree
 
+from . import debug as _debug
 from .env import default_rng as _rng
 from .interop import functionalize
 from .jit import JitFunction, _static_key
@@ -55,6 +56,8 @@ class _Program:
     def __init__(self, module, spec, leaves, tensor_positions, floating, param_names, buffer_names):
         fn, _ = functionalize(module)
         self.module = module
+        # the program is traced lazily, outside the caller's autocast region: keep its state
+        amp_enabled, amp_dtype = torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax")
         self.param_names, self.buffer_names = param_names, buffer_names
         self.last_key = None
         self.out_spec = None
@@ -66,7 +69,7 @@ class _Program:
                 filled[i] = a
             args, kwargs = torch_pytree.tree_unflatten(filled, spec)
             state = {"params": dict(zip(param_names, params)), "buffers": dict(zip(buffer_names, buffers))}
-            with _rng.traced_key(key) as r:
+            with _rng.traced_key(key) as r, torch.autocast("jax", dtype=amp_dtype, enabled=amp_enabled):
                 out, new_state = fn.apply(state, *args, **kwargs)
             flat, self.out_spec = torch_pytree.tree_flatten(out)
             self.out_leaves = [None if isinstance(o, (jax.Array, jax.core.Tracer)) else o for o in flat]
@@ -139,9 +142,14 @@ class CompiledModule(torch.nn.Module):
         leaves, spec = torch_pytree.tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         avals = tuple((tuple(leaves[i].shape), leaves[i].dtype) for i in positions)
-        key = (spec, _static_key(leaves), avals, self.module.training, tuple(params))
+        key = (spec, _static_key(leaves), avals, self.module.training, tuple(params),
+               torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
         program = self._programs.get(key)
-        if program is None:
+        if program is not None:
+            _debug.count("cache_hits")
+        else:
+            _debug.count("traces")
+            _debug.count("compiles")
             statics = [None if isinstance(x, torch.Tensor) else x for x in leaves]
             floating = [leaves[i].is_floating_point() or leaves[i].is_complex() for i in positions]
             program = self._programs[key] = _Program(

@@ -52,6 +52,7 @@ import torch.utils._pytree as torch_pytree
 from jax.extend.core import jaxpr_as_fun
 
 from .env import default_rng as _rng
+from . import debug as _debug
 from . import symbolic as _sym
 from . import tensor as _tensor
 from .tensor import Tensor, jax_array, new_tensor
@@ -493,10 +494,12 @@ class JitFunction:
             extra = [s for s in extra if not any(s is st for st in slots.storages)]
             storages = slots.storages + extra
             key = (spec, _static_key(leaves), slots.key, tuple(id(s) for s in extra),
-                   tuple((tuple(s.array.shape), s.array.dtype) for s in extra), torch.is_grad_enabled())
+                   tuple((tuple(s.array.shape), s.array.dtype) for s in extra), torch.is_grad_enabled(),
+                   torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
             entry = self._cache.get(key)
             if entry is not None:
                 self.stats["hits"] += 1
+                _debug.count("cache_hits")
                 return entry, leaves, slots, storages
             slots = _collect(leaves, roots, full=True)
             self._explain(key, slots)
@@ -523,6 +526,7 @@ class JitFunction:
             if not entry.compile_s:
                 entry.compile_s = time.perf_counter() - start
                 self.stats["compiles"] += 1
+                _debug.count("compiles")
         for i, a in zip(entry.written, written):
             st = storages[i]
             st.array = a
@@ -550,6 +554,7 @@ class JitFunction:
 
     def _trace(self, leaves, spec, roots, slots, storages):
         self.stats["traces"] += 1
+        _debug.count("traces")
         start = time.perf_counter()
         info = {}
         pure = functools.partial(self._pure, leaves, spec, roots, slots, storages, info)
