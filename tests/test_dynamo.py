@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-import torch2jax as t2j  # noqa: F401 - registers the backend
+import torch2jax as t2j  # noqa: F401
 from torch2jax import dynamo as t2j_dynamo
 
 
@@ -53,6 +55,19 @@ def _mlp_batch(i):
 
 def test_backend_is_registered_by_name():
     assert "torch2jax" in torch._dynamo.list_backends()
+
+
+def test_backend_is_found_through_the_entry_point_without_importing_dynamo_up_front():
+    # a fresh process: `import torch2jax` leaves Dynamo alone, torch.compile finds the backend by name
+    code = (
+        "import sys, torch, torch2jax\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "m = torch.nn.Linear(3, 2)\n"
+        "out = torch.compile(m, backend='torch2jax')(torch.ones(2, 3))\n"
+        "torch.testing.assert_close(out, m(torch.ones(2, 3)))\n"
+        "assert 'torch2jax.dynamo' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
 def test_mlp_forward_and_gradients_match_eager():

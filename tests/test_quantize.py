@@ -10,7 +10,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch2jax as t2j
-import torch2jax.ops.quantized  # noqa: F401  (registers its lowering until torch2jax.ops imports it)
 from torch2jax.quantize import Int8Conv1D, Int8Linear, int8_weight_only, nbytes, quantize_per_channel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))

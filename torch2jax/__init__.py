@@ -11,10 +11,9 @@ from . import device as _device
 from . import ops as _ops
 from . import pytree as _pytree  # noqa: F401
 from . import parallel, train
-from .dispatch import OpError, coverage, path_of
-from . import dynamo as _dynamo  # noqa: F401 - registers torch.compile(backend="torch2jax")
+from .dispatch import DeviceMismatchError, OpError, coverage, path_of
 from .env import Config, config, disable, enable, env, manual_seed, rng_key
-from .checkpoint import load, save
+from .checkpoint import load, load_safetensors, save
 from .compile import CompiledModule, compile
 from . import control_flow
 from .control_flow import checkpoint, cond, fori_loop, scan, scan_layers, use_scan_layers, while_loop
@@ -27,8 +26,10 @@ _device.register_factories(_ops.registry.LOWERINGS)
 control_flow.install_torch_higher_order_ops()
 
 # Integrations that pull in optional machinery are imported on first use:
-# ``t2j.amp``, ``t2j.quantize``, ``t2j.offload``, ``t2j.debug``, ``t2j.modules``.
-_LAZY_SUBMODULES = ("amp", "quantize", "offload", "debug", "modules")
+# ``t2j.amp``, ``t2j.quantize``, ``t2j.offload``, ``t2j.debug``, ``t2j.modules``,
+# ``t2j.dynamo`` (which torch.compile(backend="torch2jax") imports through the
+# package's entry point), ``t2j.fx``.
+_LAZY_SUBMODULES = ("amp", "quantize", "offload", "debug", "modules", "dynamo", "fx")
 
 
 def __getattr__(name):
@@ -42,6 +43,7 @@ def __getattr__(name):
 __all__ = [
     "CompiledModule",
     "Config",
+    "DeviceMismatchError",
     "JitFunction",
     "OpError",
     "Tensor",
@@ -62,6 +64,7 @@ __all__ = [
     "jax_view",
     "jit",
     "load",
+    "load_safetensors",
     "parallel",
     "manual_seed",
     "path_of",

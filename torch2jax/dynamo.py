@@ -138,18 +138,32 @@ def backend(gm: torch.fx.GraphModule, example_inputs, **options):
     return compile_with_aot(gm, example_inputs)
 
 
+def skip_jax_frames() -> None:
+    """Keep Dynamo out of JAX and torch2jax frames (done on import).
+
+    Where Dynamo gives up on a torch2jax tensor and runs the code eagerly, the ops
+    reach ``__torch_dispatch__`` in Python frames that Dynamo would otherwise try to
+    compile, and break JAX.
+    """
+    for package in ("jax", "jaxlib", "torch2jax"):
+        torch._dynamo.trace_rules.add(package)
+
+
 def register() -> None:
-    """Make ``torch.compile(..., backend="torch2jax")`` find `backend` (done on import)."""
+    """Register `backend` as ``"torch2jax"`` by hand.
+
+    Installing the package already makes ``torch.compile(..., backend="torch2jax")``
+    find it (the ``torch_dynamo_backends`` entry point, which imports this module on
+    first use, so ``import torch2jax`` does not pay for importing Dynamo); this is for
+    a source tree used without installing it.
+
+    >>> torch2jax.dynamo.register()
+    """
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
     if _COMPILER_FNS.get(BACKEND) is not backend:
         _COMPILER_FNS.pop(BACKEND, None)
         register_backend(backend, name=BACKEND)
-    # Dynamo must not trace into JAX or torch2jax: where it gives up on a torch2jax
-    # tensor and runs the code eagerly, the ops reach __torch_dispatch__ in Python
-    # frames that Dynamo would otherwise try to compile, and break JAX.
-    for package in ("jax", "jaxlib", "torch2jax"):
-        torch._dynamo.trace_rules.add(package)
 
 
-register()
+skip_jax_frames()

@@ -13,6 +13,7 @@ from . import (  # noqa: F401
     indexing,
     linalg,
     nn,
+    quantized,
     random,
     reductions,
     shape,

@@ -212,9 +212,8 @@ def bernoulli(p, *, generator=None):
     return (u < p.astype(u.dtype)).astype(p.dtype)
 
 
-# p defaults to 0.5 as in bernoulli_.float, whose call reaches us without p when it is 0.5
 @register(aten.bernoulli.p)
-def bernoulli_p(x, p=0.5, *, generator=None):
+def bernoulli_p(x, p, *, generator=None):
     _probability(p)
     return (_uniform(generator, x.shape, np.float32) < p).astype(x.dtype)
 
