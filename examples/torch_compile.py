@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import torch2jax  # noqa: F401 - registers the "torch2jax" backend
+import torch2jax  # noqa: F401 - the "torch2jax" backend itself is found through the package's entry point
 
 
 def make_data(n=512, dim=16, classes=4, seed=0):
