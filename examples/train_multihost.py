@@ -9,7 +9,9 @@ Each process joins the job through `t2j.parallel.initialize` (jax.distributed; g
 collectives on CPU) and sees the devices of every process. The model is FSDP-sharded
 over all of them, each global batch is split over the "data" axis, and `t2j.jit`
 runs one SPMD program across the processes. Every process prints the same losses,
-which equal a single-process run's. On CPU each process gets ``--local-devices``
+which equal a single-process run's. With ``--checkpoint DIR`` the processes save a
+sharded checkpoint (`t2j.save`, orbax), load it into a freshly built model and
+optimizer (`t2j.load`) and keep training: the losses go on as if uninterrupted. On CPU each process gets ``--local-devices``
 virtual devices.
 """
 
@@ -28,6 +30,8 @@ def main():
     ap.add_argument("--coordinator", default="127.0.0.1:12355")
     ap.add_argument("--local-devices", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--checkpoint", help="after --steps steps, save here, resume into a fresh model and train on")
+    ap.add_argument("--resume-steps", type=int, default=2)
     args = ap.parse_args()
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.local_devices}")
 
@@ -41,25 +45,42 @@ def main():
     import gpt
 
     P = t2j.parallel
-    torch.manual_seed(0)
-    model = gpt.GPT(gpt.GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=64)).to("jax")
     mesh = P.make_mesh({"data": -1})
-    P.shard_model(model, mesh, P.fsdp("data", min_size=256))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    @t2j.jit
-    def step(x, y):
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        return loss
+    def build(seed):
+        torch.manual_seed(seed)
+        model = gpt.GPT(gpt.GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=64)).to("jax")
+        P.shard_model(model, mesh, P.fsdp("data", min_size=256))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
+        @t2j.jit
+        def step(x, y):
+            opt.zero_grad()
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return model, opt, step
+
+    model, opt, step = build(0)
     gen = torch.Generator().manual_seed(0)  # every process draws the same global batches
     losses = []
-    for _ in range(args.steps):
-        x, y = torch.randint(0, 96, (8, 32), generator=gen), torch.randint(0, 96, (8, 32), generator=gen)
-        losses.append(step(P.shard_batch(x, mesh, "data"), P.shard_batch(y, mesh, "data")).item())
+
+    def train(steps):
+        for _ in range(steps):
+            x, y = torch.randint(0, 96, (8, 32), generator=gen), torch.randint(0, 96, (8, 32), generator=gen)
+            losses.append(step(P.shard_batch(x, mesh, "data"), P.shard_batch(y, mesh, "data")).item())
+
+    train(args.steps)
+    if args.checkpoint:
+        # every process writes the shards it holds; a fresh model and optimizer (other
+        # initial weights, no optimizer state yet) resume from them and train on
+        t2j.save({"model": model, "optimizer": opt, "step": args.steps}, args.checkpoint)
+        model, opt, step = build(1)
+        state = t2j.load(args.checkpoint, {"model": model, "optimizer": opt})
+        assert state["step"] == args.steps
+        train(args.resume_steps)
     print(json.dumps({"process": P.process_index(), "processes": P.process_count(), "devices": mesh.size,
                       "losses": losses}))
 

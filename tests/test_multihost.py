@@ -38,12 +38,12 @@ def _single_process_losses(steps):
     return out
 
 
-def test_two_processes_data_parallel_fsdp_match_one_process():
+def _run_two_processes(*extra):
     port = _free_port()
     script = os.path.join(ROOT, "examples", "train_multihost.py")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [subprocess.Popen([sys.executable, script, "--process-id", str(i), "--num-processes", "2",
-                               "--coordinator", f"127.0.0.1:{port}", "--steps", "3"],
+                               "--coordinator", f"127.0.0.1:{port}", *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(2)]
     results = []
@@ -59,4 +59,18 @@ def test_two_processes_data_parallel_fsdp_match_one_process():
     assert sorted(r["process"] for r in results) == [0, 1]
     assert all(r["processes"] == 2 and r["devices"] == 4 for r in results)
     assert results[0]["losses"] == results[1]["losses"]
-    assert results[0]["losses"] == pytest.approx(_single_process_losses(3), abs=1e-4)
+    return results[0]["losses"]
+
+
+def test_two_processes_data_parallel_fsdp_match_one_process():
+    losses = _run_two_processes("--steps", "3")
+    assert losses == pytest.approx(_single_process_losses(3), abs=1e-4)
+
+
+def test_two_processes_save_sharded_checkpoint_and_resume_into_a_fresh_model(tmp_path):
+    # 2 steps, orbax checkpoint written by both processes, a fresh model and AdamW
+    # restored from it, 2 more steps: the same losses as 4 uninterrupted steps
+    ckpt = tmp_path / "ckpt"
+    losses = _run_two_processes("--steps", "2", "--checkpoint", str(ckpt), "--resume-steps", "2")
+    assert (ckpt / "torch2jax_structure.pkl").exists()
+    assert losses == pytest.approx(_single_process_losses(4), abs=1e-4)
