@@ -9,6 +9,8 @@ only eagerly and raise `OpError` when traced.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -700,3 +702,28 @@ def unique_consecutive(x, return_inverse=False, return_counts=False, dim=None):
 @register(aten.unique_dim_consecutive.default)
 def unique_dim_consecutive(x, dim, return_inverse=False, return_counts=False):
     return _unique_consecutive("aten.unique_dim_consecutive", x, return_inverse, return_counts, dim)
+
+
+# -- composites whose output shape torch computes from values -------------------------
+#
+# These CompositeImplicitAutograd ops select with a boolean mask (masked_select), so
+# they cannot run under jax.jit although their output shape depends on sizes only.
+# An AutogradPrivateUse1 kernel computes the positions from the sizes on the host and
+# gathers them with a differentiable index op, so autograd stays torch's.
+
+
+def combinations(x, r=2, with_replacement=False):
+    """The AutogradPrivateUse1 kernel of aten::combinations."""
+    if x.dim() != 1:
+        raise RuntimeError(f"Expect a 1D vector, but got shape {list(x.shape)}")
+    if r < 0:
+        raise RuntimeError(f"Expect a non-negative number, but got {r}")
+    if r == 0:
+        return x.new_empty(0)
+    pick = itertools.combinations_with_replacement if with_replacement else itertools.combinations
+    positions = np.array(list(pick(range(x.shape[0]), r)), np.int64).reshape(-1, r)
+    return x[torch.from_numpy(positions).to(x.device)]
+
+
+_library = torch.library.Library("aten", "IMPL")
+_library.impl("combinations", combinations, "AutogradPrivateUse1")

@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dt
+from ..dispatch import OpError
 from .registry import _HALF, canonical_dim, canonical_dims, register
+from .shape import is_traced
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -287,6 +289,102 @@ def any_dims(x, dim=None, keepdim=False):
 @register(aten.all.dims)
 def all_dims(x, dim=None, keepdim=False):
     return _logical(jnp.all, x, _axes(dim, x.ndim) if dim is None or len(dim) else (), keepdim)
+
+
+def _python_bool(name, value):
+    """A 0-d bool array as the Python bool torch's ``name`` returns. The dispatcher turns
+    the result into a C++ bool, so it cannot stay traced (symbolic.py's traced numbers)."""
+    if isinstance(value, jax.core.Tracer):
+        raise OpError(
+            f"torch2jax: aten.{name} returns a Python bool, and inside t2j.jit / jax.jit a tensor's value is not "
+            "known while the program is traced; compare with tensor ops instead (torch.eq(...).all(), "
+            "torch.isclose(...).all()) or call it outside the traced function"
+        )
+    return bool(value)
+
+
+@register(aten.equal.default)
+def equal(x, other):
+    if x.shape != other.shape:
+        return False
+    dtype = _dt.result_type(x, other)
+    return _python_bool("equal", jnp.all(x.astype(dtype) == other.astype(dtype)))
+
+
+@register(aten.allclose.default)
+def allclose(x, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    """torch.isclose(...).all(): integers and bool are compared in the default float dtype."""
+    if x.dtype != other.dtype:
+        raise RuntimeError(f"{_torch_name(x.dtype)} did not match {_torch_name(other.dtype)}")
+    if rtol < 0 or atol < 0:
+        raise RuntimeError("rtol and atol must be greater than or equal to zero")
+    close = x == other
+    if equal_nan and (_dt.is_floating(x.dtype) or _dt.is_complex(x.dtype)):
+        close = close | (jnp.isnan(x) & jnp.isnan(other))
+    if rtol or atol:
+        if not (_dt.is_floating(x.dtype) or _dt.is_complex(x.dtype)):
+            x, other = x.astype(_dt.default_float()), other.astype(_dt.default_float())
+        error = jnp.abs(x - other)
+        close = close | (jnp.isfinite(error) & (error <= atol + jnp.abs(rtol * other)))
+    return _python_bool("allclose", jnp.all(close))
+
+
+# torch's cov (and corrcoef, which calls it) is CompositeImplicitAutograd and checks
+# its weights and degrees of freedom with Python bools of tensor values, which a traced
+# program cannot give. Its AutogradPrivateUse1 kernel runs torch's composite in eager
+# mode and, while traced, the same computation with the value checks left out and the
+# degrees of freedom clamped with torch.where; the ops it calls keep autograd torch's.
+
+
+def cov(x, *, correction=1, fweights=None, aweights=None):
+    """The AutogradPrivateUse1 kernel of aten::cov."""
+    if not any(is_traced(t) for t in (x, fweights, aweights)):
+        return aten.cov.default.decompose(x, correction=correction, fweights=fweights, aweights=aweights)
+    if x.dim() > 2:
+        raise RuntimeError(f"cov(): expected input to have two or fewer dimensions but got an input with {x.dim()} dimensions")
+    if x.dtype == torch.bool:
+        raise RuntimeError("cov(): bool dtype is not supported for input")
+    inp = x.view(1, -1) if x.dim() < 2 else x
+    n = inp.shape[1]
+    weights = (("fweights", fweights, "integral", lambda d: not (d.is_floating_point or d.is_complex or d == torch.bool)),
+               ("aweights", aweights, "floating point", lambda d: d.is_floating_point))
+    for name, w, kind, ok in weights:
+        if w is None:
+            continue
+        if w.dim() > 1:
+            raise RuntimeError(f"cov(): expected {name} to have one or fewer dimensions but got {name} with {w.dim()} dimensions")
+        if not ok(w.dtype):
+            raise RuntimeError(f"cov(): expected {name} to have {kind} dtype but got {name} with {w.dtype} dtype")
+        if w.numel() != n:
+            raise RuntimeError(f"cov(): expected {name} to have the same numel as there are observations in the input but got {w.numel()} != {n}")
+    w = fweights if aweights is None else aweights if fweights is None else fweights * aweights
+    if w is None:
+        avg = inp.sum(1) / n
+        norm = torch.tensor(max(n - correction, 0), device=x.device)
+    else:
+        w_sum = w.sum()
+        avg = (inp * w).sum(1) / w_sum
+        if correction == 0:
+            norm = w_sum
+        elif aweights is None:
+            norm = w_sum - correction
+        elif fweights is None and n == 1 and correction == 1:
+            norm = torch.zeros((), dtype=torch.long, device=x.device)
+        else:
+            norm = w_sum - correction * (w * aweights).sum() / w_sum
+        norm = torch.where(norm > 0, norm, torch.zeros_like(norm))
+    if n == 1 and (fweights is None) != (aweights is None):
+        inp = torch.zeros_like(inp, dtype=torch.float32 if not (inp.is_floating_point() or inp.is_complex()) else None)
+    else:
+        inp = inp - avg.unsqueeze(1)
+    c = torch.mm(inp, (inp if w is None else inp * w).t().conj())
+    if c.is_complex() and 1 in inp.shape:
+        c = torch.complex(c.real, torch.zeros_like(c.real))
+    return torch.true_divide(c, norm).squeeze()
+
+
+_library = torch.library.Library("aten", "IMPL")
+_library.impl("cov", cov, "AutogradPrivateUse1")
 
 
 # -- norms -------------------------------------------------------------------

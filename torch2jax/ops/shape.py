@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dt
+from ..tensor import Tensor
 from .registry import canonical_dim, canonical_dims, register, view
 
 aten = torch.ops.aten
@@ -347,3 +348,29 @@ def expand(x, size, implicit=False):
 
 
 register(aten.expand_copy.default)(expand)
+
+
+def is_traced(t):
+    """Whether ``t`` is a torch2jax tensor whose value is being traced (a CPU tensor never is)."""
+    return isinstance(t, Tensor) and isinstance(t.jax(), jax.core.Tracer)
+
+
+def narrow_tensor(x, dim, start, length):
+    """The AutogradPrivateUse1 kernel of aten::narrow.Tensor. torch reads ``start`` with
+    ``item()``; while ``start`` is traced its value is unknown, so the slice is a gather at
+    ``start + arange(length)`` (a copy: a view cannot start at a traced offset) and the
+    range check torch makes is left to the caller."""
+    if not is_traced(start):
+        return aten.narrow.Tensor.decompose(x, dim, start, length)
+    if start.dim() != 0 or start.is_floating_point() or start.is_complex() or start.dtype == torch.bool:
+        raise RuntimeError("start must be an 0-dim integral Tensor.")
+    d = canonical_dim(dim, x.dim())
+    n = x.shape[d]
+    if length < 0 or length > n:
+        raise RuntimeError(f"start + length ({length}) exceeds dimension size ({n}).")
+    start = torch.where(start < 0, start + n, start)
+    return x.index_select(d, start + torch.arange(length, device=x.device))
+
+
+_library = torch.library.Library("aten", "IMPL")
+_library.impl("narrow.Tensor", narrow_tensor, "AutogradPrivateUse1")
