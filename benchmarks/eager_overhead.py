@@ -2,8 +2,9 @@
 
     python benchmarks/eager_overhead.py
 
-Prints one table; every number comes from this one run (this machine is noisy,
-so compare the ratios, not absolute times across runs).
+Prints one table; every number comes from this one run, the columns of a row
+timed in interleaved rounds (this machine is noisy, so compare the ratios, not
+absolute times across runs).
 """
 
 from __future__ import annotations
@@ -17,20 +18,28 @@ import torch
 import torch2jax  # noqa: F401
 
 
-def bench(fn, n=2000, repeat=5):
-    for _ in range(50):
-        fn()
-    best = float("inf")
+def _time(fn, n):
+    t = time.perf_counter()
+    for _ in range(n):
+        r = fn()
+    if isinstance(r, torch2jax.Tensor):
+        r.jax().block_until_ready()
+    elif isinstance(r, jax.Array):
+        r.block_until_ready()
+    return (time.perf_counter() - t) / n
+
+
+def bench(fns, n=1000, repeat=15):
+    """Best time per call (us) of each of ``fns``, measured in interleaved rounds so that
+    load from other processes hits every column alike."""
+    for fn in fns.values():
+        for _ in range(50):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(n):
-            r = fn()
-        if isinstance(r, torch2jax.Tensor):
-            r.jax().block_until_ready()
-        elif isinstance(r, jax.Array):
-            r.block_until_ready()
-        best = min(best, (time.perf_counter() - t) / n)
-    return best * 1e6
+        for name, fn in fns.items():
+            best[name] = min(best[name], _time(fn, n))
+    return {name: t * 1e6 for name, t in best.items()}
 
 
 def cases(device):
@@ -70,11 +79,11 @@ def torchax_cases():
 
 
 def main():
-    results = {
-        "torch2jax": {k: bench(f) for k, f in cases("jax").items()},
-        "torch CPU": {k: bench(f) for k, f in cases("cpu").items()},
-        "jax.numpy": {k: bench(f) for k, f in jax_cases().items()},
-    }
+    columns = {"torch2jax": cases("jax"), "torch CPU": cases("cpu"), "jax.numpy": jax_cases()}
+    results = {c: {} for c in columns}
+    for op in columns["torch2jax"]:
+        for c, t in bench({c: columns[c][op] for c in columns}).items():
+            results[c][op] = t
     _, torchax_note = torchax_cases()
     print(f"jax {jax.__version__}, torch {torch.__version__}, device {jax.devices()[0].platform}")
     print(f"torchax: skipped ({torchax_note})")

@@ -21,13 +21,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
+import types
 import warnings
 
 import jax
 import numpy as np
 import torch
 from jax._src import config as _jax_config
+from jax._src import core as _jax_core
+from jax._src.array import ArrayImpl as _ArrayImpl
 
 from . import dtypes as _dt
 from . import env as _env
@@ -280,7 +284,7 @@ def _check_devices(func, args, kwargs):
 
 
 def _wrap(out):
-    if isinstance(out, (jax.Array, jax.core.Tracer)):
+    if type(out) is _ArrayImpl or isinstance(out, (jax.Array, jax.core.Tracer)):
         return new_tensor(out)
     if isinstance(out, np.ndarray):
         return new_tensor(jax.numpy.asarray(out))
@@ -328,9 +332,9 @@ def _resolve(func):
 
 def _choose(func):
     if func in _reg.VIEWS:
-        return _view_handler(*_reg.VIEWS[func]), "lowering"
+        return _view_handler(func, *_reg.VIEWS[func]), "lowering"
     if func in _reg.LOWERINGS:
-        return _lowering_handler(_reg.LOWERINGS[func], _cpu_arguments(func)), "lowering"
+        return _lowering_handler(func, _reg.LOWERINGS[func], _cpu_arguments(func)), "lowering"
     if isinstance(func, torch._ops.OpOverload) and func.is_view:
         if _has_composite(func):
             return _composite_handler, "decomposition"
@@ -370,13 +374,19 @@ def _has_composite(func):
     )
 
 
-def _lowering_handler(lowering, cpu_args=None):
+def _lowering_handler(func, lowering, cpu_args=None):
+    compiled = _Compiled(lowering) if _jittable(func, lowering) else None
+
     def run(func, args, kwargs):
         if kwargs and _is_foreign_device(kwargs):
             return _host_run(func, args, kwargs)
         if cpu_args is None:
-            return _wrap(lowering(*_unwrap(args), **{k: _unwrap(v) for k, v in kwargs.items()}))
-        uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
+            uargs = [a._value() if type(a) is Tensor and _tensor.CAPTURE is None else _unwrap(a) for a in args]
+            ukwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
+        else:
+            uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
+        if compiled is not None and compiled.enabled:
+            return _wrap(compiled(uargs, ukwargs))
         return _wrap(lowering(*uargs, **ukwargs))
 
     return run
@@ -401,6 +411,221 @@ def _compute(func, args, kwargs):
 
 
 # ---------------------------------------------------------------------------
+# compiled lowerings
+# ---------------------------------------------------------------------------
+#
+# Outside jit, JAX dispatches every primitive a lowering binds on its own, and a
+# primitive bound directly (lax.dot_general, lax.transpose) takes JAX's slow
+# Python path (about 50 us on CPU, against 10 us for a jitted call). A lowering
+# whose result depends only on its arrays' shapes and dtypes, its other
+# (static) arguments and a few global settings therefore runs as one jax.jit
+# call, compiled once per such signature.
+
+# A lowering that refers to one of these names may act differently when traced:
+# value checks skipped for tracers (index bounds, integer division by zero),
+# RNG state advanced, a warning issued once per trace instead of once per call.
+# It always runs op by op.
+_TRACE_SENSITIVE = frozenset(
+    {
+        "Tracer",
+        "_traced",
+        "ensure_compile_time_eval",
+        "ConcretizationTypeError",
+        "TracerArrayConversionError",
+        "TracerBoolConversionError",
+        "TracerIntegerConversionError",
+        "is_traced_number",
+        "next_key",
+        "warn",
+        "device_get",
+        "pure_callback",
+        "CAPTURE",
+        "dispatch",
+    }
+)
+
+# A signature is compiled on its third call: shapes seen once or twice (tests,
+# shape-varying code) cost no compile time and run op by op as before.
+_COMPILE_AFTER = 2
+_MAX_SIGNATURES = 4096
+
+# Values that may be static arguments of a compiled lowering: hashable, and
+# equal only when the lowering treats them alike (see `_split`).
+_STATIC_TYPES = frozenset(
+    {type(None), bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format}
+)
+_ARRAY = object()
+
+
+class _NotStatic(Exception):
+    """An argument that cannot be part of a compiled lowering's cache key."""
+
+
+class _NotArrays(Exception):
+    """A lowering returned something other than arrays when traced (a Python number, a NumPy constant)."""
+
+
+def _jittable(func, lowering):
+    """Whether ``lowering`` of ``func`` may run as a compiled call (see `_TRACE_SENSITIVE`)."""
+    if not isinstance(func, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    returns = func._schema.returns
+    if not returns or any(str(r.type) not in ("Tensor", "List[Tensor]") for r in returns):
+        return False
+    return not _refers_to(lowering, _TRACE_SENSITIVE)
+
+
+def _refers_to(fn, names) -> bool:
+    """Whether ``fn``, or a torch2jax function it may call, names one of ``names``.
+
+    Follows the globals, module attributes, closures and nested functions its
+    code refers to: an over-approximation of what it can run.
+    """
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        if isinstance(f, functools.partial):
+            todo.append(f.func)
+            continue
+        code = getattr(f, "__code__", None)
+        if code is None or code in seen:
+            continue
+        seen.add(code)
+        todo.extend(c.cell_contents for c in f.__closure__ or () if callable(_cell(c)))
+        codes, scope = [code], f.__globals__
+        while codes:
+            c = codes.pop()
+            if not names.isdisjoint(c.co_names):
+                return True
+            for name in c.co_names:
+                v = scope.get(name)
+                if isinstance(v, types.FunctionType) and v.__module__.startswith("torch2jax"):
+                    todo.append(v)
+                elif isinstance(v, types.ModuleType) and v.__name__.startswith("torch2jax"):
+                    todo.extend(
+                        w
+                        for w in (getattr(v, m, None) for m in c.co_names)
+                        if isinstance(w, types.FunctionType) and w.__module__.startswith("torch2jax")
+                    )
+            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return False
+
+
+def _cell(c):
+    try:
+        return c.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _split(a, arrays, key):
+    """Template of ``a`` with its arrays taken out into ``arrays``; what the
+    compiled call depends on is appended to ``key``.
+
+    Python numbers are keyed with their type (``1``, ``1.0`` and ``True`` promote
+    differently) and floats by their bits (``-0.0`` is not ``0.0``; NaN is itself).
+    """
+    t = type(a)
+    if t is _ArrayImpl:
+        arrays.append(a)
+        key.append((a.shape, a.dtype, a.weak_type))
+        return _ARRAY
+    if t is float:
+        key.append(a.hex())
+        return a
+    if t in _STATIC_TYPES:
+        key.append((t, a))
+        return a
+    if t is list or t is tuple or t is torch.Size:
+        key.append((t, len(a)))
+        return t([_split(b, arrays, key) for b in a])
+    if t is complex:
+        key.append((a.real.hex(), a.imag.hex()))
+        return a
+    raise _NotStatic
+
+
+def _fill(template, arrays):
+    if template is _ARRAY:
+        return next(arrays)
+    t = type(template)
+    if t is list or t is tuple or t is torch.Size:
+        return t([_fill(b, arrays) for b in template])
+    return template
+
+
+def _all_traced(out):
+    if isinstance(out, jax.core.Tracer) or out is None:
+        return True
+    return isinstance(out, (list, tuple)) and all(_all_traced(o) for o in out)
+
+
+def _eager():
+    """Whether JAX is running eagerly (no jit, grad or vmap trace is active)."""
+    return isinstance(_jax_core.trace_ctx.trace, _jax_core.EvalTrace)
+
+
+class _Compiled:
+    """``fn`` (a lowering over arrays) run as jax.jit-compiled calls, one per signature.
+
+    A signature is the op's static arguments, its arrays' shapes, dtypes and weak
+    types, and the global settings lowerings read (default dtype, float32 matmul
+    precision, the torch2jax config). Arguments of other types, and traced
+    arrays, run ``fn`` directly. If tracing fails where ``fn`` itself succeeds,
+    ``fn`` depends on its values and is not compiled again.
+    """
+
+    __slots__ = ("fn", "enabled", "signatures")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.enabled = True
+        self.signatures: dict = {}
+
+    def __call__(self, args, kwargs):
+        if not _eager():
+            return self.fn(*args, **kwargs)
+        arrays, key = [], [torch.get_default_dtype(), torch.get_float32_matmul_precision(), _env.config()]
+        try:
+            targs = _split(args, arrays, key)
+            tkwargs = {k: _split(v, arrays, key) for k, v in kwargs.items()} if kwargs else None
+        except _NotStatic:
+            return self.fn(*args, **kwargs)
+        if tkwargs:
+            key.append(tuple(tkwargs))
+        key = tuple(key)
+        compiled = self.signatures.get(key)
+        if compiled is None or type(compiled) is int:
+            seen = (compiled or 0) + 1
+            if seen <= _COMPILE_AFTER:
+                if len(self.signatures) >= _MAX_SIGNATURES:
+                    self.signatures.clear()
+                self.signatures[key] = seen
+                return self.fn(*args, **kwargs)
+            compiled = self.signatures[key] = self._compile(targs, tkwargs)
+        try:
+            return compiled(*arrays)
+        except Exception:  # noqa: BLE001 - the op-by-op run below raises the input's real error
+            out = self.fn(*args, **kwargs)
+            self.enabled = False
+            self.signatures.clear()
+            return out
+
+    def _compile(self, targs, tkwargs):
+        fn = self.fn
+
+        def traced(*arrays):
+            it = iter(arrays)
+            args = _fill(targs, it)
+            out = fn(*args, **{k: _fill(v, it) for k, v in tkwargs.items()}) if tkwargs else fn(*args)
+            if not _all_traced(out):
+                raise _NotArrays
+            return out
+
+        return jax.jit(traced)
+
+
+# ---------------------------------------------------------------------------
 # views
 # ---------------------------------------------------------------------------
 
@@ -422,7 +647,7 @@ def _hashable(a):
 
 def _storage_numel(x):
     arr = x._t2j_storage.array
-    return int(np.prod(arr.shape, dtype=np.int64)) * arr.dtype.itemsize // x.dtype.itemsize
+    return math.prod(arr.shape) * arr.dtype.itemsize // x.dtype.itemsize
 
 
 def _view_meta(func, x, rest, kwargs):
@@ -445,12 +670,18 @@ def _make_view(x, step, value, meta):
     return Tensor(x._t2j_storage, chain, value=value, size=size, stride=stride, offset=offset, dtype=dtype)
 
 
-def _view_handler(forward, inverse):
+def _view_handler(func, forward, inverse):
+    # An alias's forward returns its input: nothing to compile.
+    compiled = _Compiled(forward) if inverse is not None and _jittable(func, forward) else None
+
     def run(func, args, kwargs):
         x, rest = args[0], args[1:]
         meta = _view_meta(func, x, rest, kwargs)
         urest = _unwrap(rest)
-        value = forward(x._value(), *urest, **kwargs)
+        if compiled is not None and compiled.enabled:
+            value = compiled((x._value(), *urest), kwargs)
+        else:
+            value = forward(x._value(), *urest, **kwargs)
         if isinstance(meta, list):
             return [
                 _make_view(

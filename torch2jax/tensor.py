@@ -126,9 +126,7 @@ class Tensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or {})
 
     # -- value access -------------------------------------------------------
 
@@ -227,9 +225,30 @@ class Tensor(torch.Tensor):
         return out
 
 
+def _dispatch(func, args, kwargs):
+    # torch2jax.dispatch imports this module; on the first op this function
+    # replaces itself by dispatch.dispatch, sparing every later op an import.
+    global _dispatch
+    from .dispatch import dispatch as _dispatch
+
+    return _dispatch(func, args, kwargs)
+
+
+_TORCH_DTYPES: dict = {}
+
+
 def new_tensor(array, requires_grad: bool = False) -> Tensor:
     """A fresh base tensor (its own storage) holding ``array``."""
-    return Tensor(Storage(array), requires_grad=requires_grad)
+    # `Tensor.__new__` without its generality: this runs once per op result.
+    dtype = _TORCH_DTYPES.get(array.dtype)
+    if dtype is None:
+        dtype = _TORCH_DTYPES[array.dtype] = _dt.to_torch(array.dtype)
+    r = torch.Tensor._make_wrapper_subclass(Tensor, array.shape, dtype=dtype, device=DEVICE, requires_grad=requires_grad)
+    r._t2j_storage = Storage(array)
+    r._t2j_view = ()
+    r._t2j_cache = array
+    r._t2j_version = 0
+    return r
 
 
 def _rebuild(cpu_tensor, requires_grad):
