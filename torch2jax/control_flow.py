@@ -31,6 +31,7 @@ import functools
 
 import jax
 import torch
+import torch.utils.checkpoint
 import torch.utils._pytree as torch_pytree
 
 from . import tensor as _tensor
@@ -699,10 +700,32 @@ def _torch_scan(original):
     return torch_scan
 
 
+def _torch_checkpoint(original):
+    @functools.wraps(original)
+    def torch_checkpoint(function, *args, use_reentrant=None, context_fn=None, **kwargs):
+        # Torch's non-reentrant checkpoint recomputes the forward as torch ops in the
+        # backward pass; under a trace XLA would merge that copy with the forward and
+        # keep the activations. jax.checkpoint recomputes inside the program instead.
+        # The reentrant form gives closed-over parameters no gradient when no input
+        # needs one, and a context_fn picks what torch saves: both keep torch's path.
+        default_context = context_fn is None or context_fn is torch.utils.checkpoint.noop_context_fn
+        if use_reentrant is False and default_context and _on_jax(args, kwargs):
+            for name in ("preserve_rng_state", "determinism_check", "debug", "early_stop"):
+                kwargs.pop(name, None)
+            return checkpoint(function)(*args, **kwargs)
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
+        return original(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+    return torch_checkpoint
+
+
 def install_torch_higher_order_ops() -> None:
     """Route ``torch.cond`` and ``torch._higher_order_ops.while_loop`` / ``scan`` to
     `cond`, `while_loop` and `scan` when their inputs are on the jax device (torch's
-    eager versions would send our tensors through Dynamo). Called on import."""
+    eager versions would send our tensors through Dynamo), and
+    ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)`` to
+    `checkpoint`. Called on import."""
     import sys
 
     import torch._higher_order_ops as hops
@@ -716,5 +739,10 @@ def install_torch_higher_order_ops() -> None:
     torch.cond = _torch_cond(torch.cond)
     while_module.while_loop = hops.while_loop = _torch_while_loop(while_module.while_loop)
     scan_module.scan = hops.scan = _torch_scan(scan_module.scan)
-    for f in (torch.cond, hops.while_loop, hops.scan):
+    torch.utils.checkpoint.checkpoint = _torch_checkpoint(torch.utils.checkpoint.checkpoint)
+    # transformers binds the name when it is imported; if that came first, rebind it
+    hf = sys.modules.get("transformers.modeling_utils")
+    if hf is not None and getattr(hf, "checkpoint", None) is not None:
+        hf.checkpoint = torch.utils.checkpoint.checkpoint
+    for f in (torch.cond, hops.while_loop, hops.scan, torch.utils.checkpoint.checkpoint):
         f._t2j = True
