@@ -507,12 +507,33 @@ def _loss_op(forward, backward_op):
     return forward
 
 
-@float_op(aten.mse_loss.default)
-def mse_loss(x, target, reduction=_MEAN):
+def _in_steps(x, dtype, *steps):
+    """``x`` through ``steps`` in turn, each computed in float32 and rounded to ``dtype``:
+    torch's CPU kernels that chain whole-tensor ops round a half result after each one."""
+    for step in steps:
+        x = step(upcast(x)).astype(dtype)
+    return x
+
+
+def _squared_error(x, target, reduction=_MEAN):
     return _reduce(jnp.square(x - target), reduction)
 
 
-_loss_op(mse_loss.compute, aten.mse_loss_backward.default)
+@register(aten.mse_loss.default)
+def mse_loss(x, target, reduction=_MEAN):
+    loss = _in_steps(x, x.dtype, lambda v: v - upcast(target), jnp.square)
+    return _reduce(upcast(loss), reduction).astype(x.dtype)
+
+
+_loss_op(_squared_error, aten.mse_loss_backward.default)
+
+
+@register(aten.soft_margin_loss.default)
+def soft_margin_loss(x, target, reduction=_MEAN):
+    """log1p(exp(-x * target)) as torch's kernel computes it: a half input can overflow
+    to inf in exp where float32 would not."""
+    loss = _in_steps(x, x.dtype, lambda v: -v * upcast(target), jnp.exp, jnp.log1p)
+    return _reduce(upcast(loss), reduction).astype(x.dtype)
 
 
 @float_op(aten.smooth_l1_loss.default)
@@ -600,6 +621,37 @@ def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_we
         scale = scale / total_weight
     onehot = jax.nn.one_hot(jnp.where(target != ignore_index, target, 0), x.shape[cdim], dtype=x.dtype, axis=cdim)
     return onehot * jnp.expand_dims(jnp.broadcast_to(scale, target.shape), cdim)
+
+
+# -- embedding bag -----------------------------------------------------------------------
+
+
+@register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    """(output, offset2bag, bag_size, max_indices) as torch's CPU kernel gives them, which
+    its backward reads. Bag b starts at offsets[b]; the last bag runs to the end of
+    ``indices`` (with include_last_offset too); entries equal to padding_idx count nowhere."""
+    n = indices.shape[0]
+    bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    offset2bag = jnp.searchsorted(offsets[:bags], jnp.arange(n), side="right").astype(np.int64) - 1
+    valid = indices != padding_idx if padding_idx >= 0 else jnp.ones(n, bool)
+    rows = upcast(weight)[indices]
+    if per_sample_weights is not None:
+        rows = rows * upcast(per_sample_weights)[:, None]
+    count = jax.ops.segment_sum(valid.astype(np.int64), offset2bag, bags)
+    if mode == 2:
+        masked = jnp.where(valid[:, None], rows, -jnp.inf)
+        best = jax.ops.segment_max(masked, offset2bag, bags)
+        first = jax.ops.segment_min(jnp.where(masked == best[offset2bag], jnp.arange(n)[:, None], n), offset2bag, bags)
+        out = jnp.where(count[:, None] > 0, best, 0)
+        max_indices = jnp.where(count[:, None] > 0, indices[jnp.minimum(first, n - 1)], 0).astype(np.int64)
+        return out.astype(weight.dtype), offset2bag, count, max_indices
+    out = jax.ops.segment_sum(jnp.where(valid[:, None], rows, 0), offset2bag, bags)
+    if mode == 1:
+        out = out / jnp.maximum(count, 1)[:, None]
+    bag_size = count if mode == 1 else jnp.zeros(bags, np.int64)
+    return out.astype(weight.dtype), offset2bag, bag_size, bag_size
 
 
 # -- weight norm -------------------------------------------------------------------------
