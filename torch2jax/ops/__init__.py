@@ -6,6 +6,7 @@ Importing this package registers every lowering in `registry.LOWERINGS` /
 
 from . import registry  # noqa: F401  (first: the others register into it)
 from . import (  # noqa: F401
+    amp,
     conv,
     creation,
     elementwise,
