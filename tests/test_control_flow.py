@@ -163,6 +163,22 @@ def test_scan_layers_training_under_jit_matches_unrolled():
         torch.testing.assert_close(step(ids, targets).cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
 
 
+def test_scan_layers_body_multiplies_by_linear_weights_without_transposing_them():
+    torch.manual_seed(0)
+    ref = nn.ModuleList(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4)) for _ in range(3))
+    layers = copy.deepcopy(ref).to("jax")
+    x = torch.randn(5, 4)
+    forward = t2j.jit(lambda x: t2j.scan_layers(layers, x))
+    h = x
+    for layer in ref:
+        h = layer(h)
+    with torch.no_grad():
+        torch.testing.assert_close(forward(x.to("jax")).cpu(), h.detach(), atol=1e-6, rtol=1e-5)
+        # Linear's weight.t() becomes the dot's contracting dimension (XLA:CPU copies a
+        # transpose in a loop body on every iteration)
+        assert "stablehlo.transpose" not in forward.lower(x.to("jax")).as_text()
+
+
 def test_scan_layers_batchnorm_buffers_written_per_layer():
     torch.manual_seed(0)
     ref = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(3))

@@ -30,9 +30,12 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend
 import torch
 import torch.utils.checkpoint
 import torch.utils._pytree as torch_pytree
+
+from jax.extend.core import primitives as _prims
 
 from . import tensor as _tensor
 from .env import default_rng as _rng
@@ -451,6 +454,59 @@ def cond(pred, true_fn, false_fn, *operands):
 # ---------------------------------------------------------------------------
 
 
+def _transposed_operand(a, dims, sources):
+    """``a`` itself, or the matrix it transposes with ``dims`` renumbered to index it."""
+    src = sources.get(id(a))
+    if src is None:
+        return a, dims
+    return src, tuple(1 - d for d in dims)
+
+
+def _eval_folding_transposes(jaxpr, consts, args):
+    """Evaluate ``jaxpr``, feeding each matrix transpose that a dot consumes to the dot
+    itself (as contracting dimensions), so the program has no transpose to materialize.
+
+    torch's ``Linear`` multiplies by ``weight.t()``: in a loop body XLA:CPU copies that
+    transpose on every iteration, where in straight-line code it folds it into the dot.
+    """
+    env, sources = {}, {}
+
+    def read(v):
+        return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        params = eqn.params
+        if eqn.primitive is _prims.dot_general_p and params["dimension_numbers"][1] == ((), ()):
+            (lc, rc), batch = params["dimension_numbers"]
+            lhs, lc = _transposed_operand(invals[0], lc, sources)
+            rhs, rc = _transposed_operand(invals[1], rc, sources)
+            invals, params = [lhs, rhs], dict(params, dimension_numbers=((lc, rc), batch))
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+        outs = out if eqn.primitive.multiple_results else [out]
+        if eqn.primitive is _prims.transpose_p and params["permutation"] == (1, 0):
+            sources[id(outs[0])] = invals[0]
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _folding_transposes(fn):
+    """``fn`` (a JAX function), traced once and evaluated by `_eval_folding_transposes`."""
+
+    def folded(*args):
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        out = _eval_folding_transposes(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+    return folded
+
+
 def scan_layers(layers, hidden, *args, remat=None, **kwargs):
     """Run same-structure modules one after another as a single ``lax.scan``.
 
@@ -530,6 +586,7 @@ def _scan_layers(layers, hidden, args, kwargs, remat):
                 _check_carry("scan_layers", [h], new_h)
                 return (new_h[0], carried_new, k), new_bufs
 
+            body = _folding_transposes(body)
             if remat is not None:
                 body = jax.checkpoint(body, policy=policy, prevent_cse=False)
             (h, s, _), bufs = jax.lax.scan(body, (inputs[0], [state_a[i] for i in carried], key), stacked)
