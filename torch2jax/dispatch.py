@@ -380,13 +380,18 @@ def _lowering_handler(func, lowering, cpu_args=None):
     def run(func, args, kwargs):
         if kwargs and _is_foreign_device(kwargs):
             return _host_run(func, args, kwargs)
+        if compiled is not None and compiled.enabled and _tensor.CAPTURE is None:
+            if cpu_args is None:
+                uargs = [_operand(a) if type(a) is Tensor else _unwrap(a) for a in args]
+                ukwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
+            else:
+                uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
+            return _wrap(compiled(uargs, ukwargs))
         if cpu_args is None:
-            uargs = [a._value() if type(a) is Tensor and _tensor.CAPTURE is None else _unwrap(a) for a in args]
+            uargs = _unwrap(args)
             ukwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
         else:
             uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
-        if compiled is not None and compiled.enabled:
-            return _wrap(compiled(uargs, ukwargs))
         return _wrap(lowering(*uargs, **ukwargs))
 
     return run
@@ -423,8 +428,9 @@ def _compute(func, args, kwargs):
 
 # A lowering that refers to one of these names may act differently when traced:
 # value checks skipped for tracers (index bounds, integer division by zero),
-# RNG state advanced, a warning issued once per trace instead of once per call.
-# It always runs op by op.
+# RNG state advanced, a warning issued once per trace instead of once per call,
+# the scoped config read (it is not part of the cache key). It always runs op
+# by op.
 _TRACE_SENSITIVE = frozenset(
     {
         "Tracer",
@@ -441,6 +447,7 @@ _TRACE_SENSITIVE = frozenset(
         "pure_callback",
         "CAPTURE",
         "dispatch",
+        "config",
     }
 )
 
@@ -455,10 +462,12 @@ _STATIC_TYPES = frozenset(
     {type(None), bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format}
 )
 _ARRAY = object()
+_BOOL = np.dtype(np.bool_)
 
 
 class _NotStatic(Exception):
-    """An argument that cannot be part of a compiled lowering's cache key."""
+    """An argument that keeps the call op by op: one that cannot be part of the
+    cache key, or a bool array (see `_split`)."""
 
 
 class _NotArrays(Exception):
@@ -518,6 +527,32 @@ def _cell(c):
         return None
 
 
+class _View:
+    """A view operand whose value is not computed yet: its storage's array and view
+    chain go into the compiled lowering that reads it."""
+
+    __slots__ = ("tensor", "steps")
+
+    def __init__(self, tensor, steps):
+        self.tensor = tensor
+        self.steps = steps
+
+
+def _operand(t):
+    """``t``'s array, or a `_View` of it when it is a view not computed yet that a compiled call can compute."""
+    chain = t._t2j_view
+    if chain and t._t2j_version != t._t2j_storage.version:
+        for step in chain:
+            if step.key is None:
+                return t._value()
+        return _View(t, chain)
+    return t._value()
+
+
+def _materialize(args):
+    return [a.tensor._value() if type(a) is _View else a for a in args]
+
+
 def _split(a, arrays, key):
     """Template of ``a`` with its arrays taken out into ``arrays``; what the
     compiled call depends on is appended to ``key``.
@@ -527,6 +562,10 @@ def _split(a, arrays, key):
     """
     t = type(a)
     if t is _ArrayImpl:
+        if a.dtype == _BOOL:
+            # XLA rewrites arithmetic on a converted bool array into a select
+            # (False * nan -> 0), which eager op-by-op JAX and torch do not.
+            raise _NotStatic
         arrays.append(a)
         key.append((a.shape, a.dtype, a.weak_type))
         return _ARRAY
@@ -542,6 +581,15 @@ def _split(a, arrays, key):
     if t is complex:
         key.append((a.real.hex(), a.imag.hex()))
         return a
+    if t is _View:
+        base = a.tensor._t2j_storage.array
+        if type(base) is not _ArrayImpl:
+            raise _NotStatic
+        if base.dtype == _BOOL:
+            raise _NotStatic
+        arrays.append(base)
+        key.append((base.shape, base.dtype, base.weak_type, tuple(step.key for step in a.steps)))
+        return a.steps
     raise _NotStatic
 
 
@@ -549,6 +597,11 @@ def _fill(template, arrays):
     if template is _ARRAY:
         return next(arrays)
     t = type(template)
+    if t is tuple and template and type(template[0]) is ViewStep:
+        value = next(arrays)
+        for step in template:
+            value = step.trace(value)
+        return value
     if t is list or t is tuple or t is torch.Size:
         return t([_fill(b, arrays) for b in template])
     return template
@@ -569,10 +622,11 @@ class _Compiled:
     """``fn`` (a lowering over arrays) run as jax.jit-compiled calls, one per signature.
 
     A signature is the op's static arguments, its arrays' shapes, dtypes and weak
-    types, and the global settings lowerings read (default dtype, float32 matmul
-    precision, the torch2jax config). Arguments of other types, and traced
-    arrays, run ``fn`` directly. If tracing fails where ``fn`` itself succeeds,
-    ``fn`` depends on its values and is not compiled again.
+    types (and the view ops applied to them, for `_View` operands), and the
+    global settings lowerings read (default dtype, float32 matmul precision).
+    Arguments of other types, and traced arrays, run ``fn`` directly. If tracing
+    fails where ``fn`` itself succeeds, ``fn`` depends on its values and is not
+    compiled again.
     """
 
     __slots__ = ("fn", "enabled", "signatures")
@@ -583,14 +637,15 @@ class _Compiled:
         self.signatures: dict = {}
 
     def __call__(self, args, kwargs):
-        if not _eager():
-            return self.fn(*args, **kwargs)
-        arrays, key = [], [torch.get_default_dtype(), torch.get_float32_matmul_precision(), _env.config()]
+        """``fn(*args, **kwargs)``; ``args`` may hold `_View` operands (a list, not nested)."""
+        if not self.enabled or not _eager():
+            return self.fn(*_materialize(args), **kwargs)
+        arrays, key = [], [torch.get_default_dtype(), torch.get_float32_matmul_precision()]
         try:
             targs = _split(args, arrays, key)
             tkwargs = {k: _split(v, arrays, key) for k, v in kwargs.items()} if kwargs else None
         except _NotStatic:
-            return self.fn(*args, **kwargs)
+            return self.fn(*_materialize(args), **kwargs)
         if tkwargs:
             key.append(tuple(tkwargs))
         key = tuple(key)
@@ -601,12 +656,12 @@ class _Compiled:
                 if len(self.signatures) >= _MAX_SIGNATURES:
                     self.signatures.clear()
                 self.signatures[key] = seen
-                return self.fn(*args, **kwargs)
+                return self.fn(*_materialize(args), **kwargs)
             compiled = self.signatures[key] = self._compile(targs, tkwargs)
         try:
             return compiled(*arrays)
         except Exception:  # noqa: BLE001 - the op-by-op run below raises the input's real error
-            out = self.fn(*args, **kwargs)
+            out = self.fn(*_materialize(args), **kwargs)
             self.enabled = False
             self.signatures.clear()
             return out
@@ -672,17 +727,17 @@ def _make_view(x, step, value, meta):
 
 def _view_handler(func, forward, inverse):
     # An alias's forward returns its input: nothing to compile.
-    compiled = _Compiled(forward) if inverse is not None and _jittable(func, forward) else None
+    jittable = inverse is not None and _jittable(func, forward) and _jittable(func, inverse)
+    compiled_forward = _Compiled(forward) if jittable else None
+    compiled_inverse = _Compiled(inverse) if jittable else None
+    steps: dict = {}  # a ViewStep per static key: one op with the same arguments is one step
 
     def run(func, args, kwargs):
         x, rest = args[0], args[1:]
         meta = _view_meta(func, x, rest, kwargs)
         urest = _unwrap(rest)
-        if compiled is not None and compiled.enabled:
-            value = compiled((x._value(), *urest), kwargs)
-        else:
-            value = forward(x._value(), *urest, **kwargs)
         if isinstance(meta, list):
+            value = forward(x._value(), *urest, **kwargs)
             return [
                 _make_view(
                     x,
@@ -693,15 +748,48 @@ def _view_handler(func, forward, inverse):
                 for i, (v, m) in enumerate(zip(value, meta))
             ]
         if inverse is None:  # an alias: same value, same chain
-            return _make_view(x, None, value, meta)
-        step = ViewStep(
-            functools.partial(_apply_forward, forward, urest, kwargs),
-            functools.partial(_apply_inverse, inverse, urest, kwargs),
-            func,
-        )
-        return _make_view(x, step, value, meta)
+            return _make_view(x, None, x._value(), meta)
+        if compiled_forward is None:
+            step = ViewStep(
+                functools.partial(_apply_forward, forward, urest, kwargs),
+                functools.partial(_apply_inverse, inverse, urest, kwargs),
+                func,
+            )
+            return _make_view(x, step, step.forward(x._value()), meta)
+        key = _static_key(func, urest, kwargs)
+        step = steps.get(key) if key is not None else None
+        if step is None:
+            step = ViewStep(
+                functools.partial(_apply_compiled_forward, compiled_forward, urest, kwargs),
+                functools.partial(_apply_compiled_inverse, compiled_inverse, urest, kwargs),
+                func,
+                key,
+                functools.partial(_apply_forward, forward, urest, kwargs),
+            )
+            if key is not None:
+                if len(steps) >= _MAX_SIGNATURES:
+                    steps.clear()
+                steps[key] = step
+        if key is not None and _tensor.CAPTURE is None and _eager():
+            # Computed when first read: a compiled lowering reading it computes it in its own program.
+            size, stride, offset, dtype = meta
+            return _tensor.lazy_view(x._t2j_storage, x._t2j_view + (step,), size, stride, offset, dtype)
+        return _make_view(x, step, step.forward(x._value()), meta)
 
     return run
+
+
+def _static_key(func, rest, kwargs):
+    """Hashable key of a view op with arguments ``rest`` and ``kwargs``, or None if one is an array."""
+    arrays, key = [], [func]
+    try:
+        _split(rest, arrays, key)
+        if kwargs:
+            _split(list(kwargs.values()), arrays, key)
+            key.append(tuple(kwargs))
+    except _NotStatic:
+        return None
+    return None if arrays else tuple(key)
 
 
 def _apply_forward(forward, rest, kwargs, a):
@@ -710,6 +798,14 @@ def _apply_forward(forward, rest, kwargs, a):
 
 def _apply_inverse(inverse, rest, kwargs, base, value):
     return inverse(base, value, *rest, **kwargs)
+
+
+def _apply_compiled_forward(compiled, rest, kwargs, a):
+    return compiled((a, *rest), kwargs)
+
+
+def _apply_compiled_inverse(compiled, rest, kwargs, base, value):
+    return compiled((base, value, *rest), kwargs)
 
 
 def _pick(forward, i, rest, kwargs):

@@ -68,14 +68,22 @@ class Storage:
 
 
 class ViewStep:
-    """One view op applied to its input: ``forward(x)`` and ``inverse(x, value)``."""
+    """One view op applied to its input: ``forward(x)`` and ``inverse(x, value)``.
 
-    __slots__ = ("forward", "inverse", "name")
+    ``key`` (hashable) names the op and its arguments when they are all static,
+    and ``trace(x)`` then applies the op to a traced array: a compiled lowering
+    that reads the view applies the step inside its own program. Both are None
+    otherwise.
+    """
 
-    def __init__(self, forward, inverse, name):
+    __slots__ = ("forward", "inverse", "name", "key", "trace")
+
+    def __init__(self, forward, inverse, name, key=None, trace=None):
         self.forward = forward
         self.inverse = inverse
         self.name = name
+        self.key = key
+        self.trace = trace
 
 
 @functools.lru_cache(maxsize=4096)
@@ -248,6 +256,18 @@ def new_tensor(array, requires_grad: bool = False) -> Tensor:
     r._t2j_view = ()
     r._t2j_cache = array
     r._t2j_version = 0
+    return r
+
+
+def lazy_view(storage, chain, size, stride, offset, dtype) -> Tensor:
+    """A view of ``storage`` through ``chain`` whose value is computed when first read."""
+    r = torch.Tensor._make_wrapper_subclass(
+        Tensor, size, strides=stride, storage_offset=offset, dtype=dtype, device=DEVICE
+    )
+    r._t2j_storage = storage
+    r._t2j_view = chain
+    r._t2j_cache = None
+    r._t2j_version = -1
     return r
 
 

@@ -1,0 +1,208 @@
+"""Eager ops that run as cached jax.jit calls (torch2jax/dispatch.py, `_Compiled`)
+give torch's results: the cache key must separate everything that changes the
+result (Python scalar types and values, dtypes, 0-dim tensors, the default dtype,
+view chains read inside the compiled call)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torch2jax as t2j
+from torch2jax import dispatch
+
+# Enough calls to pass the compile threshold, each checked.
+REPEAT = 4
+
+
+@pytest.fixture(autouse=True)
+def compile_at_once(monkeypatch):
+    monkeypatch.setattr(dispatch, "_COMPILE_AFTER", 0)
+
+
+def _check(fn, *inputs):
+    expected = fn(*inputs)
+    jax_inputs = [a.to("jax") if isinstance(a, torch.Tensor) else a for a in inputs]
+    for _ in range(REPEAT):
+        actual = fn(*jax_inputs)
+        assert actual.dtype == expected.dtype
+        torch.testing.assert_close(actual.cpu(), expected, equal_nan=True)
+
+
+SCALARS = [1, 1.0, True, False, 0.5, -0.0, math.nan, math.inf, 2**40, -3, 1 + 2j]
+DTYPES = [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_python_scalars_are_keyed_by_type_and_value(dtype):
+    x = torch.tensor([0, 1, 2]).to(dtype)
+    xj = x.to("jax")
+    # Interleaved so that a key that confuses 1, 1.0 and True (equal and of equal
+    # hash in Python) or -0.0 and 0.0 would serve one's program for another.
+    for _ in range(REPEAT):
+        for s in SCALARS:
+            for op in (torch.add, torch.mul):
+                try:
+                    expected = op(x, s)
+                except RuntimeError:
+                    with pytest.raises(RuntimeError):
+                        op(xj, s)
+                    continue
+                if expected.dtype == torch.complex32:  # no JAX dtype (tests/test_semantics.py)
+                    continue
+                actual = op(xj, s)
+                assert actual.dtype == expected.dtype, (op, s)
+                torch.testing.assert_close(actual.cpu(), expected, equal_nan=True, msg=f"{op} {s!r}")
+
+
+def test_signed_zero_scalar():
+    x = torch.tensor([0.0, 1.0])
+    xj = x.to("jax")
+    for _ in range(REPEAT):
+        for s in (0.0, -0.0):
+            assert torch.equal(torch.signbit(torch.mul(xj, s)).cpu(), torch.signbit(torch.mul(x, s)))
+
+
+@pytest.mark.parametrize("zero_dtype", [torch.int64, torch.float64, torch.float16, torch.bool])
+def test_zero_dim_tensors(zero_dtype):
+    a = torch.tensor([1, 2, 3], dtype=torch.float32)
+    for z in (torch.tensor(3).to(zero_dtype), torch.tensor(0).to(zero_dtype)):
+        _check(torch.add, a, z)
+        _check(torch.mul, z, a.to(torch.int32))
+        # a 0-dim CPU tensor mixes with jax tensors as a scalar does
+        expected = torch.add(a, z)
+        for _ in range(REPEAT):
+            actual = torch.add(a.to("jax"), z)
+            assert actual.dtype == expected.dtype
+            torch.testing.assert_close(actual.cpu(), expected)
+
+
+def test_dtype_changes_at_same_shape():
+    for dtype in DTYPES:
+        a = torch.tensor([[1, 0], [2, 3]]).to(dtype)
+        _check(torch.add, a, a)
+        _check(torch.neg, a) if dtype != torch.bool else _check(torch.logical_not, a)
+        if dtype.is_floating_point:
+            _check(torch.matmul, a, a)
+
+
+def test_default_dtype_is_part_of_the_key():
+    a = torch.tensor([1, 2, 3])
+    aj = a.to("jax")
+    for default in (torch.float32, torch.float64, torch.float32):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            for _ in range(REPEAT):
+                assert (aj + 1.5).dtype == default
+                assert (aj / 2).dtype == default
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def test_errors_after_compiling():
+    a, b = torch.ones(2, 3, device="jax"), torch.ones(3, 2, device="jax")
+    for _ in range(REPEAT):
+        a @ b
+    with pytest.raises(RuntimeError):
+        a @ a
+    for _ in range(REPEAT):
+        torch.testing.assert_close((a @ b).cpu(), torch.full((2, 2), 3.0))
+
+
+def test_value_checks_still_run():
+    """Lowerings that check values (index bounds, integer division by zero) stay op by op."""
+    x = torch.arange(4, device="jax")
+    for _ in range(REPEAT):
+        x[torch.tensor([1, 2], device="jax")]
+    with pytest.raises(IndexError):
+        x[torch.tensor([1, 7], device="jax")]
+    for _ in range(REPEAT):
+        torch.floor_divide(x, torch.tensor([1, 1, 1, 1], device="jax"))
+    with pytest.raises(RuntimeError):
+        torch.floor_divide(x, torch.tensor([1, 0, 1, 1], device="jax"))
+
+
+def test_matmul_precision_is_part_of_the_key():
+    a = torch.randn(16, 16)
+    aj = a.to("jax")
+    previous = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            for _ in range(REPEAT):
+                torch.testing.assert_close((aj @ aj).cpu(), a @ a)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_lazy_views_read_inside_compiled_calls():
+    x = torch.arange(24.0).reshape(4, 6)
+    xj = x.to("jax")
+    for _ in range(REPEAT):
+        torch.testing.assert_close((xj.t() * 2).cpu(), x.t() * 2)
+        torch.testing.assert_close((xj[1:3].t() + xj[:2].t()).cpu(), x[1:3].t() + x[:2].t())
+        torch.testing.assert_close((xj.view(6, 4).t()[1:] - 1).cpu(), x.view(6, 4).t()[1:] - 1)
+        torch.testing.assert_close(torch.addmm(xj[0, :4], xj, xj.t()).cpu(), torch.addmm(x[0, :4], x, x.t()))
+
+
+def test_lazy_view_sees_later_writes():
+    x = torch.arange(6.0).reshape(2, 3)
+    xj = x.to("jax")
+    for _ in range(REPEAT):
+        v, vj = x.t(), xj.t()
+        x.add_(1)
+        xj.add_(1)
+        torch.testing.assert_close((vj * 1).cpu(), v * 1)
+        vj.mul_(2)  # written through the view into the base
+        v.mul_(2)
+        torch.testing.assert_close(xj.cpu(), x)
+        torch.testing.assert_close(vj.cpu(), v)
+
+
+def test_mlp_forward_and_backward():
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(8, 8)
+    expected = mlp(x)
+    expected.sum().backward()
+    grads = [p.grad.clone() for p in mlp.parameters()]
+    mlp_j = mlp.to("jax")
+    for p in mlp_j.parameters():
+        p.grad = None
+    xj = x.to("jax")
+    for _ in range(REPEAT):
+        for p in mlp_j.parameters():
+            p.grad = None
+        out = mlp_j(xj)
+        torch.testing.assert_close(out.cpu(), expected)
+        out.sum().backward()
+        for p, g in zip(mlp_j.parameters(), grads):
+            torch.testing.assert_close(p.grad.cpu(), g)
+
+
+def test_jit_after_eager_compiles():
+    def f(a, b):
+        return torch.relu(a @ b.t() + 1)
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    aj, bj = a.to("jax"), b.to("jax")
+    for _ in range(REPEAT):
+        torch.testing.assert_close(f(aj, bj).cpu(), f(a, b))
+    torch.testing.assert_close(t2j.jit(f)(aj, bj).cpu(), f(a, b))
+
+
+def test_compiles_only_from_the_third_call(monkeypatch):
+    monkeypatch.setattr(dispatch, "_COMPILE_AFTER", 2)
+    a = torch.ones(3, 5, device="jax")
+    handler = dispatch._HANDLERS.get(torch.ops.aten.sin.default) or dispatch._resolve(torch.ops.aten.sin.default)
+    compiled = next(c.cell_contents for c in handler.__closure__ if isinstance(c.cell_contents, dispatch._Compiled))
+    compiled.signatures.clear()
+    kinds = []
+    for _ in range(4):
+        torch.sin(a)
+        (entry,) = compiled.signatures.values()
+        kinds.append(type(entry) is int)
+    assert kinds == [True, True, False, False]
