@@ -75,6 +75,16 @@ def _to_device(x):
     return storage.as_strided(x.shape, x.stride(), x.storage_offset())
 
 
+def _storage(x):
+    """The tensor a traced argument is made from: a view made by `_to_device` passes its whole storage."""
+    return x._base if x._base is not None else x
+
+
+def _rebuild(x, traced):
+    """``x`` inside the traced function, from ``traced`` (its `_storage`)."""
+    return traced if x._base is None else traced.as_strided(x.shape, x.stride(), x.storage_offset())
+
+
 def _to_jax(x):
     """The sample as if made for the jax device: tensors moved, and the factories'
     and ``to``'s device "cpu" (a string or torch.device) becoming "jax"."""
@@ -155,7 +165,7 @@ def run_jit(op, sample):
     def fn(key, *arrays):
         filled = list(leaves)
         for i, a in zip(positions, arrays):
-            filled[i] = new_tensor(a)
+            filled[i] = _rebuild(leaves[i], new_tensor(a))
         inp, kwargs, args = jax.tree_util.tree_unflatten(treedef, filled)
         with torch2jax.rng_key(key):
             result = op(inp, *(sample.args if host else args), **kwargs)
@@ -164,7 +174,7 @@ def run_jit(op, sample):
         return [o.jax() if isinstance(o, Tensor) else value_of(o) for o in out_leaves if traced(o)]
 
     with jax.enable_x64(True):
-        arrays = iter(jax.jit(fn)(jax.random.key(0), *[leaves[i].jax() for i in positions]))
+        arrays = iter(jax.jit(fn)(jax.random.key(0), *[_storage(leaves[i]).jax() for i in positions]))
     results = [
         (new_tensor(next(arrays)) if o else next(arrays).item()) if isinstance(o, bool) else o for o in out["leaves"]
     ]

@@ -642,6 +642,21 @@ def _empty_long():
     return jnp.zeros((0,), _LONG)
 
 
+@register(aten.repeat_interleave.Tensor)
+def repeat_interleave(repeats, *, output_size=None):
+    """``i`` repeated ``repeats[i]`` times; under jax.jit only with ``output_size`` given."""
+    if repeats.ndim != 1:
+        raise RuntimeError("repeat_interleave only accept 1D vector as repeat")
+    if output_size is None or not _traced(repeats):
+        counts = _concrete("aten.repeat_interleave", repeats)[0]
+        if (counts < 0).any():
+            raise RuntimeError("repeats can not be negative")
+        if output_size is not None and output_size != counts.sum():
+            raise RuntimeError("allocated size does not match required size")
+        return jnp.asarray(np.repeat(np.arange(counts.size), counts), repeats.dtype)
+    return jnp.repeat(jnp.arange(repeats.shape[0], dtype=repeats.dtype), repeats, total_repeat_length=output_size)
+
+
 @register(aten._unique2.default)
 def _unique2(x, sorted=True, return_inverse=False, return_counts=False):
     v = _host_values("aten.unique", x).reshape(-1)

@@ -490,6 +490,93 @@ def cummin(x, dim):
     return _cum_extreme(x, dim, jnp.less)
 
 
+# -- histograms --------------------------------------------------------------
+
+
+def _linspace_edges(lo, hi, bins, dtype):
+    """``bins + 1`` edges as torch's linspace computes them in ``dtype``: from the start for
+    the first half, from the end for the second, so both ends are exact."""
+    lo, hi = jnp.asarray(lo, dtype), jnp.asarray(hi, dtype)
+    step = (hi - lo) / bins
+    i = jnp.arange(bins + 1)
+    return jnp.where(i < (bins + 1) // 2, lo + step * i.astype(dtype), hi - step * (bins - i).astype(dtype))
+
+
+def _outer_edges(v, lo_hi, name_dim):
+    """torch's outer bin edges of the values ``v``: the given (lo, hi), else their min and max
+    (0 and 1 when empty), widened by 0.5 each way when equal."""
+    if lo_hi is not None:
+        lo, hi = float(lo_hi[0]), float(lo_hi[1])
+        if lo > hi:
+            raise RuntimeError(f"torch.histogramdd: min should not exceed max, but got min {lo} max {hi} for dimension {name_dim}")
+    elif v.size == 0:
+        lo, hi = 0.0, 1.0
+    else:
+        lo, hi = jnp.min(v), jnp.max(v)
+        if not isinstance(v, jax.core.Tracer) and not (np.isfinite(lo) and np.isfinite(hi)):
+            raise RuntimeError(f"torch.histogramdd: dimension {name_dim}'s range [{lo}, {hi}] is not finite")
+    widen = jnp.where(jnp.asarray(lo) == hi, 0.5, 0.0)
+    return lo - widen, hi + widen
+
+
+def _bin_edges(x, bins, range):
+    """Equal-width edges for each of the last axis's ``x.shape[-1]`` dimensions."""
+    points = x.reshape(-1, x.shape[-1])
+    edges = []
+    for d, n in enumerate(bins):
+        lo, hi = _outer_edges(points[:, d], None if range is None else range[2 * d:2 * d + 2], d)
+        edges.append(_linspace_edges(lo, hi, n, x.dtype))
+    return edges
+
+
+def _histogramdd(x, edges, weight, density):
+    """Counts (or weights) of the points ``x.reshape(-1, D)`` in the bins between ``edges``:
+    the last bin of each dimension includes its right edge, points outside count nowhere."""
+    points = x.reshape(-1, x.shape[-1])
+    shape = tuple(e.shape[0] - 1 for e in edges)
+    flat = jnp.zeros(points.shape[0], np.int64)
+    inside = jnp.ones(points.shape[0], bool)
+    for d, e in enumerate(edges):
+        v = points[:, d]
+        pos = jnp.clip(jnp.searchsorted(e, v, side="right") - 1, 0, shape[d] - 1)
+        flat = flat * shape[d] + pos
+        inside = inside & (v >= e[0]) & (v <= e[-1])
+    w = jnp.ones(points.shape[0], x.dtype) if weight is None else weight.reshape(-1).astype(x.dtype)
+    hist = jax.ops.segment_sum(jnp.where(inside, w, 0), flat, math.prod(shape)).reshape(shape)
+    if density:
+        hist = hist / hist.sum()
+        for d, e in enumerate(edges):
+            hist = hist / jnp.diff(e).reshape((-1,) + (1,) * (len(edges) - d - 1))
+    return hist.astype(x.dtype)
+
+
+@register(aten.histogram.bin_ct)
+def histogram(x, bins=100, *, range=None, weight=None, density=False):
+    (edges,) = _bin_edges(x.reshape(-1, 1), [bins], range)
+    return _histogramdd(x.reshape(-1, 1), [edges], weight, density), edges
+
+
+@register(aten.histogram.bins_tensor)
+def histogram_bins_tensor(x, bins, *, weight=None, density=False):
+    edges = bins.astype(x.dtype)
+    return _histogramdd(x.reshape(-1, 1), [edges], weight, density), edges
+
+
+@register(aten._histogramdd_bin_edges.default)
+def _histogramdd_bin_edges(x, bins, range=None, weight=None, density=False):
+    return _bin_edges(x, bins, range)
+
+
+@register(aten._histogramdd_from_bin_cts.default)
+def _histogramdd_from_bin_cts(x, bins, range=None, weight=None, density=False):
+    return _histogramdd(x, _bin_edges(x, bins, range), weight, density)
+
+
+@register(aten._histogramdd_from_bin_tensors.default)
+def _histogramdd_from_bin_tensors(x, bins, weight=None, density=False):
+    return _histogramdd(x, [b.astype(x.dtype) for b in bins], weight, density)
+
+
 # -- sorting and selection ---------------------------------------------------
 
 
