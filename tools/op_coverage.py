@@ -215,8 +215,9 @@ def main():
     results = save(run_all(cases, args.jobs, args.chunk, args.timeout, save))
     write_xfails(results, every)
     write_doc(results)
-    for (dname, mode), (ok, n, *_) in sorted(rates(results).items()):
-        print(f"{dname:10} {mode:6} {ok}/{n} cases ({100 * ok / max(n, 1):.1f}%)", file=sys.stderr)
+    for (dname, mode), (ok, n, sp, st, _, bds) in sorted(rates(results).items()):
+        print(f"{dname:10} {mode:6} {ok}/{n} cases ({_pct(ok, n)}), {sp}/{st} samples ({_pct(sp, st)}; "
+              f"{_pct(sp, st - bds)} without by-design failures)", file=sys.stderr)
 
 
 def load_results():
@@ -261,16 +262,23 @@ def by_design(reason):
 
 
 def rates(results):
-    """(dtype, mode) -> [cases passing, cases, samples passing, samples, failing by design]."""
-    per = collections.defaultdict(lambda: [0, 0, 0, 0, 0])
+    """(dtype, mode) -> [cases passing, cases, samples passing, samples, cases failing by design,
+    samples of those cases]."""
+    per = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
     for (_, dname, mode), (passed, total, reason, _) in results.items():
         row = per[(dname, mode)]
         row[0] += not reason
         row[1] += 1
         row[2] += passed
         row[3] += total
-        row[4] += by_design(reason)
+        if by_design(reason):
+            row[4] += 1
+            row[5] += total - passed
     return per
+
+
+def _pct(part, whole):
+    return f"{100 * part / max(whole, 1):.1f}%"
 
 
 def write_doc(results):
@@ -283,14 +291,16 @@ def write_doc(results):
         "`jax.jit`. Failing cases are strict xfails in `tests/opinfo_xfails.py`, with the reason below.",
         "\"by design\" counts the failing cases where torch2jax raises its clear error for what a traced",
         "program cannot express (an output shape that depends on tensor values, Python control flow on a",
-        "traced value); the last rate leaves those cases out.", "",
+        "traced value, a Python bool returned from a traced value); the rates \"without\" leave their",
+        "failing samples (or cases) out.", "",
         "## Passing, per dtype and mode", "",
-        "| dtype | mode | cases passing | cases | rate | samples passing | samples | by design | rate without them |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| dtype | mode | cases passing | cases | case rate | samples passing | samples | sample rate "
+        "| by design (cases / samples) | case rate without | sample rate without |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (dname, mode), (ok, n, sp, st, bd) in sorted(rates(results).items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        out.append(f"| {dname} | {mode} | {ok} | {n} | {100 * ok / max(n, 1):.1f}% | {sp} | {st} | {bd} "
-                   f"| {100 * ok / max(n - bd, 1):.1f}% |")
+    for (dname, mode), (ok, n, sp, st, bd, bds) in sorted(rates(results).items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        out.append(f"| {dname} | {mode} | {ok} | {n} | {_pct(ok, n)} | {sp} | {st} | {_pct(sp, st)} | {bd} / {bds} "
+                   f"| {_pct(ok, n - bd)} | {_pct(sp, st - bds)} |")
     out += ["", "## Known failures", "", "passed/total samples and the first failure (crashes are skipped by the tests).",
             "", "| op | dtype | mode | status |", "|---|---|---|---|"]
     for (name, dname, mode), (p, t, reason, crashed) in sorted(results.items()):
