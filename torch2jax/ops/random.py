@@ -367,6 +367,7 @@ def multinomial(probs, num_samples, replacement=False, *, generator=None):
         raise RuntimeError(f"cannot sample n_sample <= 0 samples, but got {num_samples}")
     if not replacement and num_samples > n:
         raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    _check_distribution(probs)
     logits = jnp.log(probs.astype(_sample_dtype(probs.dtype)))
     batch = logits[None] if probs.ndim == 1 else logits
     key = next_key(generator)
@@ -378,3 +379,16 @@ def multinomial(probs, num_samples, replacement=False, *, generator=None):
         out = jax.lax.top_k(g, num_samples)[1]
     out = out.astype(np.int64)
     return out[0] if probs.ndim == 1 else out
+
+
+def _check_distribution(probs):
+    """torch's checks of multinomial's weights, where their values are known: a traced
+    call cannot raise, and there (as with CUDA's device-side asserts) bad rows sample
+    arbitrary categories."""
+    if isinstance(probs, jax.core.Tracer):
+        return
+    values = np.asarray(probs, np.float64)
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    if np.any(values.sum(axis=-1) <= 0):
+        raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
