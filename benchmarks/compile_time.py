@@ -1,13 +1,17 @@
 """Compile time of deep models: unrolled layers vs `t2j.use_scan_layers`, with and without remat.
 
     python benchmarks/compile_time.py [--layers 24 48] [--embd 128] [--seq 64] [--batch 8] [--steps 5]
+                                      [--variants unrolled scan_layers ...]
 
 For each depth, one GPT (examples/gpt.py) training step (forward, backward, AdamW)
-compiled by `t2j.jit` four ways: layers unrolled (the plain Python loop), the same
+compiled by `t2j.jit` several ways: layers unrolled (the plain Python loop), the same
 with `t2j.use_scan_layers`, and both with remat (scan with `remat=True`; the
-unrolled one wraps each block in `t2j.checkpoint`). Columns: trace time
-(torch code -> jaxpr), compile time (XLA), median step time and the program's
-memory (XLA memory analysis), all from this one run.
+unrolled one wraps each block in `t2j.checkpoint`). "stacked parameters" is the
+layout a JAX model uses: the blocks' parameters live in one stacked ``nn.Parameter``
+per name (12 instead of 12 x layers), scanned by `t2j.scan` over a functional call
+of one block, so AdamW updates 12 stacked tensors. Columns: trace time (torch code
+-> jaxpr), compile time (XLA), median step time and the program's memory (XLA
+memory analysis), all from this one run.
 """
 
 from __future__ import annotations
@@ -28,6 +32,32 @@ import gpt  # noqa: E402
 import torch2jax as t2j  # noqa: E402
 
 
+class StackedBlocks(torch.nn.Module):
+    """``blocks`` run as one `t2j.scan` over parameters stacked per name."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.names = [n for n, _ in blocks[0].named_parameters()]
+        self.stacked = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.stack([b.get_parameter(n).detach() for b in blocks])) for n in self.names
+        )
+        object.__setattr__(self, "template", blocks[0])  # traced, not a submodule: no parameters of its own
+
+    def forward(self, x):
+        def layer(h, params):
+            return torch.func.functional_call(self.template, dict(zip(self.names, params)), (h,)), None
+
+        return t2j.scan(layer, x, list(self.stacked))[0]
+
+
+def _stacked(model):
+    model.blocks = torch.nn.ModuleList([StackedBlocks(model.blocks)])
+    model.blocks[0].template.to("jax")
+
+
+VARIANTS = ("unrolled", "scan_layers", "unrolled + remat", "scan_layers + remat", "stacked parameters")
+
+
 def _checkpointed_blocks(model):
     for block in model.blocks:
         block.forward = t2j.checkpoint(block.forward)
@@ -35,14 +65,18 @@ def _checkpointed_blocks(model):
 
 def measure(base, variant, batches):
     model = copy.deepcopy(base).to("jax")
-    if variant.startswith("scan"):
+    if variant == "stacked parameters":
+        _stacked(model)
+    elif variant.startswith("scan"):
         t2j.use_scan_layers(model, remat=True if "remat" in variant else None)
     elif "remat" in variant:
         _checkpointed_blocks(model)
     step, opt = gpt.adamw_step(model, t2j.jit)
 
     jb = [(x.to("jax"), y.to("jax")) for x, y in batches]
-    step(*jb[0])  # creates grads and optimizer state; the steady-state program is traced next
+    t = time.perf_counter()
+    step(*jb[0])  # creates grads and optimizer state (a program of its own); the steady-state one is traced next
+    first = time.perf_counter() - t
     t = time.perf_counter()
     lowered = step.lower(*jb[1])
     trace = time.perf_counter() - t
@@ -53,11 +87,12 @@ def measure(base, variant, batches):
     times = []
     for x, y in jb[2:]:
         t = time.perf_counter()
-        step(x, y).jax().block_until_ready()
+        loss = step(x, y).jax().block_until_ready()
         times.append(time.perf_counter() - t)
     m = compiled.memory_analysis()
     mem = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 2**20
-    return {"trace": trace, "compile": compile_s, "ms": statistics.median(times) * 1e3, "mem": mem}
+    return {"trace": trace, "compile": compile_s, "ms": statistics.median(times) * 1e3, "mem": mem, "loss": float(loss),
+            "first": first}
 
 
 def main():
@@ -68,9 +103,11 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args()
-    print("| layers | variant | trace s | compile s | trace+compile vs unrolled | ms/step | vs unrolled | memory MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| layers | variant | trace s | compile s | trace+compile vs unrolled | ms/step | vs unrolled | memory MiB | "
+          "first call s | last loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in args.layers:
         cfg = gpt.GPTConfig(vocab_size=96, block_size=args.seq, n_layer=n, n_head=args.heads, n_embd=args.embd)
         torch.manual_seed(0)
@@ -78,12 +115,13 @@ def main():
         g = torch.Generator().manual_seed(0)
         batches = [(torch.randint(0, 96, (args.batch, args.seq), generator=g),
                     torch.randint(0, 96, (args.batch, args.seq), generator=g)) for _ in range(args.steps + 2)]
-        rows = {v: measure(base, v, batches) for v in ("unrolled", "scan_layers", "unrolled + remat", "scan_layers + remat")}
-        ref = rows["unrolled"]
-        for v, r in rows.items():
+        rows = {}
+        for v in ["unrolled"] + [v for v in args.variants if v != "unrolled"]:
+            rows[v] = r = measure(base, v, batches)
+            ref = rows["unrolled"]
             speedup = (ref["trace"] + ref["compile"]) / (r["trace"] + r["compile"])
             print(f"| {n} | {v} | {r['trace']:.2f} | {r['compile']:.2f} | {speedup:.1f}x faster | {r['ms']:.1f} | "
-                  f"{r['ms'] / ref['ms']:.2f}x | {r['mem']:.1f} |", flush=True)
+                  f"{r['ms'] / ref['ms']:.2f}x | {r['mem']:.1f} | {r['first']:.1f} | {r['loss']:.6f} |", flush=True)
 
 
 if __name__ == "__main__":
