@@ -696,7 +696,111 @@ def _p_int_and_complex_views(x, y):
     return i, c
 
 
+def _p_duplicate_index_put(x, y):
+    i = torch.tensor([0, 2, 0], device=x.device)
+    x[i] += 1.0  # duplicates: the last write wins, as on torch CPU
+    x.index_put_((i,), y[:3], accumulate=True)
+    return x.clone()
+
+
+def _p_dtype_view_write(x, y):
+    bits = x.view(torch.int32)
+    bits[0] = 0
+    bits[1:3] &= 0x7FFFFF00
+    return bits.clone()
+
+
+def _p_inplace_metadata_ops(x, y):
+    z = x.view(4, 6)[:1].clone()
+    z.squeeze_(0)
+    z.unsqueeze_(1)
+    z.t_()
+    z.mul_(2)
+    return z, z.stride(), z.shape
+
+
+def _p_noncontiguous_copy_and_metadata(x, y):
+    m = x.view(4, 6)
+    m[:, :4].copy_(y.view(6, 4)[:4].t().t())
+    v = m.t()[1:, 2:]
+    return v.stride(), v.storage_offset(), v.is_contiguous(), v.contiguous().stride()
+
+
+def _p_addcmul_clamp_lerp(x, y):
+    m = x.view(4, 6)
+    m[1:].addcmul_(y.view(4, 6)[1:], y.view(4, 6)[:3], value=2)
+    m.t()[::2].clamp_(min=-0.5, max=0.5)
+    m[1:3].lerp_(y.view(4, 6)[1:3], 0.3)
+    m.fill_diagonal_(5.0)
+    m.tril_(2)
+    return m.clone()
+
+
+def _p_index_and_mask_setitem(x, y):
+    x.view(-1)[torch.tensor([1, 5, 7], device=x.device)] = y[:3]
+    x.view(4, 6)[torch.tensor([True, False, True, False], device=x.device)] = 2.0
+    x[x < -1] = 0.0
+    return x.clone()
+
+
+def _p_assign_data(x, y):
+    w = nn.Parameter(x.view(4, 6).clone())
+    w.data = y.view(6, 4)
+    (w * 2).sum().backward()
+    return w.detach().clone(), w.grad, w.shape
+
+
+def _p_out_aliasing_inputs(x, y):
+    torch.cumsum(x, 0, out=y)
+    torch.where(x > 0, x, y, out=x)
+    return x.clone()
+
+
+def _p_expand_split_unbind(x, y):
+    e = x[:4].expand(3, 4)
+    c = e.clone()
+    c[0].add_(1)
+    for k, piece in enumerate(torch.split(x, [5, 7, 12])):
+        piece.mul_(k + 1)
+    a, b = x.view(4, 6).unbind(1)[:2]
+    a.copy_(b)
+    return c, e.stride()
+
+
+def _p_integer_inplace(x, y):
+    i = (y * 10).long()
+    i.view(4, 6)[::2].div_(3, rounding_mode="floor")
+    i.remainder_(7)
+    i[3:9].bitwise_xor_(5)
+    i.view(2, 12).t()[1::3].pow_(2)
+    return i
+
+
+def _p_half_precision_inplace(x, y):
+    h = x.half()
+    h.view(4, 6)[1].mul_(1000)
+    h.add_(y.half())
+    b = x.bfloat16()
+    b[::3].exp_()
+    return h, b
+
+
+def _p_write_through_detach_of_a_result(x, y):
+    a = x.clone().requires_grad_()
+    b = a * 2
+    b.detach()[0] = 100.0
+    b.sum().backward()
+    return b.detach().clone(), a.grad
+
+
 VIEW_PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
+
+
+def test_boolean_mask_read_modify_write_under_jit_raises_a_clear_error():
+    # x[mask] *= 2 reads x[mask] first, whose shape depends on the mask's values
+    f = t2j.jit(lambda x: x.view(4, 6)[torch.tensor([True, False, True, False], device="jax")].mul_(2))
+    with pytest.raises(RuntimeError, match="depends on tensor values"):
+        f(torch.ones(24, device="jax"))
 
 
 def _view_inputs():
