@@ -457,7 +457,7 @@ _COMPILE_AFTER = 2
 _MAX_SIGNATURES = 4096
 
 # Values that may be static arguments of a compiled lowering: hashable, and
-# equal only when the lowering treats them alike (see `_split`).
+# equal only when the lowering treats them alike (see `_key`).
 _STATIC_TYPES = frozenset(
     {type(None), bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format}
 )
@@ -467,7 +467,7 @@ _BOOL = np.dtype(np.bool_)
 
 class _NotStatic(Exception):
     """An argument that keeps the call op by op: one that cannot be part of the
-    cache key, or a bool array (see `_split`)."""
+    cache key, or a bool array (see `_key`)."""
 
 
 class _NotArrays(Exception):
@@ -553,44 +553,51 @@ def _materialize(args):
     return [a.tensor._value() if type(a) is _View else a for a in args]
 
 
-def _split(a, arrays, key):
-    """Template of ``a`` with its arrays taken out into ``arrays``; what the
-    compiled call depends on is appended to ``key``.
+def _key(a, arrays, key):
+    """Append ``a``'s arrays to ``arrays`` and what a compiled call of it depends on to ``key``.
 
     Python numbers are keyed with their type (``1``, ``1.0`` and ``True`` promote
     differently) and floats by their bits (``-0.0`` is not ``0.0``; NaN is itself).
     """
     t = type(a)
     if t is _ArrayImpl:
-        if a.dtype == _BOOL:
+        aval = a.aval
+        if aval.dtype == _BOOL:
             # XLA rewrites arithmetic on a converted bool array into a select
             # (False * nan -> 0), which eager op-by-op JAX and torch do not.
             raise _NotStatic
         arrays.append(a)
-        key.append((a.shape, a.dtype, a.weak_type))
-        return _ARRAY
-    if t is float:
+        key.append(aval)
+    elif t is float:
         key.append(a.hex())
-        return a
-    if t in _STATIC_TYPES:
+    elif t in _STATIC_TYPES:
         key.append((t, a))
-        return a
-    if t is list or t is tuple or t is torch.Size:
+    elif t is list or t is tuple or t is torch.Size:
         key.append((t, len(a)))
-        return t([_split(b, arrays, key) for b in a])
-    if t is complex:
+        for b in a:
+            _key(b, arrays, key)
+    elif t is complex:
         key.append((a.real.hex(), a.imag.hex()))
-        return a
-    if t is _View:
+    elif t is _View:
         base = a.tensor._t2j_storage.array
-        if type(base) is not _ArrayImpl:
-            raise _NotStatic
-        if base.dtype == _BOOL:
+        if type(base) is not _ArrayImpl or base.aval.dtype == _BOOL:
             raise _NotStatic
         arrays.append(base)
-        key.append((base.shape, base.dtype, base.weak_type, tuple(step.key for step in a.steps)))
+        key.append((base.aval, tuple(step.key for step in a.steps)))
+    else:
+        raise _NotStatic
+
+
+def _template(a):
+    """``a`` with each array replaced by a placeholder and each `_View` by its view chain (see `_fill`)."""
+    t = type(a)
+    if t is _ArrayImpl:
+        return _ARRAY
+    if t is _View:
         return a.steps
-    raise _NotStatic
+    if t is list or t is tuple or t is torch.Size:
+        return t([_template(b) for b in a])
+    return a
 
 
 def _fill(template, arrays):
@@ -642,12 +649,14 @@ class _Compiled:
             return self.fn(*_materialize(args), **kwargs)
         arrays, key = [], [torch.get_default_dtype(), torch.get_float32_matmul_precision()]
         try:
-            targs = _split(args, arrays, key)
-            tkwargs = {k: _split(v, arrays, key) for k, v in kwargs.items()} if kwargs else None
+            for a in args:
+                _key(a, arrays, key)
+            if kwargs:
+                for v in kwargs.values():
+                    _key(v, arrays, key)
+                key.append(tuple(kwargs))
         except _NotStatic:
             return self.fn(*_materialize(args), **kwargs)
-        if tkwargs:
-            key.append(tuple(tkwargs))
         key = tuple(key)
         compiled = self.signatures.get(key)
         if compiled is None or type(compiled) is int:
@@ -657,7 +666,7 @@ class _Compiled:
                     self.signatures.clear()
                 self.signatures[key] = seen
                 return self.fn(*_materialize(args), **kwargs)
-            compiled = self.signatures[key] = self._compile(targs, tkwargs)
+            compiled = self.signatures[key] = self._compile(args, kwargs)
         try:
             return compiled(*arrays)
         except Exception:  # noqa: BLE001 - the op-by-op run below raises the input's real error
@@ -666,8 +675,10 @@ class _Compiled:
             self.signatures.clear()
             return out
 
-    def _compile(self, targs, tkwargs):
+    def _compile(self, args, kwargs):
         fn = self.fn
+        targs = _template(list(args))
+        tkwargs = {k: _template(v) for k, v in kwargs.items()} if kwargs else None
 
         def traced(*arrays):
             it = iter(arrays)
@@ -783,9 +794,9 @@ def _static_key(func, rest, kwargs):
     """Hashable key of a view op with arguments ``rest`` and ``kwargs``, or None if one is an array."""
     arrays, key = [], [func]
     try:
-        _split(rest, arrays, key)
+        _key(rest, arrays, key)
         if kwargs:
-            _split(list(kwargs.values()), arrays, key)
+            _key(list(kwargs.values()), arrays, key)
             key.append(tuple(kwargs))
     except _NotStatic:
         return None

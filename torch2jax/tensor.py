@@ -248,9 +248,10 @@ _TORCH_DTYPES: dict = {}
 def new_tensor(array, requires_grad: bool = False) -> Tensor:
     """A fresh base tensor (its own storage) holding ``array``."""
     # `Tensor.__new__` without its generality: this runs once per op result.
-    dtype = _TORCH_DTYPES.get(array.dtype)
+    jax_dtype = array.dtype
+    dtype = _TORCH_DTYPES.get(jax_dtype)
     if dtype is None:
-        dtype = _TORCH_DTYPES[array.dtype] = _dt.to_torch(array.dtype)
+        dtype = _TORCH_DTYPES[jax_dtype] = _dt.to_torch(jax_dtype)
     r = torch.Tensor._make_wrapper_subclass(Tensor, array.shape, dtype=dtype, device=DEVICE, requires_grad=requires_grad)
     r._t2j_storage = Storage(array)
     r._t2j_view = ()
