@@ -37,6 +37,7 @@ How state is found and carried:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -180,16 +181,28 @@ def _set_opt_state(opt, p, key, t):
 
 
 def _make_capturable(opt) -> None:
-    """Switch ``opt`` to the form whose step counters live on the device: its
-    ``capturable`` flag where it has one, and every state tensor on the jax device
-    (a counter on the CPU would be incremented once per trace, not once per call)."""
-    for group in opt.param_groups:
-        if group.get("capturable") is False:
-            group["capturable"] = True
+    """Keep every state tensor of ``opt`` on the jax device (a step counter on the
+    CPU would be incremented once per trace, not once per call)."""
     for st in opt.state.values():
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and not isinstance(v, Tensor):
                 st[k] = v.to(_tensor.DEVICE)
+
+
+@contextlib.contextmanager
+def _capturable(optimizers):
+    """While tracing, the optimizers' ``capturable`` form: step counters are device
+    tensors that the program increments, with no host sync. The flag is put back after
+    the trace, so it never reaches ``state_dict()`` (a checkpoint saved from a jitted
+    run loads into an optimizer on the CPU)."""
+    flipped = [g for opt in optimizers for g in opt.param_groups if g.get("capturable") is False]
+    for g in flipped:
+        g["capturable"] = True
+    try:
+        yield
+    finally:
+        for g in flipped:
+            g["capturable"] = False
 
 
 class _Walk:
@@ -559,7 +572,7 @@ class JitFunction:
         info = {}
         pure = functools.partial(self._pure, leaves, spec, roots, slots, storages, info)
         inputs = [st.array for st in storages]
-        with jax.enable_x64(True):
+        with jax.enable_x64(True), _capturable(roots.optimizers):
             closed = jax.make_jaxpr(pure)(inputs, _lrs(slots), _rng.key)
         written = info["written"]
         n_in = len(inputs)
