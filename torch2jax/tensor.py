@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +40,13 @@ CAPTURE = None
 class Storage:
     """The shared value of a base tensor and all of its views."""
 
-    __slots__ = ("array", "version", "__weakref__")
+    __slots__ = ("array", "version", "saved", "__weakref__")
 
     def __init__(self, array):
         self.array = array
         self.version = 0
+        # (weak reference to the CPU copy being pickled, version it copies): see `_saved_base`
+        self.saved = None
         if CAPTURE is not None:
             CAPTURE.created(self)
 
@@ -218,7 +221,12 @@ class Tensor(torch.Tensor):
         return text[:-1] + ", " + ", ".join(extras) + ")"
 
     def __reduce_ex__(self, protocol):
-        return _rebuild, (torch_cpu(self._value()), self.requires_grad)
+        base = _saved_base(self._t2j_storage)
+        meta = (tuple(self.shape), tuple(self.stride()), self.storage_offset())
+        if not _is_view_of(self, base, meta):
+            base = _mark_saved(torch_cpu(self._value()))
+            meta = (tuple(self.shape), _contiguous_strides(tuple(self.shape)), 0)
+        return _rebuild, (base, *meta, self.requires_grad, bool(getattr(self, "_is_param", False)))
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
@@ -272,11 +280,6 @@ def lazy_view(storage, chain, size, stride, offset, dtype) -> Tensor:
     return r
 
 
-def _rebuild(cpu_tensor, requires_grad):
-    out = from_torch_cpu(cpu_tensor)
-    return out.requires_grad_(requires_grad) if requires_grad else out
-
-
 def torch_cpu(array) -> torch.Tensor:
     """A torch CPU tensor with the value of a jax / NumPy array (a copy)."""
     dtype = _dt.to_torch(array.dtype)
@@ -307,4 +310,84 @@ def from_torch_cpu(t: torch.Tensor) -> Tensor:
     return new_tensor(jax_array(t))
 
 
+# -- serialization -------------------------------------------------------------
+#
+# torch.save and pickle write a jax tensor as a CPU copy of its storage's base (one
+# copy per storage and pickling session, so tensors that share a storage load sharing
+# one again) plus the tensor's size, strides and offset into it. The copy's storage is
+# tagged "jax:0" like a device storage: torch.load without map_location gives jax
+# tensors, torch.load(map_location="cpu") gives CPU tensors, as for CUDA checkpoints.
+
+# data_ptr of each CPU copy being saved (tagged "jax:0" while the copy lives)
+_SAVING: dict = {}
+# data_ptr of each storage torch.load is restoring -> the device type it restores to
+_RESTORING: dict = {}
+
+
+def _mark_saved(cpu: torch.Tensor) -> torch.Tensor:
+    ptr = cpu.untyped_storage().data_ptr()
+    _SAVING[ptr] = True
+    weakref.finalize(cpu, _SAVING.pop, ptr, None)
+    return cpu
+
+
+def _saved_base(storage: Storage) -> torch.Tensor:
+    """The CPU copy of ``storage``'s base for the pickling session under way (the
+    pickler's memo keeps it alive while the session lasts)."""
+    if storage.saved is not None:
+        ref, version = storage.saved
+        base = ref()
+        if base is not None and version == storage.version:
+            return base
+    base = _mark_saved(torch_cpu(storage.array))
+    storage.saved = (weakref.ref(base), storage.version)
+    return base
+
+
+def _is_view_of(t: Tensor, base: torch.Tensor, meta) -> bool:
+    """Whether ``t`` is ``base.as_strided(*meta)`` (not so for views that reinterpret
+    the dtype, or whose torch strides do not describe the base's layout)."""
+    size, stride, offset = meta
+    if not t._t2j_view:
+        return size == tuple(base.shape) and stride == _contiguous_strides(size) and offset == 0
+    if t.dtype != base.dtype:
+        return False
+    try:
+        return torch.equal(base.as_strided(size, stride, offset), torch_cpu(t._value()))
+    except RuntimeError:
+        return False
+
+
+def _tag(storage):
+    if storage.device.type == "cpu" and storage.data_ptr() in _SAVING:
+        return f"{_device.NAME}:0"
+    return None
+
+
+def _restore(storage, location):
+    # Called for every storage torch.load restores, with the location it maps to:
+    # the mark tells `_rebuild` where the tensors on this storage go.
+    ptr = storage.data_ptr()
+    _RESTORING[ptr] = location.split(":")[0]
+    weakref.finalize(storage, _RESTORING.pop, ptr, None)
+    return storage if location.startswith(_device.NAME) else None
+
+
+def _rebuild(base, size, stride, offset, requires_grad, is_param):
+    if _RESTORING.get(base.untyped_storage().data_ptr(), _device.NAME) != _device.NAME:
+        t = base.as_strided(size, stride, offset)
+    else:
+        jax_base = getattr(base, "_t2j_loaded", None)
+        if jax_base is None:
+            with jax.enable_x64(True):
+                jax_base = base._t2j_loaded = new_tensor(jax_array(base))
+        whole = size == tuple(base.shape) and stride == _contiguous_strides(size) and offset == 0
+        t = (jax_base if whole else jax_base.as_strided(size, stride, offset)).detach()
+    if is_param:
+        return torch.nn.Parameter(t, requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+# before torch's own CPU tagger (priority 10)
+torch.serialization.register_package(9, _tag, _restore)
 torch.serialization.add_safe_globals([_rebuild])
