@@ -487,8 +487,9 @@ def _jittable(func, lowering):
 def _refers_to(fn, names) -> bool:
     """Whether ``fn``, or a torch2jax function it may call, names one of ``names``.
 
-    Follows the globals, module attributes, closures and nested functions its
-    code refers to: an over-approximation of what it can run.
+    Follows the torch2jax functions its code reaches through globals, module
+    attributes, closures, partials and nested functions; methods and other
+    packages' code are not followed.
     """
     seen, todo = set(), [fn]
     while todo:
