@@ -14,7 +14,6 @@ import io
 import math
 import pickle
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -213,7 +212,10 @@ def test_onecycle_cycling_momentum_does_not_retrace():
 def test_param_groups_with_different_lrs():
     def make(model):
         return lambda _: O.Adam(
-            [{"params": model[0].parameters(), "lr": 1e-2}, {"params": model[2].parameters(), "lr": 1e-3, "betas": (0.5, 0.9)}]
+            [
+                {"params": model[0].parameters(), "lr": 1e-2},
+                {"params": model[2].parameters(), "lr": 1e-3, "betas": (0.5, 0.9)},
+            ]
         )
 
     data = _data(4)
@@ -390,7 +392,8 @@ def test_cpu_checkpoint_loads_onto_the_jax_device():
 
 
 def _draws():
-    return torch.cat([torch.randn(3, device="jax"), torch.rand(2, device="jax"), torch.randint(0, 9, (2,), device="jax")])
+    draws = [torch.randn(3, device="jax"), torch.rand(2, device="jax"), torch.randint(0, 9, (2,), device="jax")]
+    return torch.cat(draws)
 
 
 def test_manual_seed_reproduces_eager_and_jit():
@@ -481,8 +484,15 @@ _INPLACE_DISTRIBUTIONS = {
     "normal_": (lambda t: t.normal_(2.0, 3.0), 2.0, 9.0, None),
     "uniform_": (lambda t: t.uniform_(-1.0, 3.0), 1.0, 16 / 12, lambda v: (v >= -1).all() and (v < 3).all()),
     "exponential_": (lambda t: t.exponential_(2.0), 0.5, 0.25, lambda v: (v >= 0).all()),
-    "geometric_": (lambda t: t.geometric_(0.25), 4.0, 0.75 / 0.0625, lambda v: (v >= 1).all() and (v == v.round()).all()),
-    "log_normal_": (lambda t: t.log_normal_(0.0, 0.5), math.exp(0.125), (math.exp(0.25) - 1) * math.exp(0.25), lambda v: (v > 0).all()),
+    "geometric_": (
+        lambda t: t.geometric_(0.25), 4.0, 0.75 / 0.0625, lambda v: (v >= 1).all() and (v == v.round()).all()
+    ),
+    "log_normal_": (
+        lambda t: t.log_normal_(0.0, 0.5),
+        math.exp(0.125),
+        (math.exp(0.25) - 1) * math.exp(0.25),
+        lambda v: (v > 0).all(),
+    ),
     "cauchy_": (lambda t: t.cauchy_(1.0, 2.0), None, None, None),
 }
 
@@ -873,6 +883,12 @@ def _scaled_training(device, jit=False, steps=7, autocast=False, unscale_inside=
     return trace, model
 
 
+def _assert_scaler_traces_close(actual, expected):
+    assert [t[2:] for t in actual] == [t[2:] for t in expected]  # scales and growth trackers exactly
+    loss_and_norm = torch.tensor([t[:2] for t in actual]), torch.tensor([t[:2] for t in expected])
+    torch.testing.assert_close(*loss_and_norm, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_grad_scaler_matches_torch_cpu(jit):
     expected, ref = _scaled_training("cpu")
@@ -880,8 +896,7 @@ def test_grad_scaler_matches_torch_cpu(jit):
     scales = [s for _, _, s, _ in expected]
     pairs = list(zip(scales, scales[1:]))
     assert any(b < a for a, b in pairs) and any(b > a for a, b in pairs), "skips a step and grows"
-    assert [t[2:] for t in actual] == [t[2:] for t in expected]
-    torch.testing.assert_close(torch.tensor([t[:2] for t in actual]), torch.tensor([t[:2] for t in expected]), rtol=1e-4, atol=1e-4, equal_nan=True)
+    _assert_scaler_traces_close(actual, expected)
     _assert_params_close(model, ref)
 
 
@@ -889,7 +904,8 @@ def test_grad_scaler_float16_autocast_tracks_torch_cpu():
     expected, ref = _scaled_training("cpu", autocast=True)
     actual, model = _scaled_training("jax", autocast=True)
     assert [t[2:] for t in actual] == [t[2:] for t in expected]
-    torch.testing.assert_close(torch.tensor([t[0] for t in actual]), torch.tensor([t[0] for t in expected]), rtol=5e-3, atol=5e-3)
+    losses = torch.tensor([t[0] for t in actual]), torch.tensor([t[0] for t in expected])
+    torch.testing.assert_close(*losses, rtol=5e-3, atol=5e-3)
     _assert_params_close(model, ref, atol=2e-3, rtol=2e-3)
 
 
@@ -927,8 +943,7 @@ def test_grad_scaler_ops_match_torch_cpu():
 def test_grad_scaler_unscale_inside_jit():
     expected, ref = _scaled_training("cpu", unscale_inside=True)
     actual, model = _scaled_training("jax", jit=True, unscale_inside=True)
-    assert [t[2:] for t in actual] == [t[2:] for t in expected]
-    torch.testing.assert_close(torch.tensor([t[:2] for t in actual]), torch.tensor([t[:2] for t in expected]), rtol=1e-4, atol=1e-4, equal_nan=True)
+    _assert_scaler_traces_close(actual, expected)
 
 
 @pytest.mark.xfail(
@@ -1098,7 +1113,8 @@ def test_t2j_save_load_keeps_dtypes_views_and_python_values(tmp_path):
         "f64": torch.randn(2, dtype=torch.float64),
         "bool": torch.tensor([True, False, True]),
     }
-    state = {**{k: v.to("jax") for k, v in values.items()}, "view": x.to("jax").view(3, 4).t(), "nested": [torch.ones(1).to("jax"), 3, "s"]}
+    state = {k: v.to("jax") for k, v in values.items()}
+    state.update(view=x.to("jax").view(3, 4).t(), nested=[torch.ones(1).to("jax"), 3, "s"])
     t2j.save(state, str(tmp_path / "c"))
     out = t2j.load(str(tmp_path / "c"))
     for k, v in values.items():
