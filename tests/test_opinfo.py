@@ -16,7 +16,7 @@ from opinfo_util import DTYPES, check_sample, cpu_ops, samples
 from opinfo_xfails import CRASHES, XFAIL
 
 OPS = cpu_ops()
-JIT_DTYPES = ("float32", "int64", "int32", "bool", "bfloat16")
+JIT_DTYPES = ("float32", "float16", "int64", "int32", "bool", "bfloat16", "complex64")
 
 
 def cases():
