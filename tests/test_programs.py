@@ -341,13 +341,6 @@ def test_optimizer_state_dict_roundtrip_mid_training(opt_name, jit):
                 assert value.device.type == "jax" and value.shape == p.shape, key
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch2jax/tensor.py Tensor.__reduce_ex__ pickles (_rebuild, (cpu copy, requires_grad)) and "
-    "_rebuild always moves the copy to the jax device, so torch.load(map_location='cpu') returns jax tensors. "
-    "Fix: tag the pickled CPU storage with location 'jax:0' (torch.serialization.register_package tagger + "
-    "deserializer that marks the storage) and let _rebuild move only marked storages to the jax device",
-)
 def test_jax_checkpoint_loads_on_cpu_with_map_location():
     make = lambda p: O.Adam(p, lr=1e-2)  # noqa: E731
     data = _data(5)
@@ -994,12 +987,6 @@ def test_torch_save_load_tensors_keeps_dtype_shape_and_values():
     torch.testing.assert_close(q.detach().cpu(), p.detach().cpu())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch2jax/tensor.py _rebuild -> from_torch_cpu -> jax_array converts outside JAX's 64-bit mode, "
-    "so torch.load / pickle.loads turn int64 into int32 and float64 into float32 (t.to('jax') keeps them). "
-    "Fix: build the array in from_torch_cpu (or _rebuild) under jax.enable_x64(True), as dispatch does",
-)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.complex128])
 def test_torch_save_load_keeps_64_bit_dtypes(dtype):
     t = torch.arange(-3, 3).to(dtype)
@@ -1021,13 +1008,6 @@ def test_torch_save_load_view_values():
         _compare(loaded[k], v, k)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch2jax/tensor.py Tensor.__reduce_ex__ pickles every tensor as an independent CPU copy, so a "
-    "tensor and its views saved together load as separate storages (torch keeps one storage: writing the base "
-    "changes the view). Fix: reduce the shared Storage object once (pickle memoizes it) and each tensor as "
-    "(storage, view chain), rebuilt with Tensor(storage, view)",
-)
 def test_torch_save_load_preserves_storage_sharing():
     x = torch.arange(12.0, device="jax")
     loaded = _save_load({"x": x, "row": x.view(3, 4)[1]})
@@ -1054,12 +1034,6 @@ def test_pickle_and_deepcopy_of_a_jax_model_train_like_the_original():
         assert not torch.equal(p.detach().cpu(), q.detach().cpu())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch2jax/tensor.py Tensor.__reduce_ex__ drops the `_is_param` flag (deepcopy keeps it), so after "
-    "pickle.loads / torch.load of a whole module its parameters are no longer nn.Parameter instances. Fix: "
-    "pass getattr(self, '_is_param', False) to _rebuild and set it there",
-)
 def test_pickled_module_parameters_stay_parameters():
     clone = pickle.loads(pickle.dumps(_model().to("jax")))
     assert all(isinstance(p, nn.Parameter) for p in clone.parameters())
