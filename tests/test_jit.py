@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -256,3 +257,42 @@ def test_function_returning_nothing_or_an_empty_tuple():
 
     assert zero_weights() == ()
     assert lin.weight.abs().sum().item() == 0.0
+
+
+def test_python_state_changed_by_a_trace_is_reported():
+    # a cached call runs only the tensor program: Python bookkeeping in the function
+    # happens once, at trace time, and t2j.jit says so instead of staying silent
+    class Trainer:
+        def __init__(self):
+            self.calls = 0
+            self.lin = nn.Linear(3, 2).to("jax")
+
+    trainer = Trainer()
+
+    @t2j.jit
+    def step(x):
+        trainer.calls += 1
+        return trainer.lin(x).sum()
+
+    with pytest.warns(UserWarning, match=r"changed Python attributes \(Trainer.calls\)"):
+        step(torch.ones(4, 3, device="jax"))
+    step(torch.ones(4, 3, device="jax"))
+    assert trainer.calls == 1 and step.stats["traces"] == 1
+
+
+def test_tensors_created_in_a_trace_are_not_python_state():
+    # lazily created tensor attributes (a GradScaler's scale) are program outputs, not bookkeeping
+    lin = nn.Linear(3, 2).to("jax")
+    scaler = torch.amp.GradScaler("jax", init_scale=4.0)
+
+    @t2j.jit
+    def step(x):
+        loss = lin(x).sum()
+        scaler.scale(loss).backward()
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        step(torch.ones(4, 3, device="jax"))
+    torch.testing.assert_close(lin.bias.grad.cpu(), torch.full((2,), 16.0))
+    assert scaler.get_scale() == 4.0

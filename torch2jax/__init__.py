@@ -19,7 +19,7 @@ from . import control_flow
 from .control_flow import checkpoint, cond, fori_loop, scan, scan_layers, use_scan_layers, while_loop
 from .export import export
 from .interop import call_jax, call_torch, functionalize, jax_view, torch_view
-from .jit import JitFunction, explain_recompiles, jit
+from .jit import JitError, JitFunction, explain_recompiles, jit
 from .tensor import Tensor
 
 _device.register_factories(_ops.registry.LOWERINGS)
@@ -44,6 +44,7 @@ __all__ = [
     "CompiledModule",
     "Config",
     "DeviceMismatchError",
+    "JitError",
     "JitFunction",
     "OpError",
     "Tensor",

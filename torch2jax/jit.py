@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import gc
 import logging
+import math
 import time
 import types
 import warnings
@@ -86,6 +88,7 @@ class _Roots:
 
     def __init__(self):
         self.modules, self.optimizers, self.tensors = [], [], []
+        self.objects = []  # other objects whose attributes were searched (see _python_state)
         self._seen = set()
 
     def add(self, obj, depth=0):
@@ -123,6 +126,7 @@ class _Roots:
             self.add_function(obj, depth + 1)
         elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)) and depth < 2:
             self._seen.add(id(obj))
+            self.objects.append(obj)
             for o in list(vars(obj).values())[:256]:
                 self.add(o, depth + 1)
 
@@ -140,6 +144,57 @@ class _Roots:
         for name in _global_names(fn.__code__):
             if name in g:
                 self.add(g[name], depth)
+
+
+def _python_value(v, depth=0):
+    """A comparable summary of the Python part of ``v`` (tensors and other objects
+    stand for themselves by identity)."""
+    if isinstance(v, (torch.Tensor, jax.Array)):
+        return _TENSOR
+    if v is None or isinstance(v, (bool, int, str, enum.Enum)):
+        return v
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else v
+    if depth < 3 and isinstance(v, dict):
+        return tuple((_python_value(k, depth + 1), _python_value(x, depth + 1)) for k, x in v.items())
+    if depth < 3 and isinstance(v, (list, tuple)):
+        return tuple(_python_value(x, depth + 1) for x in v)
+    return ("object", id(v))
+
+
+def _python_state(objects):
+    return [{k: _python_value(v) for k, v in vars(o).items()} for o in objects]
+
+
+def _check_python_state(fn, objects, before):
+    """Refuse a trace that changed the Python attributes of an object the function
+    reaches: a cached call replays only the tensor program, never those changes."""
+    for obj, old, new in zip(objects, before, _python_state(objects)):
+        # tensors a trace creates are outputs of the program (written back on every call)
+        changed = sorted(
+            k for k in old.keys() | new.keys()
+            if old.get(k, _MISSING) != new.get(k, _MISSING) and _TENSOR not in (old.get(k), new.get(k))
+        )
+        if not changed:
+            continue
+        name = getattr(fn, "__qualname__", fn)
+        what = f"{type(obj).__name__}.{', '.join(changed)}"
+        if isinstance(obj, torch.amp.GradScaler):
+            raise JitError(
+                f"t2j.jit: tracing {name} changed the GradScaler's Python state ({what}), which a cached call "
+                "would not repeat, so a later scaler.step would unscale twice. Inside the jitted function "
+                "use only scaler.scale(loss).backward(); call scaler.unscale_, scaler.step and scaler.update "
+                "outside it."
+            )
+        warnings.warn(
+            f"t2j.jit: tracing {name} changed Python attributes ({what}); cached calls run only the "
+            "compiled tensor program and will not change them again. Keep such bookkeeping outside the "
+            "jitted function or hold it in tensors.",
+            stacklevel=4,
+        )
+
+
+_MISSING, _TENSOR = object(), object()
 
 
 def _find_roots(fn, args, kwargs) -> _Roots:
@@ -608,6 +663,7 @@ class JitFunction:
         saved = [(st, st.array) for st in storages]
         saved_slots = _snapshot(slots, roots)
         saved_lr = [g["lr"] for g in slots.lr_groups]
+        python_state = _python_state(roots.objects)
         capture = _Capture(storages)
         lr_arrays = [a.astype(jax.numpy.float32) for a in lrs]
         lr_tensors = [new_tensor(a) for a in lr_arrays]
@@ -630,6 +686,7 @@ class JitFunction:
                         "scheduler stepping inside it?); its Python state would be frozen into the program. "
                         "Call scheduler.step() outside the jitted function."
                     )
+            _check_python_state(self.fn, roots.objects, python_state)
             if capture.unknown:
                 raise _Retrace([t._t2j_storage for t in capture.unknown.values()])
             out_leaves, out_def = torch_pytree.tree_flatten(out)
