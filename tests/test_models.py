@@ -314,7 +314,7 @@ def test_hf_attentions_and_hidden_states():
 
 @pytest.mark.slow
 def test_hf_gradient_checkpointing():
-    """torch.utils.checkpoint reruns each layer's forward on the jax device during backward."""
+    """Gradient checkpointing on the jax device runs as t2j.checkpoint (jax.checkpoint remat)."""
     model = build_hf("llama", "sdpa").train()  # checkpointing is active in training mode only; no dropout here
     model.config.use_cache = False
     model.gradient_checkpointing_enable()
