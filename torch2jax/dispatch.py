@@ -341,6 +341,8 @@ def _choose(func):
         return _generic_view_handler, "lowering"
     if func is aten.resize_.default:
         return _resize_handler, "lowering"
+    if func in _reg.DECOMPOSITIONS:  # ours, e.g. for ops that mutate lists of tensors
+        return _decomposition_handler(_reg.DECOMPOSITIONS[func]), "decomposition"
     if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
         functional = functional_variant(func)
         if functional is not None and functional.is_view:

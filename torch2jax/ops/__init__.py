@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     creation,
     elementwise,
     fft,
+    foreach,
     indexing,
     linalg,
     nn,

@@ -1,0 +1,112 @@
+"""Decompositions: torch's ``_foreach_*`` ops, the per-tensor op over each list element.
+
+``torch.optim`` with ``foreach=True``, ``clip_grad_norm_`` and friends call list ops
+such as ``_foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)``. Each one
+runs here as its per-tensor op (``addcmul_``) on every element, so in-place writes
+go through the usual view and aliasing machinery. Under ``t2j.jit`` XLA fuses the
+elementwise work of the whole step whatever its grouping, so the loop costs nothing
+there; eagerly it is one op call per element.
+
+    >>> torch._foreach_add_([a, b], [c, d], alpha=2)   # a += 2 * c; b += 2 * d
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import DECOMPOSITIONS
+
+aten = torch.ops.aten
+
+# foreach names whose per-tensor op is called differently
+_PER_TENSOR = {"norm": "linalg_vector_norm"}
+# ``addcmul`` / ``addcdiv`` take a list (or a 1-D tensor) of ``scalars`` for their ``value``
+_POINTWISE = {"addcmul": aten.mul, "addcdiv": aten.div}
+# ``maximum`` / ``minimum`` against a Python number
+_SCALAR_CLAMP = {"maximum": "clamp_min", "minimum": "clamp_max"}
+
+
+def _kwarg_only_names(packet) -> frozenset:
+    return frozenset(
+        a.name for name in packet.overloads() for a in getattr(packet, name)._schema.arguments if a.kwarg_only
+    )
+
+
+def _is_list(arg) -> bool:
+    return isinstance(arg.type, torch.ListType)
+
+
+def _per_element(foreach_op):
+    """The decomposition of one ``_foreach_*`` overload: its per-tensor op, element by element."""
+    schema = foreach_op._schema
+    base = schema.name.split("::")[1][len("_foreach_"):]
+    inplace = base.endswith("_")
+    name = base.rstrip("_")
+    functional = getattr(aten, _PER_TENSOR.get(name, name), None)
+    if functional is None:
+        return None
+    # an in-place op without a per-tensor in-place variant (maximum_) writes with copy_
+    in_place = getattr(aten, name + "_", None) if inplace else None
+    by_keyword = _kwarg_only_names(functional)
+    arguments = schema.arguments
+    scalar_clamp = _SCALAR_CLAMP.get(name)
+
+    def decomposed(*args, **kwargs):
+        bound = list(args) + [kwargs.get(a.name, a.default_value) for a in arguments[len(args):]]
+        lists = [v for a, v in zip(arguments, bound) if _is_list(a)]
+        n = len(lists[0])
+        if any(len(v) != n for v in lists):
+            raise RuntimeError(
+                f"{foreach_op}: the tensor and scalar lists must all have the same length, got "
+                f"{[len(v) for v in lists]}"
+            )
+        results = []
+        for i in range(n):
+            positional, keywords = [], {}
+            for a, v in zip(arguments, bound):
+                value = v[i] if _is_list(a) or (a.name == "scalars" and isinstance(v, torch.Tensor)) else v
+                if a.name == "scalars" and name in _POINTWISE:
+                    keywords["value"] = value
+                elif a.kwarg_only or a.name in by_keyword:
+                    keywords[a.name] = value
+                else:
+                    positional.append(value)
+            results.append(_apply(name, functional, in_place, scalar_clamp, positional, keywords, inplace))
+        return None if inplace else results
+
+    return decomposed
+
+
+def _apply(name, functional, in_place, scalar_clamp, positional, keywords, inplace):
+    op = in_place if inplace else functional
+    if isinstance(keywords.get("value"), torch.Tensor):
+        # a tensor-valued ``value`` (from a tensor of scalars): self + value * (t1 op t2)
+        x, t1, t2 = positional
+        positional, keywords = [x, aten.mul(_POINTWISE[name](t1, t2), keywords["value"])], {}
+        functional, op = aten.add, (aten.add_ if inplace else aten.add)
+    elif scalar_clamp is not None and not isinstance(positional[1], torch.Tensor):
+        functional = getattr(aten, scalar_clamp)  # maximum(x, 2.0) is clamp_min(x, 2.0)
+        op = getattr(aten, scalar_clamp + "_") if inplace else functional
+    if op is not None:
+        return op(*positional, **keywords)
+    out = functional(*positional, **keywords)
+    positional[0].copy_(out)
+    return positional[0]
+
+
+def _register_all() -> None:
+    names = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()}
+    for name in sorted(n for n in names if n.startswith("_foreach_")):
+        packet = getattr(aten, name, None)
+        if packet is None:  # registered names without a Python binding
+            continue
+        for overload in packet.overloads():
+            if overload.endswith("out"):  # out= list variants keep the host fallback
+                continue
+            op = getattr(packet, overload)
+            fn = _per_element(op)
+            if fn is not None and op not in DECOMPOSITIONS:
+                DECOMPOSITIONS[op] = fn
+
+
+_register_all()
