@@ -110,3 +110,61 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+# -- fused optimizer steps -------------------------------------------------------
+
+
+def _fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
+                     weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, decoupled):
+    """One Adam(W) step over the lists, as torch's fused kernel computes it (the step
+    counters are already incremented). With ``found_inf`` set (GradScaler saw an inf)
+    every tensor keeps its value; selected with ``where`` so it also traces."""
+    skip = None if found_inf is None else found_inf.reshape(()).bool()
+
+    def write(t, new):
+        t.copy_(new if skip is None else torch.where(skip, t, new))
+
+    for i, p in enumerate(params):
+        g = grads[i]
+        if grad_scale is not None:
+            g = g / grad_scale
+            write(grads[i], g)
+        if maximize:
+            g = -g
+        param = p
+        if weight_decay != 0:
+            if decoupled:
+                param = param * (1 - lr * weight_decay)
+            else:
+                g = g + param * weight_decay
+        exp_avg = torch.lerp(exp_avgs[i], g, 1 - beta1)
+        exp_avg_sq = exp_avg_sqs[i] * beta2 + (1 - beta2) * g * g
+        step = state_steps[i]
+        bias_correction1 = 1 - torch.pow(beta1, step)
+        bias_correction2_sqrt = torch.sqrt(1 - torch.pow(beta2, step))
+        second = exp_avg_sq
+        if amsgrad:
+            second = torch.maximum(max_exp_avg_sqs[i], exp_avg_sq)
+            write(max_exp_avg_sqs[i], second)
+        denom = torch.sqrt(second) / bias_correction2_sqrt + eps
+        write(p, param - (lr / bias_correction1) * exp_avg / denom)
+        write(exp_avgs[i], exp_avg)
+        write(exp_avg_sqs[i], exp_avg_sq)
+
+
+def _fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **hyper):
+    _fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                     grad_scale=hyper.pop("grad_scale", None), found_inf=hyper.pop("found_inf", None),
+                     decoupled=False, **hyper)
+
+
+def _fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **hyper):
+    _fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                     grad_scale=hyper.pop("grad_scale", None), found_inf=hyper.pop("found_inf", None),
+                     decoupled=True, **hyper)
+
+
+for _op, _fn in ((aten._fused_adam_, _fused_adam_), (aten._fused_adamw_, _fused_adamw_)):
+    for _overload in _op.overloads():
+        DECOMPOSITIONS[getattr(_op, _overload)] = _fn
