@@ -1087,8 +1087,10 @@ def _host_run(func, args, kwargs):
         a = func._schema.arguments[i]
         target = args[i] if i < len(args) else kwargs.get(a.name)
         source = cargs[i] if i < len(cargs) else ckwargs.get(a.name)
-        if isinstance(target, Tensor):
-            target._assign(jax_array(source))
+        targets, sources = (target, source) if isinstance(target, (list, tuple)) else ([target], [source])
+        for t, src in zip(targets, sources):  # a mutated Tensor[] (fused optimizers) writes every element
+            if isinstance(t, Tensor):
+                t._assign(jax_array(src))
     if foreign:
         return out
     return _back_to_jax(out, args, kwargs, cargs, ckwargs)
