@@ -93,19 +93,27 @@ OPTIMIZERS = {
 _SLOW_JIT = {"sgd_dampening", "adam_wd_maximize", "nadam_decoupled", "adagrad", "adamax"}
 
 
-@pytest.mark.parametrize(
-    "name, jit",
-    [(n, False) for n in OPTIMIZERS]
-    + [pytest.param(n, True, marks=[pytest.mark.slow] if n in _SLOW_JIT else []) for n in OPTIMIZERS],
-    ids=[f"{n}-eager" for n in OPTIMIZERS] + [f"{n}-jit" for n in OPTIMIZERS],
-)
-def test_optimizer_matches_torch(name, jit):
-    make = lambda p: OPTIMIZERS[name](p, foreach=False)  # noqa: E731
-    data = _data(5)
+def _optimizer_params(slow_jit):
+    """(name, jit) cases: every optimizer eagerly and jitted, the jitted ones in ``slow_jit`` marked slow."""
+    return [pytest.param(n, False, id=f"{n}-eager") for n in OPTIMIZERS] + [
+        pytest.param(n, True, id=f"{n}-jit", marks=[pytest.mark.slow] if slow_jit(n) else []) for n in OPTIMIZERS
+    ]
+
+
+def _check_optimizer(name, jit, steps, **flags):
+    """Train on torch CPU and on the jax device with the same optimizer; compare losses and parameters."""
+    make = lambda p: OPTIMIZERS[name](p, **flags)  # noqa: E731
+    data = _data(steps)
     expected, ref, ref_opt, _ = _train("cpu", make, data)
     actual, model, opt, run = _train("jax", make, data, jit=jit)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
     _assert_params_close(model, ref)
+    return model, opt, run, ref, ref_opt
+
+
+@pytest.mark.parametrize("name, jit", _optimizer_params(lambda n: n in _SLOW_JIT))
+def test_optimizer_matches_torch(name, jit):
+    model, opt, run, ref, ref_opt = _check_optimizer(name, jit, 5, foreach=False)
     # the optimizer state lives on the jax device with torch's dtypes and values
     for p, q in zip(model.parameters(), ref.parameters()):
         for key, value in ref_opt.state[q].items():
@@ -117,45 +125,24 @@ def test_optimizer_matches_torch(name, jit):
         assert run.stats["traces"] <= 2, t2j.explain_recompiles()
 
 
-@pytest.mark.parametrize(
-    "name, jit",
-    [(n, False) for n in OPTIMIZERS]
-    + [pytest.param(n, True, marks=[] if n in ("adam", "sgd_momentum_nesterov_wd") else [pytest.mark.slow])
-       for n in OPTIMIZERS],
-    ids=[f"{n}-eager" for n in OPTIMIZERS] + [f"{n}-jit" for n in OPTIMIZERS],
-)
+@pytest.mark.parametrize("name, jit", _optimizer_params(lambda n: n not in ("adam", "sgd_momentum_nesterov_wd")))
 def test_optimizer_foreach_matches_torch(name, jit):
     # the _foreach_* list ops run as their per-tensor ops (torch2jax/ops/foreach.py)
-    make = lambda p: OPTIMIZERS[name](p, foreach=True)  # noqa: E731
-    data = _data(3)
-    expected, ref, _, _ = _train("cpu", make, data)
-    actual, model, _, _ = _train("jax", make, data, jit=jit)
-    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
-    _assert_params_close(model, ref)
+    _check_optimizer(name, jit, 3, foreach=True)
 
 
 @pytest.mark.parametrize("name, jit", [("adam", False), ("adamw_amsgrad", False), ("adam", True)])
 def test_fused_adam_matches_torch(name, jit):
     # _fused_adam_ / _fused_adamw_ decomposed in torch2jax/ops/foreach.py
-    make = lambda p: OPTIMIZERS[name](p, fused=True)  # noqa: E731
-    data = _data(3)
-    expected, ref, _, _ = _train("cpu", make, data)
-    actual, model, _, _ = _train("jax", make, data, jit=jit)
-    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
-    _assert_params_close(model, ref)
+    _check_optimizer(name, jit, 3, fused=True)
 
 
 @pytest.mark.parametrize("name", ["sgd_momentum_nesterov_wd", "adagrad"])
 def test_fused_optimizers_without_a_lowering_run_on_the_host_and_match_torch(name):
     # _fused_sgd_ / _fused_adagrad_ fall back to torch on the host: every mutated list is written back
-    make = lambda p: OPTIMIZERS[name](p, fused=True)  # noqa: E731
-    data = _data(3)
-    expected, ref, _, _ = _train("cpu", make, data)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        actual, model, _, _ = _train("jax", make, data)
-    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
-    _assert_params_close(model, ref)
+        _check_optimizer(name, False, 3, fused=True)
 
 
 def test_default_optimizer_does_not_pick_foreach():
