@@ -75,8 +75,46 @@ def _conv(x, weight, bias, stride, padding, dilation, transposed, output_padding
     return out.astype(x.dtype)
 
 
+def _conv_transpose_half(x, weight, bias, stride, padding, dilation, output_padding, groups):
+    """A float16 / bfloat16 transposed convolution rounded where torch CPU's kernel rounds.
+
+    torch CPU (slow_conv_transpose) multiplies input by weight into half-precision
+    columns (one rounding per kernel tap, the sum over input channels in float32),
+    scatters those columns into the output one tap after another, rounding after
+    each addition, and adds the bias last. Computing it in float32 and rounding once
+    differs from torch by several half-precision ulps, so the taps are accumulated in
+    the same order here.
+    """
+    n = x.ndim - 2
+    stride, padding, dilation = _tuple(stride, n), _tuple(padding, n), _tuple(dilation, n)
+    output_padding = _tuple(output_padding, n)
+    batch, cin = x.shape[:2]
+    ins, k = x.shape[2:], weight.shape[2:]
+    cout_g = weight.shape[1]
+    outs = [(i - 1) * s - 2 * p + d * (kk - 1) + op + 1
+            for i, s, p, d, kk, op in zip(ins, stride, padding, dilation, k, output_padding)]
+    taps = int(np.prod(k))
+    xs = x.reshape((batch, groups, cin // groups, -1))
+    ws = weight.reshape((groups, cin // groups, cout_g, taps))
+    cols = jnp.einsum("ngci,gcdt->tngdi", xs, ws, preferred_element_type=np.float32).astype(x.dtype)
+    cols = cols.reshape((taps, batch, groups * cout_g) + tuple(ins))
+    out = jnp.zeros((batch, groups * cout_g) + tuple(outs), x.dtype)
+    zero = jnp.zeros((), x.dtype)
+    for t, tap in enumerate(np.ndindex(*k)):
+        config = [(0, 0, 0), (0, 0, 0)]
+        for i, s, p, d, kk, o in zip(ins, stride, padding, dilation, tap, outs):
+            lo = kk * d - p
+            config.append((lo, o - lo - (i - 1) * s - 1, s - 1))
+        out = out + jax.lax.pad(cols[t], zero, config)
+    if bias is not None:
+        out = out + bias.astype(x.dtype).reshape((1, -1) + (1,) * n)
+    return out
+
+
 @register(aten.convolution.default)
 def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed and x.dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)) and 0 not in x.shape:
+        return _conv_transpose_half(x, weight, bias, stride, padding, dilation, output_padding, groups)
     return _conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
