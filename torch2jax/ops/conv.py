@@ -438,6 +438,104 @@ _register_interp("upsample_trilinear3d", _interp_axis)
 _register_interp("upsample_bicubic2d", _cubic_axis)
 
 
+# -- grid sampling ------------------------------------------------------------------
+# torch CPU's grid_sampler_2d has a vectorized kernel for float32 / float64 only;
+# float16 / bfloat16 take its scalar fallback, which does every step of the
+# arithmetic in the half dtype (c10::Half rounds after each operation). The steps
+# below are done in the input's dtype in that same order, so both paths match.
+
+
+def _grid_clip(c, size):
+    return jnp.minimum(jnp.asarray(size - 1, c.dtype), jnp.maximum(c, jnp.asarray(0, c.dtype)))
+
+
+def _grid_reflect(c, twice_low, twice_high):
+    if twice_low == twice_high:
+        return jnp.zeros_like(c)
+    lo = jnp.asarray(twice_low, c.dtype) / 2
+    span = jnp.asarray(twice_high - twice_low, c.dtype) / 2
+    c = jnp.abs(c - lo)
+    extra = jnp.fmod(c, span)
+    flips = jnp.floor(c / span)
+    return jnp.where(jnp.fmod(flips, 2) == 0, extra + lo, span - extra + lo)
+
+
+def _grid_pad(c, size, padding_mode, align_corners):
+    if padding_mode == 1:
+        return _grid_clip(c, size)
+    if padding_mode == 2:
+        c = _grid_reflect(c, 0, 2 * (size - 1)) if align_corners else _grid_reflect(c, -1, 2 * size - 1)
+        return _grid_clip(c, size)
+    return c
+
+
+def _grid_unnormalize(c, size, align_corners):
+    if align_corners:
+        return ((c + 1) / 2) * (size - 1)
+    return ((c + 1) * size - 1) / 2
+
+
+def _grid_gather(x, iy, ix):
+    """x[n, :, iy, ix] for every grid point (zero where out of bounds), as (N, C, Ho, Wo)."""
+    h, w = x.shape[2:]
+    valid = (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
+    n = np.arange(x.shape[0]).reshape(-1, 1, 1)
+    v = x[n, :, jnp.clip(iy, 0, h - 1), jnp.clip(ix, 0, w - 1)]
+    return jnp.moveaxis(jnp.where(valid[..., None], v, jnp.zeros((), x.dtype)), -1, 1), valid[:, None]
+
+
+def _cubic_coeffs(t):
+    a = jnp.asarray(-0.75, t.dtype)
+
+    def near(d):
+        return ((a + 2) * d - (a + 3)) * d * d + 1
+
+    def far(d):
+        return ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+
+    return far(t + 1), near(t), near(1 - t), far((1 - t) + 1)
+
+
+def _cubic_interp(v, t):
+    c = _cubic_coeffs(t)
+    return v[0] * c[0] + v[1] * c[1] + v[2] * c[2] + v[3] * c[3]
+
+
+@register(aten.grid_sampler_2d.default)
+def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
+    h, w = x.shape[2:]
+    gx, gy = grid[..., 0].astype(x.dtype), grid[..., 1].astype(x.dtype)
+    if interpolation_mode == 2:  # bicubic: taps are padded one by one
+        ix, iy = _grid_unnormalize(gx, w, align_corners), _grid_unnormalize(gy, h, align_corners)
+        ix0, iy0 = jnp.floor(ix), jnp.floor(iy)
+        tx, ty = (ix - ix0)[:, None], (iy - iy0)[:, None]
+
+        def value(cx, cy):
+            cx = _grid_pad(cx, w, padding_mode, align_corners)
+            cy = _grid_pad(cy, h, padding_mode, align_corners)
+            return _grid_gather(x, jnp.trunc(cy).astype(np.int64), jnp.trunc(cx).astype(np.int64))[0]
+
+        rows = [_cubic_interp([value(ix0 + (j - 1), iy0 + (i - 1)) for j in range(4)], tx) for i in range(4)]
+        return _cubic_interp(rows, ty)
+    ix = _grid_pad(_grid_unnormalize(gx, w, align_corners), w, padding_mode, align_corners)
+    iy = _grid_pad(_grid_unnormalize(gy, h, align_corners), h, padding_mode, align_corners)
+    if interpolation_mode == 1:  # nearest, ties to even as std::nearbyint
+        return _grid_gather(x, jnp.round(iy).astype(np.int64), jnp.round(ix).astype(np.int64))[0]
+    x0, y0 = jnp.floor(ix).astype(np.int64), jnp.floor(iy).astype(np.int64)
+    fx0, fy0, fx1, fy1 = (v.astype(x.dtype) for v in (x0, y0, x0 + 1, y0 + 1))
+    corners = (
+        (y0, x0, (fx1 - ix) * (fy1 - iy)),
+        (y0, x0 + 1, (ix - fx0) * (fy1 - iy)),
+        (y0 + 1, x0, (fx1 - ix) * (iy - fy0)),
+        (y0 + 1, x0 + 1, (ix - fx0) * (iy - fy0)),
+    )
+    out = jnp.zeros((x.shape[0], x.shape[1]) + ix.shape[1:], x.dtype)
+    for cy, cx, weight in corners:
+        v, valid = _grid_gather(x, cy, cx)
+        out = jnp.where(valid, out + v * weight[:, None], out)
+    return out
+
+
 # -- padding ------------------------------------------------------------------------
 
 
