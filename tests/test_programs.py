@@ -201,21 +201,114 @@ def test_lr_scheduler_outside_jitted_step(name):
     assert run.stats["traces"] == 2, t2j.explain_recompiles()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch2jax/jit.py lifts only param_group['lr'] into the program; OneCycleLR(cycle_momentum=True) "
-    "rewrites param_group['momentum'] every step, a static hyperparameter, so every step retraces (results "
-    "are right). Fix: lift float 'momentum' / 'betas' like 'lr' where the optimizer only does arithmetic "
-    "with them (SGD's `if momentum != 0` needs a static zero test)",
-)
-def test_onecycle_cycling_momentum_does_not_retrace():
-    make = lambda p: O.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+CYCLING = {
+    "sgd_onecycle": (lambda p: O.SGD(p, lr=0.05, momentum=0.9),
+                     lambda o: O.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=6)),
+    "sgd_nesterov_cyclic": (lambda p: O.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+                            lambda o: O.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=2)),
+    "adam_onecycle": (lambda p: O.Adam(p, lr=1e-2), lambda o: O.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=6)),
+    "adamw_foreach_onecycle": (lambda p: O.AdamW(p, lr=1e-2, foreach=True),
+                               lambda o: O.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=6)),
+    "rmsprop_onecycle": (lambda p: O.RMSprop(p, lr=1e-3, momentum=0.5),
+                         lambda o: O.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=6)),
+}
+
+
+@pytest.mark.parametrize("name", list(CYCLING))
+def test_cycling_momentum_does_not_retrace(name):
+    # OneCycleLR / CyclicLR rewrite param_group['momentum'] (or betas[0]) on every step:
+    # the value becomes a program input from the first change, not a retrace per step
+    make, sched = CYCLING[name]
     data = _data(6)
-    sched = lambda o: O.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=6)  # noqa: E731
-    expected, *_ = _train("cpu", make, data, scheduler=sched)
-    actual, _, _, run = _train("jax", make, data, jit=True, scheduler=sched)
+    expected, ref, ref_opt, _ = _train("cpu", make, data, scheduler=sched)
+    actual, model, opt, run = _train("jax", make, data, jit=True, scheduler=sched)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
-    assert run.stats["traces"] == 2
+    _assert_params_close(model, ref)
+    assert opt.param_groups[0] == {**ref_opt.param_groups[0], "params": opt.param_groups[0]["params"]}
+    # the first call (no optimizer state yet), the second (its momentum changed once)
+    assert run.stats["traces"] == 2, t2j.explain_recompiles()
+
+
+def test_hyperparameter_guard_retraces_when_a_branch_flips():
+    # SGD branches on `weight_decay != 0`: once weight_decay is an input, the trace
+    # made with 0.01 holds for 0.02 but not for 0.0, where torch skips the decay
+    schedule = [0.0, 0.01, 0.02, 0.0, 0.03]
+    data = _data(len(schedule))
+
+    def train(device):
+        model = _model().to(device)
+        opt = O.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        @t2j.jit
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        losses = []
+        for wd, (x, y) in zip(schedule, data):
+            opt.param_groups[0]["weight_decay"] = wd
+            run = step if device == "jax" else step.__wrapped__
+            losses.append(run(x.to(device), y.to(device)).item())
+        return losses, model, step
+
+    expected, ref, _ = train("cpu")
+    before = len(t2j.explain_recompiles())
+    actual, model, step = train("jax")
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
+    _assert_params_close(model, ref)
+    # first call; weight_decay lifted (0.01); 0.02 reuses it; 0.0 flips the branch;
+    # 0.03 goes back to the program traced with a nonzero decay
+    assert step.stats["traces"] == 3, t2j.explain_recompiles()
+    assert any("goes the other way" in m for m in t2j.explain_recompiles()[before:])
+
+
+class _FloatOnlySGD(O.Optimizer):
+    """Plain SGD whose code insists on a Python float decay factor."""
+
+    def __init__(self, params, lr, decay):
+        super().__init__(params, dict(lr=lr, decay=decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            if not isinstance(group["decay"], float):
+                raise TypeError("decay must be a float")
+            for p in group["params"]:
+                p.mul_(group["decay"]).add_(p.grad, alpha=-group["lr"])
+
+
+def test_hyperparameter_that_must_stay_a_float_is_kept_static():
+    data = _data(4)
+    decays = [1.0, 0.99, 0.98, 0.99]
+
+    def train(device):
+        model = _model().to(device)
+        opt = _FloatOnlySGD(model.parameters(), lr=0.05, decay=1.0)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        run = t2j.jit(step) if device == "jax" else step
+        losses = []
+        for d, (x, y) in zip(decays, data):
+            opt.param_groups[0]["decay"] = d
+            losses.append(run(x.to(device), y.to(device)).item())
+        return losses, run
+
+    expected, _ = train("cpu")
+    before = len(t2j.explain_recompiles())
+    actual, run = train("jax")
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
+    # each new decay value retraces (0.99 comes back: cached), after one failed attempt to lift it
+    assert run.stats["traces"] == 4, t2j.explain_recompiles()
+    assert any("cannot be program inputs" in m for m in t2j.explain_recompiles()[before:])
 
 
 def test_param_groups_with_different_lrs():

@@ -32,7 +32,11 @@ How state is found and carried:
   reads is silently frozen into it.
 * Optimizers are switched to their ``capturable`` form (step counters live on the
   device) and each param group's ``lr`` is an input of the program, so an LR
-  scheduler stepping outside the function never causes a retrace.
+  scheduler stepping outside the function never causes a retrace. Any other float
+  hyperparameter (``momentum``, ``betas``, ``weight_decay``...) becomes an input
+  once it changes between calls (OneCycleLR and CyclicLR cycle the momentum): the
+  trace sees it as a traced number, and Python control flow on it
+  (``if momentum != 0``) is guarded, retracing only when its outcome changes.
 """
 
 from __future__ import annotations
@@ -216,7 +220,7 @@ class _Slots:
     storages: list  # the distinct storages of all slot tensors
     key: tuple
     static: list  # (name, value) of the Python values the trace depends on
-    lr_groups: list  # (optimizer param_group dict) whose lr is a program input
+    lifted: list  # (param_group dict, key, tuple index | None): hyperparameters that are program inputs
 
 
 def _set_param(mod, name, t):
@@ -260,16 +264,58 @@ def _capturable(optimizers):
             g["capturable"] = False
 
 
+class _Lifted:
+    """Stands in the cache key for a hyperparameter whose value is a program input."""
+
+    def __repr__(self):
+        return "<program input>"
+
+
+_LIFTED = _Lifted()
+
+
+class _Hyperparameters:
+    """Which float hyperparameters of a jitted function's optimizers are program
+    inputs. ``lr`` always is; another one is from the first call that sees its value
+    change (until then it is static, so optimizer code that branches on it traces
+    as plain Python). A hyperparameter that cannot be traced (torch needs a real
+    float for it) is *blocked*: static again, retracing when it changes."""
+
+    def __init__(self):
+        self.lifted, self.blocked, self.proven = set(), set(), set()
+        self.seen = {}  # (optimizer index, group index, key) -> the last value
+
+    def lifted_parts(self, k, gi, hk, hv) -> list:
+        """The positions of ``param_groups[gi][hk]`` that are inputs: [None] for a
+        float, the indices of float elements for a tuple (``betas``)."""
+        if type(hv) is float:
+            floats = [None]
+        elif type(hv) is tuple and any(type(v) is float for v in hv):
+            floats = [i for i, v in enumerate(hv) if type(v) is float]
+        else:
+            return []
+        where = (k, gi, hk)
+        last = self.seen.get(where, hv)
+        self.seen[where] = hv
+        if last != hv:
+            for ti in floats:
+                old = last if ti is None else (last[ti] if type(last) is tuple and len(last) == len(hv) else None)
+                if old != (hv if ti is None else hv[ti]) and where + (ti,) not in self.blocked:
+                    self.lifted.add(where + (ti,))
+        return [ti for ti in floats if where + (ti,) in self.lifted]
+
+
 class _Walk:
     """The tensors a call's state consists of, in slot order, found by one walk over
     the roots (or the arguments). Where each came from (its *origin*, from which a
     slot's name and setter are made) is recorded only when ``full``: a walk runs on
     every call and must stay cheap."""
 
-    def __init__(self, full: bool, grads_seen=()):
+    def __init__(self, full: bool, grads_seen=(), hypers: _Hyperparameters | None = None):
         self.full = full
-        self.tensors, self.origins, self.static, self.lr_groups = [], [], [], []
+        self.tensors, self.origins, self.static, self.lifted, self.lifted_ids = [], [], [], [], []
         self.grads_seen = set(grads_seen)
+        self.hypers = hypers
 
     def add(self, t, origin):
         self.tensors.append(t)
@@ -305,10 +351,15 @@ class _Walk:
             for hk, hv in sorted(group.items()):
                 if hk == "params":
                     continue
-                if hk == "lr" and isinstance(hv, float):
-                    self.lr_groups.append(group)
+                if hk == "lr" and type(hv) is float:
+                    self.lift(group, k, gi, hk, None)
                 elif isinstance(hv, Tensor):
                     self.add(hv, ("hyper", opt, k, gi, hk))
+                elif parts := (self.hypers.lifted_parts(k, gi, hk, hv) if self.hypers else None):
+                    for ti in parts:
+                        self.lift(group, k, gi, hk, ti)
+                    hyper.append((hk, _LIFTED if parts == [None] else
+                                  tuple(_LIFTED if i in parts else v for i, v in enumerate(hv))))
                 else:
                     hyper.append((hk, hv))
             self.static.append((("optimizer", k, "param_groups", gi), tuple(hyper)))
@@ -326,6 +377,10 @@ class _Walk:
                     else:
                         values.append((sk, sv))
                 self.static.append((("optimizer", k, "state", gi, pi), tuple(values)))
+
+    def lift(self, group, k, gi, hk, ti):
+        self.lifted.append((group, hk, ti))
+        self.lifted_ids.append((k, gi, hk, ti))
 
     def args(self, leaves):
         for i, leaf in enumerate(leaves):
@@ -385,7 +440,7 @@ class _RootState:
     def __init__(self, walk: _Walk):
         self.tensors = walk.tensors
         self.static = walk.static
-        self.n_lr = len(walk.lr_groups)
+        self.lifted_ids = walk.lifted_ids
         self.grads_seen = walk.grads_seen
         self.storages, self.index, self.sig = [], {}, []
         for t in walk.tensors:
@@ -398,7 +453,7 @@ class _RootState:
         ts = walk.tensors
         if len(ts) != len(self.tensors) or not all(map(_is, ts, self.tensors)):
             return False
-        if walk.static != self.static or len(walk.lr_groups) != self.n_lr:
+        if walk.static != self.static or walk.lifted_ids != self.lifted_ids:
             return False
         storages = [t._t2j_storage if t is not None else None for t in ts]
         if not all(map(_is, storages, self.storage_of)):
@@ -431,14 +486,16 @@ def _signature(t, storages, index):
     return (tuple(t.shape), t.dtype, t.requires_grad, i, view)
 
 
-def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None = None) -> _Slots:
+def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None = None,
+             hypers: _Hyperparameters | None = None) -> _Slots:
     """The slots of a call: the roots' state first, then the tensor arguments.
 
     ``full`` (when tracing) adds each slot's name and setter. ``memo`` is a
     one-element list holding the last call's `_RootState`, reused when it still
-    matches and replaced when not.
+    matches and replaced when not. ``hypers`` says which optimizer hyperparameters
+    besides ``lr`` are program inputs.
     """
-    walk = _Walk(full).roots(roots)
+    walk = _Walk(full, hypers=hypers).roots(roots)
     prefixes = {id(m): {id(sub): prefix for prefix, sub in m.named_modules()} for m in roots.modules} if full else {}
     _check_on_device(walk, prefixes)
     state = memo[0] if memo else None
@@ -451,14 +508,14 @@ def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None =
     storages, index = list(state.storages), dict(state.index)
     sig = state.sig + [_signature(t, storages, index) for t in args.tensors]
     avals = tuple(state.avals) + tuple((st.array.shape, st.array.dtype) for st in storages[len(state.storages):])
-    key = (tuple(sig), avals, tuple(walk.static), len(walk.lr_groups))
+    key = (tuple(sig), avals, tuple(walk.static), tuple(walk.lifted_ids))
     tensors = walk.tensors + args.tensors
     setters, names = [], []
     if full:
         origins = walk.origins + args.origins
         setters = [_slot_setter(o) for o in origins]
         names = [_slot_name(o, prefixes) for o in origins]
-    return _Slots(tensors, setters, names, storages, key, walk.static, walk.lr_groups)
+    return _Slots(tensors, setters, names, storages, key, walk.static, walk.lifted)
 
 
 def _module_slot_name(module, prefix, name):
@@ -509,6 +566,7 @@ class _Entry:
     uses_rng: bool
     names: list  # slot names, to explain a later cache miss
     trace_s: float
+    guards: list  # what the trace assumed of lifted hyperparameters (see symbolic.TracedScalar)
     compile_s: float = 0.0
 
 
@@ -518,9 +576,10 @@ class JitFunction:
     def __init__(self, fn, donate: bool = True):
         self.fn = fn
         self.donate = donate
-        self._cache: dict = {}
+        self._cache: dict = {}  # key -> the entries traced for it, which differ only in their guards
         self._extra: list = []  # weakrefs to storages read but not found as slots
         self._roots_memo: list = []  # the last call's _RootState
+        self._hypers = _Hyperparameters()
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0}
         functools.update_wrapper(self, fn)
 
@@ -550,27 +609,34 @@ class JitFunction:
         finally:
             _restore(before)  # nothing runs: state the trace created must not be left behind
         with jax.enable_x64(True):
-            return entry.jitted.lower(*entry.arguments([st.array for st in storages], _lrs(slots), _rng.key))
+            return entry.jitted.lower(*entry.arguments([st.array for st in storages], _hyper_values(slots),
+                                                       _rng.key))
 
     def _lookup(self, args, kwargs):
         leaves, spec = torch_pytree.tree_flatten((args, kwargs))
         leaves = [_to_device(x) for x in leaves]
         roots = _find_roots(self.fn, args, kwargs)
-        for _ in range(3):
-            slots = _collect(leaves, roots, memo=self._roots_memo)
+        for _ in range(4):
+            slots = _collect(leaves, roots, memo=self._roots_memo, hypers=self._hypers)
             extra = [s for s in (r() for r in self._extra) if s is not None]
             extra = [s for s in extra if not any(s is st for st in slots.storages)]
             storages = slots.storages + extra
             key = (spec, _static_key(leaves), slots.key, tuple(id(s) for s in extra),
                    tuple((tuple(s.array.shape), s.array.dtype) for s in extra), torch.is_grad_enabled(),
                    torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
-            entry = self._cache.get(key)
+            entries = self._cache.get(key, ())
+            entry = _guarded(entries, slots)
             if entry is not None:
                 self.stats["hits"] += 1
                 _debug.count("cache_hits")
                 return entry, leaves, slots, storages
-            slots = _collect(leaves, roots, full=True)
-            self._explain(key, slots)
+            slots = _collect(leaves, roots, full=True, hypers=self._hypers)
+            if not entries:
+                self._explain(key, slots)
+            else:
+                self._log("a branch it took on an optimizer hyperparameter (e.g. `if momentum != 0`) "
+                          "goes the other way with the new values")
+            new = [h for h in key[2][3] if h[2] != "lr" and h not in self._hypers.proven]
             try:
                 entry = self._trace(leaves, spec, roots, slots, storages)
             except _Retrace as r:
@@ -581,7 +647,17 @@ class JitFunction:
                 _RECOMPILES.append(msg)
                 log.info(msg)
                 continue
-            self._cache[key] = entry
+            except Exception as e:
+                if not new:
+                    raise
+                # torch needed a real float for it (a Scalar-only argument): keep it static
+                self._hypers.lifted.difference_update(new)
+                self._hypers.blocked.update(new)
+                self._log(f"the optimizer hyperparameter(s) {[h[2] for h in new]} cannot be program inputs "
+                          f"({type(e).__name__}: {e}); they stay static, and each new value retraces")
+                continue
+            self._hypers.proven.update(new)
+            self._cache.setdefault(key, []).append(entry)
             return entry, leaves, slots, storages
         raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
 
@@ -590,7 +666,7 @@ class JitFunction:
         with jax.enable_x64(True), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             start = time.perf_counter()
-            outs, written, new, key = entry.jitted(*entry.arguments(inputs, _lrs(slots), _rng.key))
+            outs, written, new, key = entry.jitted(*entry.arguments(inputs, _hyper_values(slots), _rng.key))
             if not entry.compile_s:
                 entry.compile_s = time.perf_counter() - start
                 self.stats["compiles"] += 1
@@ -625,10 +701,11 @@ class JitFunction:
         _debug.count("traces")
         start = time.perf_counter()
         info = {}
-        pure = functools.partial(self._pure, leaves, spec, roots, slots, storages, info)
+        hints = _hyper_values(slots)
+        pure = functools.partial(self._pure, leaves, spec, roots, slots, storages, info, hints)
         inputs = [st.array for st in storages]
         with jax.enable_x64(True), _capturable(roots.optimizers):
-            closed = jax.make_jaxpr(pure)(inputs, _lrs(slots), _rng.key)
+            closed = jax.make_jaxpr(pure)(inputs, hints, _rng.key)
         written = info["written"]
         n_in = len(inputs)
         donate = tuple(written) if self.donate else ()
@@ -657,32 +734,35 @@ class JitFunction:
 
         jitted = jax.jit(split_program, donate_argnums=(0,))
         return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
-                      info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start)
+                      info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start, info["guards"])
 
-    def _pure(self, leaves, spec, roots, slots, storages, info, inputs, lrs, key):
+    def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, key):
         saved = [(st, st.array) for st in storages]
         saved_slots = _snapshot(slots, roots)
-        saved_lr = [g["lr"] for g in slots.lr_groups]
+        saved_hypers = {(id(g), hk): (g, hk, g[hk]) for g, hk, _ in slots.lifted}
         python_state = _python_state(roots.objects)
         capture = _Capture(storages)
-        lr_arrays = [a.astype(jax.numpy.float32) for a in lrs]
-        lr_tensors = [new_tensor(a) for a in lr_arrays]
+        values = [_hyper_input(where, a, i, hint) for i, (where, a, hint) in enumerate(zip(slots.lifted, hypers, hints))]
+        arrays = [v._t2j_storage.array if isinstance(v, Tensor) else None for v in values]
+        guards = []
         ok = False
         try:
             for st, a in zip(storages, inputs):
                 st.array = a
                 st.version += 1
-            for g, t in zip(slots.lr_groups, lr_tensors):
-                g["lr"] = t
+            for where, v in zip(slots.lifted, values):
+                _set_hyper(*where, v)
             args, kwargs = torch_pytree.tree_unflatten(leaves, spec)
             _tensor.CAPTURE = capture
+            _sym.GUARDS = guards
             with _rng.traced_key(key) as rng, torch.autograd.set_multithreading_enabled(False):
                 out = self.fn(*args, **kwargs)
-            _tensor.CAPTURE = None
-            for g, t, a in zip(slots.lr_groups, lr_tensors, lr_arrays):
-                if g["lr"] is not t or t._t2j_storage.array is not a:
+            _tensor.CAPTURE = _sym.GUARDS = None
+            for (g, hk, ti), v, a in zip(slots.lifted, values, arrays):
+                now = g[hk] if ti is None else g[hk][ti]
+                if now is not v or (a is not None and v._t2j_storage.array is not a):
                     raise JitError(
-                        "t2j.jit: the learning rate of an optimizer changed inside the jitted function (an LR "
+                        f"t2j.jit: the optimizer hyperparameter {hk!r} changed inside the jitted function (an LR "
                         "scheduler stepping inside it?); its Python state would be frozen into the program. "
                         "Call scheduler.step() outside the jitted function."
                     )
@@ -722,7 +802,7 @@ class JitFunction:
             post = _repointed(slots, post_slots, pre_index)
             info.update(
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds,
-                n_out=len(outs), uses_rng=rng.key is not key,
+                n_out=len(outs), uses_rng=rng.key is not key, guards=guards,
             )
             result = outs + [storages[i].array for i in written] + [st.array for st in new_storages]
             if rng.key is not key:
@@ -730,12 +810,12 @@ class JitFunction:
             ok = True
             return result
         finally:
-            _tensor.CAPTURE = None
+            _tensor.CAPTURE = _sym.GUARDS = None
             for st, a in saved:
                 st.array = a
                 st.version += 1
-            for g, v in zip(slots.lr_groups, saved_lr):
-                g["lr"] = v
+            for g, hk, v in saved_hypers.values():
+                g[hk] = v
             if not ok:
                 _restore(saved_slots)
 
@@ -745,14 +825,42 @@ class JitFunction:
         if not self._cache:
             return
         last = next(reversed(self._cache))
-        reason = _diff(last, self._cache[last].names, key, slots.names)
+        self._log(_diff(last, self._cache[last][-1].names, key, slots.names))
+
+    def _log(self, reason):
         msg = f"t2j.jit: retracing {getattr(self.fn, '__qualname__', self.fn)}: {reason}"
         _RECOMPILES.append(msg)
         log.info(msg)
 
 
-def _lrs(slots):
-    return [float(g["lr"]) for g in slots.lr_groups]
+def _guarded(entries, slots):
+    """The entry whose guards hold for the current hyperparameter values, if any."""
+    if len(entries) == 1 and not entries[0].guards:
+        return entries[0]
+    values = _hyper_values(slots)
+    return next((e for e in entries if _sym.guards_hold(e.guards, values)), None)
+
+
+def _hyper_values(slots):
+    """The current values of the lifted hyperparameters, in program input order."""
+    return [float(g[hk] if ti is None else g[hk][ti]) for g, hk, ti in slots.lifted]
+
+
+def _hyper_input(where, value, index, hint):
+    """What the trace puts in a param group for a lifted hyperparameter: ``lr`` as a
+    0-d float32 tensor (torch.optim's tensor-lr code paths), any other as a traced
+    float with guards."""
+    _, hk, ti = where
+    if hk == "lr" and ti is None:
+        return new_tensor(value.astype(jax.numpy.float32))
+    return _sym.hinted_number(value, index, hint)
+
+
+def _set_hyper(group, hk, ti, value):
+    if ti is None:
+        group[hk] = value
+    else:
+        group[hk] = tuple(value if i == ti else v for i, v in enumerate(group[hk]))
 
 
 def _to_device(x):

@@ -21,7 +21,12 @@ import math
 import operator
 
 import jax.numpy as jnp
+import numpy as np
 import torch
+
+# While `t2j.jit` traces, the guards taken on numbers with a hint (see `hinted_number`):
+# a list of (replay, outcome), or None when no trace records them.
+GUARDS: list | None = None
 
 
 def _kind(value):
@@ -97,12 +102,28 @@ _UNARY = {
 }
 
 
-class TracedScalar:
-    """A torch SymNode whose value is a traced JAX scalar (or a Python constant)."""
+def _on_hints(fn):
+    """``fn`` computed on concrete numbers: NumPy's function of the same name for a
+    jax.numpy one (no JAX dispatch while guards are checked on every call)."""
+    if getattr(fn, "__module__", "").startswith("jax"):
+        return getattr(np, fn.__name__)
+    return fn
 
-    def __init__(self, value, kind=None):
+
+class TracedScalar:
+    """A torch SymNode whose value is a traced JAX scalar (or a Python constant).
+
+    A node may carry a *replay*: a function from the values of the jitted program's
+    hyperparameter inputs to this node's concrete value. Python control flow on such
+    a node (``if momentum != 0``, ``float(beta)``) takes the value the trace was
+    made with and records a guard, which `t2j.jit` checks on later calls.
+    """
+
+    def __init__(self, value, kind=None, replay=None, hint=None):
         self.value = value
         self.kind = kind or _kind(value)
+        self.replay = replay
+        self.hint = hint
 
     # -- what torch asks of a node ------------------------------------------
 
@@ -140,13 +161,13 @@ class TracedScalar:
         return None
 
     def wrap_int(self, num):
-        return TracedScalar(num, int)
+        return _constant(num, int)
 
     def wrap_float(self, num):
-        return TracedScalar(num, float)
+        return _constant(num, float)
 
     def wrap_bool(self, num):
-        return TracedScalar(num, bool)
+        return _constant(num, bool)
 
     def str(self):
         aval = getattr(self.value, "aval", None)
@@ -163,17 +184,32 @@ class TracedScalar:
             return lambda other: self._binary(fn, kind, other)
         if name in _UNARY:
             fn, kind = _UNARY[name]
-            return lambda: TracedScalar(fn(self.value), kind or self.kind)
+            return lambda: self._unary(fn, kind or self.kind)
         raise AttributeError(name)
+
+    def _unary(self, fn, kind):
+        replay = hint = None
+        if self.replay is not None:
+            on_hint, inner = _on_hints(fn), self.replay
+            replay, hint = (lambda vals: on_hint(inner(vals))), on_hint(self.hint)
+        return TracedScalar(fn(self.value), kind, replay, hint)
 
     def _binary(self, fn, kind, other):
         if kind is None:
             kind = float if float in (self.kind, other.kind) else int
-        return TracedScalar(fn(self.value, other.value), kind)
+        replay = hint = None
+        if self.replay is not None and other.replay is not None:
+            on_hint, a, b = _on_hints(fn), self.replay, other.replay
+            replay, hint = (lambda vals: on_hint(a(vals), b(vals))), on_hint(self.hint, other.hint)
+        return TracedScalar(fn(self.value, other.value), kind, replay, hint)
 
     # -- what cannot be done with a traced value -----------------------------
 
-    def _concrete(self, what):
+    def _concrete(self, what, as_type):
+        if self.replay is not None and GUARDS is not None:
+            outcome = as_type(self.hint)
+            GUARDS.append((self.replay, as_type, outcome))
+            return outcome
         from .dispatch import OpError
 
         raise OpError(
@@ -184,28 +220,32 @@ class TracedScalar:
         )
 
     def guard_int(self, file=None, line=None):
-        self._concrete("int()")
+        return self._concrete("int()", int)
 
     def guard_float(self, file=None, line=None):
-        self._concrete("float()")
+        return self._concrete("float()", float)
 
     def guard_bool(self, file=None, line=None):
-        self._concrete("bool()")
+        return self._concrete("bool()", bool)
 
     def guard_size_oblivious(self, file=None, line=None):
-        self._concrete("bool()")
+        return self._concrete("bool()", bool)
 
     def expect_true(self, file=None, line=None):
-        self._concrete("a check")
+        return self._concrete("a check", bool)
 
     def expect_size(self, file=None, line=None):
-        self._concrete("a size")
+        return self._concrete("a size", bool)
 
     def int_(self):
-        self._concrete("int()")
+        return self._concrete("int()", int)
 
     def bool_(self):
-        self._concrete("bool()")
+        return self._concrete("bool()", bool)
+
+
+def _constant(num, kind):
+    return TracedScalar(num, kind, replay=lambda vals: num, hint=num)
 
 
 _SYM_TYPES = {int: torch.SymInt, float: torch.SymFloat, bool: torch.SymBool}
@@ -215,6 +255,18 @@ def traced_number(value):
     """A torch.SymInt / SymFloat / SymBool standing for the traced 0-d array ``value``."""
     node = TracedScalar(value)
     return _SYM_TYPES[node.kind](node)
+
+
+def hinted_number(value, index: int, hint: float) -> torch.SymFloat:
+    """A torch.SymFloat for the traced float ``value``, the ``index``-th hyperparameter
+    input of a jitted program, whose value at trace time is ``hint``. Arithmetic on it
+    stays traced; Python control flow on it is guarded (see `TracedScalar`)."""
+    return torch.SymFloat(TracedScalar(value, float, replay=lambda vals: vals[index], hint=hint))
+
+
+def guards_hold(guards, values) -> bool:
+    """Whether every guard a trace took still has its outcome for these input values."""
+    return all(as_type(replay(values)) == outcome for replay, as_type, outcome in guards)
 
 
 def is_traced_number(x) -> bool:
