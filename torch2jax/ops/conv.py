@@ -367,25 +367,45 @@ for _n in (1, 2, 3):
     _register_nearest(f"_upsample_nearest_exact{_n}d", True, _n)
 
 
-def _linear_src(size, out, scale, align_corners, cubic=False):
-    r = _src_scale(size, out, scale, align_corners)
-    dst = np.arange(out, dtype=np.float64)
+# torch's CPU kernels compute source indices and weights in the op-math type (float32,
+# float64 for float64 inputs), store the weights in the input dtype (so float16 /
+# bfloat16 weights are rounded) and interpolate in the op-math type, rounding once.
+
+
+def _linear_src(size, out, scale, align_corners, cubic=False, ftype=np.float32):
+    if align_corners:
+        r = ftype(size - 1) / ftype(out - 1) if out > 1 else ftype(0)
+    elif scale is not None and scale > 0:
+        r = ftype(1.0 / scale)
+    else:
+        r = ftype(size) / ftype(out)
+    dst = np.arange(out, dtype=ftype)
     if align_corners:
         return dst * r
-    src = (dst + 0.5) * r - 0.5
-    return src if cubic else np.maximum(src, 0.0)
+    src = (dst + ftype(0.5)) * r - ftype(0.5)
+    return src if cubic else np.maximum(src, ftype(0))
 
 
-def _interp_axis(x, ax, out, scale, align_corners):
+def _weights(w, dtype):
+    """Weights as torch stores them: in the input dtype, then read back in op math."""
+    return jnp.asarray(w).astype(dtype).astype(_opmath(dtype))
+
+
+def _opmath(dtype):
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def _interp_axis(x, ax, out, scale, align_corners, dtype):
     size = x.shape[ax]
-    src = _linear_src(size, out, scale, align_corners)
+    src = _linear_src(size, out, scale, align_corners, ftype=_opmath(dtype))
     i0 = np.minimum(np.floor(src).astype(np.int64), size - 1)
     i1 = np.minimum(i0 + 1, size - 1)
-    lam = (src - i0).astype(np.float32)
+    lam1 = np.clip(src - i0, 0, 1)
     shape = [1] * x.ndim
     shape[ax] = out
-    lam = lam.reshape(shape)
-    return jnp.take(x, i0, axis=ax) * (1 - lam) + jnp.take(x, i1, axis=ax) * lam
+    lam1 = _weights(lam1.reshape(shape), dtype)
+    lam0 = (1 - lam1.astype(dtype)).astype(lam1.dtype)
+    return jnp.take(x, i0, axis=ax) * lam0 + jnp.take(x, i1, axis=ax) * lam1
 
 
 def _cubic_weights(t, a=-0.75):
@@ -398,34 +418,37 @@ def _cubic_weights(t, a=-0.75):
     return (far(t + 1), near(t), near(1 - t), far(2 - t))
 
 
-def _cubic_axis(x, ax, out, scale, align_corners):
+def _cubic_axis(x, ax, out, scale, align_corners, dtype):
     size = x.shape[ax]
-    src = _linear_src(size, out, scale, align_corners, cubic=True)
+    src = _linear_src(size, out, scale, align_corners, cubic=True, ftype=_opmath(dtype))
     i0 = np.floor(src).astype(np.int64)
-    t = (src - i0).astype(np.float32)
+    t = (src - i0).astype(_opmath(dtype))
     shape = [1] * x.ndim
     shape[ax] = out
     total = 0
     for j, w in enumerate(_cubic_weights(t)):
-        total = total + jnp.take(x, np.clip(i0 - 1 + j, 0, size - 1), axis=ax) * w.reshape(shape)
+        total = total + jnp.take(x, np.clip(i0 - 1 + j, 0, size - 1), axis=ax) * _weights(w.reshape(shape), dtype)
     return total
 
 
-def _interpolate(axis_fn, x, output_size, align_corners, scales):
+def _interpolate(axis_fn, x, output_size, align_corners, scales, rounds=True):
     n = len(output_size)
     scales = (tuple(scales) + (None,) * n)[:n]
     out = upcast(x)
+    weight_dtype = x.dtype if rounds else out.dtype
     for i, (o, sc) in enumerate(zip(output_size, scales)):
-        out = axis_fn(out, x.ndim - n + i, o, sc, align_corners)
+        out = axis_fn(out, x.ndim - n + i, o, sc, align_corners, weight_dtype)
     return out.astype(x.dtype)
 
 
-def _register_interp(op, axis_fn):
+def _register_interp(op, axis_fn, rounds=True):
+    """``rounds``: whether torch's kernel stores the weights in the input dtype."""
+
     def lowering(x, output_size, align_corners, *scales):
-        return _interpolate(axis_fn, x, output_size, align_corners, scales)
+        return _interpolate(axis_fn, x, output_size, align_corners, scales, rounds)
 
     def backward(grad, output_size, input_size, align_corners, *scales):
-        fwd = lambda a: _interpolate(axis_fn, a, output_size, align_corners, scales)  # noqa: E731
+        fwd = lambda a: _interpolate(axis_fn, a, output_size, align_corners, scales, rounds)  # noqa: E731
         return _linear_backward(fwd, tuple(input_size), grad.dtype, grad)
 
     register(getattr(aten, op).default)(lowering)
@@ -433,7 +456,8 @@ def _register_interp(op, axis_fn):
 
 
 _register_interp("upsample_linear1d", _interp_axis)
-_register_interp("upsample_bilinear2d", _interp_axis)
+# torch CPU's bilinear 2d kernel keeps its weights in float32
+_register_interp("upsample_bilinear2d", _interp_axis, rounds=False)
 _register_interp("upsample_trilinear3d", _interp_axis)
 _register_interp("upsample_bicubic2d", _cubic_axis)
 
