@@ -264,6 +264,22 @@ def _capturable(optimizers):
             g["capturable"] = False
 
 
+@contextlib.contextmanager
+def _no_distribution_validation():
+    """While tracing, torch.distributions' default argument validation is off. It checks
+    the values of its parameters in Python (``if not valid.all(): raise``), which a
+    trace cannot do, so every distribution built in a jitted step (a VAE's posterior)
+    would stop the trace. A distribution built with ``validate_args=True`` still asks."""
+    from torch.distributions import Distribution
+
+    before = Distribution._validate_args
+    Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        Distribution.set_default_validate_args(before)
+
+
 class _Lifted:
     """Stands in the cache key for a hyperparameter whose value is a program input."""
 
@@ -755,7 +771,8 @@ class JitFunction:
             args, kwargs = torch_pytree.tree_unflatten(leaves, spec)
             _tensor.CAPTURE = capture
             _sym.GUARDS = guards
-            with _rng.traced_key(key) as rng, torch.autograd.set_multithreading_enabled(False):
+            with _rng.traced_key(key) as rng, torch.autograd.set_multithreading_enabled(False), \
+                    _no_distribution_validation():
                 out = self.fn(*args, **kwargs)
             _tensor.CAPTURE = _sym.GUARDS = None
             for (g, hk, ti), v, a in zip(slots.lifted, values, arrays):
