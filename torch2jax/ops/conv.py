@@ -312,8 +312,28 @@ def _adaptive_avg_pool2d(x, output_size):
     return _adaptive_avg(x, output_size, 2)
 
 
+def _adaptive_avg3d_half(x, output_size):
+    """torch CPU's 3d kernel sums a window in the input dtype, element by element in
+    (t, h, w) order, then divides by the window's depth, height and width in turn; a
+    float16 / bfloat16 result depends on those roundings."""
+    geometry = _adaptive_geometry(x, output_size, 3)
+    patches, valid, _ = _windows(x, geometry)
+    total = jnp.zeros(patches.shape[:-1], x.dtype)
+    for j in range(patches.shape[-1]):
+        total = jnp.where(valid[..., j], total + patches[..., j], total)
+    for i, (_, ok) in enumerate(geometry):
+        shape = [1, 1, 1]
+        shape[i] = -1
+        # in float32: XLA turns a half-precision division by a constant into a multiplication
+        # by its reciprocal rounded to half precision
+        total = (total.astype(np.float32) / ok.sum(axis=-1).reshape(shape).astype(np.float32)).astype(x.dtype)
+    return total
+
+
 @register(aten._adaptive_avg_pool3d.default)
 def _adaptive_avg_pool3d(x, output_size):
+    if x.dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)) and x.size:
+        return _adaptive_avg3d_half(x, output_size)
     return _adaptive_avg(x, output_size, 3)
 
 
