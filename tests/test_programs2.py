@@ -745,6 +745,35 @@ def _p_module_state_dict_roundtrip_fresh_model(device, wrap):
     return fresh(x), src(x), list(missing.missing_keys), sorted(sd)
 
 
+def _lazy_net(**kw):
+    return nn.Sequential(nn.LazyConv1d(4, 3, **kw), nn.LazyBatchNorm1d(**kw), nn.ReLU(), nn.Flatten(),
+                         nn.LazyLinear(3, **kw))
+
+
+def _p_lazy_modules(device, wrap):
+    x = _randn(2, 2, 6, device=device)
+    torch.manual_seed(0)
+    ref = _lazy_net()
+    ref(x.cpu())  # the weights both devices load: random init draws differ between devices, as on CUDA
+    moved, built = _lazy_net().to(device), _lazy_net(device=device)
+    for net in (moved, built):
+        assert isinstance(net[4].weight, nn.parameter.UninitializedParameter)
+    outs = []
+    for net in (moved, built):
+        net(x)
+        assert not isinstance(net[4].weight, nn.parameter.UninitializedParameter)
+        assert isinstance(net[4].weight, nn.Parameter) and net[1].running_mean.device.type == device
+        net.load_state_dict(ref.state_dict())
+        opt = O.SGD(net.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            out = net(x)
+            out.pow(2).mean().backward()
+            opt.step()
+        outs.append((out, _params(net), net[1].running_var))
+    return outs
+
+
 def _p_rng_streams(device, wrap):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(3)
@@ -801,7 +830,7 @@ FAST = {
     ("inplace_on_views_with_grad", True), ("complex_numbers", True), ("save_load_resume_with_scheduler", False),
     ("scheduler_warm_restarts_and_sequential", False), ("module_state_dict_roundtrip_fresh_model", False),
     ("scatter_reduce_and_masking", True), ("integer_arithmetic", True), ("einsum_and_bmm", True),
-    ("rsample_reparameterized_training", True), ("gradient_penalty_training", True),
+    ("rsample_reparameterized_training", True), ("gradient_penalty_training", True), ("lazy_modules", False),
 }
 
 

@@ -9,6 +9,7 @@ already on the device dispatch through `torch2jax.Tensor.__torch_dispatch__`.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.utils.backend_registration as _backend
@@ -104,13 +105,79 @@ def _swapping(method):
             involved = _has_jax_tensors(module)
         if not involved or torch.__future__.get_swap_module_params_on_conversion():
             return method(module, *args, **kwargs)
+        lazy = _take_uninitialized(module)
         torch.__future__.set_swap_module_params_on_conversion(True)
         try:
             return method(module, *args, **kwargs)
         finally:
             torch.__future__.set_swap_module_params_on_conversion(False)
+            target = NAME if method.__name__ != "cpu" and device is not None and device.type == NAME else None
+            for slots, key, t in lazy:
+                t._t2j_device = target
+                slots[key] = t
 
     return convert
+
+
+def _take_uninitialized(module):
+    """Takes a lazy module's uninitialized parameters and buffers out of it for a
+    conversion. Swapping one for a jax tensor would make it an ordinary empty tensor
+    (LazyLinear would then see a weight of shape (0,)), and an UninitializedParameter
+    cannot hold a jax tensor itself; it stays a placeholder on the CPU that knows its
+    device, and `_materialize` creates it there."""
+    from torch.nn.parameter import UninitializedTensorMixin
+
+    taken = []
+    for m in module.modules():
+        for slots in (m._parameters, m._buffers):
+            for key, t in slots.items():
+                if isinstance(t, UninitializedTensorMixin):
+                    taken.append((slots, key, t))
+                    slots[key] = None
+    return taken
+
+
+def _materialize(original):
+    @functools.wraps(original)
+    def materialize(self, shape, device=None, dtype=None):
+        target = getattr(self, "_t2j_device", None)
+        if target is None or device is not None:
+            return original(self, shape, device, dtype)
+        new = torch.empty(shape, device=target, dtype=dtype or self.data.dtype)
+        if self.cls_to_become is torch.nn.Parameter:
+            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
+        # in place, as torch's materialize: the module (and any hook) keeps this object
+        torch.utils.swap_tensors(self, new)
+
+    return materialize
+
+
+def _placeholder_on_cpu(original):
+    # nn.LazyLinear(3, device="jax"): the placeholder lives on the CPU (see _take_uninitialized)
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __new__(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        device = bound.arguments.get("device")
+        if device is None or torch.device(device).type != NAME:
+            return original(*args, **kwargs)
+        bound.arguments["device"] = None
+        t = original(*bound.args, **bound.kwargs)
+        t._t2j_device = NAME
+        return t
+
+    return staticmethod(__new__)
+
+
+def _deepcopy_keeps_device(original):
+    @functools.wraps(original)
+    def __deepcopy__(self, memo):
+        result = original(self, memo)
+        result._t2j_device = getattr(self, "_t2j_device", None)
+        return result
+
+    return __deepcopy__
 
 
 def _has_jax_tensors(module) -> bool:
@@ -130,6 +197,11 @@ def register() -> None:
     torch._C._acc.register_python_privateuseone_device_guard(_backend._DummyDeviceGuard())
     torch.nn.Module.to = _swapping(torch.nn.Module.to)
     torch.nn.Module.cpu = _swapping(torch.nn.Module.cpu)
+    mixin = torch.nn.parameter.UninitializedTensorMixin
+    mixin.materialize = _materialize(mixin.materialize)
+    for cls in (torch.nn.UninitializedParameter, torch.nn.UninitializedBuffer):
+        cls.__new__ = _placeholder_on_cpu(cls.__new__)
+        cls.__deepcopy__ = _deepcopy_keeps_device(cls.__deepcopy__)
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     # The boxed fallback cannot serve copy_ when torch.tensor(..., device="jax")
