@@ -468,19 +468,41 @@ def test_jax_checkpoint_loads_on_cpu_with_map_location():
         torch.testing.assert_close(p.detach(), q.detach(), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="map_location='jax' restores each CPU storage with UntypedStorage.jax() -> torch._utils._to, which "
-    "needs torch.jax.device (missing in torch2jax/device.py _DeviceModule) and then a real jax storage, which a "
-    "wrapper tensor has not; fix: a torch.serialization.register_package deserializer for 'jax' that keeps the "
-    "CPU storage and rebuilds tensors on it with from_torch_cpu (needs a hook in _rebuild_tensor_v2's result)",
-)
-def test_cpu_checkpoint_loads_onto_the_jax_device():
+@pytest.mark.parametrize("location", ["jax", "jax:0", {"cpu": "jax"}, torch.device("jax")], ids=str)
+def test_cpu_checkpoint_loads_onto_the_jax_device(location):
     model = _model()
-    ckpt = _save_load(model.state_dict(), map_location="jax")
+    state = dict(model.state_dict(), view=model.state_dict()["0.weight"][1:, ::2], big=torch.tensor([2**40, -3]))
+    ckpt = _save_load(state, map_location=location)
     for name, value in ckpt.items():
         assert value.device.type == "jax", name
-        torch.testing.assert_close(value.cpu(), model.state_dict()[name])
+        assert value.dtype == state[name].dtype, name
+        torch.testing.assert_close(value.cpu(), state[name])
+    # tensors that shared a storage in the checkpoint share it on the jax device too
+    ckpt["0.weight"].mul_(2)
+    torch.testing.assert_close(ckpt["view"].cpu(), 2 * state["view"])
+
+
+def test_cpu_training_checkpoint_resumes_on_the_jax_device():
+    data = _data(4)
+    make = lambda p: O.Adam(p, lr=1e-2)  # noqa: E731
+    ref = _model()
+    ref_opt = make(ref.parameters())
+    expected = []
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            saved = _save_load({"model": ref.state_dict(), "opt": ref_opt.state_dict()}, map_location="jax")
+        ref_opt.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        expected.append(loss.item())
+    model = _model().to("jax")
+    model.load_state_dict(saved["model"])
+    opt = make(model.parameters())
+    opt.load_state_dict(saved["opt"])
+    assert all(v.device.type == "jax" for st in opt.state.values() for v in st.values())
+    actual, *_ = _train("jax", lambda _: opt, data[2:], jit=True, model=model)
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected[2:]), atol=2e-5, rtol=2e-4)
 
 
 # -- random numbers -------------------------------------------------------------------

@@ -374,19 +374,49 @@ def _restore(storage, location):
 
 
 def _rebuild(base, size, stride, offset, requires_grad, is_param):
-    if _RESTORING.get(base.untyped_storage().data_ptr(), _device.NAME) != _device.NAME:
+    # ``base`` is on the jax device unless map_location sent it elsewhere (it was
+    # saved as a CPU tensor on a storage tagged for the jax device: see _rebuild_tensor_v2)
+    if not isinstance(base, Tensor):
         t = base.as_strided(size, stride, offset)
     else:
-        jax_base = getattr(base, "_t2j_loaded", None)
-        if jax_base is None:
-            with jax.enable_x64(True):
-                jax_base = base._t2j_loaded = new_tensor(jax_array(base))
         whole = size == tuple(base.shape) and stride == _contiguous_strides(size) and offset == 0
-        t = (jax_base if whole else jax_base.as_strided(size, stride, offset)).detach()
+        t = (base if whole else base.as_strided(size, stride, offset)).detach()
     if is_param:
         return torch.nn.Parameter(t, requires_grad)
     return t.requires_grad_(requires_grad) if requires_grad else t
 
+
+_torch_rebuild_tensor_v2 = torch._utils._rebuild_tensor_v2
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
+    # torch's rebuild of a CPU tensor in a checkpoint, then, when ``map_location``
+    # maps its storage to the jax device (``_restore`` marked it), the same tensor
+    # there. Tensors sharing a storage become views of one jax base, as in torch.
+    t = _torch_rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata)
+    untyped = storage._untyped_storage if isinstance(storage, torch.TypedStorage) else storage
+    if untyped.device.type != "cpu" or _RESTORING.get(untyped.data_ptr()) != _device.NAME:
+        return t
+    base = getattr(storage, "_t2j_loaded", None)
+    if base is None:
+        whole = t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == untyped.nbytes()
+        if not whole:
+            t = torch.empty(0, dtype=t.dtype).set_(untyped, 0, (untyped.nbytes() // t.element_size(),))
+        with jax.enable_x64(True):
+            base = storage._t2j_loaded = new_tensor(jax_array(t))
+        if whole:
+            return base.requires_grad_(requires_grad) if requires_grad else base
+    meta = (tuple(size), tuple(stride), storage_offset)
+    same = meta == (tuple(base.shape), tuple(base.stride()), base.storage_offset())
+    out = (base if same else base.as_strided(*meta)).detach()
+    return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+# Pickles name the function by module and qualified name, and torch.load's
+# weights-only unpickler allows it by that name: it keeps torch's.
+_rebuild_tensor_v2.__module__, _rebuild_tensor_v2.__qualname__ = "torch._utils", "_rebuild_tensor_v2"
+torch._utils._rebuild_tensor_v2 = _rebuild_tensor_v2
+torch._weights_only_unpickler._get_allowed_globals.cache_clear()
 
 # before torch's own CPU tagger (priority 10)
 torch.serialization.register_package(9, _tag, _restore)
