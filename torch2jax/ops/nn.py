@@ -236,6 +236,11 @@ def _batch_norm(x, weight, bias, running_mean, running_var, training, momentum, 
             new_mean = ((1 - momentum) * upcast(running_mean) + momentum * mean).astype(running_mean.dtype)
             new_var = ((1 - momentum) * upcast(running_var) + momentum * unbiased).astype(running_var.dtype)
         save_mean, save_rstd = mean.astype(stat), rstd.astype(stat)
+        if stat == np.float16:
+            # torch CPU normalizes float16 with the saved statistics, rounded to float16
+            # (measured: exact for float16; bfloat16 matches neither way exactly and
+            # is closer unrounded)
+            mean, rstd = upcast(save_mean), upcast(save_rstd)
     else:
         mean, rstd = upcast(running_mean), jax.lax.rsqrt(upcast(running_var) + eps)
         new_mean, new_var = running_mean, running_var
