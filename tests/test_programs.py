@@ -584,16 +584,33 @@ def test_multinomial_rejects_invalid_weights_like_torch(probs, message):
             torch.multinomial(torch.tensor(probs, device=device), 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.Generator(device='jax') needs PrivateUse1HooksInterface::getNewGenerator, which torch's "
-    "Python binding of the hooks (torch._C._acc.PrivateUse1Hooks: is_available, has_primary_context, "
-    "is_built) cannot provide; torch2jax/device.py cannot register it without a C++ extension. A CPU "
-    "torch.Generator drives random ops on the jax device instead (test_generator_objects)",
-)
 def test_generator_on_the_jax_device():
     g = torch.Generator(device="jax").manual_seed(1)
-    assert torch.randn(3, device="jax", generator=g).device.type == "jax"
+    assert g.device == torch.device("jax", 0) and isinstance(g, torch.Generator)
+    assert isinstance(torch.default_generator, torch.Generator) and type(torch.Generator()) is torch._C.Generator
+
+    def draws(gen):
+        return torch.cat([torch.randn(3, device="jax", generator=gen), torch.rand(2, device="jax", generator=gen),
+                          torch.randint(0, 9, (2,), device="jax", generator=gen).float(),
+                          torch.randperm(4, device="jax", generator=gen).float(),
+                          torch.empty(2, device="jax").uniform_(generator=gen)])
+
+    first = draws(g)
+    assert first.device.type == "jax"
+    assert torch.equal(draws(torch.Generator("jax:0").manual_seed(1)).cpu(), first.cpu())
+    assert not torch.equal(draws(g).cpu(), first.cpu())
+    # its state round-trips like a CPU generator's, and the default stream is untouched
+    state = g.get_state()
+    torch.manual_seed(5)
+    default = torch.randn(4, device="jax")
+    a = draws(g)
+    g.set_state(state)
+    torch.manual_seed(5)
+    torch.randn(3, device="jax", generator=torch.Generator(device="jax").manual_seed(9))
+    assert torch.equal(torch.randn(4, device="jax").cpu(), default.cpu())
+    assert torch.equal(draws(g).cpu(), a.cpu())
+    g.set_state(state)
+    assert torch.equal(draws(pickle.loads(pickle.dumps(g))).cpu(), a.cpu())
 
 
 _INPLACE_DISTRIBUTIONS = {

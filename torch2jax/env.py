@@ -197,6 +197,64 @@ def next_key(generator: torch.Generator | None = None):
         return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
 
 
+class _GeneratorType(type(torch._C.Generator)):
+    # `torch.Generator` is replaced by `Generator` below: every generator torch
+    # makes (torch.default_generator, torch.Generator() on the CPU) must still
+    # count as one.
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, torch._C.Generator)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, torch._C.Generator)
+
+
+class Generator(torch._C.Generator, metaclass=_GeneratorType):
+    """``torch.Generator``, also for ``device="jax"``.
+
+    torch builds a generator for a PrivateUse1 device through a C++ hook that
+    cannot be registered from Python, so ``torch2jax`` puts this class in
+    ``torch.Generator``'s place. For other devices it returns torch's own
+    generator; for the jax device, a generator whose state is a CPU generator's
+    (``manual_seed``, ``get_state``, ``set_state`` as in torch) and whose
+    ``device`` is the jax device. Random ops on the jax device draw their keys
+    from it (`next_key`).
+
+    >>> g = torch.Generator(device="jax").manual_seed(0)
+    >>> torch.randn(3, device="jax", generator=g)
+    """
+
+    def __new__(cls, device="cpu"):
+        device = torch.device(device)
+        if device.type != _device_name():
+            return torch._C.Generator(device)
+        return super().__new__(cls, "cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(_device_name(), 0)
+
+    def __repr__(self):
+        return f"<torch2jax Generator on {self.device}>"
+
+    def __reduce__(self):
+        return _generator_from_state, (self.get_state(),)
+
+
+def _generator_from_state(state):
+    g = Generator(_device_name())
+    g.set_state(state)
+    return g
+
+
+def _device_name():
+    from .device import NAME
+
+    return NAME
+
+
+torch.Generator = Generator
+
+
 def rng_key(key):
     """Context manager: random ops on the jax device inside the block draw from the
     JAX key ``key`` (split per draw) instead of the default generator; the block's
