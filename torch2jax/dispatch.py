@@ -219,7 +219,7 @@ def _foreign(a):
 
 # Arguments that torch lets stay on the CPU beside tensors on an accelerator: index
 # tensors, tensor_split's split points, a packed sequence's lengths and batch sizes,
-# and both sides of a copy across devices ("*": every argument).
+# CTC's sequence lengths, and both sides of a copy across devices ("*": every argument).
 _CPU_ARGUMENTS = {
     "copy": "*",
     "copy_": "*",
