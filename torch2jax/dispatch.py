@@ -331,6 +331,10 @@ def _resolve(func):
 
 
 def _choose(func):
+    if isinstance(func, torch._ops.OpOverload) and func.namespace not in ("aten", "prims"):
+        from . import ops as _ops
+
+        _ops.load_namespace(func.namespace)
     if func in _reg.VIEWS:
         return _view_handler(func, *_reg.VIEWS[func]), "lowering"
     if func in _reg.LOWERINGS:
