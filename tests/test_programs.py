@@ -229,46 +229,42 @@ def test_cycling_momentum_does_not_retrace(name):
     assert run.stats["traces"] == 2, t2j.explain_recompiles()
 
 
+class _Schedule:
+    """A scheduler setting ``param_groups[0][key]`` to the next of ``values`` before each step."""
+
+    def __init__(self, key, values):
+        self.key, self.values = key, list(values)
+
+    def __call__(self, opt):
+        self.opt, self.left = opt, iter(self.values)
+        self.step()
+        return self
+
+    def step(self):
+        self.opt.param_groups[0][self.key] = next(self.left, None)
+
+
 def test_hyperparameter_guard_retraces_when_a_branch_flips():
     # SGD branches on `weight_decay != 0`: once weight_decay is an input, the trace
     # made with 0.01 holds for 0.02 but not for 0.0, where torch skips the decay
-    schedule = [0.0, 0.01, 0.02, 0.0, 0.03]
-    data = _data(len(schedule))
-
-    def train(device):
-        model = _model().to(device)
-        opt = O.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-        @t2j.jit
-        def step(x, y):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
-        losses = []
-        for wd, (x, y) in zip(schedule, data):
-            opt.param_groups[0]["weight_decay"] = wd
-            run = step if device == "jax" else step.__wrapped__
-            losses.append(run(x.to(device), y.to(device)).item())
-        return losses, model, step
-
-    expected, ref, _ = train("cpu")
+    make = lambda p: O.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    sched = _Schedule("weight_decay", [0.0, 0.01, 0.02, 0.0, 0.03])
+    data = _data(5)
+    expected, ref, *_ = _train("cpu", make, data, scheduler=sched)
     before = len(t2j.explain_recompiles())
-    actual, model, step = train("jax")
+    actual, model, _, run = _train("jax", make, data, jit=True, scheduler=sched)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
     _assert_params_close(model, ref)
     # first call; weight_decay lifted (0.01); 0.02 reuses it; 0.0 flips the branch;
     # 0.03 goes back to the program traced with a nonzero decay
-    assert step.stats["traces"] == 3, t2j.explain_recompiles()
+    assert run.stats["traces"] == 3, t2j.explain_recompiles()
     assert any("goes the other way" in m for m in t2j.explain_recompiles()[before:])
 
 
 class _FloatOnlySGD(O.Optimizer):
     """Plain SGD whose code insists on a Python float decay factor."""
 
-    def __init__(self, params, lr, decay):
+    def __init__(self, params, lr=0.05, decay=1.0):
         super().__init__(params, dict(lr=lr, decay=decay))
 
     @torch.no_grad()
@@ -281,30 +277,11 @@ class _FloatOnlySGD(O.Optimizer):
 
 
 def test_hyperparameter_that_must_stay_a_float_is_kept_static():
+    sched = _Schedule("decay", [1.0, 0.99, 0.98, 0.99])
     data = _data(4)
-    decays = [1.0, 0.99, 0.98, 0.99]
-
-    def train(device):
-        model = _model().to(device)
-        opt = _FloatOnlySGD(model.parameters(), lr=0.05, decay=1.0)
-
-        def step(x, y):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
-        run = t2j.jit(step) if device == "jax" else step
-        losses = []
-        for d, (x, y) in zip(decays, data):
-            opt.param_groups[0]["decay"] = d
-            losses.append(run(x.to(device), y.to(device)).item())
-        return losses, run
-
-    expected, _ = train("cpu")
+    expected, *_ = _train("cpu", _FloatOnlySGD, data, scheduler=sched)
     before = len(t2j.explain_recompiles())
-    actual, run = train("jax")
+    actual, *_, run = _train("jax", _FloatOnlySGD, data, jit=True, scheduler=sched)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
     # each new decay value retraces (0.99 comes back: cached), after one failed attempt to lift it
     assert run.stats["traces"] == 4, t2j.explain_recompiles()
