@@ -808,9 +808,207 @@ def _p_no_grad_inference_mode_and_requires_grad(device, wrap):
             torch.is_inference(a))
 
 
+def _p_swa_averaged_model_and_update_bn(device, wrap):
+    from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).to(device)
+    swa = AveragedModel(model)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    opt = O.SGD(model.parameters(), lr=0.1)
+    sched = SWALR(opt, swa_lr=0.05, anneal_epochs=2)
+    data = _batches(4, device)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        swa.update_parameters(model)
+        ema.update_parameters(model)
+        sched.step()
+    update_bn([x for x, _ in data], swa)
+    # n_averaged is a CPU buffer on every device (AveragedModel(device=None)), so compare its value
+    return (_params(swa), _params(ema), swa.n_averaged.item(), swa.module[1].running_mean, swa.module[1].running_var,
+            opt.param_groups[0]["lr"])
+
+
+def _p_optimizer_in_backward_hook(device, wrap):
+    model = _mlp(device)
+    opts = {p: O.Adam([p], lr=1e-2) for p in model.parameters()}
+
+    def hook(p):
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    losses = []
+    for x, y in _batches(3, device):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses), _params(model), [p.grad for p in model.parameters()]
+
+
+def _p_activation_checkpointing(device, wrap):
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8)) for _ in range(3)]).to(device)
+    opt = O.AdamW(blocks.parameters(), lr=1e-2)
+    x, w = _randn(4, 8, device=device), _randn(4, 8, seed=1, device=device)
+
+    def step(x):
+        opt.zero_grad()
+        h = x
+        for b in blocks:
+            h = checkpoint(b, h, use_reentrant=False)
+        loss = (h * w).mean()  # not h.pow(2): the LayerNorm'd output's norm is constant
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = wrap(step)
+    return torch.stack([step(x) for _ in range(3)]), _params(blocks)
+
+
+def _p_attention_masks(device, wrap):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).to(device)
+    x = _randn(2, 5, 8, device=device)
+    pad = torch.tensor([[False] * 5, [False, False, False, True, True]]).to(device)
+    causal = nn.Transformer.generate_square_subsequent_mask(5).to(device)
+    out, weights = mha(x, x, x, key_padding_mask=pad, attn_mask=causal, need_weights=True,
+                       average_attn_weights=False)
+    q, k, v = _randn(2, 2, 5, 4, device=device), _randn(2, 2, 5, 4, seed=1, device=device), _randn(
+        2, 2, 5, 4, seed=2, device=device)
+    bool_mask = torch.ones(5, 5, dtype=torch.bool).tril().to(device)
+    sdpa = [F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=0.3),
+            F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], enable_gqa=True)]
+    (out.sum() + sum(o.pow(2).sum() for o in sdpa)).backward()
+    return out, weights, sdpa, _grads(mha)
+
+
+def _p_losses_zoo(device, wrap):
+    logits = _randn(6, 4, device=device).requires_grad_()
+    target = torch.tensor([0, 3, -100, 2, 1, 3]).to(device)
+    y = _randn(6, 4, seed=1, device=device)
+    seqs = _randn(7, 2, 5, seed=2, device=device).log_softmax(-1).detach().requires_grad_()
+    losses = {
+        "ce_ls_ignore": F.cross_entropy(logits, target, label_smoothing=0.1, ignore_index=-100),
+        "ce_weight": F.cross_entropy(logits, target.clamp(min=0), weight=torch.tensor([1.0, 2, 3, 4]).to(device)),
+        "ce_probs": F.cross_entropy(logits, y.softmax(-1)),
+        "nll_sum": F.nll_loss(logits.log_softmax(-1), target.clamp(min=0), reduction="sum"),
+        "bce_pos_weight": F.binary_cross_entropy_with_logits(logits, (y > 0).float(),
+                                                             pos_weight=torch.tensor([1.0, 2, 3, 4]).to(device)),
+        "kl": F.kl_div(logits.log_softmax(-1), y.softmax(-1), reduction="batchmean"),
+        "kl_log_target": F.kl_div(logits.log_softmax(-1), y.log_softmax(-1), reduction="sum", log_target=True),
+        "huber": F.huber_loss(logits, y, delta=0.5),
+        "margin": F.multi_margin_loss(logits, target.clamp(min=0)),
+        "cosine_emb": F.cosine_embedding_loss(logits, y, torch.tensor([1, -1, 1, -1, 1, 1]).to(device)),
+        "triplet": F.triplet_margin_loss(logits[:2], logits[2:4], y[:2]),
+        "poisson": F.poisson_nll_loss(logits, y.abs()),
+        "gaussian": F.gaussian_nll_loss(logits, y, y.abs() + 0.1),
+        # lengths on the host, as CTC code keeps them for CUDA (whose mean reduction divides by them on the
+        # device, so it needs them there)
+        "ctc": F.ctc_loss(seqs, torch.tensor([[1, 2, 2], [3, 1, 0]]).to(device), torch.tensor([7, 6]),
+                          torch.tensor([3, 2]), blank=0, reduction="sum", zero_infinity=True),
+        "ctc_mean": F.ctc_loss(seqs, torch.tensor([[1, 2, 2], [3, 1, 0]]).to(device),
+                               torch.tensor([7, 6]).to(device), torch.tensor([3, 2]).to(device)),
+    }
+    total = sum(losses.values())
+    total.backward()
+    return losses, logits.grad, seqs.grad
+
+
+def _p_cumulative_and_search(device, wrap):
+    x = _randn(3, 5, device=device)
+    edges = torch.tensor([-1.0, 0.0, 0.5, 2.0]).to(device)
+
+    def f(x, edges):
+        return (x.cumsum(1), x.cumprod(0), torch.logcumsumexp(x, 1), x.cummax(1).values, x.cummax(1).indices,
+                torch.diff(x, dim=1), torch.bucketize(x, edges), torch.bucketize(x, edges, right=True),
+                torch.cdist(x, x[:2]), F.cosine_similarity(x[:, None], x[None], dim=-1), F.normalize(x, dim=0),
+                torch.gather(x, 1, torch.tensor([[0, 4], [2, 2], [1, 0]]).to(x.device)),
+                torch.take_along_dim(x, x.argsort(1), 1), torch.histc(x, bins=4, min=-2, max=2),
+                torch.tril(x, -1), torch.triu(x, 2), torch.roll(x, (1, -2), (0, 1)), torch.flip(x, (0,)),
+                x.logsumexp(1), torch.trapezoid(x, dim=1), torch.renorm(x, 2, 0, 1.0))
+
+    return wrap(f)(x, edges)
+
+
+def _p_data_dependent_shapes_eager(device, wrap):
+    x = torch.tensor([[0.0, 1.5, -2.0], [3.0, 0.0, 0.5]]).to(device)
+    mask = x > 0
+    return (x.nonzero(), torch.nonzero(x, as_tuple=True), x[mask], x.masked_select(mask), torch.argwhere(x),
+            x[x.sum(1) > 0], torch.unique(x.flatten(), sorted=True), x.count_nonzero(dim=0))
+
+
+def _p_index_put_and_views_of_params(device, wrap):
+    torch.manual_seed(0)
+    table = nn.Parameter(_randn(6, 3, device=device))
+    opt = O.SGD([table], lr=0.5)
+    idx = torch.tensor([1, 4, 1]).to(device)
+
+    def step(idx):
+        opt.zero_grad()
+        rows = table[idx]
+        acc = torch.zeros(6, 3, device=idx.device).index_put((idx,), rows * 2, accumulate=True)
+        loss = (acc * table).sum() + table[:, 1].pow(2).sum()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            table[0] = 0.0
+            table.clamp_(-1, 1)
+        return loss
+
+    step = wrap(step)
+    return torch.stack([step(idx) for _ in range(3)]), table.detach()
+
+
+def _p_utils_vectors_and_grad_options(device, wrap):
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    model = _mlp(device)
+    vec = parameters_to_vector(model.parameters())
+    vector_to_parameters(vec * 0.5, model.parameters())
+    x, y = _batches(1, device)[0]
+    unused = torch.zeros(2, device=device, requires_grad=True)
+    loss = F.cross_entropy(model(x), y)
+    grads = torch.autograd.grad(loss, [model[0].weight, unused], allow_unused=True, retain_graph=True)
+    out = model(x)
+    (gx,) = torch.autograd.grad(out, model[2].bias, grad_outputs=torch.ones_like(out), retain_graph=True)
+    jac = torch.autograd.functional.jacobian(lambda v: (v * v).cumsum(0), x[0])
+    batched = torch.autograd.grad(out.sum(0), model[2].bias, grad_outputs=torch.eye(3, device=device),
+                                  is_grads_batched=True)[0]
+    return vec, _params(model), grads[0], grads[1] is None, gx, jac, batched
+
+
+def _p_init_functions_statistics(device, wrap):
+    torch.manual_seed(0)
+    w = torch.empty(300, 200, device=device)
+    stats = []
+    nn.init.orthogonal_(w[:200])
+    stats.append(torch.allclose((w[:200] @ w[:200].T).cpu(), torch.eye(200), atol=1e-4))
+    nn.init.trunc_normal_(w, std=0.5, a=-1.0, b=1.0)
+    stats.append(bool(w.abs().max() <= 1.0) and abs(w.mean().item()) < 0.01)
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+    bound = 1 / math.sqrt(200)
+    stats.append(bool(w.abs().max() <= bound) and abs(w.std().item() - bound / math.sqrt(3)) < 1e-3)
+    nn.init.xavier_normal_(w)
+    stats.append(abs(w.std().item() - math.sqrt(2 / 500)) < 1e-3)
+    nn.init.sparse_(w, sparsity=0.5)
+    stats.append(((w == 0).sum(0) >= 150).all().item())
+    nn.init.eye_(w[:5, :5])
+    nn.init.dirac_(d := torch.empty(4, 4, 3, device=device))
+    return stats, w[:5, :5], d
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
+    "activation_checkpointing", "cumulative_and_search", "index_put_and_views_of_params",
     "gradient_accumulation", "weight_tying_adamw", "ema_of_weights", "param_groups_freeze_and_add_group",
     "scheduler_warm_restarts_and_sequential", "save_load_resume_with_scheduler", "custom_autograd_function",
     "gradient_penalty_training", "inplace_on_views_with_grad", "weight_norm_training", "scatter_reduce_and_masking",

@@ -240,6 +240,10 @@ _CPU_ARGUMENTS = {
     "gru": {"batch_sizes"},
     "rnn_tanh": {"batch_sizes"},
     "rnn_relu": {"batch_sizes"},
+    # CUDA's ctc_loss reads the lengths on the host; CTC training code keeps them there
+    "ctc_loss": {"input_lengths", "target_lengths"},
+    "_ctc_loss": {"input_lengths", "target_lengths"},
+    "_ctc_loss_backward": {"input_lengths", "target_lengths"},
 }
 
 
