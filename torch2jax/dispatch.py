@@ -1008,6 +1008,13 @@ def _resize_handler(func, args, kwargs):
 def write(target, value, func, resize=False):
     """Write array ``value`` into tensor ``target`` as op ``func`` does (cast, shape checks)."""
     if not isinstance(target, Tensor):
+        if func is torch.ops.aten.copy_.default and target.device.type == "cpu":
+            # cpu_tensor.copy_(jax_tensor), as from CUDA: a CPU model's load_state_dict of a jax checkpoint
+            if isinstance(value, jax.core.Tracer):
+                raise OpError("torch2jax: copy_ into a CPU tensor inside a traced function; copy after it returns")
+            with torch.no_grad():
+                target.copy_(torch_cpu(value))
+            return
         raise OpError(f"torch2jax: {func} writes into a tensor on {target.device}; expected the jax device")
     if tuple(value.shape) != tuple(target.shape):
         if resize:
