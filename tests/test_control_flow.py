@@ -242,6 +242,57 @@ def test_use_scan_layers_on_hf_models(name):
     assert generated.cpu().tolist() == ref.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
 
 
+@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_use_scan_layers_with_stacked_parameters(name):
+    ref = _hf(name)
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"), stack_parameters=True)
+    layers = model.model.layers if name == "llama" else model.transformer.h
+    per_layer = len(list(ref.parameters())) - len(list(model.parameters()))
+    assert per_layer == (len(layers) - 1) * len(layers._t2j_stacked)
+    # checkpoints keep the per-layer names and values
+    state = model.state_dict()
+    assert sorted(state) == sorted(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k].cpu(), v, msg=k)
+    layer_param = "self_attn.q_proj.weight" if name == "llama" else "attn.c_attn.weight"
+    torch.testing.assert_close(layers[1].get_submodule(layer_param.rsplit(".", 1)[0]).weight.cpu(),
+                               dict(ref.named_parameters())[f"{'model.layers' if name == 'llama' else 'transformer.h'}"
+                                                            f".1.{layer_param}"].detach())
+    ids = torch.randint(0, 128, (2, 16))
+    out = model(ids.to("jax"), labels=ids.to("jax"), use_cache=False)
+    expected = ref(ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(out.logits.detach().cpu(), expected.logits.detach(), atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    expected.loss.backward()
+    prefix = "model.layers" if name == "llama" else "transformer.h"
+    ref_params = dict(ref.named_parameters())
+    for n, key in layers._t2j_stacked.items():
+        want = torch.stack([ref_params[f"{prefix}.{k}.{n}"].grad for k in range(len(layers))])
+        torch.testing.assert_close(layers._parameters[key].grad.cpu(), want, atol=1e-6, rtol=1e-4, msg=n)
+    # trains under t2j.jit like the unstacked model
+    model.zero_grad()
+    ref.zero_grad()
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def step(m, o, ids):
+        o.zero_grad()
+        loss = m(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        o.step()
+        return loss
+
+    jitted = t2j.jit(step)
+    for _ in range(3):
+        torch.testing.assert_close(jitted(model, opt, ids.to("jax")).cpu(), step(ref, ref_opt, ids),
+                                   atol=2e-5, rtol=2e-4)
+    # a fresh stacked model loads the per-layer checkpoint, and generates with a KV cache
+    fresh = t2j.use_scan_layers(_hf(name).to("jax"), stack_parameters=True)
+    fresh.load_state_dict(ref.state_dict())
+    prompt = ids[:1, :4]
+    generated = fresh.generate(prompt.to("jax"), max_new_tokens=5, do_sample=False)
+    assert generated.cpu().tolist() == ref.generate(prompt, max_new_tokens=5, do_sample=False).tolist()
+
+
 def test_torch_higher_order_ops_on_the_jax_device():
     from torch._higher_order_ops import scan as torch_scan
     from torch._higher_order_ops import while_loop as torch_while_loop

@@ -524,17 +524,22 @@ def scan_layers(layers, hidden, *args, remat=None, **kwargs):
     return _scan_layers(layers, hidden, args, kwargs, remat)[0]
 
 
-def _scan_layers(layers, hidden, args, kwargs, remat):
-    """`scan_layers`, also telling whether a layer returns a tuple (HF layers do)."""
+def _scan_layers(layers, hidden, args, kwargs, remat, stacked=None):
+    """`scan_layers`, also telling whether a layer returns a tuple (HF layers do).
+    ``stacked`` maps parameter names to the layers' stacked parameters when they
+    are stored stacked (`use_scan_layers(..., stack_parameters=True)`)."""
     layers = list(layers)
     if not layers:
         return hidden, False
     template = layers[0]
-    pnames = [n for n, _ in template.named_parameters()]
+    on_list = stacked or {}
+    pnames = list(on_list) + [n for n, _ in template.named_parameters()]
     bnames = [n for n, _ in template.named_buffers()]
     per_layer = []
     for k, layer in enumerate(layers):
-        params, buffers = dict(layer.named_parameters()), dict(layer.named_buffers())
+        params = {n: on_list[n][k] for n in on_list}
+        params.update(layer.named_parameters())
+        buffers = dict(layer.named_buffers())
         if list(params) != pnames or list(buffers) != bnames:
             raise ControlFlowError(
                 f"t2j.scan_layers: layer {k} ({type(layer).__name__}) does not have the parameters and buffers of "
@@ -576,8 +581,9 @@ def _scan_layers(layers, hidden, args, kwargs, remat):
                 def call():
                     (hid, *rest), kw = _rebuild(leaves, spec, pos, layer_inputs)
                     tensors = {n: new_tensor(a) for n, a in zip(pnames + bnames, xs)}
-                    out = torch.func.functional_call(template, tensors, (hid, *rest), kw, tie_weights=False,
-                                                     strict=True)
+                    with _StackedSlices(template, {n: tensors.pop(n) for n in on_list}):
+                        out = torch.func.functional_call(template, tensors, (hid, *rest), kw, tie_weights=False,
+                                                         strict=True)
                     new_h = out if isinstance(out, torch.Tensor) else out[0]
                     kind["tuple"] = not isinstance(out, torch.Tensor)
                     return out_struct.flatten(new_h, "layer output"), [tensors[n]._value() for n in bnames]
@@ -595,8 +601,9 @@ def _scan_layers(layers, hidden, args, kwargs, remat):
         # Stacked in torch, so that torch autograd unstacks the gradients: each layer's
         # .grad is then a view of one stacked gradient, and the program has no
         # per-layer slices of its own (each would be a kernel of its own to compile).
-        stacked = [torch.stack([layer[j] for layer in per_layer]) for j in range(n_p + n_b)]
-        outs = _apply(run, [leaves[i] for i in pos] + stacked + state.tensors)
+        whole = [on_list[n] if n in on_list else torch.stack([layer[j] for layer in per_layer])
+                 for j, n in enumerate(pnames + bnames)]
+        outs = _apply(run, [leaves[i] for i in pos] + whole + state.tensors)
         for j, name in enumerate(bnames):
             for k, layer in enumerate(layers):
                 st = per_layer[k][n_p + j]._t2j_storage
@@ -652,8 +659,8 @@ def checkpoint(fn, *, policy=None):
 class _ScanAll:
     """What iterating a scanned layer list yields: one callable running every layer."""
 
-    def __init__(self, layers, remat):
-        self.layers, self.remat = layers, remat
+    def __init__(self, layers, remat, stacked=None):
+        self.layers, self.remat, self.stacked = layers, remat, stacked
 
     def __call__(self, hidden, *args, **kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value", kwargs.get("layer_past")))
@@ -664,7 +671,14 @@ class _ScanAll:
                 out = layer(hidden, *args, **kwargs)
                 hidden = out if isinstance(out, torch.Tensor) else out[0]
             return out
-        h, as_tuple = _scan_layers(self.layers, hidden, args, kwargs, self.remat)
+        if self.stacked and not isinstance(hidden, Tensor):
+            # not on the jax device: the layers run one by one, each on its slice
+            out = None
+            for layer in self.layers:
+                out = layer(hidden, *args, **kwargs)
+                hidden = out if isinstance(out, torch.Tensor) else out[0]
+            return out
+        h, as_tuple = _scan_layers(self.layers, hidden, args, kwargs, self.remat, self.stacked)
         return (h,) if as_tuple else h
 
 
@@ -676,17 +690,126 @@ class _ScannedModuleList(torch.nn.ModuleList):
     """A ModuleList whose iteration runs all its layers as one `scan_layers`."""
 
     _t2j_remat = None
+    _t2j_stacked = None  # layer parameter name -> name of the stacked Parameter on this list
+
+    def _stacked_parameters(self):
+        if not self._t2j_stacked:
+            return None
+        return {n: self._parameters[key] for n, key in self._t2j_stacked.items()}
 
     def __iter__(self):
-        return iter([_ScanAll(list(self._modules.values()), self._t2j_remat)])
+        return iter([_ScanAll(list(self._modules.values()), self._t2j_remat, self._stacked_parameters())])
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
-            return [_ScanAll(list(self._modules.values())[idx], self._t2j_remat)]
+            layers = list(self._modules.values())
+            stacked = self._stacked_parameters()
+            if stacked:
+                stacked = {n: p[idx] for n, p in stacked.items()}
+            return [_ScanAll(layers[idx], self._t2j_remat, stacked)]
         return super().__getitem__(idx)
 
 
-def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h", "blocks", "layer")):
+# -- layers whose parameters are stored stacked --------------------------------------
+
+
+class _StackedAccess:
+    """Mixed into the class of a module whose parameters were moved into a stacked
+    Parameter: reading ``module.weight`` gives its layer's slice of the stack (a
+    view, so autograd reaches the stack), or inside the scan the slice being run."""
+
+    def __getattr__(self, name):
+        refs = self.__dict__.get("_t2j_stacked_refs")
+        if refs is not None and name in refs:
+            override = self.__dict__.get("_t2j_slices")
+            if override is not None and name in override:
+                return override[name]
+            owner, key, index = refs[name]
+            return owner._parameters[key][index]
+        return super().__getattr__(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _with_stacked_access(cls):
+    return type(cls.__name__, (_StackedAccess, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def _owner(module, name):
+    *path, leaf = name.split(".")
+    for part in path:
+        module = module._modules[part]
+    return module, leaf
+
+
+class _StackedSlices:
+    """Within the block, ``layer``'s stacked parameters read as the given tensors."""
+
+    def __init__(self, layer, slices):
+        self.layer, self.slices = layer, slices
+
+    def __enter__(self):
+        self.set = []
+        for name, t in self.slices.items():
+            sub, leaf = _owner(self.layer, name)
+            sub.__dict__.setdefault("_t2j_slices", {})[leaf] = t
+            self.set.append((sub, leaf))
+
+    def __exit__(self, *exc):
+        for sub, leaf in self.set:
+            sub.__dict__["_t2j_slices"].pop(leaf, None)
+
+
+def _stack_parameters(layers: _ScannedModuleList):
+    """Move the layers' parameters into one stacked Parameter per name, registered
+    on ``layers``; the layers read their slices (`_StackedAccess`), and the state
+    dict keeps the per-layer names (``layers.3.attn.weight``)."""
+    modules = list(layers._modules.values())
+    names = [n for n, _ in modules[0].named_parameters()]
+    for k, m in enumerate(modules):
+        if [n for n, _ in m.named_parameters()] != names:
+            raise ControlFlowError(f"t2j.use_scan_layers: layer {k} does not have the parameters of layer 0; "
+                                   "stack_parameters needs layers of the same structure")
+    every = [p for m in modules for _, p in m.named_parameters(remove_duplicate=False)]
+    if len({id(p) for p in every}) != len(every):
+        raise ControlFlowError("t2j.use_scan_layers: stack_parameters cannot stack layers with tied parameters")
+    keys = {}
+    for name in names:
+        values = [dict(m.named_parameters())[name] for m in modules]
+        key = "stacked_" + name.replace(".", "__")
+        with torch.no_grad():
+            stacked = torch.nn.Parameter(torch.stack([v.detach() for v in values]),
+                                         requires_grad=values[0].requires_grad)
+        layers.register_parameter(key, stacked)
+        keys[name] = key
+        for k, m in enumerate(modules):
+            sub, leaf = _owner(m, name)
+            del sub._parameters[leaf]
+            if not isinstance(sub, _StackedAccess):
+                sub.__class__ = _with_stacked_access(type(sub))
+            sub.__dict__.setdefault("_t2j_stacked_refs", {})[leaf] = (layers, key, k)
+    layers._t2j_stacked = keys
+    layers._register_state_dict_hook(_per_layer_state_dict)
+    layers._register_load_state_dict_pre_hook(_stack_loaded_state_dict, with_module=True)
+
+
+def _per_layer_state_dict(layers, state_dict, prefix, local_metadata):
+    for name, key in layers._t2j_stacked.items():
+        stacked = state_dict.pop(prefix + key)
+        for k in range(stacked.shape[0]):
+            state_dict[f"{prefix}{k}.{name}"] = stacked[k]
+    return state_dict
+
+
+def _stack_loaded_state_dict(layers, state_dict, prefix, *args):
+    n = len(layers._modules)
+    for name, key in layers._t2j_stacked.items():
+        per_layer = [f"{prefix}{k}.{name}" for k in range(n)]
+        if all(k in state_dict for k in per_layer):
+            state_dict[prefix + key] = torch.stack([state_dict.pop(k) for k in per_layer])
+
+
+def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h", "blocks", "layer"),
+                    stack_parameters: bool = False):
     """Make ``model`` run its stack of identical layers with `scan_layers`, in place.
 
     Finds each ``nn.ModuleList`` attribute called one of ``names`` whose modules
@@ -695,6 +818,14 @@ def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h",
     model's own forward run all of them as one ``lax.scan``. Parameters, state
     dict and optimizers are unchanged. With a KV cache (generation) the layers
     run one by one as before. Returns ``model``.
+
+    ``stack_parameters=True`` also stores the layers' parameters as JAX models
+    do: one Parameter per name holding all layers (``[n_layers, ...]``), so an
+    optimizer updates a dozen tensors instead of a dozen per layer (much faster
+    to compile) and the scan reads them without stacking. ``model.parameters()``
+    then yields the stacked Parameters (create the optimizer afterwards);
+    ``layer.attn.weight`` still reads its layer's slice, and ``state_dict()`` /
+    ``load_state_dict()`` keep the per-layer names, so checkpoints are unchanged.
 
     >>> t2j.use_scan_layers(llama)     # llama.model.layers now traces one layer
     """
@@ -706,6 +837,8 @@ def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h",
                     len({type(m) for m in child}) == 1:
                 child.__class__ = _ScannedModuleList
                 child._t2j_remat = remat
+                if stack_parameters and not child._t2j_stacked:
+                    _stack_parameters(child)
                 found += 1
     if not found:
         raise ControlFlowError(
