@@ -6,10 +6,10 @@
 For each depth, one GPT (examples/gpt.py) training step (forward, backward, AdamW)
 compiled by `t2j.jit` several ways: layers unrolled (the plain Python loop), the same
 with `t2j.use_scan_layers`, and both with remat (scan with `remat=True`; the
-unrolled one wraps each block in `t2j.checkpoint`). "stacked parameters" is the
-layout a JAX model uses: the blocks' parameters live in one stacked ``nn.Parameter``
-per name (12 instead of 12 x layers), scanned by `t2j.scan` over a functional call
-of one block, so AdamW updates 12 stacked tensors. Columns: trace time (torch code
+unrolled one wraps each block in `t2j.checkpoint`). "stacked" is
+``use_scan_layers(model, stack_parameters=True)``, the layout a JAX model uses: the
+blocks' parameters live in one stacked ``nn.Parameter`` per name (12 instead of
+12 x layers), so AdamW updates 12 stacked tensors. Columns: trace time (torch code
 -> jaxpr), compile time (XLA), median step time and the program's memory (XLA
 memory analysis), all from this one run.
 """
@@ -32,30 +32,8 @@ import gpt  # noqa: E402
 import torch2jax as t2j  # noqa: E402
 
 
-class StackedBlocks(torch.nn.Module):
-    """``blocks`` run as one `t2j.scan` over parameters stacked per name."""
-
-    def __init__(self, blocks):
-        super().__init__()
-        self.names = [n for n, _ in blocks[0].named_parameters()]
-        self.stacked = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.stack([b.get_parameter(n).detach() for b in blocks])) for n in self.names
-        )
-        object.__setattr__(self, "template", blocks[0])  # traced, not a submodule: no parameters of its own
-
-    def forward(self, x):
-        def layer(h, params):
-            return torch.func.functional_call(self.template, dict(zip(self.names, params)), (h,)), None
-
-        return t2j.scan(layer, x, list(self.stacked))[0]
-
-
-def _stacked(model):
-    model.blocks = torch.nn.ModuleList([StackedBlocks(model.blocks)])
-    model.blocks[0].template.to("jax")
-
-
-VARIANTS = ("unrolled", "scan_layers", "unrolled + remat", "scan_layers + remat", "stacked parameters")
+VARIANTS = ("unrolled", "scan_layers", "unrolled + remat", "scan_layers + remat", "scan_layers stacked",
+            "scan_layers stacked + remat")
 
 
 def _checkpointed_blocks(model):
@@ -65,10 +43,9 @@ def _checkpointed_blocks(model):
 
 def measure(base, variant, batches):
     model = copy.deepcopy(base).to("jax")
-    if variant == "stacked parameters":
-        _stacked(model)
-    elif variant.startswith("scan"):
-        t2j.use_scan_layers(model, remat=True if "remat" in variant else None)
+    if variant.startswith("scan"):
+        t2j.use_scan_layers(model, remat=True if "remat" in variant else None,
+                            stack_parameters="stacked" in variant)
     elif "remat" in variant:
         _checkpointed_blocks(model)
     step, opt = gpt.adamw_step(model, t2j.jit)
