@@ -1080,9 +1080,65 @@ def _p_whole_module_pickle_and_cpu_state_dict(device, wrap):
         ).numpy().tolist()
 
 
+def _p_truncated_bptt_lstm_cell(device, wrap):
+    torch.manual_seed(0)
+    cell, head = nn.LSTMCell(3, 6).to(device), nn.Linear(6, 1).to(device)
+    params = list(cell.parameters()) + list(head.parameters())
+    opt = O.SGD(params, lr=0.1, momentum=0.5)  # not an adaptive one: it would amplify rounding in ~0 grads
+    seq = _randn(12, 2, 3, device=device)
+    target = seq.sum(-1, keepdim=True).cumsum(0)
+
+    def chunk(xs, ys, h, c):
+        opt.zero_grad()
+        loss = 0.0
+        for x, y in zip(xs.unbind(0), ys.unbind(0)):
+            h, c = cell(x, (h, c))
+            loss = loss + F.mse_loss(head(h), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss.detach(), h.detach(), c.detach()  # the state crosses chunks, its graph does not
+
+    chunk = wrap(chunk)
+    h = c = torch.zeros(2, 6, device=device)
+    losses = []
+    for k in range(0, 12, 4):
+        loss, h, c = chunk(seq[k:k + 4], target[k:k + 4], h, c)
+        losses.append(loss)
+    return torch.stack(losses), h, c, _params(cell)
+
+
+def _p_seq2seq_transformer_training(device, wrap):
+    torch.manual_seed(0)
+    model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32,
+                           dropout=0.0, batch_first=True, norm_first=True).to(device)
+    emb, out = nn.Embedding(12, 16).to(device), nn.Linear(16, 12).to(device)
+    params = [*model.parameters(), *emb.parameters(), *out.parameters()]
+    # not Adam: the key projection's bias has a zero gradient (softmax cancels it), and Adam turns its
+    # rounding noise into full-size steps
+    opt = O.SGD(params, lr=0.1)
+    src = torch.randint(1, 12, (2, 6), generator=_gen()).to(device)
+    tgt = torch.randint(1, 12, (2, 5), generator=_gen(1)).to(device)
+    src_pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2]).to(device)
+    causal = nn.Transformer.generate_square_subsequent_mask(4, device=device)
+
+    def step(src, tgt):
+        opt.zero_grad()
+        h = model(emb(src), emb(tgt[:, :-1]), tgt_mask=causal, src_key_padding_mask=src_pad,
+                  memory_key_padding_mask=src_pad, tgt_is_causal=True)
+        loss = F.cross_entropy(out(h).reshape(-1, 12), tgt[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = wrap(step)
+    return torch.stack([step(src, tgt) for _ in range(3)]), _params(model)
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
+    "truncated_bptt_lstm_cell", "seq2seq_transformer_training",
     "complex_parameters_training", "dtype_promotion_in_programs",
     "activation_checkpointing", "cumulative_and_search", "index_put_and_views_of_params",
     "gradient_accumulation", "weight_tying_adamw", "ema_of_weights", "param_groups_freeze_and_add_group",
