@@ -825,7 +825,9 @@ def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h",
     to compile) and the scan reads them without stacking. ``model.parameters()``
     then yields the stacked Parameters (create the optimizer afterwards);
     ``layer.attn.weight`` still reads its layer's slice, and ``state_dict()`` /
-    ``load_state_dict()`` keep the per-layer names, so checkpoints are unchanged.
+    ``load_state_dict()`` keep the per-layer names, so checkpoints are unchanged
+    (save the state dict: the layers' classes are specialized, so pickling the
+    whole module is not supported).
 
     >>> t2j.use_scan_layers(llama)     # llama.model.layers now traces one layer
     """
