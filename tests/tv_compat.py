@@ -115,7 +115,8 @@ def _nms(boxes, scores, iou_threshold):
             h = max(0.0, min(y2, v2) - max(y1, v1))
             inter = w * h
             union = (x2 - x1) * (y2 - y1) + (u2 - u1) * (v2 - v1) - inter
-            if inter / union > iou_threshold:
+            # as in C: 0/0 for two empty boxes is NaN, which suppresses nothing
+            if union != 0 and inter / union > iou_threshold:
                 removed.add(j)
     return torch.tensor(keep, dtype=torch.long)
 
