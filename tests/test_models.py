@@ -208,6 +208,12 @@ HF_MODELS = {
                 AutoModelForSpeechSeq2Seq, _whisper_inputs),
 }
 
+_S2S = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+            pad_token_id=1, decoder_start_token_id=2)
+_VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+            patch_size=4)
+
 # More architectures, one attention implementation each: sliding windows and softcapping
 # (Gemma 2/3), MoE (Qwen3-MoE), ALiBi (BLOOM), relative positions (DeBERTa-v2), CNNs
 # (ConvNeXt, MobileNetV2, ResNet), windowed attention (Swin), weight norm and 1D
@@ -238,6 +244,63 @@ EXTRA_HF_MODELS = {
                       intermediate_size=64, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
                       num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2),
                  AutoModel, lambda: dict(input_values=torch.randn(2, 400, generator=_gen()))),
+    # encoders: factorized / shared embeddings (ALBERT, ELECTRA), bottlenecks (MobileBERT), DeBERTa v1
+    "albert": (dict(TINY, embedding_size=16), AutoModel, _encoder_inputs(token_types=True)),
+    "electra": (dict(TINY, embedding_size=16), AutoModel, _encoder_inputs()),
+    "xlm-roberta": (dict(TINY, pad_token_id=1), AutoModel, _encoder_inputs()),
+    "mobilebert": (dict(TINY, embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16,
+                        num_feedforward_networks=2), AutoModel, _encoder_inputs()),
+    "deberta": (dict(TINY, max_position_embeddings=64, relative_attention=True, max_relative_positions=8,
+                     pos_att_type=["p2c", "c2p"]), AutoModel, _encoder_inputs()),
+    # decoders: partial rotary (GPT-J, CodeGen, Persimmon), multi-query attention (GPTBigCode), QK-norm
+    # (OLMo 2), logit scaling (Cohere, Granite), fused QKV (Phi-3), sinusoidal positions (XGLM)
+    "gptj": (dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64), *_CAUSAL),
+    "codegen": (dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, n_ctx=64),
+                *_CAUSAL),
+    "gpt_bigcode": (dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64), *_CAUSAL),
+    "stablelm": (TINY_GQA, *_CAUSAL),
+    "starcoder2": (TINY_GQA, *_CAUSAL),
+    "phi3": (dict(TINY_GQA, pad_token_id=0), *_CAUSAL),
+    "olmo": (TINY_GQA, *_CAUSAL),
+    "olmo2": (TINY_GQA, *_CAUSAL),
+    "cohere": (TINY_GQA, *_CAUSAL),
+    "granite": (TINY_GQA, *_CAUSAL),
+    "persimmon": (dict(TINY, max_position_embeddings=64), *_CAUSAL),
+    "xglm": (dict(vocab_size=VOCAB, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
+                  max_position_embeddings=64), *_CAUSAL),
+    # recurrences: RG-LRU (RecurrentGemma), SSD chunked scan (Mamba 2), Mamba + attention + MoE (Jamba)
+    "recurrent_gemma": (dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=1, intermediate_size=64, lru_width=32, attention_window_size=4,
+                             head_dim=8, block_types=["recurrent", "attention"]), *_CAUSAL),
+    "mamba2": (dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4, expand=2, conv_kernel=4,
+                    num_heads=8, head_dim=8, n_groups=1, chunk_size=4), *_CAUSAL),
+    "jamba": (dict(TINY_GQA, num_experts=2, num_experts_per_tok=1, mamba_d_state=4, mamba_d_conv=4,
+                   mamba_expand=2, mamba_dt_rank=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   expert_layer_offset=1, use_mamba_kernels=False), *_CAUSAL),
+    # encoder-decoders: sinusoidal positions (Pegasus, Marian, M2M-100), pre-norm (mBART), local attention (LongT5)
+    "pegasus": (_S2S, AutoModelForSeq2SeqLM, _seq2seq_inputs),
+    "marian": (_S2S, AutoModelForSeq2SeqLM, _seq2seq_inputs),
+    "mbart": (_S2S, AutoModelForSeq2SeqLM, _seq2seq_inputs),
+    "m2m_100": (_S2S, AutoModelForSeq2SeqLM, _seq2seq_inputs),
+    "longt5": (dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                    relative_attention_num_buckets=8, relative_attention_max_distance=16, decoder_start_token_id=0,
+                    local_radius=2), AutoModelForSeq2SeqLM, _seq2seq_inputs),
+    # vision: relative position bias (BEiT), distillation token (DeiT), layer scale (DINOv2), efficient
+    # attention with spatial reduction (SegFormer); speech (HuBERT); sigmoid-loss CLIP (SigLIP)
+    "beit": (dict(_VIT, use_relative_position_bias=True), AutoModel, _vit_inputs),
+    "deit": (_VIT, AutoModel, _vit_inputs),
+    "dinov2": (dict(_VIT, mlp_ratio=2), AutoModel, _vit_inputs),
+    "segformer": (dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                       num_attention_heads=[1, 2], patch_sizes=[3, 3], strides=[2, 2], mlp_ratios=[2, 2],
+                       decoder_hidden_size=16), AutoModel, _vit_inputs),
+    "hubert": (dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=64, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                    num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2),
+               AutoModel, lambda: dict(input_values=torch.randn(2, 400, generator=_gen()))),
+    "siglip": (dict(text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=16),
+                    vision_config=dict(_VIT, intermediate_size=64)), AutoModel,
+               lambda: dict(input_ids=_ids(_gen()), pixel_values=_image(_gen()))),
 }
 
 def build_hf(name, attention="eager", **kwargs):
@@ -263,8 +326,12 @@ def test_hf_model(name, attention):
     check_parity(model, HF_MODELS[name][2]())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(EXTRA_HF_MODELS))
+# a few cheap extras with a feature no default model has (multi-query attention, QK-norm)
+DEFAULT_EXTRA = {"gpt_bigcode", "olmo2"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in DEFAULT_EXTRA else [pytest.mark.slow])
+                                  for n in EXTRA_HF_MODELS])
 def test_hf_model_extra(name):
     check_parity(build_hf(name, "eager"), EXTRA_HF_MODELS[name][2]())
 
