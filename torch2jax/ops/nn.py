@@ -977,3 +977,74 @@ def _nested_tensor_from_mask(t, mask, mask_check=True):
         "this path in eval mode without grad when given a src_key_padding_mask: build it with "
         "enable_nested_tensor=False (or set its use_nested_tensor = False)"
     )
+
+
+# -- CTC loss -----------------------------------------------------------------------
+
+
+def _lse(*terms):
+    """log(sum(exp(terms))) as torch's CTC kernel forms it: around the largest term, taken
+    as 0 when every term is -inf (so that the result is -inf, not nan)."""
+    top = functools.reduce(jnp.maximum, terms)
+    top = jnp.where(top == -jnp.inf, 0, top)
+    return jnp.log(sum(jnp.exp(t - top) for t in terms)) + top
+
+
+@register(aten._ctc_loss.default, aten._ctc_loss.Tensor)
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    """(neg_log_likelihood [B], log_alpha [B, T, 2 S + 1]) by the forward (alpha) recursion.
+
+    S is the longest target as torch sizes it when the lengths are known; under a trace
+    (lengths traced) it is the padded target width, an upper bound: the extra columns of
+    log_alpha are -inf, like every entry torch's kernel leaves unwritten.
+    """
+    lp = log_probs.astype(_opmath_of(log_probs.dtype))
+    steps, batch = lp.shape[:2]
+    in_len = jnp.asarray(input_lengths, np.int64).reshape(batch)
+    tg_len = jnp.asarray(target_lengths, np.int64).reshape(batch)
+    known = not isinstance(tg_len, jax.core.Tracer)
+    if targets.ndim == 1:  # concatenated targets
+        width = int(np.max(np.asarray(tg_len), initial=0)) if known else targets.shape[0]
+        start = jnp.cumsum(tg_len) - tg_len
+        pos = start[:, None] + jnp.arange(width)[None, :]
+        if targets.size:
+            tg = jnp.take(targets, jnp.clip(pos, 0, targets.shape[0] - 1), axis=0)
+        else:
+            tg = jnp.zeros((batch, width), targets.dtype)
+    else:
+        width = int(np.max(np.asarray(tg_len), initial=0)) if known else targets.shape[1]
+        tg = targets[:, :width]
+    states = 2 * width + 1
+    s = jnp.arange(states)
+    # the extended label sequence: blank, l1, blank, l2, ..., blank
+    if width:
+        picked = tg.astype(np.int64)[:, np.clip((np.arange(states) - 1) // 2, 0, width - 1)]
+    else:
+        picked = jnp.full((batch, states), blank, np.int64)
+    label = jnp.where(s % 2 == 0, blank, picked)
+    live = s[None, :] < 2 * tg_len[:, None] + 1
+    skip = (s[None, :] % 2 == 1) & (s[None, :] >= 2) & (label != jnp.roll(label, 2, axis=1))
+    emit = jnp.take_along_axis(lp, jnp.broadcast_to(label[None], (steps, batch, states)), axis=2)  # [T, B, S']
+    neg = jnp.asarray(-jnp.inf, lp.dtype)
+    first = jnp.where((s[None, :] == 0) | ((s[None, :] == 1) & (tg_len[:, None] > 0)), emit[0], neg)
+    first = jnp.where(live, first, neg)
+
+    def step(alpha, inputs):
+        t, e = inputs
+        prev1 = jnp.pad(alpha, ((0, 0), (1, 0)), constant_values=-jnp.inf)[:, :-1]
+        prev2 = jnp.where(skip, jnp.pad(alpha, ((0, 0), (2, 0)), constant_values=-jnp.inf)[:, :-2], neg)
+        new = jnp.where(live, _lse(alpha, prev1, prev2) + e, neg)
+        active = (t < in_len)[:, None]
+        return jnp.where(active, new, alpha), jnp.where(active, new, neg)
+
+    last, rest = lax.scan(step, first, (jnp.arange(1, steps), emit[1:]))
+    log_alpha = jnp.concatenate([first[None], rest], axis=0) if steps else jnp.zeros((0, batch, states), lp.dtype)
+    end = 2 * tg_len
+    l1 = jnp.take_along_axis(last, end[:, None], axis=1)[:, 0]
+    l2 = jnp.where(tg_len > 0, jnp.take_along_axis(last, jnp.maximum(end - 1, 0)[:, None], axis=1)[:, 0], neg)
+    nll = -_lse(l1, l2)
+    return nll.astype(log_probs.dtype), jnp.moveaxis(log_alpha, 0, 1).astype(log_probs.dtype)
+
+
+def _opmath_of(dtype):
+    return _F32 if dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)) else dtype
