@@ -242,6 +242,26 @@ def test_use_scan_layers_on_hf_models(name):
     assert generated.cpu().tolist() == ref.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["per_layer", "stacked"])
+def test_converted_layer_list_runs_through_scan_layers_and_loops(stack):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)])
+    h = torch.randn(2, 8)
+    expected = h
+    for block in blocks:
+        expected = block(expected)
+    for device in ("jax", "cpu"):
+        holder = torch.nn.Module()
+        holder.blocks = copy.deepcopy(blocks).to(device)
+        t2j.use_scan_layers(holder, names=("blocks",), stack_parameters=stack)
+        looped = h.to(device)
+        for block in holder.blocks:  # one scan on the jax device; the layers one by one on the CPU
+            looped = block(looped)
+        torch.testing.assert_close(looped.cpu(), expected)
+        if device == "jax":
+            torch.testing.assert_close(t2j.scan_layers(holder.blocks, h.to("jax")).cpu(), expected)
+
+
 @pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_use_scan_layers_with_stacked_parameters(name):
     ref = _hf(name)

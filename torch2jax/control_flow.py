@@ -521,6 +521,8 @@ def scan_layers(layers, hidden, *args, remat=None, **kwargs):
 
     >>> h = t2j.scan_layers(model.blocks, h)            # instead of: for b in model.blocks: h = b(h)
     """
+    if isinstance(layers, _ScannedModuleList):  # already converted by use_scan_layers
+        return _scan_layers(layers._modules.values(), hidden, args, kwargs, remat, layers._stacked_parameters())[0]
     return _scan_layers(layers, hidden, args, kwargs, remat)[0]
 
 
