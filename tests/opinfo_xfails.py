@@ -52,7 +52,6 @@ XFAIL: dict = {
     'matrix_exp|float16|jit': 'AssertionError: matrix_exp float16 jit sample 0: Tensor-likes are not close! Mismatched elements: 25 / 25 (100.0%) Greatest absolute difference: nan at index (0',
     'matrix_exp|float32|eager': 'AssertionError: matrix_exp float32 eager sample 1: Tensor-likes are not close! Mismatched elements: 2 / 125 (1.6%) Greatest absolute difference: 0.0002708435058',
     'matrix_exp|float32|jit': 'AssertionError: matrix_exp float32 jit sample 1: Tensor-likes are not close! Mismatched elements: 1 / 125 (0.8%) Greatest absolute difference: 0.000234648585319',
-    'nn.functional.ctc_loss|float32|jit': 'OpError: torch2jax: aten._ctc_loss.Tensor has no JAX lowering and its output shape is not known before it runs (NotImplementedError: aten::_ctc_loss.Tensor: att',
     'nn.functional.gaussian_nll_loss|bfloat16|jit': "OpError: torch2jax: bool() of a traced value: inside t2j.jit / jax.jit a tensor's value is not known while the program is traced, so Python control flow on it (",
     'nn.functional.gaussian_nll_loss|float16|jit': "OpError: torch2jax: bool() of a traced value: inside t2j.jit / jax.jit a tensor's value is not known while the program is traced, so Python control flow on it (",
     'nn.functional.gaussian_nll_loss|float32|jit': "OpError: torch2jax: bool() of a traced value: inside t2j.jit / jax.jit a tensor's value is not known while the program is traced, so Python control flow on it (",
