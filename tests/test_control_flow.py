@@ -223,7 +223,7 @@ def _hf(name):
     return transformers.GPT2LMHeadModel(cfg)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_use_scan_layers_on_hf_models(name):
     ref = _hf(name)
     model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
@@ -262,7 +262,9 @@ def test_converted_layer_list_runs_through_scan_layers_and_loops(stack):
             torch.testing.assert_close(t2j.scan_layers(holder.blocks, h.to("jax")).cpu(), expected)
 
 
-@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+# (slow: test_converted_layer_list_runs_through_scan_layers_and_loops covers the stacked path by default)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_use_scan_layers_with_stacked_parameters(name):
     ref = _hf(name)
     model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"), stack_parameters=True)

@@ -17,6 +17,9 @@ from opinfo_xfails import CRASHES, XFAIL
 
 OPS = cpu_ops()
 JIT_DTYPES = ("float32", "float16", "int64", "int32", "bool", "bfloat16", "complex64")
+# eager cases that take half a minute or more each (half-precision transposed 3-d
+# convolution rounds per kernel tap, as torch CPU does): run with the slow set
+SLOW_EAGER = {"nn.functional.conv_transpose3d|bfloat16|eager", "nn.functional.conv_transpose3d|float16|eager"}
 
 
 def cases():
@@ -35,7 +38,7 @@ def cases():
                 marks = [pytest.mark.xfail(strict=True, reason=XFAIL[key])] if key in XFAIL else []
                 if key in CRASHES:
                     marks = [pytest.mark.skip(reason=CRASHES[key])]
-                if mode != "eager":
+                if mode != "eager" or key in SLOW_EAGER:
                     marks.append(pytest.mark.slow)
                 yield pytest.param(name, dname, mode, id=key, marks=marks)
 
