@@ -666,15 +666,10 @@ class _ScanAll:
 
     def __call__(self, hidden, *args, **kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value", kwargs.get("layer_past")))
-        if cache is not None or any(_is_cache(a) for a in args):
-            # per-layer caches are Python objects indexed by layer: run the layers one by one
-            out = None
-            for layer in self.layers:
-                out = layer(hidden, *args, **kwargs)
-                hidden = out if isinstance(out, torch.Tensor) else out[0]
-            return out
-        if self.stacked and not isinstance(hidden, Tensor):
-            # not on the jax device: the layers run one by one, each on its slice
+        off_device = self.stacked and not isinstance(hidden, Tensor)
+        if cache is not None or any(_is_cache(a) for a in args) or off_device:
+            # per-layer caches are Python objects indexed by layer, and stacked layers off the
+            # jax device read their slices: run the layers one by one
             out = None
             for layer in self.layers:
                 out = layer(hidden, *args, **kwargs)
@@ -737,10 +732,8 @@ def _with_stacked_access(cls):
 
 
 def _owner(module, name):
-    *path, leaf = name.split(".")
-    for part in path:
-        module = module._modules[part]
-    return module, leaf
+    path, _, leaf = name.rpartition(".")
+    return module.get_submodule(path), leaf
 
 
 class _StackedSlices:
