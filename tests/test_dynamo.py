@@ -32,7 +32,13 @@ def _mlp():
 
 
 def _assert_close(a, b, atol=1e-5):
-    np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), atol=atol, rtol=1e-5)
+    np.testing.assert_allclose(a.detach().cpu().numpy(), b.detach().cpu().numpy(), atol=atol, rtol=1e-5)
+
+
+def _assert_one_graph():
+    # Dynamo captured the whole program: a jax tensor it could not trace would be a graph break
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"], list(counters["graph_break"])
 
 
 def _train(model, step_model, steps, make_batch, lr=1e-2):
@@ -70,28 +76,35 @@ def test_backend_is_found_through_the_entry_point_without_importing_dynamo_up_fr
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
-def test_mlp_forward_and_gradients_match_eager():
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_mlp_forward_and_gradients_match_eager(device):
     model = _mlp()
     reference = copy.deepcopy(model)
-    x = torch.randn(5, 8, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_(True)
+    model.to(device)
+    x_ref = torch.randn(5, 8, requires_grad=True)
+    x = x_ref.detach().to(device).requires_grad_(True)
     out = torch.compile(model, backend="torch2jax")(x)
     expected = reference(x_ref)
     _assert_close(out, expected)
-    assert out.device.type == "cpu" and out.grad_fn is not None
+    assert out.device.type == device and out.grad_fn is not None
+    _assert_one_graph()
     out.square().sum().backward()
     expected.square().sum().backward()
+    assert x.grad.device.type == device
     _assert_close(x.grad, x_ref.grad)
     for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.grad.device.type == device
         _assert_close(p.grad, q.grad, atol=1e-4)
 
 
-def test_mlp_training_with_adamw_matches_eager():
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_mlp_training_with_adamw_matches_eager(device):
     model = _mlp()
     reference = copy.deepcopy(model)
+    model.to(device)
     compiled = torch.compile(model, backend="torch2jax")
     batch = _mlp_batch(0)
-    losses = _train(model, compiled, 4, lambda i: batch)
+    losses = _train(model, compiled, 4, lambda i: tuple(t.to(device) for t in batch))
     expected = _train(reference, reference, 4, lambda i: batch)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert losses[-1] < losses[0]
@@ -99,36 +112,43 @@ def test_mlp_training_with_adamw_matches_eager():
         _assert_close(p, q, atol=1e-5)
 
 
-def test_graph_break_splits_the_function_and_stays_correct(capsys):
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_graph_break_splits_the_function_and_stays_correct(capsys, device):
     w = torch.randn(8, 8)
 
-    def fn(x):
+    def fn(x, w):
         h = torch.tanh(x @ w)
         print("scale", round(h.abs().max().item(), 3))  # a graph break: .item() and print
         return (h * 2).sum(-1)
 
     x = torch.randn(3, 8)
-    out = torch.compile(fn, backend="torch2jax")(x)
-    _assert_close(out, fn(x))
+    out = torch.compile(fn, backend="torch2jax")(x.to(device), w.to(device))
+    assert out.device.type == device
+    _assert_close(out, fn(x, w))
     assert counters["stats"]["unique_graphs"] == 2
     assert capsys.readouterr().out.count("scale") == 2  # once compiled, once eager
 
 
-def test_shape_change_recompiles():
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_shape_change_recompiles(device):
     model = _mlp()
-    compiled = torch.compile(model, backend="torch2jax")
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model.to(device), backend="torch2jax")
     for batch in (4, 7, 9):
         x = torch.randn(batch, 8)
-        _assert_close(compiled(x), model(x))
-    assert counters["stats"]["unique_graphs"] >= 2
+        _assert_close(compiled(x.to(device)), reference(x))
+    assert counters["stats"]["unique_graphs"] == 2  # the second shape makes the batch dimension dynamic
 
 
-def test_batchnorm_running_stats_are_written_back():
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_batchnorm_running_stats_are_written_back(device):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU())
     reference = copy.deepcopy(model)
+    model.to(device)
     x = torch.randn(10, 6)
-    _assert_close(torch.compile(model, backend="torch2jax")(x), reference(x))
+    _assert_close(torch.compile(model, backend="torch2jax")(x.to(device)), reference(x))
+    assert model[1].running_mean.device.type == device
     _assert_close(model[1].running_mean, reference[1].running_mean)
     _assert_close(model[1].running_var, reference[1].running_var)
     assert int(model[1].num_batches_tracked) == 1
@@ -139,15 +159,38 @@ def test_unknown_backend_option_is_refused():
         torch.compile(_mlp(), backend="torch2jax", options={"mode": "fast"})(torch.randn(2, 8))
 
 
-def test_module_on_the_jax_device_runs_eagerly_under_torch_compile():
-    # Dynamo cannot trace torch2jax tensors; the model still runs, op by op on JAX
+def test_jax_device_training_with_a_compiled_optimizer_step_matches_eager():
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    model.to("jax")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled, step = torch.compile(model, backend="torch2jax"), torch.compile(opt.step, backend="torch2jax")
+    batch = _mlp_batch(0)
+    x, y = (t.to("jax") for t in batch)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = F.cross_entropy(compiled(x), y)
+        loss.backward()
+        step()
+        losses.append(loss.item())
+    expected = _train(reference, reference, 3, lambda i: batch)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.device.type == "jax"
+        _assert_close(p, q, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] >= 2  # the model's and the optimizer step's
+
+
+def test_other_backends_run_jax_tensors_eagerly():
+    # only the torch2jax backend traces jax tensors: inductor has no code generator for the device
     model = _mlp()
     x = torch.randn(3, 8)
-    expected = model(x).detach()
-    model.to("jax")
-    out = torch.compile(model, backend="torch2jax")(x.to("jax"))
+    expected = copy.deepcopy(model)(x)
+    out = torch.compile(model.to("jax"))(x.to("jax"))
     assert isinstance(out, t2j.Tensor)
-    _assert_close(out.cpu(), expected)
+    _assert_close(out, expected)
+    assert counters["stats"]["unique_graphs"] == 0
 
 
 def test_plain_torch_compile_still_works_after_import():

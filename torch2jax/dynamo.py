@@ -7,19 +7,20 @@ lowers directly: `torch2jax.fx.decompositions`), and each of those becomes one
 `jax.jit` program evaluated by `torch2jax.fx.run`. ``loss.backward()`` runs the
 jitted backward; ``torch.optim`` steps outside the graphs as usual.
 
-The model and its inputs stay ordinary torch CPU tensors: they are handed to the
-JAX program and its results come back as CPU tensors (an output keeps the
-device torch gave it while tracing). Dynamo cannot trace `torch2jax.Tensor`
-(a ``__torch_dispatch__`` subclass without inner tensors): on the jax device use
-`t2j.jit` or `t2j.compile`; there ``torch.compile`` runs the model eagerly.
+The model and its inputs may be ordinary torch CPU tensors or live on the jax
+device. CPU tensors are handed to the JAX program and its results come back as
+CPU tensors; jax tensors go in as their arrays and the results come back as jax
+tensors (an output keeps the device torch gave it while tracing). Dynamo traces
+a `torch2jax.Tensor` as a plain tensor on the jax device (a FakeTensor with
+device ``jax:0``): see `trace_jax_tensors`.
 
 Example::
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to("jax")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cmodel = torch.compile(model, backend="torch2jax")
-    loss = cmodel(torch.randn(16, 8)).pow(2).mean()
-    loss.backward()                   # the jitted JAX backward
+    loss = cmodel(torch.randn(16, 8, device="jax")).pow(2).mean()
+    loss.backward()                   # the jitted JAX backward; .grad are jax tensors
     opt.step()
 """
 
@@ -141,8 +142,9 @@ def backend(gm: torch.fx.GraphModule, example_inputs, **options):
 def skip_jax_frames() -> None:
     """Keep Dynamo out of JAX and torch2jax frames (done on import).
 
-    Where Dynamo gives up on a torch2jax tensor and runs the code eagerly, the ops
-    reach ``__torch_dispatch__`` in Python frames that Dynamo would otherwise try to
+    Where a torch2jax tensor runs eagerly under Dynamo (after a graph break, or
+    under another backend, see `trace_jax_tensors`), the ops reach
+    ``__torch_dispatch__`` in Python frames that Dynamo would otherwise try to
     compile, and break JAX.
     """
     for package in ("jax", "jaxlib", "torch2jax"):
@@ -166,4 +168,54 @@ def register() -> None:
         register_backend(backend, name=BACKEND)
 
 
+def _compiles_for_torch2jax(compiler_fn) -> bool:
+    """Whether Dynamo's ``compiler_fn`` is `backend` under torch's wrappers
+    (``torch.compile``'s `_TorchCompileWrapper`, Dynamo's debug wrapper)."""
+    seen = set()
+    while compiler_fn is not None and id(compiler_fn) not in seen:
+        if compiler_fn is backend:
+            return True
+        seen.add(id(compiler_fn))
+        compiler_fn = next(
+            (getattr(compiler_fn, a) for a in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__")
+             if hasattr(compiler_fn, a)),
+            None,
+        )
+    return False
+
+
+def trace_jax_tensors() -> None:
+    """Let Dynamo trace `torch2jax.Tensor` when it compiles for this backend (done on import).
+
+    Dynamo traces a tensor subclass only when it keeps torch's ``__torch_dispatch__``
+    or is a traceable wrapper subclass (``__tensor_flatten__``); any other one, as a
+    torch2jax tensor, is an opaque object, and the first op on it is a graph break.
+    Yet `FakeTensorMode.from_tensor` already makes a faithful stand-in of a jax tensor:
+    a plain FakeTensor on the ``jax:0`` device with its shape, strides and dtype. So,
+    for graphs compiled by `backend` only, Dynamo's `VariableBuilder` wraps a jax
+    tensor as it wraps a CUDA tensor; AOTAutograd then traces an ATen graph on the
+    ``jax:0`` device, which `GraphProgram` runs on the tensors' arrays. Other backends
+    (inductor cannot generate code for the jax device) see torch2jax tensors as
+    before and run them eagerly.
+
+    >>> cmodel = torch.compile(model.to("jax"), backend="torch2jax")
+    >>> torch._dynamo.utils.counters["stats"]["unique_graphs"]   # after cmodel(x) on jax tensors
+    1
+    """
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    wrap = VariableBuilder._wrap
+    if getattr(wrap, "_torch2jax", False):
+        return
+
+    def _wrap(self, value):
+        if isinstance(value, Tensor) and _compiles_for_torch2jax(self.tx.output.compiler_fn):
+            return self.wrap_tensor(value)
+        return wrap(self, value)
+
+    _wrap._torch2jax = True
+    VariableBuilder._wrap = _wrap
+
+
 skip_jax_frames()
+trace_jax_tensors()

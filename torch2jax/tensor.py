@@ -240,6 +240,12 @@ class Tensor(torch.Tensor):
         memo[id(self)] = out
         return out
 
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=torch.Tensor):
+        # torch.compile(backend="torch2jax") traces jax tensors as plain tensors on the
+        # jax device (torch2jax/dynamo.py); AOTAutograd's backward calls this to accept
+        # a jax tensor where it traced a plain one.
+        return self if expected_type is torch.Tensor else None
+
 
 def _dispatch(func, args, kwargs):
     # torch2jax.dispatch imports this module; on the first op this function
