@@ -296,3 +296,28 @@ def test_tensors_created_in_a_trace_are_not_python_state():
         step(torch.ones(4, 3, device="jax"))
     torch.testing.assert_close(lin.bias.grad.cpu(), torch.full((2,), 16.0))
     assert scaler.get_scale() == 4.0
+
+
+def test_float64_learning_rate_keeps_its_digits():
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 2).double()
+    model = copy.deepcopy(ref).to("jax")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    sched = torch.optim.lr_scheduler.ExponentialLR(opts[1], gamma=0.9)
+
+    def step(m, opt, x):
+        opt.zero_grad()
+        loss = m(x).pow(2).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    jitted = t2j.jit(step)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for _ in range(10):
+        expected = step(ref, opts[0], x)
+        got = jitted(model, opts[1], x.to("jax"))
+        opts[0].param_groups[0]["lr"] *= 0.9
+        sched.step()
+        torch.testing.assert_close(got.cpu(), expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach(), rtol=1e-12, atol=1e-12)

@@ -37,6 +37,14 @@ How state is found and carried:
   once it changes between calls (OneCycleLR and CyclicLR cycle the momentum): the
   trace sees it as a traced number, and Python control flow on it
   (``if momentum != 0``) is guarded, retracing only when its outcome changes.
+
+A function that does not run its own backward pass (a jitted forward) returns
+outputs that carry an autograd graph, as after ``torch.compile``: the call is one
+node whose backward is the JAX VJP of the program with respect to the tensors
+that require grad among its state and arguments (recomputing the forward with
+the same inputs and RNG key), so ``loss.backward()`` and ``opt.step()`` may run
+outside it. A function that sets ``.grad`` or updates parameters returns plain
+values.
 """
 
 from __future__ import annotations
@@ -339,7 +347,8 @@ class _Walk:
             self.origins.append(origin)
 
     def add_grad(self, p, origin):
-        if p.requires_grad and id(p) not in self.grads_seen:
+        # a non-leaf's .grad stays None (and reading it warns) unless it retains grad
+        if p.requires_grad and (p.is_leaf or p.retains_grad) and id(p) not in self.grads_seen:
             self.grads_seen.add(id(p))
             self.add(p.grad, ("grad", p, origin) if self.full else None)
 
@@ -583,7 +592,11 @@ class _Entry:
     names: list  # slot names, to explain a later cache miss
     trace_s: float
     guards: list  # what the trace assumed of lifted hyperparameters (see symbolic.TracedScalar)
+    program: object  # (inputs, lrs, key) -> (outs, written, new, key): the traced function, not jitted
+    grad_outs: list  # indices into the program's outputs that require grad
+    diff: list  # (storage index, slot index) per storage whose slot tensor requires grad; [] if not differentiable
     compile_s: float = 0.0
+    differentiable: object = None  # the `_Differentiable` programs, made on first use
 
 
 class JitFunction:
@@ -678,11 +691,34 @@ class JitFunction:
         raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
 
     def _run(self, entry, leaves, slots, storages):
+        if entry.diff:
+            if entry.differentiable is None:
+                entry.differentiable = _Differentiable(entry)
+            call = _Call(self, entry, slots, storages)
+            tensors = [_grad_input(slots.tensors[k], storages[i], slots, k) for i, k in entry.diff]
+            arrays = _DifferentiableCall.apply(call, *tensors)
+        else:
+            arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, donated=True)]
+        result = []
+        for kind, v in entry.out_leaves:
+            if kind == "array":
+                result.append(arrays[v])
+            elif kind == "pre":
+                result.append(slots.tensors[v])
+            elif kind == "arg":
+                result.append(leaves[v])
+            else:
+                result.append(v)
+        return torch_pytree.tree_unflatten(result, entry.out_def)
+
+    def _execute(self, entry, slots, storages, jitted, donated):
+        """Run one compiled program and write its state back; its outputs as arrays."""
         inputs = [st.array for st in storages]
+        arguments = entry.arguments if donated else _plain_arguments
         with jax.enable_x64(True), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             start = time.perf_counter()
-            outs, written, new, key = entry.jitted(*entry.arguments(inputs, _hyper_values(slots), _rng.key))
+            outs, written, new, key = jitted(*arguments(inputs, _hyper_values(slots), _rng.key))
             if not entry.compile_s:
                 entry.compile_s = time.perf_counter() - start
                 self.stats["compiles"] += 1
@@ -698,17 +734,7 @@ class JitFunction:
             _rng.key = key
         for setter, target in entry.post:
             setter(slots.tensors[target] if isinstance(target, int) else target)
-        result = []
-        for kind, v in entry.out_leaves:
-            if kind == "array":
-                result.append(new_tensor(outs[v]))
-            elif kind == "pre":
-                result.append(slots.tensors[v])
-            elif kind == "arg":
-                result.append(leaves[v])
-            else:
-                result.append(v)
-        return torch_pytree.tree_unflatten(result, entry.out_def)
+        return outs
 
     # -- tracing ----------------------------------------------------------------
 
@@ -749,8 +775,12 @@ class JitFunction:
             return program([both[k] for k in inverse], lrs, key)
 
         jitted = jax.jit(split_program, donate_argnums=(0,))
+        # as in torch, a tensor no output depends on gets no gradient (None), not zeros
+        reached = _inputs_reaching(closed.jaxpr, info["grad_outs"]) if info["diff"] else set()
+        diff = [(i, k) for i, k in info["diff"] if i in reached]
         return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
-                      info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start, info["guards"])
+                      info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start, info["guards"],
+                      program, info["grad_outs"], diff)
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, key):
         saved = [(st, st.array) for st in storages]
@@ -790,7 +820,7 @@ class JitFunction:
             del out
             pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}
             arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
-            outs, kinds, leaf = [], [], None
+            outs, kinds, grad_outs, leaf = [], [], [], None
             for leaf in out_leaves:
                 if isinstance(leaf, Tensor) and id(leaf) in arg_index:
                     kinds.append(("arg", arg_index[id(leaf)]))
@@ -798,6 +828,8 @@ class JitFunction:
                     kinds.append(("pre", pre_index[id(leaf)]))
                 elif isinstance(leaf, Tensor):
                     kinds.append(("array", len(outs)))
+                    if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
+                        grad_outs.append(len(outs))
                     outs.append(leaf._value())
                 elif _sym.is_traced_number(leaf):
                     kinds.append(("array", len(outs)))
@@ -819,7 +851,8 @@ class JitFunction:
             post = _repointed(slots, post_slots, pre_index)
             info.update(
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds,
-                n_out=len(outs), uses_rng=rng.key is not key, guards=guards,
+                n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
+                diff=_differentiable_inputs(slots, storages, written, post) if grad_outs else [],
             )
             result = outs + [storages[i].array for i in written] + [st.array for st in new_storages]
             if rng.key is not key:
@@ -850,6 +883,141 @@ class JitFunction:
         log.info(msg)
 
 
+# ---------------------------------------------------------------------------
+# differentiable calls: the outputs of a jitted forward carry an autograd graph
+# ---------------------------------------------------------------------------
+
+
+def _differentiable_inputs(slots, storages, written, post) -> list:
+    """(storage index, slot index) for each storage of a slot tensor that requires
+    grad: what a call's outputs are differentiated with respect to.
+
+    Empty when the trace ran a backward pass or an optimizer step (it set a ``.grad``
+    or wrote a tensor that requires grad): the graph its outputs hang on was consumed
+    inside the function, so they come back as plain values, as a training step's loss.
+    """
+    if any(getattr(setter, "func", None) is _set_grad and target is not None for setter, target in post):
+        return []
+    index = {id(st): i for i, st in enumerate(storages)}
+    written = set(written)
+    diff, seen = [], set()
+    for k, (t, setter) in enumerate(zip(slots.tensors, slots.setters)):
+        if t is None:
+            continue
+        i = index[id(t._t2j_storage)]
+        if i in written and (t.requires_grad or getattr(setter, "func", None) is _set_grad):
+            return []
+        if t.requires_grad and i not in seen:
+            seen.add(i)
+            diff.append((i, k))
+    return diff
+
+
+def _inputs_reaching(jaxpr, outputs) -> set:
+    """The indices of the inputs of ``jaxpr`` that some of its ``outputs`` depend on."""
+    deps = {v: 1 << i for i, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        d = 0
+        for v in eqn.invars:
+            if not isinstance(v, jax.extend.core.Literal):
+                d |= deps.get(v, 0)
+        for v in eqn.outvars:
+            deps[v] = d
+    d = 0
+    for k in outputs:
+        v = jaxpr.outvars[k]
+        if not isinstance(v, jax.extend.core.Literal):
+            d |= deps.get(v, 0)
+    return {i for i in range(len(jaxpr.invars)) if d >> i & 1}
+
+
+def _grad_input(t, storage, slots, k):
+    """The tensor whose gradient is the gradient with respect to ``storage``: ``t``
+    itself, or the base it is a view of."""
+    if not t._t2j_view:
+        return t
+    base = t._base
+    if (isinstance(base, Tensor) and base._t2j_storage is storage and not base._t2j_view
+            and base.requires_grad):
+        return base
+    name = slots.names[k] if slots.names else f"state tensor {k}"
+    raise JitError(
+        f"t2j.jit: {name} requires grad and is a view whose base the function cannot see, so the gradient "
+        "of the jitted function's outputs cannot reach it; pass the base tensor (or a .clone() of the view)"
+    )
+
+
+def _plain_arguments(inputs, lrs, key):
+    return inputs, lrs, key
+
+
+class _Differentiable:
+    """The programs of a differentiable entry: its forward without donation (the
+    backward pass recomputes it from the same inputs) and the VJP with respect to
+    the storages in ``entry.diff``, which recomputes the forward (no residuals are
+    kept between the calls, as in `t2j.compile`)."""
+
+    def __init__(self, entry: _Entry):
+        program, diff, grad_outs = entry.program, [i for i, _ in entry.diff], entry.grad_outs
+        self.forward = jax.jit(program)
+
+        def vjp(inputs, lrs, key, cotangents):
+            def outputs(wrt):
+                xs = list(inputs)
+                for i, a in zip(diff, wrt):
+                    xs[i] = a
+                outs = program(xs, lrs, key)[0]
+                return [outs[k] for k in grad_outs]
+
+            _, pull = jax.vjp(outputs, [inputs[i] for i in diff])
+            # torch's gradient of a complex value is the conjugate of JAX's cotangent
+            cotangents = [c.conj() if jax.numpy.iscomplexobj(c) else c for c in cotangents]
+            return [g.conj() if jax.numpy.iscomplexobj(g) else g for g in pull(cotangents)[0]]
+
+        self.vjp = jax.jit(vjp)
+
+
+class _Call:
+    """One differentiable call: what its backward pass needs."""
+
+    def __init__(self, fn: JitFunction, entry: _Entry, slots, storages):
+        self.fn, self.entry, self.slots, self.storages = fn, entry, slots, storages
+
+    def forward(self):
+        self.inputs = [st.array for st in self.storages]
+        self.lrs, self.key = _hyper_values(self.slots), _rng.key
+        self.outs = self.fn._execute(self.entry, self.slots, self.storages, self.entry.differentiable.forward,
+                                     donated=False)
+        return self.outs
+
+    def backward(self, grads):
+        entry = self.entry
+        cotangents = []
+        for k in entry.grad_outs:
+            g = grads[k]
+            cotangents.append(jax.numpy.zeros_like(self.outs[k]) if g is None else
+                              g._value() if isinstance(g, Tensor) else jax_array(g))
+        with jax.enable_x64(True):
+            return entry.differentiable.vjp(self.inputs, self.lrs, self.key, cotangents)
+
+
+class _DifferentiableCall(torch.autograd.Function):
+    """A jitted call as one node of torch's autograd graph: its inputs are the tensors
+    that require grad among the call's state, its outputs the program's outputs."""
+
+    @staticmethod
+    def forward(ctx, call, *tensors):
+        ctx.call = call
+        outs = [new_tensor(o) for o in call.forward()]
+        grad_outs = set(call.entry.grad_outs)
+        ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if k not in grad_outs))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *(new_tensor(g) for g in ctx.call.backward(grads)))
+
+
 def _guarded(entries, slots):
     """The entry whose guards hold for the current hyperparameter values, if any."""
     if len(entries) == 1 and not entries[0].guards:
@@ -865,11 +1033,13 @@ def _hyper_values(slots):
 
 def _hyper_input(where, value, index, hint):
     """What the trace puts in a param group for a lifted hyperparameter: ``lr`` as a
-    0-d float32 tensor (torch.optim's tensor-lr code paths), any other as a traced
-    float with guards."""
-    _, hk, ti = where
+    0-d tensor (torch.optim's tensor-lr code paths; float32, or float64 for a group
+    with float64 parameters), any other as a traced float with guards."""
+    group, hk, ti = where
     if hk == "lr" and ti is None:
-        return new_tensor(value.astype(jax.numpy.float32))
+        # torch multiplies by a Python float: a float64 parameter sees all of its digits
+        wide = any(p.dtype == torch.float64 for p in group["params"])
+        return new_tensor(value.astype(jax.numpy.float64 if wide else jax.numpy.float32))
     return _sym.hinted_number(value, index, hint)
 
 
@@ -1011,6 +1181,11 @@ def jit(fn=None, *, donate: bool = True):
     ...     opt.step()
     ...     return loss
     >>> loss = step(x, y)            # traced and compiled once, then cached
+
+    A jitted forward is differentiable from outside:
+
+    >>> forward = t2j.jit(model)
+    >>> F.mse_loss(forward(x), y).backward()   # fills model's .grad
     """
     if fn is None:
         return functools.partial(jit, donate=donate)

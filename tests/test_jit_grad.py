@@ -1,0 +1,173 @@
+"""Outputs of `t2j.jit` functions carry an autograd graph: a jitted forward, then
+``loss.backward()`` and ``opt.step()`` outside it, as after ``torch.compile``.
+torch CPU is the oracle for values and gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch2jax as t2j
+
+
+def _close(a, b, tol=1e-5):
+    if b is None:  # torch gives no gradient to a tensor no output depends on
+        assert a is None
+        return
+    torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=tol, atol=tol)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 3))
+
+
+def test_jitted_forward_trains_like_torch_cpu():
+    ref = _mlp()
+    model = copy.deepcopy(ref).to("jax")
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, model)]
+    forward = t2j.jit(model)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        losses = []
+        for m, opt, dev in ((ref, opts[0], "cpu"), (forward, opts[1], "jax")):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x.to(dev)), y.to(dev))
+            loss.backward()
+            opt.step()
+            losses.append(loss)
+        _close(losses[1], losses[0])
+    for p, q in zip(ref.parameters(), model.parameters()):
+        _close(q, p)
+        _close(q.grad, p.grad)
+    assert forward.stats["traces"] == 1
+
+
+def test_gradients_reach_inputs_closures_and_views_of_leaves():
+    torch.manual_seed(0)
+    w_cpu = torch.randn(4, 5, requires_grad=True)
+    x_cpu = torch.randn(3, 2, 4, requires_grad=True)
+    w = w_cpu.detach().to("jax").requires_grad_()
+    x = x_cpu.detach().to("jax").requires_grad_()
+
+    def f(h):
+        return torch.sin(h @ w_now) * 2, (h.sum(-1) > 0)
+
+    w_now = w_cpu
+    out_cpu, mask_cpu = f(x_cpu[:, 1])
+    (out_cpu * out_cpu).sum().backward()
+    w_now = w
+    out, mask = t2j.jit(f)(x[:, 1])
+    assert out.requires_grad and not mask.requires_grad
+    (out * out).sum().backward()
+    _close(out, out_cpu)
+    assert torch.equal(mask.cpu(), mask_cpu)
+    _close(w.grad, w_cpu.grad)
+    _close(x.grad, x_cpu.grad)
+
+
+def test_two_calls_and_a_non_leaf_input_in_one_graph():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    a_cpu = torch.randn(2, 4, requires_grad=True)
+    lin_jax = copy.deepcopy(lin).to("jax")
+    a = a_cpu.detach().to("jax").requires_grad_()
+    f = t2j.jit(lambda h: torch.relu(lin_jax(h)))
+    loss_cpu = torch.relu(lin(torch.relu(lin(a_cpu * 3)))).pow(2).mean()
+    loss = f(f(a * 3)).pow(2).mean()
+    loss_cpu.backward()
+    loss.backward()
+    _close(loss, loss_cpu)
+    _close(a.grad, a_cpu.grad)
+    for p, q in zip(lin.parameters(), lin_jax.parameters()):
+        _close(q.grad, p.grad)
+
+
+def test_batchnorm_stats_update_once_per_call():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    model = copy.deepcopy(ref).to("jax")
+    forward = t2j.jit(model)
+    x = torch.randn(2, 3, 6, 6)
+    for _ in range(2):
+        ref(x).sum().backward()
+        forward(x.to("jax")).sum().backward()
+    _close(model[1].running_mean, ref[1].running_mean)
+    _close(model[1].running_var, ref[1].running_var)
+    assert int(model[1].num_batches_tracked) == 2
+    for p, q in zip(ref.parameters(), model.parameters()):
+        _close(q.grad, p.grad, tol=1e-4)
+
+
+def test_backward_replays_the_forward_dropout_mask():
+    x = torch.ones(64, 64, device="jax", requires_grad=True)
+    f = t2j.jit(lambda h: F.dropout(h, p=0.5, training=True))
+    out = f(x)
+    out.sum().backward()
+    assert torch.equal(x.grad.cpu(), (out != 0).cpu().float() * 2)
+    assert 0.3 < float((out != 0).float().mean()) < 0.7
+
+
+def test_gradient_penalty_inside_differentiated_outside():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = copy.deepcopy(ref).to("jax")
+
+    def penalty(net, x):
+        x = x.requires_grad_()
+        (g,) = torch.autograd.grad(net(x).sum(), x, create_graph=True)
+        return (g.norm(dim=1) - 1).pow(2).mean()
+
+    x = torch.randn(5, 3)
+    penalty(ref, x.clone()).backward()
+    t2j.jit(penalty)(model, x.to("jax")).backward()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        _close(q.grad, p.grad)
+
+
+def test_complex_gradients_follow_torch_convention():
+    z_cpu = torch.randn(5, dtype=torch.complex64, requires_grad=True)
+    z = z_cpu.detach().to("jax").requires_grad_()
+
+    def f(v):
+        return (v * v.conj() * 1j + v.exp()).abs().sum()
+
+    f(z_cpu).backward()
+    t2j.jit(f)(z).backward()
+    _close(z.grad, z_cpu.grad)
+
+
+def test_train_step_outputs_stay_plain_values():
+    model = _mlp().to("jax")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @t2j.jit
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    loss = step(torch.randn(4, 6), torch.randint(0, 3, (4,)))
+    assert not loss.requires_grad and loss.grad_fn is None
+
+
+def test_no_grad_call_has_no_graph():
+    model = _mlp().to("jax")
+    forward = t2j.jit(model)
+    with torch.no_grad():
+        out = forward(torch.randn(2, 6, device="jax"))
+    assert not out.requires_grad
+
+
+def test_leaf_view_of_a_tensor_outside_the_graph_is_refused():
+    base = torch.randn(4, 4, device="jax")
+    view = base[0].requires_grad_()  # a leaf that requires grad and shares the storage of `base`
+    with pytest.raises(t2j.JitError, match="view whose base"):
+        t2j.jit(lambda h: h * 2)(view)
