@@ -31,16 +31,18 @@ def train(model, device, steps=60, batch=64, lr=3e-3):
     """AdamW on a toy classification task on ``device``; returns (losses, seconds per step
     after the first two, which compile)."""
     model.to(device)
-    x, y = (t.to(device) for t in make_data())
+    x, y = make_data()
+    # batches as a data loader hands them over: fresh tensors on the device
+    batches = [(x[i:i + batch].to(device), y[i:i + batch].to(device)) for i in range(0, len(x), batch)]
     compiled = torch.compile(model, backend="torch2jax")
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     # on the jax device an eager step runs op by op; compiled, it is one more JAX program
     opt_step = torch.compile(opt.step, backend="torch2jax") if device == "jax" else opt.step
     losses, start = [], None
     for step in range(steps):
-        i = (step * batch) % len(x)
+        inputs, labels = batches[step % len(batches)]
         opt.zero_grad()
-        loss = F.cross_entropy(compiled(x[i:i + batch]), y[i:i + batch])
+        loss = F.cross_entropy(compiled(inputs), labels)
         loss.backward()
         opt_step()
         losses.append(loss.item())

@@ -97,7 +97,8 @@ def test_mlp_forward_and_gradients_match_eager(device):
         _assert_close(p.grad, q.grad, atol=1e-4)
 
 
-@pytest.mark.parametrize("device", ["cpu", "jax"])
+# on the jax device the eager AdamW step runs op by op (the compiled step's test is the fast one)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("jax", marks=pytest.mark.slow)])
 def test_mlp_training_with_adamw_matches_eager(device):
     model = _mlp()
     reference = copy.deepcopy(model)
@@ -226,12 +227,12 @@ def _lm_batch(i):
     return ids, ids
 
 
-def _lm_train(model, step_model, steps):
+def _lm_train(model, step_model, steps, device="cpu"):
     # SGD: Adam's first steps turn float rounding in near-zero gradients into lr-sized updates
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for i in range(steps):
-        ids, _ = _lm_batch(i)
+        ids = _lm_batch(i)[0].to(device)
         opt.zero_grad()
         loss = step_model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
@@ -249,15 +250,42 @@ def test_hf_forward_matches_eager(make):
         _assert_close(out, model(input_ids=ids, use_cache=False).logits, atol=1e-4)
 
 
-@pytest.mark.parametrize("make", [pytest.param(_gpt2, marks=pytest.mark.slow), _llama], ids=["gpt2", "llama"])
-def test_hf_training_step_matches_eager(make):
+@pytest.mark.parametrize(
+    "make, device",
+    [
+        pytest.param(_gpt2, "cpu", marks=pytest.mark.slow),
+        (_llama, "cpu"),
+        pytest.param(_gpt2, "jax", marks=pytest.mark.slow),
+        (_llama, "jax"),
+    ],
+    ids=["gpt2-cpu", "llama-cpu", "gpt2-jax", "llama-jax"],
+)
+def test_hf_training_step_matches_eager(make, device):
     model = make().train()
     reference = copy.deepcopy(model)
-    losses = _lm_train(model, torch.compile(model, backend="torch2jax"), 2)
+    model.to(device)
+    losses = _lm_train(model, torch.compile(model, backend="torch2jax"), 2, device)
     expected = _lm_train(reference, reference, 2)
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), atol=1e-5, err_msg=name)
+        assert p.device.type == device
+        np.testing.assert_allclose(p.detach().cpu().numpy(), q.detach().numpy(), atol=1e-5, err_msg=name)
+    # HF's one-time warning about loss_type (a logger call) is GPT-2's only graph break, on either device
+    assert [k for k in counters["graph_break"] if "logging.Logger" not in k] == []
+
+
+def test_hf_is_tracing_on_a_jax_tensor_is_no_graph_break():
+    # HF's is_tracing(tensor) asks is_jax_jitting(tensor), which calls tensor.jax(): torch2jax gives
+    # Dynamo a substitute, so GPT-2's forward is not split on the jax device
+    import_utils = pytest.importorskip("transformers.utils.import_utils")
+
+    def fn(x):
+        return x * 2 if import_utils.is_tracing(x) else x
+
+    x = torch.randn(3, device="jax")
+    _assert_close(torch.compile(fn, backend="torch2jax")(x), x * 2)
+    _assert_one_graph()
+    assert not import_utils.is_tracing(x)  # eager
 
 
 def test_graph_program_runs_an_aten_graph_directly():
@@ -268,11 +296,12 @@ def test_graph_program_runs_an_aten_graph_directly():
     _assert_close(out, torch.relu(x @ w))
 
 
-def test_dropout_draws_fresh_masks_and_follows_manual_seed():
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_dropout_draws_fresh_masks_and_follows_manual_seed(device):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)).train()
+    model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)).train().to(device)
     compiled = torch.compile(model, backend="torch2jax")
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, device=device)
     torch.manual_seed(1)
     a, b = compiled(x), compiled(x)
     torch.manual_seed(1)

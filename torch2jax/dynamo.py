@@ -26,6 +26,8 @@ Example::
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import torch
@@ -184,6 +186,29 @@ def _compiles_for_torch2jax(compiler_fn) -> bool:
     return False
 
 
+def _polyfill_hf_torchax_check() -> None:
+    """Give Dynamo a traceable HF transformers ``is_jax_jitting`` (once transformers is loaded).
+
+    HF's ``is_tracing(tensor)`` asks ``is_jax_jitting(tensor)``, which calls
+    ``tensor.jax()`` to spot torchax tensors under ``jax.jit``. On a jax tensor that
+    call is a graph break (Dynamo does not trace into torch2jax), one in every GPT-2
+    forward. Its answer is or-ed with ``is_torchdynamo_compiling()``, which is True
+    wherever Dynamo traces, so there it changes nothing: the substitute says False.
+    """
+    import_utils = sys.modules.get("transformers.utils.import_utils")
+    check = getattr(import_utils, "is_jax_jitting", None)
+    if check is None or check in _POLYFILLED:
+        return
+    _POLYFILLED.add(check)
+    # Dynamo inlines the substitute, and it skips every file of this package: the
+    # substitute's code is compiled from a string so that it belongs to none.
+    torch._dynamo.substitute_in_graph(check)(eval("lambda x: False"))  # noqa: S307 - a constant source
+
+
+# the functions `_polyfill_hf_torchax_check` gave Dynamo a substitute for
+_POLYFILLED: set = set()
+
+
 def trace_jax_tensors() -> None:
     """Let Dynamo trace `torch2jax.Tensor` when it compiles for this backend (done on import).
 
@@ -210,6 +235,7 @@ def trace_jax_tensors() -> None:
 
     def _wrap(self, value):
         if isinstance(value, Tensor) and _compiles_for_torch2jax(self.tx.output.compiler_fn):
+            _polyfill_hf_torchax_check()
             return self.wrap_tensor(value)
         return wrap(self, value)
 
