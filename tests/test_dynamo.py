@@ -183,6 +183,26 @@ def test_jax_device_training_with_a_compiled_optimizer_step_matches_eager():
     assert counters["stats"]["unique_graphs"] >= 2  # the model's and the optimizer step's
 
 
+def test_jax_inputs_mutated_in_place_and_view_outputs_alias_them_as_in_eager():
+    def fn(x):
+        return x.t(), x.mul_(2).sum()
+
+    x = torch.randn(4, 3)
+    x_jax = x.to("jax")
+    view, total = torch.compile(fn, backend="torch2jax")(x_jax)
+    expected_view, expected_total = fn(x)
+    _assert_close(total, expected_total)
+    _assert_close(x_jax, x)  # the input mutation is written back
+    view[0, 1] = 100.0  # the output is a view of the input, as in eager
+    expected_view[0, 1] = 100.0
+    _assert_close(x_jax, x)
+
+
+def test_mixing_cpu_and_jax_tensors_is_refused_as_in_eager():
+    with pytest.raises(Exception, match="found at least two devices, jax:0 and cpu"):
+        torch.compile(torch.add, backend="torch2jax")(torch.randn(3, device="jax"), torch.randn(3))
+
+
 def test_other_backends_run_jax_tensors_eagerly():
     # only the torch2jax backend traces jax tensors: inductor has no code generator for the device
     model = _mlp()
