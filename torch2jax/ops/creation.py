@@ -193,7 +193,13 @@ def lift_fresh_copy(x, *size):
 
 @register(aten.copy)
 def copy(x, src, non_blocking=False):
-    return jnp.broadcast_to(src.astype(x.dtype), x.shape)
+    out = jnp.broadcast_to(src.astype(x.dtype), x.shape)
+    # An eager copy_ of the same dtype and shape would hand the destination the source's own
+    # jax.Array; t2j.jit donates the buffers of the state it overwrites, so the copy (an
+    # AveragedModel's first update_parameters, `ema.copy_(p)`) would be deleted with it.
+    if out is src and not isinstance(src, jax.core.Tracer):
+        out = jnp.array(src, copy=True)
+    return out
 
 
 @register(aten._local_scalar_dense)
