@@ -180,10 +180,55 @@ def test_item_inside_becomes_traced_scalar():
     assert f.stats["traces"] == 1
 
 
-def test_data_dependent_python_control_flow_raises():
-    f = t2j.jit(lambda x: x * 2 if x.sum() > 0 else x)
+def test_data_dependent_python_control_flow_raises_with_fullgraph():
+    f = t2j.jit(lambda x: x * 2 if x.sum() > 0 else x, fullgraph=True)
     with pytest.raises(RuntimeError, match="Python control flow"):
         f(torch.ones(2, device="jax"))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x * 2 if x.sum() > 0 else -x,
+    lambda x: x[x > 0].sum() + torch.nonzero(x).shape[0],
+    lambda x: torch.unique(x.round(), return_counts=True),
+    lambda x: x.tolist(),
+], ids=["python_if", "mask_nonzero", "unique", "tolist"])
+def test_value_dependent_functions_run_eagerly_with_one_warning(fn):
+    x = torch.randn(6, generator=torch.Generator().manual_seed(0))
+    f = t2j.jit(fn)
+    with pytest.warns(UserWarning, match="runs eagerly") as record:
+        results = [f(x.to("jax")), f(-x.to("jax"))]
+    assert sum("runs eagerly" in str(w.message) for w in record) == 1
+    for got, expected in zip(results, [fn(x), fn(-x)]):
+        if isinstance(expected, list):
+            assert got == expected
+        else:
+            for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
+                torch.testing.assert_close(a.cpu(), b)
+    assert f.stats["traces"] == 1 and f.stats["eager_calls"] == 2
+    assert any("runs eagerly" in m for m in t2j.explain_recompiles())
+
+
+def test_eager_fallback_of_a_train_step_matches_torch():
+    def run(device, jit):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            if loss > 0.01:  # Python control flow on a value: a graph break
+                opt.step()
+            return loss
+
+        step = t2j.jit(step) if jit else step
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return [step(x).item() for _ in range(4)]
+
+    assert run("jax", True) == pytest.approx(run("cpu", False), rel=1e-5)
 
 
 def test_failed_trace_leaves_no_tracer_behind():

@@ -171,3 +171,14 @@ def test_leaf_view_of_a_tensor_outside_the_graph_is_refused():
     view = base[0].requires_grad_()  # a leaf that requires grad and shares the storage of `base`
     with pytest.raises(t2j.JitError, match="view whose base"):
         t2j.jit(lambda h: h * 2)(view)
+
+
+def test_gradients_reach_a_cpu_argument():
+    x_cpu = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 2, device="jax", requires_grad=True)
+    out = t2j.jit(lambda x: (x @ w).tanh())(x_cpu)
+    out.sum().backward()
+    x_ref = x_cpu.detach().clone().requires_grad_()
+    (x_ref @ w.detach().cpu()).tanh().sum().backward()
+    assert x_cpu.grad is not None and x_cpu.grad.device.type == "cpu"
+    _close(x_cpu.grad, x_ref.grad)

@@ -70,6 +70,7 @@ from .env import default_rng as _rng
 from . import debug as _debug
 from . import symbolic as _sym
 from . import tensor as _tensor
+from .dispatch import OpError
 from .tensor import Tensor, jax_array, new_tensor
 
 log = logging.getLogger("torch2jax.jit")
@@ -599,17 +600,35 @@ class _Entry:
     differentiable: object = None  # the `_Differentiable` programs, made on first use
 
 
+# What stops a trace but not an eager run: an op whose output shape depends on tensor
+# values (nonzero, boolean masks, unique), Python control flow on a tensor's value,
+# a tensor copied to the CPU. A function that hits one runs eagerly, as a graph break
+# makes torch.compile do (unless fullgraph=True).
+_GRAPH_BREAKS = (OpError, jax.errors.JAXTypeError, jax.errors.JAXIndexError)
+
+
+@dataclasses.dataclass
+class _Eager:
+    """A cache key whose calls run the function eagerly, and why."""
+
+    key: object
+    reason: str
+
+
 class JitFunction:
     """A torch function compiled by `jit`. Call it like the function itself."""
 
-    def __init__(self, fn, donate: bool = True):
+    def __init__(self, fn, donate: bool = True, fullgraph: bool = False):
         self.fn = fn
         self.donate = donate
+        self.fullgraph = fullgraph
+        self._eager: set = set()  # cache keys whose calls run eagerly (the trace hit a value-dependent op)
+        self._warned = False
         self._cache: dict = {}  # key -> the entries traced for it, which differ only in their guards
         self._extra: list = []  # weakrefs to storages read but not found as slots
         self._roots_memo: list = []  # the last call's _RootState
         self._hypers = _Hyperparameters()
-        self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0}
+        self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0, "eager_calls": 0}
         functools.update_wrapper(self, fn)
 
     def __get__(self, obj, objtype=None):
@@ -622,7 +641,22 @@ class JitFunction:
     def __call__(self, *args, **kwargs):
         self.stats["calls"] += 1
         entry, leaves, slots, storages = self._lookup(args, kwargs)
+        if isinstance(entry, _Eager):
+            return self._run_eagerly(entry, leaves, args, kwargs)
         return self._run(entry, leaves, slots, storages)
+
+    def _run_eagerly(self, eager, leaves, args, kwargs):
+        self.stats["eager_calls"] += 1
+        args, kwargs = torch_pytree.tree_unflatten(leaves, torch_pytree.tree_structure((args, kwargs)))
+        out = self.fn(*args, **kwargs)
+        self._eager.add(eager.key)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"t2j.jit: {getattr(self.fn, '__qualname__', self.fn)} runs eagerly, op by op, for these arguments: "
+                f"its trace stopped at {eager.reason} (see t2j.explain_recompiles()). Pass fullgraph=True to "
+                "t2j.jit to raise instead.", stacklevel=3)
+        return out
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The XLA program a call with these arguments runs (traced if needed, not run):
@@ -637,6 +671,8 @@ class JitFunction:
             entry, _, slots, storages = self._lookup(args, kwargs)
         finally:
             _restore(before)  # nothing runs: state the trace created must not be left behind
+        if isinstance(entry, _Eager):
+            raise JitError(f"t2j.jit: there is no program to lower: the trace stopped at {entry.reason}")
         with jax.enable_x64(True):
             return entry.jitted.lower(*entry.arguments([st.array for st in storages], _hyper_values(slots),
                                                        _rng.key))
@@ -653,6 +689,8 @@ class JitFunction:
             key = (spec, _static_key(leaves), slots.key, tuple(id(s) for s in extra),
                    tuple((tuple(s.array.shape), s.array.dtype) for s in extra), torch.is_grad_enabled(),
                    torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
+            if key in self._eager:
+                return _Eager(key, "a value-dependent op"), leaves, slots, storages
             entries = self._cache.get(key, ())
             entry = _guarded(entries, slots)
             if entry is not None:
@@ -678,7 +716,14 @@ class JitFunction:
                 continue
             except Exception as e:
                 if not new:
-                    raise
+                    if self.fullgraph or not isinstance(e, _GRAPH_BREAKS) or isinstance(e, JitError):
+                        raise
+                    reason = f"{type(e).__name__}: {e}"
+                    msg = (f"t2j.jit: {getattr(self.fn, '__qualname__', self.fn)} runs eagerly for these arguments: "
+                           f"the trace stopped at {reason}")
+                    _RECOMPILES.append(msg)
+                    log.info(msg)
+                    return _Eager(key, reason), leaves, slots, storages
                 # torch needed a real float for it (a Scalar-only argument): keep it static
                 self._hypers.lifted.difference_update(new)
                 self._hypers.blocked.update(new)
@@ -1054,7 +1099,9 @@ def _to_device(x):
     if isinstance(x, torch.Tensor) and not isinstance(x, Tensor):
         if x.device.type != "cpu":
             raise JitError(f"t2j.jit: got a tensor on {x.device}; use tensors on the jax or cpu device")
-        return new_tensor(jax_array(x)).requires_grad_(x.requires_grad)
+        if x.requires_grad:  # a differentiable copy: gradients reach the CPU tensor
+            return x.to(_tensor.DEVICE)
+        return new_tensor(jax_array(x))
     return x
 
 
@@ -1163,7 +1210,7 @@ def _diff(old, old_names, new, new_names):
     return "; ".join(reasons[:3]) + more
 
 
-def jit(fn=None, *, donate: bool = True):
+def jit(fn=None, *, donate: bool = True, fullgraph: bool = False):
     """Compile a torch function into one XLA program, with the state it touches.
 
     ``fn`` takes and returns torch tensors (and any other Python values). Tensor
@@ -1172,6 +1219,12 @@ def jit(fn=None, *, donate: bool = True):
     ``fn`` reads or writes are carried in and out (see this module's docstring),
     so ``fn`` may run a whole training step. With ``donate`` (default) the input
     buffers of state that ``fn`` overwrites are donated to the program.
+
+    A function whose trace stops at something only an eager run can do (an op whose
+    output shape depends on tensor values, such as ``nonzero`` or ``x[mask]``; Python
+    control flow on a tensor's value; ``.tolist()``) runs eagerly for those
+    arguments, with a one-time warning, as torch.compile does at a graph break;
+    ``fullgraph=True`` raises the error instead.
 
     >>> @t2j.jit
     ... def step(x, y):
@@ -1188,8 +1241,8 @@ def jit(fn=None, *, donate: bool = True):
     >>> F.mse_loss(forward(x), y).backward()   # fills model's .grad
     """
     if fn is None:
-        return functools.partial(jit, donate=donate)
-    return JitFunction(fn, donate=donate)
+        return functools.partial(jit, donate=donate, fullgraph=fullgraph)
+    return JitFunction(fn, donate=donate, fullgraph=fullgraph)
 
 
 def explain_recompiles() -> list:

@@ -1,0 +1,80 @@
+"""Sparse COO tensors on the jax device are stored dense (torch2jax/ops/sparse.py):
+their values against torch CPU's ``to_dense()``, and nn.Embedding(sparse=True)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torch2jax as t2j
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(no sparse layout|Sparse invariant)")
+        yield
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.complex64])
+def test_sparse_coo_tensor_is_its_dense_value(dtype):
+    indices = torch.tensor([[0, 1, 1, 0], [2, 0, 2, 2]])  # (0, 2) twice: summed, as coalesce does
+    values = torch.arange(1, 5).to(dtype)
+    expected = torch.sparse_coo_tensor(indices, values, (2, 3)).to_dense()
+    got = torch.sparse_coo_tensor(indices.to("jax"), values.to("jax"), (2, 3))
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_hybrid_sparse_tensor_with_dense_dimensions():
+    indices = torch.tensor([[0, 2, 0]])
+    values = torch.randn(3, 4)
+    expected = torch.sparse_coo_tensor(indices, values, (3, 4)).to_dense()
+    got = torch.sparse_coo_tensor(indices.to("jax"), values.to("jax"), (3, 4))
+    torch.testing.assert_close(got.cpu(), expected)
+
+
+def test_sparse_embedding_gradient_is_the_dense_gradient():
+    torch.manual_seed(0)
+    ref = nn.Embedding(12, 4, sparse=True, padding_idx=0)
+    model = copy.deepcopy(ref).to("jax")
+    idx = torch.tensor([[1, 2, 1], [4, 1, 0]])
+    ref(idx).pow(3).sum().backward()
+    model(idx.to("jax")).pow(3).sum().backward()
+    torch.testing.assert_close(model.weight.grad.cpu(), ref.weight.grad.to_dense())
+
+
+def test_sparse_embedding_trains_like_torch_under_jit():
+    torch.manual_seed(0)
+    ref = nn.Embedding(12, 4, sparse=True)
+    model = copy.deepcopy(ref).to("jax")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    idx = torch.tensor([[1, 2, 1], [4, 1, 0]])
+
+    def step(m, opt, ids):
+        opt.zero_grad()
+        loss = m(ids).pow(2).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    jitted = t2j.jit(step)
+    ref_losses = [step(ref, opts[0], idx).item() for _ in range(3)]
+    losses = [jitted(model, opts[1], idx.to("jax")).item() for _ in range(3)]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach())
+
+
+def test_dense_storage_warns_once():
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        from torch2jax.ops import sparse
+
+        sparse._warned = False
+        for _ in range(2):
+            torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (2,), device="jax")
+    assert sum("no sparse layout" in str(w.message) for w in record) == 1

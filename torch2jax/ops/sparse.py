@@ -1,0 +1,43 @@
+"""Sparse layouts: the jax device stores every tensor dense.
+
+JAX arrays are dense, so a sparse COO tensor made on the jax device is built as
+the dense tensor it stands for (duplicate indices summed, as ``coalesce`` would).
+Its values are those of ``sparse.to_dense()``; what needs the sparse layout itself
+(``_values()``, ``indices()``, ``torch.sparse`` kernels) is not available. The main
+producer is ``nn.Embedding(sparse=True)``, whose weight gradient then arrives dense,
+as if ``sparse=False``: every dense optimizer accepts it (SparseAdam refuses dense
+gradients, as on any device).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+import torch
+
+from .creation import jax_dtype
+from .registry import register
+
+aten = torch.ops.aten
+
+_warned = False
+
+
+def _warn_dense():
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "torch2jax: the jax device has no sparse layout; a sparse COO tensor (e.g. the weight gradient of "
+            "nn.Embedding(sparse=True)) is stored dense, with the same values as its to_dense()",
+            stacklevel=2,
+        )
+
+
+@register(aten._sparse_coo_tensor_with_dims_and_tensors)
+def _sparse_coo_tensor_with_dims_and_tensors(sparse_dim, dense_dim, size, indices, values, *, dtype=None,
+                                             layout=None, device=None, pin_memory=None, is_coalesced=None):
+    _warn_dense()
+    dt = jax_dtype(dtype, values.dtype)
+    return jnp.zeros(tuple(size), dt).at[tuple(indices[:sparse_dim])].add(values.astype(dt))
