@@ -182,3 +182,11 @@ def test_gradients_reach_a_cpu_argument():
     (x_ref @ w.detach().cpu()).tanh().sum().backward()
     assert x_cpu.grad is not None and x_cpu.grad.device.type == "cpu"
     _close(x_cpu.grad, x_ref.grad)
+
+
+def test_second_derivative_through_a_jitted_call_is_refused():
+    x = torch.randn(3, device="jax", requires_grad=True)
+    y = t2j.jit(torch.sin)(x)
+    (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)  # the cotangent 2y requires grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()

@@ -1059,6 +1059,7 @@ class _DifferentiableCall(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the VJP runs in JAX: a second derivative must not pass through
     def backward(ctx, *grads):
         return (None, *(new_tensor(g) for g in ctx.call.backward(grads)))
 
