@@ -1588,6 +1588,89 @@ def _p_dqn_target_network_deepcopy_and_sync(device, wrap):
     return torch.stack(losses), torch.stack(q_nexts), _params(target), _params(online)
 
 
+class _ScaledTanh(torch.autograd.Function):
+    """The torch 2 style: setup_context, a jvp for forward mode, and a vmap rule generated from both."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, k):
+        return torch.tanh(x) * k
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, k = inputs
+        ctx.k = k
+        ctx.save_for_backward(x)
+        ctx.save_for_forward(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * ctx.k * (1 - torch.tanh(x) ** 2), None
+
+    @staticmethod
+    def jvp(ctx, dx, _):
+        (x,) = ctx.saved_tensors
+        return dx * ctx.k * (1 - torch.tanh(x) ** 2)
+
+
+def _p_custom_function_setup_context_jvp_vmap(device, wrap):
+    from torch.func import jacfwd, jacrev, vmap
+
+    x = _randn(3, 4, device=device)
+    rev = jacrev(lambda v: _ScaledTanh.apply(v, 2.0))(x[0])
+    fwd = jacfwd(lambda v: _ScaledTanh.apply(v, 2.0))(x[0])
+    batched = vmap(lambda v: _ScaledTanh.apply(v, 0.5).sum())(x)
+    leaf = x.clone().requires_grad_()
+    _ScaledTanh.apply(leaf, 3.0).sum().backward()
+    return rev, fwd, batched, leaf.grad
+
+
+def _p_index_reduce_and_scatter_modes(device, wrap):
+    x = _randn(5, 3, device=device)
+    idx = torch.tensor([0, 2, 0, 4]).to(device)
+    src = _randn(4, 3, seed=1, device=device)
+
+    def f(x, idx, src):
+        out = {}
+        for red in ("prod", "mean", "amax", "amin"):
+            out[red] = x.clone().index_reduce_(0, idx, src, red, include_self=red != "mean")
+        out["scatter_mul"] = x.clone().scatter_(0, idx[:, None].expand(4, 3), src, reduce="multiply")
+        out["scatter_add_mode"] = x.clone().scatter_(0, idx[:, None].expand(4, 3), src, reduce="add")
+        out["scatter_value"] = x.clone().scatter_(1, torch.tensor([[2], [0], [1], [1], [0]]).to(x.device), 9.0)
+        out["put"] = x.clone().put_(torch.tensor([14, 0, 7]).to(x.device), src[0], accumulate=True)
+        out["take"] = x.take(torch.tensor([[0, 14], [3, 3]]).to(x.device))
+        out["masked_scatter"] = x.clone().masked_scatter_(x > 0, src.flatten().repeat(2))
+        return out
+
+    return wrap(f)(x, idx, src)
+
+
+def _p_optimizer_state_moves_between_devices(device, wrap):
+    model = _mlp(device)
+    opt = O.Adam(model.parameters(), lr=1e-2, amsgrad=True)
+    step = wrap(_train_step(model, opt, _ce))
+    data = _batches(4, device)
+    for x, y in data[:2]:
+        step(x, y)
+    # resume on the CPU from the device's state dicts (moved the way a user moves a CUDA checkpoint)
+    buf = io.BytesIO()
+    torch.save({"m": model.state_dict(), "o": opt.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf, map_location="cpu", weights_only=True)
+    cpu_model = _mlp("cpu", seed=3)
+    cpu_model.load_state_dict(ck["m"])
+    cpu_opt = O.Adam(cpu_model.parameters(), lr=1e-2, amsgrad=True)
+    cpu_opt.load_state_dict(ck["o"])
+    cpu_step = _train_step(cpu_model, cpu_opt, _ce)
+    cpu_losses = [cpu_step(x.cpu(), y.cpu()).item() for x, y in data[2:]]
+    losses = [step(x, y).item() for x, y in data[2:]]
+    state = cpu_opt.state[next(cpu_model.parameters())]
+    return cpu_losses, losses, [p.detach().to(device) for p in cpu_model.parameters()], state["max_exp_avg_sq"].to(
+        device), state["step"].device.type
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
@@ -1604,6 +1687,7 @@ JITTABLE = {
     "tiny_diffusion_training_step", "simclr_contrastive_loss", "triplet_hard_negative_mining",
     "gcn_message_passing_index_add", "knowledge_distillation_with_temperature", "straight_through_vector_quantizer",
     "dataloader_over_device_tensors", "welford_running_stats_buffers", "dqn_target_network_deepcopy_and_sync",
+    "index_reduce_and_scatter_modes", "optimizer_state_moves_between_devices",
 }
 TOL = {
     "bf16_model_with_fp32_master_weights": dict(atol=1e-2, rtol=1e-2),  # bfloat16 matmuls sum in another order
@@ -1631,6 +1715,7 @@ FAST = {
     ("hooks_retain_grad_and_removal", False), ("sparse_adam_rejects_dense_gradients", False),
     ("ema_foreach_lerp_and_bias_correction", True), ("custom_function_mark_dirty", True),
     ("swa_with_buffers_and_cyclic_lr", True), ("dqn_target_network_deepcopy_and_sync", True),
+    ("custom_function_setup_context_jvp_vmap", False),
 }
 
 
