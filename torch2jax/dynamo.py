@@ -36,7 +36,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from . import fx
-from .env import default_rng
+from .env import _trace_state_clean, default_rng
 from .tensor import Tensor, jax_array, new_tensor, torch_cpu
 
 BACKEND = "torch2jax"
@@ -93,7 +93,8 @@ class GraphProgram:
 
     Tensors are traced; integer inputs (sizes, under dynamic shapes) are static,
     so each distinct size compiles once. Random ops draw from torch2jax's RNG key,
-    which is an input and an output of the program.
+    which is an input and an output of the program (inside `t2j.jit`, a subkey of the
+    traced key).
 
     >>> gm = make_fx(lambda x, w: (torch.relu(x @ w),))(x, w)
     >>> (out,) = GraphProgram(gm, [x, w])(x, w)      # a torch CPU tensor, computed by XLA
@@ -118,8 +119,14 @@ class GraphProgram:
     def __call__(self, *args):
         arrays = [_array(a) for a, s in zip(args, self.static) if not s]
         statics = tuple(int(a) if isinstance(a, (int, torch.SymInt)) else a for a, s in zip(args, self.static) if s)
+        # Called inside a JAX trace (the compiled code under t2j.jit), the program takes a
+        # subkey of the traced key: its new key is a tracer the generator must not keep.
+        traced = not _trace_state_clean()
+        key = default_rng.next_key() if traced else default_rng.key
         with jax.enable_x64(True):
-            outs, default_rng.key = self._jitted(default_rng.key, arrays, statics)
+            outs, new_key = self._jitted(key, arrays, statics)
+        if not traced:
+            default_rng.key = new_key
         return [_to_torch(k, o) for k, o in zip(self.kinds, outs)]
 
 
