@@ -26,7 +26,7 @@ DTYPES = {
     "bool": torch.bool,
     "complex64": torch.complex64,
 }
-MODES = ("eager", "jit", "grad")
+MODES = ("eager", "jit", "grad", "t2j_jit")
 
 # Ops whose values are random: only shape and dtype are compared.
 RANDOM_OPS = {
@@ -192,6 +192,17 @@ def run_jit(op, sample):
     return jax.tree_util.tree_unflatten(out["tree"], results)
 
 
+def run_t2j_jit(op, sample):
+    """Run the op through ``t2j.jit`` as a user would: one jitted function per sample,
+    called with the sample's tensors on the jax device (traced) and its other values
+    (static). A trace that stops at a value-dependent op runs eagerly, as t2j.jit does."""
+    fn = torch2jax.jit(lambda *a, **k: op(*a, **k))
+    return fn(_to_jax(sample.input), *_args(op, sample), **_to_jax(sample.kwargs))
+
+
+RUNNERS = {"eager": run_eager, "jit": run_jit, "t2j_jit": run_t2j_jit}
+
+
 def _draws_random(op, sample):
     """Whether the sample's values are random: a random op, or attention with dropout."""
     if op.name in RANDOM_OPS or sample.kwargs.get("dropout_p", 0) > 0:
@@ -228,7 +239,7 @@ class _PhaseFixed:
 
 
 def check_sample(op, sample, dtype, mode, where=""):
-    """Run one sample in `mode` (eager, jit or grad) and assert it matches torch CPU.
+    """Run one sample in `mode` (eager, jit, t2j_jit or grad) and assert it matches torch CPU.
 
     Returns False when the sample does not apply: torch cannot differentiate
     it. Where torch rejects a sample in eager or jit mode, we must reject it too.
@@ -252,11 +263,11 @@ def check_sample(op, sample, dtype, mode, where=""):
         expected = op(sample.input, *sample.args, **sample.kwargs)
     except Exception:  # noqa: BLE001
         try:
-            run_eager(op, sample)
+            (run_t2j_jit if mode == "t2j_jit" else run_eager)(op, sample)
         except Exception:  # noqa: BLE001
             return True
         raise AssertionError(f"{where}: torch raises for this sample but torch2jax does not") from None
-    actual = _to_cpu(run_eager(op, sample) if mode == "eager" else run_jit(op, sample))
+    actual = _to_cpu(RUNNERS[mode](op, sample))
     if op.name in TIE_OPS:
         actual = _same_picks(op, sample, actual, expected)
     compare(actual, expected, dtype, values, where)

@@ -1,10 +1,17 @@
-"""PyTorch's OpInfo database against torch CPU: eager, inside jax.jit, and gradients.
+"""PyTorch's OpInfo database against torch CPU: eager, inside jax.jit, through t2j.jit, and gradients.
 
 Every (op, dtype, mode) is a test (CI runs the eager ones; jit and grad are
 marked slow); known failures are listed with their reason
 in tests/opinfo_xfails.py and marked xfail(strict=True), so a fix shows up as
 an XPASS failure. `python tools/op_coverage.py` re-runs everything and rewrites
 both that list and docs/op_coverage.md.
+
+The t2j_jit mode (`test_opinfo_t2j_jit`, all slow) runs each sample through
+``t2j.jit`` as a user would. Its cases are not in `cases()`, so op_coverage.py
+neither runs them nor gives them strict xfails: a case whose eager mode is a known
+failure is a non-strict xfail (a crash in eager or jit mode: skipped), the rest
+fail plainly. Their pass rates and failure classes are measured by
+``python tools/opinfo_t2j_jit.py`` (docs/opinfo_t2j_jit.json).
 """
 
 from __future__ import annotations
@@ -52,4 +59,25 @@ def check(name, dname, mode):
 
 @pytest.mark.parametrize("name,dname,mode", list(cases()))
 def test_opinfo(name, dname, mode):
+    check(name, dname, mode)
+
+
+def t2j_jit_cases():
+    """(op, dtype) cases of the t2j_jit mode: every op on the jit mode's dtypes, all slow."""
+    for name, op in sorted(OPS.items()):
+        supported = op.supported_dtypes("cpu")
+        for dname in JIT_DTYPES:
+            if DTYPES[dname] not in supported:
+                continue
+            marks = [pytest.mark.slow]
+            eager, jit = f"{name}|{dname}|eager", f"{name}|{dname}|jit"
+            if eager in XFAIL:
+                marks.append(pytest.mark.xfail(strict=False, reason=f"eager fails: {XFAIL[eager]}"))
+            if eager in CRASHES or jit in CRASHES:
+                marks.append(pytest.mark.skip(reason=CRASHES.get(eager) or CRASHES[jit]))
+            yield pytest.param(name, dname, "t2j_jit", id=f"{name}|{dname}|t2j_jit", marks=marks)
+
+
+@pytest.mark.parametrize("name,dname,mode", list(t2j_jit_cases()))
+def test_opinfo_t2j_jit(name, dname, mode):
     check(name, dname, mode)
