@@ -75,9 +75,14 @@ class DeviceMismatchError(OpError):
 
 
 _HANDLERS: dict = {}
+# id(op) -> (op, handler): `dispatch` looks the handler up by identity, since an
+# OpOverload hashes in Python; the entry holds the op, so its id is not reused.
+_BY_ID: dict = {}
 _PATHS: dict = {}
 _coverage_log: list | None = None
 _warned: set = set()
+
+_X64 = _jax_config.enable_x64
 
 # Events counted for `t2j.debug.counters` (t2j.jit adds its traces, compiles and cache hits).
 COUNTERS = dict.fromkeys(("traces", "compiles", "cache_hits", "host_fallbacks", "decompositions"), 0)
@@ -90,17 +95,20 @@ _log_depth = 0
 
 def dispatch(func, args, kwargs):
     """Run ATen op ``func`` on torch2jax tensors and return torch2jax tensors."""
-    handler = _HANDLERS.get(func)
-    if handler is None:
-        handler = _resolve(func)
+    entry = _BY_ID.get(id(func))
+    handler = entry[1] if entry is not None and entry[0] is func else _resolve(func)
     if _coverage_log is not None:
         _coverage_log.append(func)
     if log_ops:
         return _run_logged(handler, func, args, kwargs)
-    if _jax_config.enable_x64.value:
+    # 64-bit types on for the op (torch's int64 and float64), switched through the
+    # thread-local setting itself: the `jax.enable_x64` context manager costs more
+    # than the rest of this function.
+    previous = _X64.swap_local(True)
+    try:
         return _run(handler, func, args, kwargs)
-    with jax.enable_x64(True):
-        return _run(handler, func, args, kwargs)
+    finally:
+        _X64.set_local(previous)
 
 
 def _run_logged(handler, func, args, kwargs):
@@ -330,6 +338,7 @@ def _is_foreign_device(kwargs):
 def _resolve(func):
     handler, path = _choose(func)
     _HANDLERS[func] = handler
+    _BY_ID[id(func)] = (func, handler)
     _PATHS[func] = path
     return handler
 
@@ -392,11 +401,12 @@ def _lowering_handler(func, lowering, cpu_args=None):
             return _host_run(func, args, kwargs)
         if compiled is not None and compiled.enabled and _tensor.CAPTURE is None:
             if cpu_args is None:
-                uargs = [_operand(a) if type(a) is Tensor else _unwrap(a) for a in args]
+                uargs = _operands(args)
                 ukwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
             else:
                 uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
-            return _wrap(compiled(uargs, ukwargs))
+            out = compiled(uargs, ukwargs)
+            return new_tensor(out) if type(out) is _ArrayImpl else _wrap(out)
         if cpu_args is None:
             uargs = _unwrap(args)
             ukwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
@@ -460,6 +470,8 @@ _TRACE_SENSITIVE = frozenset(
         "config",
     }
 )
+
+_READS_PRECISION = frozenset({"get_float32_matmul_precision"})
 
 # A signature is compiled on its third call: shapes seen once or twice (tests,
 # shape-varying code) cost no compile time and run op by op as before.
@@ -560,6 +572,19 @@ def _operand(t):
     return t._value()
 
 
+def _operands(args):
+    """The arguments of a compiled lowering: tensors as `_operand`, the rest unwrapped."""
+    out = []
+    for a in args:
+        if type(a) is not Tensor:
+            out.append(_unwrap(a))
+        elif a._t2j_view:
+            out.append(_operand(a))
+        else:  # a base tensor, the commonest operand: its storage's array
+            out.append(a._t2j_storage.array)
+    return out
+
+
 def _materialize(args):
     return [a.tensor._value() if type(a) is _View else a for a in args]
 
@@ -631,9 +656,16 @@ def _all_traced(out):
     return isinstance(out, (list, tuple)) and all(_all_traced(o) for o in out)
 
 
+# What `_eager` and `_Compiled` read once per op, bound without the Python
+# wrappers around them (`jax.core.trace_ctx.trace`, `torch.get_float32_matmul_precision`).
+_TRACE = _jax_core.trace_state_strong_ref
+_EvalTrace = _jax_core.EvalTrace
+_matmul_precision = torch._C._get_float32_matmul_precision
+
+
 def _eager():
     """Whether JAX is running eagerly (no jit, grad or vmap trace is active)."""
-    return isinstance(_jax_core.trace_ctx.trace, _jax_core.EvalTrace)
+    return isinstance(_TRACE.value, _EvalTrace)
 
 
 class _Compiled:
@@ -647,21 +679,31 @@ class _Compiled:
     compiled again.
     """
 
-    __slots__ = ("fn", "enabled", "signatures")
+    __slots__ = ("fn", "enabled", "signatures", "reads_precision")
 
     def __init__(self, fn):
         self.fn = fn
         self.enabled = True
         self.signatures: dict = {}
+        # Only the matmul lowerings read torch's float32 matmul precision; the others
+        # spare a call into torch per op (each costs more here than on its own).
+        self.reads_precision = _refers_to(fn, _READS_PRECISION)
 
     def __call__(self, args, kwargs):
         """``fn(*args, **kwargs)``; ``args`` may hold `_View` operands (a list, not nested)."""
-        if not self.enabled or not _eager():
+        if not self.enabled or not isinstance(_TRACE.value, _EvalTrace):
             return self.fn(*_materialize(args), **kwargs)
-        arrays, key = [], [torch.get_default_dtype(), torch.get_float32_matmul_precision()]
+        arrays, key = [], [torch.get_default_dtype()]
+        if self.reads_precision:
+            key.append(_matmul_precision())
         try:
             for a in args:
-                _key(a, arrays, key)
+                if type(a) is _ArrayImpl and (aval := a.aval).dtype != _BOOL:
+                    # `_key` of the commonest operand, inline: this loop runs once per op
+                    arrays.append(a)
+                    key.append(aval)
+                else:
+                    _key(a, arrays, key)
             if kwargs:
                 for v in kwargs.values():
                     _key(v, arrays, key)
@@ -707,17 +749,17 @@ class _Compiled:
 # ---------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=65536)
-def _meta_view_cached(func, size, stride, offset, storage_numel, dtype, args_key, kwargs_key):
+def _meta_view(func, size, stride, offset, storage_numel, dtype, args, kwargs):
     base = torch.empty(storage_numel, dtype=dtype, device="meta").as_strided(size, stride, offset)
-    out = func(base, *args_key, **dict(kwargs_key))
+    out = func(base, *args, **dict(kwargs))
     if isinstance(out, (list, tuple)):
         return [(tuple(o.shape), o.stride(), o.storage_offset(), o.dtype) for o in out]
     return (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
 
 
 def _hashable(a):
-    if isinstance(a, list):
+    """``a`` with its lists made tuples (the meta kernels take either)."""
+    if type(a) is list or type(a) is tuple and any(type(b) is list for b in a):
         return tuple(_hashable(b) for b in a)
     return a
 
@@ -727,24 +769,39 @@ def _storage_numel(x):
     return math.prod(arr.shape) * arr.dtype.itemsize // x.dtype.itemsize
 
 
+# (op, input size, strides, offset, storage size, dtype, arguments) -> `_meta_view`'s answer
+_VIEW_METAS: dict = {}
+_MAX_VIEW_METAS = 65536
+
+
 def _view_meta(func, x, rest, kwargs):
     """(size, stride, storage_offset, dtype) torch gives the view, from its meta kernel."""
-    key_args = tuple(_hashable(a) for a in rest)
-    key_kwargs = tuple(sorted((k, _hashable(v)) for k, v in kwargs.items()))
+    args = _hashable(rest)
+    kwargs_key = tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())) if kwargs else ()
+    key = (func, x.shape, x.stride(), x.storage_offset(), _storage_numel(x), x.dtype, args, kwargs_key)
     try:
-        return _meta_view_cached(
-            func, tuple(x.shape), x.stride(), x.storage_offset(), _storage_numel(x), x.dtype, key_args, key_kwargs
-        )
-    except TypeError:  # unhashable argument: compute without the cache
-        return _meta_view_cached.__wrapped__(
-            func, tuple(x.shape), x.stride(), x.storage_offset(), _storage_numel(x), x.dtype, key_args, key_kwargs
-        )
+        meta = _VIEW_METAS.get(key)
+    except TypeError:  # an unhashable argument: compute without the cache
+        return _meta_view(*key)
+    if meta is None:
+        if len(_VIEW_METAS) >= _MAX_VIEW_METAS:
+            _VIEW_METAS.clear()
+        meta = _VIEW_METAS[key] = _meta_view(*key)
+    return meta
 
 
 def _make_view(x, step, value, meta):
     size, stride, offset, dtype = meta
     chain = x._t2j_view + (step,) if step is not None else x._t2j_view
     return Tensor(x._t2j_storage, chain, value=value, size=size, stride=stride, offset=offset, dtype=dtype)
+
+
+def _alias(x):
+    # autograd detaches every output it saves for backward: no meta kernel on this path
+    return Tensor(
+        x._t2j_storage, x._t2j_view, value=x._value(),
+        size=x.shape, stride=x.stride(), offset=x.storage_offset(), dtype=x.dtype,
+    )
 
 
 def _view_handler(func, forward, inverse):
@@ -756,6 +813,8 @@ def _view_handler(func, forward, inverse):
 
     def run(func, args, kwargs):
         x, rest = args[0], args[1:]
+        if inverse is None:  # an alias (detach, alias, lift_fresh): x's value, chain and metadata
+            return _alias(x)
         meta = _view_meta(func, x, rest, kwargs)
         urest = _unwrap(rest)
         if isinstance(meta, list):
@@ -769,8 +828,6 @@ def _view_handler(func, forward, inverse):
                 )
                 for i, (v, m) in enumerate(zip(value, meta))
             ]
-        if inverse is None:  # an alias: same value, same chain
-            return _make_view(x, None, x._value(), meta)
         if compiled_forward is None:
             step = ViewStep(
                 functools.partial(_apply_forward, forward, urest, kwargs),

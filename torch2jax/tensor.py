@@ -106,9 +106,10 @@ class Tensor(torch.Tensor):
     """
 
     _t2j_storage: Storage
-    _t2j_view: tuple
-    _t2j_cache: object
-    _t2j_version: int
+    # A base tensor's: `new_tensor` sets only the storage, once per op result.
+    _t2j_view: tuple = ()
+    _t2j_cache: object = None  # a view's value, computed at `_t2j_version` of its storage
+    _t2j_version: int = -1
 
     @staticmethod
     def __new__(cls, storage, view=(), *, value=None, size=None, stride=None, offset=0, dtype=None, requires_grad=False):
@@ -268,9 +269,6 @@ def new_tensor(array, requires_grad: bool = False) -> Tensor:
         dtype = _TORCH_DTYPES[jax_dtype] = _dt.to_torch(jax_dtype)
     r = torch.Tensor._make_wrapper_subclass(Tensor, array.shape, dtype=dtype, device=DEVICE, requires_grad=requires_grad)
     r._t2j_storage = Storage(array)
-    r._t2j_view = ()
-    r._t2j_cache = array
-    r._t2j_version = 0
     return r
 
 
@@ -280,9 +278,7 @@ def lazy_view(storage, chain, size, stride, offset, dtype) -> Tensor:
         Tensor, size, strides=stride, storage_offset=offset, dtype=dtype, device=DEVICE
     )
     r._t2j_storage = storage
-    r._t2j_view = chain
-    r._t2j_cache = None
-    r._t2j_version = -1
+    r._t2j_view = chain  # no cache yet (the class's version -1 matches no storage's)
     return r
 
 
