@@ -4,7 +4,8 @@
 
 Prints one table; every number comes from this one run, the columns of a row
 timed in interleaved rounds (this machine is noisy, so compare the ratios, not
-absolute times across runs).
+absolute times across runs). The last column compares main-thread CPU time, which
+leaves out the time other processes hold the cores.
 """
 
 from __future__ import annotations
@@ -19,27 +20,31 @@ import torch2jax  # noqa: F401
 
 
 def _time(fn, n):
-    t = time.perf_counter()
+    """(wall, main-thread CPU) seconds per call of ``fn``."""
+    w, c = time.perf_counter(), time.thread_time()
     for _ in range(n):
         r = fn()
     if isinstance(r, torch2jax.Tensor):
         r.jax().block_until_ready()
     elif isinstance(r, jax.Array):
         r.block_until_ready()
-    return (time.perf_counter() - t) / n
+    return (time.perf_counter() - w) / n, (time.thread_time() - c) / n
 
 
 def bench(fns, n=1000, repeat=15):
-    """Best time per call (us) of each of ``fns``, measured in interleaved rounds so that
-    load from other processes hits every column alike."""
+    """Best wall and main-thread CPU time per call (us) of each of ``fns``, measured in
+    interleaved rounds so that load from other processes hits every column alike (CPU
+    time leaves out the time other processes hold the cores)."""
     for fn in fns.values():
         for _ in range(50):
             fn()
-    best = dict.fromkeys(fns, float("inf"))
+    wall = dict.fromkeys(fns, float("inf"))
+    cpu = dict.fromkeys(fns, float("inf"))
     for _ in range(repeat):
         for name, fn in fns.items():
-            best[name] = min(best[name], _time(fn, n))
-    return {name: t * 1e6 for name, t in best.items()}
+            w, c = _time(fn, n)
+            wall[name], cpu[name] = min(wall[name], w), min(cpu[name], c)
+    return {name: (wall[name] * 1e6, cpu[name] * 1e6) for name in fns}
 
 
 def cases(device):
@@ -88,11 +93,12 @@ def main():
     print(f"jax {jax.__version__}, torch {torch.__version__}, device {jax.devices()[0].platform}")
     print(f"torchax: skipped ({torchax_note})")
     print()
-    print("| op | torch2jax (us) | torch CPU (us) | jax.numpy (us) | torch2jax / jax.numpy |")
-    print("|---|---|---|---|---|")
+    print("| op | torch2jax (us) | torch CPU (us) | jax.numpy (us) | torch2jax / jax.numpy "
+          "| main-thread CPU: torch2jax / jax.numpy |")
+    print("|---|---|---|---|---|---|")
     for k in results["torch2jax"]:
-        t, c, j = results["torch2jax"][k], results["torch CPU"][k], results["jax.numpy"][k]
-        print(f"| {k} | {t:.1f} | {c:.1f} | {j:.1f} | {t / j:.2f}x |")
+        (t, tc), (c, _), (j, jc) = results["torch2jax"][k], results["torch CPU"][k], results["jax.numpy"][k]
+        print(f"| {k} | {t:.1f} | {c:.1f} | {j:.1f} | {t / j:.2f}x | {tc / jc:.2f}x |")
 
 
 if __name__ == "__main__":
