@@ -366,3 +366,33 @@ def test_float64_learning_rate_keeps_its_digits():
         sched.step()
         torch.testing.assert_close(got.cpu(), expected.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("make_copy", [
+    lambda p: copy.deepcopy(p.detach()),
+    lambda p: p.detach().to(p.dtype, copy=True),
+    lambda p: torch.alias_copy(p.detach()),
+    lambda p: torch.view_copy(p.detach(), p.shape),
+], ids=["deepcopy", "to_copy", "alias_copy", "view_copy"])
+def test_copies_survive_the_donation_of_their_source(make_copy):
+    model = nn.Linear(3, 2).to("jax")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    copies = [make_copy(p) for p in model.parameters()]
+    before = [c.cpu().clone() for c in copies]
+
+    @t2j.jit
+    def step(x):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    for _ in range(2):
+        step(torch.ones(4, 3, device="jax"))
+    for c, b in zip(copies, before):
+        assert torch.equal(c.cpu(), b)  # still alive and unchanged: the step donated only the parameters' buffers
+
+
+def test_sparse_csr_argument_is_refused_clearly():
+    csr = torch.eye(3).to_sparse_csr()
+    with pytest.raises(t2j.JitError, match="sparse_csr tensor; t2j.jit takes dense"):
+        t2j.jit(lambda a: a * 2)(csr)

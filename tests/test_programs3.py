@@ -1694,11 +1694,6 @@ TOL = {
     "autocast_cpu_style_mixed_matmuls": dict(atol=1e-2, rtol=1e-2),
     "cumulative_ops_with_dtypes": dict(atol=1e-2, rtol=1e-2),
 }
-XFAIL = {
-    ("dqn_target_network_deepcopy_and_sync", True): "copy.deepcopy of a jax tensor (Tensor.__deepcopy__ in "
-    "torch2jax/tensor.py) gives the copy the original's own jax.Array; the jitted step donates the online network's "
-    "parameter buffers, which deletes the target network's weights with them",
-}
 # the default run keeps the cheap programs (a few seconds each on 2 cores, most of it compiling each op once);
 # `-m slow` runs all
 FAST = {
@@ -1723,8 +1718,6 @@ def _cases():
     for name in PROGRAMS:
         for jit in (False, True) if name in JITTABLE else (False,):
             marks = [] if (name, jit) in FAST else [pytest.mark.slow]
-            if (name, jit) in XFAIL:
-                marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[name, jit]))
             yield pytest.param(name, jit, id=f"{name}-{'jit' if jit else 'eager'}", marks=marks)
 
 

@@ -305,6 +305,23 @@ def _wrap(out):
     return out
 
 
+def _unshared(out, operands):
+    """``out``, or a copy of it where it is one of ``operands``' arrays (an identity
+    lowering, or a jitted one whose output JAX forwards from its input). A result
+    is a new storage, and two storages must never hold one buffer: `t2j.jit`
+    donates the buffers of the state it overwrites, which would delete the other."""
+    for a in operands:
+        if a is out:
+            return out.copy()
+    return out
+
+
+def _unshared_all(out, operands):
+    if isinstance(out, (list, tuple)):
+        return type(out)(_unshared(o, operands) if type(o) is _ArrayImpl else o for o in out)
+    return out
+
+
 def _array_of(out):
     if isinstance(out, Tensor):
         return out._value()
@@ -406,13 +423,16 @@ def _lowering_handler(func, lowering, cpu_args=None):
             else:
                 uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
             out = compiled(uargs, ukwargs)
-            return new_tensor(out) if type(out) is _ArrayImpl else _wrap(out)
+            if type(out) is _ArrayImpl:
+                return new_tensor(_unshared(out, uargs))
+            return _wrap(_unshared_all(out, uargs))
         if cpu_args is None:
             uargs = _unwrap(args)
             ukwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
         else:
             uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
-        return _wrap(lowering(*uargs, **ukwargs))
+        out = lowering(*uargs, **ukwargs)
+        return _wrap(_unshared(out, uargs) if type(out) is _ArrayImpl else _unshared_all(out, uargs))
 
     return run
 

@@ -1098,6 +1098,9 @@ def _set_hyper(group, hk, ti, value):
 
 def _to_device(x):
     if isinstance(x, torch.Tensor) and not isinstance(x, Tensor):
+        if x.layout != torch.strided:
+            raise JitError(f"t2j.jit: got a {x.layout} tensor; t2j.jit takes dense (strided) tensors only: pass "
+                           "x.to_dense(), or the sparse tensor's index and value tensors")
         if x.device.type != "cpu":
             raise JitError(f"t2j.jit: got a tensor on {x.device}; use tensors on the jax or cpu device")
         if x.requires_grad:  # a differentiable copy: gradients reach the CPU tensor

@@ -232,7 +232,7 @@ class Tensor(torch.Tensor):
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        out = new_tensor(self._value())
+        out = new_tensor(self._value().copy())  # its own buffer: t2j.jit may donate the original's
         out.requires_grad_(self.requires_grad)
         if getattr(self, "_is_param", False):
             out._is_param = True
