@@ -425,7 +425,8 @@ def test_grouped_mm_errors():
 
 
 @pytest.mark.parametrize("name, cache", [
-    ("gpt2", "dynamic"), ("llama", "dynamic"), pytest.param("llama", "static", marks=pytest.mark.slow),
+    pytest.param("gpt2", "dynamic", marks=pytest.mark.slow), ("llama", "dynamic"),
+    pytest.param("llama", "static", marks=pytest.mark.slow),
     pytest.param("t5", "dynamic", marks=pytest.mark.slow), pytest.param("whisper", "dynamic", marks=pytest.mark.slow),
 ])
 def test_hf_generate_greedy(name, cache):

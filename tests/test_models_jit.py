@@ -51,8 +51,13 @@ def _build(name):
     raise ValueError(name)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "gemma", "mixtral", "phi", "bert", "t5",
-                                  "bart"])
+# Mistral, Qwen2, Gemma and Phi are Llama-shaped decoders: slow set only (CI keeps one of each family)
+_LLAMA_LIKE = {"mistral", "qwen2", "gemma", "phi"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _LLAMA_LIKE else n
+                                  for n in ["gpt2", "llama", "mistral", "qwen2", "gemma", "mixtral", "phi", "bert",
+                                            "t5", "bart"]])
 def test_jitted_training_matches_torch(name):
     ref = _build(name)
     model = copy.deepcopy(ref).to("jax")
@@ -196,7 +201,8 @@ def _score(out):
     return logits.pow(2).mean()
 
 
-@pytest.mark.parametrize("name", ["roberta", "distilbert", "vit", "clip", "whisper"])
+@pytest.mark.parametrize("name", ["roberta", pytest.param("distilbert", marks=pytest.mark.slow), "vit", "clip",
+                                  "whisper"])
 def test_encoders_and_multimodal_jitted_training_matches_torch(name):
     ref, _ = _encoder_or_multimodal(name, torch.Generator().manual_seed(0))
     model = copy.deepcopy(ref).to("jax")

@@ -387,7 +387,7 @@ def test_from_nnx_state_is_carried_and_visible_after_to_jax():
     wrapped = t2j.modules.from_nnx(block).to("jax")
     x = torch.from_numpy(_x(8, 4)).to("jax")
     run = t2j.jit(lambda x: wrapped(x))
-    a, b = run(x).cpu().numpy(), run(x).cpu().numpy()
+    a, b = run(x).detach().cpu().numpy(), run(x).detach().cpu().numpy()
     assert not np.array_equal(a, b), "the dropout key advances every call (train-mode BatchNorm: same params)"
     assert int(wrapped.get_buffer("jax_state.drop.rngs.count").item()) == 2
     mean = wrapped.get_buffer("jax_state.bn.mean").jax()

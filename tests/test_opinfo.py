@@ -26,7 +26,9 @@ OPS = cpu_ops()
 JIT_DTYPES = ("float32", "float16", "int64", "int32", "bool", "bfloat16", "complex64")
 # eager cases that take half a minute or more each (half-precision transposed 3-d
 # convolution rounds per kernel tap, as torch CPU does): run with the slow set
-SLOW_EAGER = {"nn.functional.conv_transpose3d|bfloat16|eager", "nn.functional.conv_transpose3d|float16|eager"}
+SLOW_EAGER = {"nn.functional.conv_transpose3d|bfloat16|eager", "nn.functional.conv_transpose3d|float16|eager",
+              "nn.functional.conv_transpose3d|complex64|eager", "istft|complex64|eager",
+              "nn.functional.ctc_loss|float32|eager", "nn.functional.interpolate.trilinear|float32|eager"}
 
 
 def cases():

@@ -186,6 +186,7 @@ def test_shard_map_with_torch_distributed_collectives():
     assert r["grad"] == [[1.0, 1.0]] * 8
 
 
+@pytest.mark.slow  # CI keeps tests/test_multihost.py's two-process save + resume, a superset
 def test_sharded_checkpoint_resume(tmp_path):
     r = run_8(f"""
         base = gpt_model()
