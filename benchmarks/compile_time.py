@@ -6,7 +6,8 @@
 For each depth, one GPT (examples/gpt.py) training step (forward, backward, AdamW)
 compiled by `t2j.jit` several ways: layers unrolled (the plain Python loop), the same
 with `t2j.use_scan_layers`, and both with remat (scan with `remat=True`; the
-unrolled one wraps each block in `t2j.checkpoint`). "stacked" is
+unrolled one wraps each block in `t2j.checkpoint`), and the hand-written JAX GPT
+(benchmarks/jax_gpt.py: same weights, optax AdamW) unrolled and scanned. "stacked" is
 ``use_scan_layers(model, stack_parameters=True)``, the layout a JAX model uses: the
 blocks' parameters live in one stacked ``nn.Parameter`` per name (12 instead of
 12 x layers), so AdamW updates 12 stacked tensors. Columns: trace time (torch code
@@ -26,14 +27,17 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import gpt  # noqa: E402
+import jax  # noqa: E402
+import jax_gpt  # noqa: E402
 
 import torch2jax as t2j  # noqa: E402
 
 
 VARIANTS = ("unrolled", "scan_layers", "unrolled + remat", "scan_layers + remat", "scan_layers stacked",
-            "scan_layers stacked + remat")
+            "scan_layers stacked + remat", "pure JAX unrolled", "pure JAX scan")
 
 
 def _checkpointed_blocks(model):
@@ -41,7 +45,38 @@ def _checkpointed_blocks(model):
         block.forward = t2j.checkpoint(block.forward)
 
 
+def measure_jax(base, variant, batches):
+    """The hand-written JAX GPT (benchmarks/jax_gpt.py) with the same weights: what JAX
+    itself gains from scanning the layers, the reference for the torch variants."""
+    scan = variant.endswith("scan")
+    step, opt = jax_gpt.train_step(base.cfg.n_head, scan)
+    params = jax_gpt.params_from_torch(base, stacked=scan)
+    state = opt.init(params)
+    jb = [(jax.numpy.asarray(x.numpy()), jax.numpy.asarray(y.numpy())) for x, y in batches]
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    t = time.perf_counter()
+    traced = jitted.trace(params, state, *jb[0])
+    trace = time.perf_counter() - t
+    t = time.perf_counter()
+    compiled = traced.lower().compile()
+    compile_s = time.perf_counter() - t
+    params, state, loss = compiled(params, state, *jb[0])
+    params, state, loss = compiled(params, state, *jb[1])
+    times = []
+    for x, y in jb[2:]:
+        t = time.perf_counter()
+        params, state, loss = compiled(params, state, x, y)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - t)
+    m = compiled.memory_analysis()
+    mem = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 2**20
+    return {"trace": trace, "compile": compile_s, "ms": statistics.median(times) * 1e3, "mem": mem, "loss": float(loss),
+            "first": trace + compile_s}
+
+
 def measure(base, variant, batches):
+    if variant.startswith("pure JAX"):
+        return measure_jax(base, variant, batches)
     model = copy.deepcopy(base).to("jax")
     if variant.startswith("scan"):
         t2j.use_scan_layers(model, remat=True if "remat" in variant else None,
