@@ -445,3 +445,48 @@ def test_mark_sharding_inside_scan_layers_on_an_8_device_mesh():
     # the constraint is in the loop body (forward and the backward's transposed constraint)
     assert r["in_loop"] >= 1
     assert r["spec"] == "P('data', 'model')"
+
+
+def test_call_jax_kernel_inside_a_scanned_body_matches_unrolled():
+    torch.manual_seed(0)
+    xs, w0 = torch.randn(4, 3), torch.randn(3, 3)
+
+    def body(w):
+        def step(h, xi):
+            h = t2j.call_jax(lambda a, b: jax.numpy.tanh(a @ b), h, w) + xi
+            return h, h.sum()
+        return step
+
+    results = []
+    for scanned in (True, False):
+        x = xs.to("jax").requires_grad_()
+        w = w0.to("jax").requires_grad_()
+        h = torch.zeros(3, device="jax")
+        if scanned:
+            h, ys = t2j.scan(body(w), h, x)
+        else:
+            outs = []
+            for i in range(4):
+                h, y = body(w)(h, x[i])
+                outs.append(y)
+            ys = torch.stack(outs)
+        (h.sum() + ys.sum()).backward()
+        results.append([h.detach().cpu(), ys.detach().cpu(), w.grad.cpu(), x.grad.cpu()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_scanned_body_writing_a_closed_over_tensor_carries_it():
+    counter = torch.zeros((), device="jax")
+    total = torch.zeros(3, device="jax")
+
+    def body(h, xi):
+        counter.add_(1)
+        total.add_(xi * counter)
+        return h + xi, h
+
+    xs = torch.arange(12.0).reshape(4, 3)
+    t2j.scan(body, torch.zeros(3, device="jax"), xs.to("jax"))
+    expected = sum(xs[i] * (i + 1) for i in range(4))
+    assert counter.item() == 4
+    torch.testing.assert_close(total.cpu(), expected)
