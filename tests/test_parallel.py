@@ -25,7 +25,7 @@ def gpt_model():
     torch.manual_seed(0)
     return gpt.GPT(gpt.GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=64))
 
-def batches(n=5, batch=8):
+def batches(n=10, batch=8):
     g = torch.Generator().manual_seed(0)
     return [(torch.randint(0, 96, (batch, 32), generator=g), torch.randint(0, 96, (batch, 32), generator=g))
             for _ in range(n)]
@@ -107,10 +107,16 @@ def test_tensor_parallel_hf_llama():
         mesh = P.make_mesh({"data": 2, "model": 4})
         losses, m, _ = train(base, mesh, P.tensor_parallel("model", fsdp_axis="data"), loss_fn=fn)
         q = m.model.layers[0].self_attn.q_proj.weight
-        print(json.dumps({"ref": ref, "tp": losses, "q": str(P.sharding_of(q).spec)}))
+        fsdp, f, _ = train(base, P.make_mesh({"data": 8}), P.fsdp("data"), loss_fn=fn)
+        fq = f.model.layers[0].self_attn.q_proj.weight
+        print(json.dumps({"ref": ref, "tp": losses, "q": str(P.sharding_of(q).spec), "fsdp": fsdp,
+                          "fsdp_shard": list(fq.jax().addressable_shards[0].data.shape)}))
     """)
+    assert len(r["ref"]) == 10
     assert r["tp"] == pytest.approx(r["ref"], abs=1e-4)
+    assert r["fsdp"] == pytest.approx(r["ref"], abs=1e-4)
     assert r["q"] == "P('model', 'data')"
+    assert r["fsdp_shard"] == [64 // 8, 64]
 
 
 def test_mark_sharding_eager_and_inside_jit_and_errors():
