@@ -190,3 +190,12 @@ def test_second_derivative_through_a_jitted_call_is_refused():
     (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)  # the cotangent 2y requires grad
     with pytest.raises(RuntimeError, match="differentiate twice"):
         g.sum().backward()
+
+
+def test_float64_outputs_one_unused_get_float64_gradients():
+    x_cpu = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    x = x_cpu.detach().to("jax").requires_grad_()
+    a, _ = t2j.jit(lambda v: (v.exp(), v * 3))(x)  # the second output gets no cotangent
+    a.sum().backward()
+    assert x.grad.dtype == torch.float64
+    torch.testing.assert_close(x.grad.cpu(), x_cpu.detach().exp(), rtol=1e-12, atol=1e-12)

@@ -622,7 +622,7 @@ class JitFunction:
         self.fn = fn
         self.donate = donate
         self.fullgraph = fullgraph
-        self._eager: set = set()  # cache keys whose calls run eagerly (the trace hit a value-dependent op)
+        self._eager: dict = {}  # cache key -> why its calls run eagerly (the trace hit a value-dependent op)
         self._warned = False
         self._cache: dict = {}  # key -> the entries traced for it, which differ only in their guards
         self._extra: list = []  # weakrefs to storages read but not found as slots
@@ -649,7 +649,7 @@ class JitFunction:
         self.stats["eager_calls"] += 1
         args, kwargs = torch_pytree.tree_unflatten(leaves, torch_pytree.tree_structure((args, kwargs)))
         out = self.fn(*args, **kwargs)
-        self._eager.add(eager.key)
+        self._eager[eager.key] = eager.reason
         if not self._warned:
             self._warned = True
             warnings.warn(
@@ -690,7 +690,7 @@ class JitFunction:
                    tuple((tuple(s.array.shape), s.array.dtype) for s in extra), torch.is_grad_enabled(),
                    torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
             if key in self._eager:
-                return _Eager(key, "a value-dependent op"), leaves, slots, storages
+                return _Eager(key, self._eager[key]), leaves, slots, storages
             entries = self._cache.get(key, ())
             entry = _guarded(entries, slots)
             if entry is not None:
@@ -1037,12 +1037,10 @@ class _Call:
 
     def backward(self, grads):
         entry = self.entry
-        cotangents = []
-        for k in entry.grad_outs:
-            g = grads[k]
-            cotangents.append(jax.numpy.zeros_like(self.outs[k]) if g is None else
-                              g._value() if isinstance(g, Tensor) else jax_array(g))
-        with jax.enable_x64(True):
+        with jax.enable_x64(True):  # a float64 output's zero cotangent stays float64
+            cotangents = [jax.numpy.zeros_like(self.outs[k]) if grads[k] is None else
+                          grads[k]._value() if isinstance(grads[k], Tensor) else jax_array(grads[k])
+                          for k in entry.grad_outs]
             return entry.differentiable.vjp(self.inputs, self.lrs, self.key, cotangents)
 
 
