@@ -396,3 +396,69 @@ def test_sparse_csr_argument_is_refused_clearly():
     csr = torch.eye(3).to_sparse_csr()
     with pytest.raises(t2j.JitError, match="sparse_csr tensor; t2j.jit takes dense"):
         t2j.jit(lambda a: a * 2)(csr)
+
+
+def test_lower_for_places_the_program_on_the_target_without_running_it():
+    import jax
+
+    model = _model().to("jax")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    @t2j.jit
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    device = jax.devices()[-1]
+    lowered = step.lower_for(device, x, y)
+    compiled = lowered.compile()
+    here = step.lower(x, y).compile().memory_analysis()
+    assert compiled.memory_analysis().argument_size_in_bytes == here.argument_size_in_bytes > 0
+    assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == {device}
+    step.lower_for(jax.sharding.SingleDeviceSharding(device), x, y)
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach().cpu(), b, rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+    with pytest.raises(t2j.JitError, match="lower_for expects a jax.Device or jax.sharding.Sharding"):
+        step.lower_for("tpu", x, y)
+
+
+def test_input_validation_in_library_code_runs_with_the_program():
+    """gaussian_nll_loss's ``if torch.any(var < 0): raise`` and clip_grad_norm_'s non-finite check
+    do not stop the trace: they are checked when the program runs, raising torch's error type."""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 2), None]
+    models[1] = copy.deepcopy(models[0]).to("jax")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+
+    def step(model, opt, x, t, var):
+        opt.zero_grad()
+        loss = F.gaussian_nll_loss(model(x), t, var)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        opt.step()
+        return loss
+
+    jitted = t2j.jit(step, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, t, var = torch.randn(8, 4, generator=gen), torch.randn(8, 2, generator=gen), torch.rand(8, 2, generator=gen)
+        expected = step(models[0], opts[0], x, t, var)
+        torch.testing.assert_close(jitted(models[1], opts[1], x, t, var).cpu(), expected)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach())
+    for fn, model, opt in ((step, models[0], opts[0]), (jitted, models[1], opts[1])):
+        with pytest.raises(ValueError, match="var has negative entry"):
+            fn(model, opt, x, t, -var)
+        with pytest.raises(RuntimeError, match="non-finite"):
+            fn(model, opt, torch.full_like(x, float("inf")), t, var)
+    # a failed check leaves the state as torch's raise does: training goes on from the same place
+    torch.testing.assert_close(jitted(models[1], opts[1], x, t, var).cpu(), step(models[0], opts[0], x, t, var))
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach())
+    assert jitted.stats["eager_calls"] == 0

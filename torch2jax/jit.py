@@ -615,6 +615,22 @@ class _Eager:
     reason: str
 
 
+def _target_sharding(target) -> jax.sharding.Sharding:
+    if isinstance(target, jax.sharding.Sharding):
+        return target
+    if isinstance(target, jax.Device):
+        return jax.sharding.SingleDeviceSharding(target)
+    raise JitError(f"t2j.jit: lower_for expects a jax.Device or jax.sharding.Sharding as its target, got "
+                   f"{type(target).__name__}")
+
+
+def _abstract_on(sharding, x):
+    # Python scalars (learning rates) stay values: they are weakly typed and have no device
+    if not isinstance(x, jax.Array):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
 class JitFunction:
     """A torch function compiled by `jit`. Call it like the function itself."""
 
@@ -664,6 +680,9 @@ class JitFunction:
 
         >>> step.lower(x, y).compile().memory_analysis().temp_size_in_bytes
         """
+        return self._lower(None, args, kwargs)
+
+    def _lower(self, target, args, kwargs) -> jax.stages.Lowered:
         leaves = [_to_device(x) for x in torch_pytree.tree_leaves((args, kwargs))]
         roots = _find_roots(self.fn, args, kwargs)
         before = _snapshot(_collect(leaves, roots, full=True), roots)
@@ -673,9 +692,23 @@ class JitFunction:
             _restore(before)  # nothing runs: state the trace created must not be left behind
         if isinstance(entry, _Eager):
             raise JitError(f"t2j.jit: there is no program to lower: the trace stopped at {entry.reason}")
+        arguments = entry.arguments([st.array for st in storages], _hyper_values(slots), _rng.key)
+        if target is not None:
+            arguments = jax.tree.map(functools.partial(_abstract_on, _target_sharding(target)), arguments)
         with jax.enable_x64(True):
-            return entry.jitted.lower(*entry.arguments([st.array for st in storages], _hyper_values(slots),
-                                                       _rng.key))
+            return entry.jitted.lower(*arguments)
+
+    def lower_for(self, target, *args, **kwargs) -> jax.stages.Lowered:
+        """As :meth:`lower`, for another device: every array the program takes (state, arguments, RNG key)
+        is placed on ``target`` (a ``jax.Device`` or ``jax.sharding.Sharding``) as an abstract value, so
+        nothing is copied and the device need not be attached. With ``jax.experimental.topologies``
+        this compiles a torch training step for a TPU from a CPU-only machine, e.g. to read its memory:
+
+        >>> from jax.experimental import topologies
+        >>> tpu = topologies.get_topology_desc("v5e:2x2", platform="tpu").devices[0]  # needs libtpu
+        >>> step.lower_for(tpu, x, y).compile().memory_analysis().temp_size_in_bytes
+        """
+        return self._lower(target, args, kwargs)
 
     def _lookup(self, args, kwargs):
         leaves, spec = torch_pytree.tree_flatten((args, kwargs))
@@ -763,7 +796,14 @@ class JitFunction:
         with jax.enable_x64(True), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             start = time.perf_counter()
-            outs, written, new, key = jitted(*arguments(inputs, _hyper_values(slots), _rng.key))
+            _sym.failed_check()  # one left by a program run outside t2j.jit is not this call's
+            try:
+                outs, written, new, key = jitted(*arguments(inputs, _hyper_values(slots), _rng.key))
+            except jax.errors.JaxRuntimeError:
+                failed = _sym.failed_check()
+                if failed is None:
+                    raise
+                raise failed from None
             if not entry.compile_s:
                 entry.compile_s = time.perf_counter() - start
                 self.stats["compiles"] += 1
@@ -791,11 +831,13 @@ class JitFunction:
         hints = _hyper_values(slots)
         pure = functools.partial(self._pure, leaves, spec, roots, slots, storages, info, hints)
         inputs = [st.array for st in storages]
+        checks = _sym.RUNTIME_CHECKS
         with jax.enable_x64(True), _capturable(roots.optimizers):
             closed = jax.make_jaxpr(pure)(inputs, hints, _rng.key)
         written = info["written"]
         n_in = len(inputs)
-        donate = tuple(written) if self.donate else ()
+        # a validation failing at run time must leave the state as it was, as torch's raise does
+        donate = tuple(written) if self.donate and _sym.RUNTIME_CHECKS == checks else ()
         flat = jaxpr_as_fun(closed)
         n_out, n_written, n_new = info["n_out"], len(written), len(info["new_storages"])
         uses_rng = info["uses_rng"]

@@ -17,9 +17,13 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import operator
+import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -27,6 +31,58 @@ import torch
 # While `t2j.jit` traces, the guards taken on numbers with a hint (see `hinted_number`):
 # a list of (replay, outcome), or None when no trace records them.
 GUARDS: list | None = None
+
+
+# Library functions whose ``if <tensor>: raise`` only validates their input, keyed by (module,
+# function): under a trace the branch is taken as not raising, and the check runs with the program,
+# raising (error type, message) at run time instead of stopping the trace.
+_VALIDATIONS = {
+    ("torch.nn.functional", "gaussian_nll_loss"): (ValueError, "var has negative entry/entries"),
+    ("torch.nn.utils.clip_grad", "_get_total_norm"): (
+        RuntimeError, "The total norm for gradients from `parameters` is non-finite, so it cannot be clipped "
+        "(clip_grad_norm_ with error_if_nonfinite=True)"),
+}
+
+
+def _validation_site():
+    """The (error type, message) of the validation in `_VALIDATIONS` that asked for ``bool()``, if any."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return _VALIDATIONS.get((frame.f_globals.get("__name__"), frame.f_code.co_name))
+
+
+# How many validations traces have moved into their programs; `t2j.jit` does not donate the
+# state of a program that has one.
+RUNTIME_CHECKS = 0
+
+# The error of the last validation that failed at run time: the program's caller raises it in place of
+# the runtime error XLA wraps it in (see `failed_check`).
+_FAILED: list = []
+
+
+def _raise_if(failed, *, error, message):
+    if failed:
+        err = error(f"{message} (checked at run time by torch2jax)")
+        _FAILED[:] = [err]
+        raise err
+
+
+def failed_check() -> Exception | None:
+    """The error of a validation moved into a program (see `_VALIDATIONS`) that failed when it ran, once."""
+    return _FAILED.pop() if _FAILED else None
+
+
+class _QuietFailedChecks(logging.Filter):
+    """JAX logs a callback's exception with its traceback; ours is raised to the caller instead."""
+
+    def filter(self, record):
+        return not (record.exc_info and _FAILED and record.exc_info[1] is _FAILED[0])
+
+
+logging.getLogger("jax._src.debugging").addFilter(_QuietFailedChecks())
 
 
 def _kind(value):
@@ -206,6 +262,14 @@ class TracedScalar:
     # -- what cannot be done with a traced value -----------------------------
 
     def _concrete(self, what, as_type):
+        site = _validation_site() if as_type is bool else None
+        if site is not None:
+            global RUNTIME_CHECKS
+            RUNTIME_CHECKS += 1
+            error, message = site
+            jax.debug.callback(functools.partial(_raise_if, error=error, message=message),
+                               jnp.asarray(self.value).astype(bool))
+            return False
         if self.replay is not None and GUARDS is not None:
             outcome = as_type(self.hint)
             GUARDS.append((self.replay, as_type, outcome))
