@@ -2,7 +2,7 @@
 would; see tests/test_opinfo.py), per dtype, with the failures grouped by cause.
 
     python tools/opinfo_t2j_jit.py [--jobs 2] [--dtype float32 ...] [--timeout 120]
-                                   [--out docs/opinfo_t2j_jit.json] [name-substring ...]
+                                   [--every N --offset K] [--out docs/opinfo_t2j_jit.json] [name-substring ...]
 
 Samples run in-process in worker processes (one per job, ops sharded among them);
 a worker that crashes or hangs is restarted after the case it was running, which
@@ -233,6 +233,7 @@ def main():
     ap.add_argument("--timeout", type=int, default=120, help="seconds one sample may take")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--every", type=int, default=1, help="only every n-th op (a sample of the op_db)")
+    ap.add_argument("--offset", type=int, default=0, help="with --every: start at the op with this index")
     ap.add_argument("filters", nargs="*", help="op-name substrings")
     args = ap.parse_args()
     if args.worker:
@@ -242,7 +243,7 @@ def main():
     import test_opinfo as T
 
     dtypes = args.dtype or list(DTYPES)
-    names = sorted(T.OPS)[:: args.every]
+    names = sorted(T.OPS)[args.offset:: args.every]
     cases = [
         [name, dname] for name in names for dname in dtypes
         if (not args.filters or any(f in name for f in args.filters))
@@ -254,7 +255,7 @@ def main():
 
     def save():
         with open(args.out + ".tmp", "w") as f:
-            json.dump({"dtypes": dtypes, "every": args.every, "summary": summarize(rows), "rows": rows}, f, indent=1)
+            json.dump({"dtypes": dtypes, "every": args.every, "offset": args.offset, "summary": summarize(rows), "rows": rows}, f, indent=1)
         os.replace(args.out + ".tmp", args.out)
 
     def log(msg):
