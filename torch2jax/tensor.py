@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.fx.experimental.proxy_tensor as _proxy_tensor
 
 from . import device as _device
 from . import dtypes as _dt
@@ -246,6 +247,13 @@ class Tensor(torch.Tensor):
         # jax device (torch2jax/dynamo.py); AOTAutograd's backward calls this to accept
         # a jax tensor where it traced a plain one.
         return self if expected_type is torch.Tensor else None
+
+
+# make_fx (behind torch.func.linearize, functionalize and export tracing) treats a tensor type
+# it does not know as a subclass to desugar first and leaves ops on it untraced, so a jax
+# tensor the traced function closes over became a constant with the ops on it folded away.
+# A jax tensor is a dense tensor on a device, traced like a CPU or CUDA one.
+_proxy_tensor.HANDLED_TYPES = (*_proxy_tensor.HANDLED_TYPES, Tensor)
 
 
 def _dispatch(func, args, kwargs):

@@ -17,7 +17,8 @@ import torch
 
 from .. import dtypes as _dt
 from ..tensor import Tensor
-from .registry import canonical_dim, canonical_dims, register, view
+from ..dispatch import _storage_numel
+from .registry import canonical_dim, canonical_dims, decomposition, register, view
 
 aten = torch.ops.aten
 
@@ -348,6 +349,34 @@ def expand(x, size, implicit=False):
 
 
 register(aten.expand_copy.default)(expand)
+
+
+# -- storage metadata (forward-mode AD's tangent layout) -----------------------
+
+
+@decomposition(aten._has_same_storage_numel.default)
+def has_same_storage_numel(base, other):
+    """Whether two tensors' storages hold as many elements (``make_dual`` asks it of a
+    tangent); a question about metadata, answered from the storages' static shapes."""
+    return _storage_numel(base) == _storage_numel(other)
+
+
+@decomposition(aten._new_zeros_with_same_feature_meta.default)
+def new_zeros_with_same_feature_meta(self, other, *, self_num_batch_dims=0):
+    """Zeros laid out like ``other`` (its sizes, strides and storage size), behind
+    ``self``'s first ``self_num_batch_dims`` dimensions: the storage forward-mode AD copies a
+    tangent into so that it mirrors its primal's layout."""
+    numel = _storage_numel(other)
+    if self_num_batch_dims == 0:
+        zeros = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        return zeros.as_strided(other.shape, other.stride(), other.storage_offset())
+    batch = self.shape[:self_num_batch_dims]
+    strides = []
+    for size in reversed(batch):
+        strides.insert(0, numel)
+        numel *= size
+    zeros = torch.zeros(numel, dtype=other.dtype, device=other.device)
+    return zeros.as_strided((*batch, *other.shape), (*strides, *other.stride()), other.storage_offset())
 
 
 def is_traced(t):
