@@ -150,6 +150,18 @@ class _State:
         return [t._t2j_storage.array for t in self.tensors]
 
 
+class _BodyCapture(_Capture):
+    """A jit trace's capture, except that a tensor holding a tracer of an enclosing trace
+    (a jitted step's parameter read by a checkpointed block or a loop body) is unknown
+    too: added to the state, it is an input of the body's program and gets its gradient,
+    where a closed-over tracer would be a constant to torch's autograd."""
+
+    def read(self, t):
+        st = t._t2j_storage
+        if id(st) not in self.inputs and st not in self.new:
+            self.unknown[id(st)] = t
+
+
 class _Installed:
     """Within the block, the state's storages hold the given arrays (tracers of the
     body); a read of any other tensor the body did not create is recorded and ends
@@ -164,7 +176,7 @@ class _Installed:
             st.array = a
             st.version += 1
         self.outer = _tensor.CAPTURE
-        self.capture = _tensor.CAPTURE = _Capture(self.state.storages)
+        self.capture = _tensor.CAPTURE = _BodyCapture(self.state.storages)
         return self
 
     def new_values(self):
