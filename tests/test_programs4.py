@@ -1055,6 +1055,122 @@ def _p_grad_through_inplace_views_and_version_counter(device, wrap):
     return h.detach(), w.grad, a.grad, errors
 
 
+def _p_saved_tensors_hooks_and_save_on_cpu(device, wrap):
+    """saved_tensors_hooks that pack saved activations in half precision (unpacked to float) and
+    save_on_cpu offloading change what backward reads exactly as on torch CPU."""
+    model = _mlp(device)
+    x, y = _batches(1, device)[0]
+    packed = []
+
+    def pack(t):
+        packed.append((t.dtype, tuple(t.shape)))
+        return t.to(torch.float16), t.dtype
+
+    def unpack(saved):
+        t, dtype = saved
+        return t.to(dtype)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        loss = _ce(model, x, y)
+    loss.backward()
+    half_grads = _grads(model)
+    model.zero_grad()
+    with torch.autograd.graph.save_on_cpu():
+        loss2 = _ce(model, x, y)
+    loss2.backward()
+    return loss, half_grads, loss2, _grads(model), packed
+
+
+def _p_squashed_gaussian_policy_log_probs(device, wrap):
+    """A SAC-style tanh-squashed Gaussian policy (TransformedDistribution with Tanh and Affine
+    transforms): log_prob of given actions with its gradients, and log_prob/cdf/icdf of
+    StudentT, Laplace, Gumbel, Poisson, Exponential and Uniform."""
+    g = _gen(0)
+    obs = torch.randn(5, 4, generator=g).to(device)
+    actions = (torch.rand(5, 2, generator=g) * 1.8 - 0.9).to(device)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 4).to(device)
+
+    def policy_log_prob(obs, actions):
+        mu, log_std = net(obs).chunk(2, -1)
+        base = D.Normal(mu, log_std.clamp(-5, 2).exp())
+        dist = D.TransformedDistribution(base, [D.TanhTransform(cache_size=1), D.AffineTransform(0.0, 2.0)])
+        return D.Independent(dist, 1).log_prob(actions * 2.0)
+
+    lp = policy_log_prob(obs, actions)
+    (-lp.mean()).backward()
+    v = obs[:, 0]
+    others = {
+        "studentT": D.StudentT(3.0, v, 2.0).log_prob(v * 2),
+        "laplace": (D.Laplace(v, 0.5).log_prob(v + 1), D.Laplace(v, 0.5).cdf(v + 1), D.Laplace(0.0, 1.0).icdf(
+            torch.tensor([0.1, 0.5, 0.9]).to(device))),
+        "gumbel": D.Gumbel(v, 2.0).log_prob(v.flip(0)),
+        "poisson": D.Poisson(v.exp()).log_prob(torch.tensor([0.0, 1.0, 2.0, 3.0, 7.0]).to(device)),
+        "exponential": (D.Exponential(v.exp()).log_prob(v.abs()), D.Exponential(v.exp()).cdf(v.abs())),
+        "uniform": (D.Uniform(-1.0, v.abs() + 1).log_prob(v.clamp(-0.5, 0.5)), D.Uniform(v.new_tensor(-1.0), v.new_tensor(2.0)).entropy()),
+        "normal_icdf": D.Normal(v, 2.0).icdf(torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95]).to(device)),
+    }
+    return lp.detach(), _grads(net), others
+
+
+def _p_functionalize_and_vmap_over_inplace(device, wrap):
+    """torch.func.functionalize of a function with in-place updates on views, vmap over a
+    function that writes its (batched) input in place, and jacrev with chunk_size."""
+    from torch.func import functionalize, jacrev, vmap
+
+    x = _randn(3, 4, device=device)
+
+    def f(x):
+        y = x.clone()
+        y[:, 1:].mul_(2)
+        y.t()[0].add_(1)
+        return y.relu_()
+
+    def g(row):
+        out = row * 1.0
+        out[::2] = -out[::2]
+        out.add_(row.sum())
+        return out
+
+    return (functionalize(f)(x), vmap(g)(x), jacrev(lambda v: v.cumsum(0) * v, chunk_size=2)(x[0]),
+            vmap(lambda r: r.clone().index_add_(0, torch.tensor([0, 0]).to(r.device), r[:2]))(x))
+
+
+def _p_anomaly_detection_finds_nan_backward(device, wrap):
+    """detect_anomaly raises torch's error naming the backward that produced NaN (sqrt at zero
+    times zero), and a clean model trains under it unchanged."""
+    x = torch.tensor([0.0, 1.0, 4.0]).to(device).requires_grad_()
+    with torch.autograd.detect_anomaly(check_nan=True):
+        try:
+            (x.sqrt() * 0 * torch.tensor([float("inf"), 1.0, 1.0]).to(device)).sum().backward()
+            err = None
+        except RuntimeError as e:
+            err = ("returned nan values" in str(e), "Backward0" in str(e))
+        model = _mlp(device)
+        xb, yb = _batches(1, device)[0]
+        _ce(model, xb, yb).backward()
+    return err, _grads(model)
+
+
+def _p_global_backward_and_pre_hooks(device, wrap):
+    """Global module hooks: register_module_forward_pre_hook scaling every Linear's input and
+    register_module_full_backward_hook recording grad_output norms, both removed afterwards."""
+    from torch.nn.modules.module import register_module_forward_pre_hook, register_module_full_backward_hook
+
+    model = _mlp(device)
+    x, y = _batches(1, device)[0]
+    norms = []
+    pre = register_module_forward_pre_hook(lambda m, i: (i[0] * 0.5,) if isinstance(m, nn.Linear) else None)
+    back = register_module_full_backward_hook(lambda m, gi, go: norms.append((type(m).__name__, go[0].norm())))
+    try:
+        loss = _ce(model, x, y)
+        loss.backward()
+    finally:
+        pre.remove()
+        back.remove()
+    return loss, _grads(model), norms, _ce(model, x, y)
+
+
 # -- programs list --------------------------------------------------------------------------
 
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
