@@ -462,3 +462,34 @@ def test_input_validation_in_library_code_runs_with_the_program():
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach())
     assert jitted.stats["eager_calls"] == 0
+
+
+def test_cpu_arguments_keep_64_bit_dtypes():
+    big = torch.tensor([3, -5]) * 2**40
+    wide = torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+    @t2j.jit
+    def f(i, d):
+        return i + 1, d + 1e-12, i.dtype, d.dtype
+
+    i, d, idtype, ddtype = f(big, wide)
+    assert (idtype, ddtype) == (torch.int64, torch.float64)
+    torch.testing.assert_close(i.cpu(), big + 1, rtol=0, atol=0)
+    torch.testing.assert_close(d.cpu(), wide + 1e-12, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("indices", [torch.tensor([2, 5]), torch.tensor(3)], ids=["indices", "sections"])
+def test_tensor_split_with_index_tensor(indices):
+    """torch takes the indices of tensor_split as a CPU tensor; t2j.jit moves CPU arguments to
+    the jax device, where they are read as torch reads them (a traced one breaks the graph)."""
+    x = torch.arange(20.0).reshape(10, 2)
+    expected = torch.tensor_split(x, indices)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = t2j.jit(lambda x, i: torch.tensor_split(x, i))(x, indices)
+    for pieces in (got, torch.tensor_split(x.to("jax"), indices.to("jax")), torch.tensor_split(x.to("jax"), indices)):
+        assert len(pieces) == len(expected)
+        for a, b in zip(pieces, expected):
+            torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="tensor_split expected tensor_indices_or_sections to have dtype of long"):
+        torch.tensor_split(x.to("jax"), indices.float())

@@ -248,15 +248,6 @@ def _set_opt_state(opt, p, key, t):
     opt.state[p][key] = t
 
 
-def _make_capturable(opt) -> None:
-    """Keep every state tensor of ``opt`` on the jax device (a step counter on the
-    CPU would be incremented once per trace, not once per call)."""
-    for st in opt.state.values():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and not isinstance(v, Tensor):
-                st[k] = v.to(_tensor.DEVICE)
-
-
 @contextlib.contextmanager
 def _capturable(optimizers):
     """While tracing, the optimizers' ``capturable`` form: step counters are device
@@ -356,22 +347,33 @@ class _Walk:
     def roots(self, roots: _Roots):
         for i, t in enumerate(roots.tensors):
             self.add(t, ("captured", i))
+        # the loops below run on every call, over every parameter: origins are built only when full
+        full, tensors, grads_seen = self.full, self.tensors, self.grads_seen
         for k, m in enumerate(roots.modules):
             subs = list(m.modules())
             self.static.append((("module", k, "training"), tuple(sub.training for sub in subs)))
             for sub in subs:
                 for name, p in sub._parameters.items():
-                    self.add(p, ("param", m, sub, name))
-                    if p is not None:
-                        self.add_grad(p, ("param", m, sub, name))
+                    if full:
+                        self.add(p, ("param", m, sub, name))
+                        if p is not None:
+                            self.add_grad(p, ("param", m, sub, name))
+                        continue
+                    tensors.append(p)
+                    if p is not None and p.requires_grad and (p.is_leaf or p.retains_grad) and id(p) not in grads_seen:
+                        grads_seen.add(id(p))
+                        tensors.append(p.grad)
                 for name, b in sub._buffers.items():
-                    self.add(b, ("buffer", m, sub, name))
+                    if full:
+                        self.add(b, ("buffer", m, sub, name))
+                    else:
+                        tensors.append(b)
         for k, opt in enumerate(roots.optimizers):
             self.optimizer(k, opt)
         return self
 
     def optimizer(self, k, opt):
-        _make_capturable(opt)
+        full, tensors, grads_seen, static = self.full, self.tensors, self.grads_seen, self.static
         for gi, group in enumerate(opt.param_groups):
             hyper = []
             for hk, hv in sorted(group.items()):
@@ -388,21 +390,32 @@ class _Walk:
                                   tuple(_LIFTED if i in parts else v for i, v in enumerate(hv))))
                 else:
                     hyper.append((hk, hv))
-            self.static.append((("optimizer", k, "param_groups", gi), tuple(hyper)))
+            static.append((("optimizer", k, "param_groups", gi), tuple(hyper)))
+            state = opt.state
             for pi, p in enumerate(group["params"]):
-                self.add_grad(p, ("opt_param", opt, k, gi, pi))
-                st = opt.state.get(p)
+                if full:
+                    self.add_grad(p, ("opt_param", opt, k, gi, pi))
+                elif p.requires_grad and (p.is_leaf or p.retains_grad) and id(p) not in grads_seen:
+                    grads_seen.add(id(p))
+                    tensors.append(p.grad)
+                st = state.get(p)
                 if st is None:
-                    self.static.append((("optimizer", k, "state", gi, pi), None))
+                    static.append((("optimizer", k, "state", gi, pi), None))
                     continue
                 values = []
                 for sk, sv in sorted(st.items()):
                     if isinstance(sv, torch.Tensor):
-                        self.add(sv, ("opt_state", opt, k, pi, p, sk))
+                        if not isinstance(sv, Tensor):
+                            # capturable: a step counter on the CPU would count traces, not calls
+                            sv = st[sk] = sv.to(_tensor.DEVICE)
+                        if full:
+                            self.add(sv, ("opt_state", opt, k, pi, p, sk))
+                        else:
+                            tensors.append(sv)
                         values.append(sk)
                     else:
                         values.append((sk, sv))
-                self.static.append((("optimizer", k, "state", gi, pi), tuple(values)))
+                static.append((("optimizer", k, "state", gi, pi), tuple(values)))
 
     def lift(self, group, k, gi, hk, ti):
         self.lifted.append((group, hk, ti))
@@ -474,6 +487,8 @@ class _RootState:
         self.storage_of = [t._t2j_storage if t is not None else None for t in walk.tensors]
         self.flags = _flags(walk.tensors)
         self.avals = _avals(self.storages)
+        self.arrays = [st.array for st in self.storages]
+        self.key = _Key((tuple(self.sig), tuple(self.avals), tuple(walk.static), tuple(walk.lifted_ids)))
 
     def matches(self, walk: _Walk) -> bool:
         ts = walk.tensors
@@ -484,7 +499,32 @@ class _RootState:
         storages = [t._t2j_storage if t is not None else None for t in ts]
         if not all(map(_is, storages, self.storage_of)):
             return False
-        return _flags(ts) == self.flags and _avals(self.storages) == self.avals
+        if _flags(ts) != self.flags:
+            return False
+        # an array this state has seen has the shape and dtype it had then
+        arrays = [st.array for st in self.storages]
+        if not all(map(_is, arrays, self.arrays)):
+            if _avals(self.storages) != self.avals:
+                return False
+            self.arrays = arrays
+        return True
+
+    def remember_arrays(self):
+        self.arrays = [st.array for st in self.storages]
+
+
+def _same_aval(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype
+
+
+class _Key(tuple):
+    """A cache key part that is built once and looked up on every call: its hash is kept."""
+
+    def __hash__(self):
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
 
 
 def _is(a, b):
@@ -532,9 +572,9 @@ def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None =
     args = _Walk(full, state.grads_seen).args(args_leaves)
     _check_on_device(args, prefixes)
     storages, index = list(state.storages), dict(state.index)
-    sig = state.sig + [_signature(t, storages, index) for t in args.tensors]
-    avals = tuple(state.avals) + tuple((st.array.shape, st.array.dtype) for st in storages[len(state.storages):])
-    key = (tuple(sig), avals, tuple(walk.static), tuple(walk.lifted_ids))
+    sig = tuple(_signature(t, storages, index) for t in args.tensors)
+    avals = tuple((st.array.shape, st.array.dtype) for st in storages[len(state.storages):])
+    key = (state.key, sig, avals)
     tensors = walk.tensors + args.tensors
     setters, names = [], []
     if full:
@@ -598,6 +638,7 @@ class _Entry:
     diff: list  # (storage index, slot index) per storage whose slot tensor requires grad; [] if not differentiable
     compile_s: float = 0.0
     differentiable: object = None  # the `_Differentiable` programs, made on first use
+    keeps_avals: bool = False  # every state array it writes has the shape and dtype it had
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -736,7 +777,7 @@ class JitFunction:
             else:
                 self._log("a branch it took on an optimizer hyperparameter (e.g. `if momentum != 0`) "
                           "goes the other way with the new values")
-            new = [h for h in key[2][3] if h[2] != "lr" and h not in self._hypers.proven]
+            new = [h for h in _key_parts(key[2])[3] if h[2] != "lr" and h not in self._hypers.proven]
             try:
                 entry = self._trace(leaves, spec, roots, slots, storages)
             except _Retrace as r:
@@ -819,6 +860,9 @@ class JitFunction:
             _rng.key = key
         for setter, target in entry.post:
             setter(slots.tensors[target] if isinstance(target, int) else target)
+        if entry.keeps_avals and self._roots_memo:
+            # the next call's lookup then finds these arrays unchanged instead of reading every shape
+            self._roots_memo[0].remember_arrays()
         return outs
 
     # -- tracing ----------------------------------------------------------------
@@ -865,9 +909,11 @@ class JitFunction:
         # as in torch, a tensor no output depends on gets no gradient (None), not zeros
         reached = _inputs_reaching(closed.jaxpr, info["grad_outs"]) if info["diff"] else set()
         diff = [(i, k) for i, k in info["diff"] if i in reached]
+        out_avals = closed.out_avals[n_out:n_out + n_written]
+        keeps = all(_same_aval(closed.in_avals[i], a) for i, a in zip(written, out_avals))
         return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
                       info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start, info["guards"],
-                      program, info["grad_outs"], diff)
+                      program, info["grad_outs"], diff, keeps_avals=keeps)
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, key):
         saved = [(st, st.array) for st in storages]
@@ -1220,6 +1266,12 @@ def _label(key) -> str:
     return f"optimizer #{k} param_groups[{where[0]}] hyperparameters"
 
 
+def _key_parts(slots_key):
+    """(signatures, avals, static values, lifted hyperparameters) of all slots, from a `_Slots` key."""
+    (sig, avals, static, lifted), args_sig, args_avals = slots_key
+    return sig + args_sig, avals + args_avals, static, lifted
+
+
 def _diff(old, old_names, new, new_names):
     """Why key ``new`` missed the cache, compared with ``old`` (the latest entry)."""
     (ospec, ostatic, oslots, *orest), (nspec, nstatic, nslots, *nrest) = old, new
@@ -1229,6 +1281,7 @@ def _diff(old, old_names, new, new_names):
         if a != b:
             return f"static argument {i} changed: {a!r} -> {b!r}"
     reasons = []
+    oslots, nslots = _key_parts(oslots), _key_parts(nslots)
     # the storage index only says which slots alias each other: compared last
     osig = {n: _unindexed(g) for n, g in zip(old_names, oslots[0])}
     nsig = {n: _unindexed(g) for n, g in zip(new_names, nslots[0])}

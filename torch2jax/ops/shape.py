@@ -403,3 +403,20 @@ def narrow_tensor(x, dim, start, length):
 
 _library = torch.library.Library("aten", "IMPL")
 _library.impl("narrow.Tensor", narrow_tensor, "AutogradPrivateUse1")
+
+
+def tensor_split_tensor(x, indices_or_sections, dim=0):
+    """The AutogradPrivateUse1 kernel of aten::tensor_split.tensor_indices_or_sections. torch
+    wants the indices (or the number of sections) on the CPU and reads them with ``tolist()``;
+    here they may also be on the jax device (where `t2j.jit` puts a CPU argument) and are read
+    the same way, so while they are traced the trace stops (the pieces' sizes depend on them)."""
+    t = indices_or_sections
+    if t.dtype != torch.long:
+        raise RuntimeError(f"tensor_split expected tensor_indices_or_sections to have dtype of long, but got {t.dtype}")
+    if t.dim() > 1:
+        raise RuntimeError("tensor_split expected tensor_indices_or_sections to be a zero-dimensional or "
+                           f"one-dimensional tensor, but got a tensor with {t.dim()} dims")
+    return torch.tensor_split(x, t.item() if t.dim() == 0 else t.tolist(), dim)
+
+
+_library.impl("tensor_split.tensor_indices_or_sections", tensor_split_tensor, "AutogradPrivateUse1")
