@@ -493,3 +493,16 @@ def test_tensor_split_with_index_tensor(indices):
             torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="tensor_split expected tensor_indices_or_sections to have dtype of long"):
         torch.tensor_split(x.to("jax"), indices.float())
+
+
+def test_explain_recompiles_names_grad_mode_and_autocast():
+    model = _model().to("jax")
+    f = t2j.jit(lambda x: model(x))
+    x = torch.randn(2, 8)
+    f(x)
+    with torch.no_grad():
+        f(x)
+    assert "grad mode: True -> False" in t2j.explain_recompiles()[-1]
+    with torch.no_grad(), torch.autocast("jax", dtype=torch.bfloat16):
+        f(x)
+    assert "autocast (enabled, dtype): (False, torch.float16) -> (True, torch.bfloat16)" in t2j.explain_recompiles()[-1]

@@ -1295,8 +1295,11 @@ def _diff(old, old_names, new, new_names):
     for name in list(dict.fromkeys(list(ostat) + list(nstat))):
         if ostat.get(name, _MISSING) != nstat.get(name, _MISSING):
             reasons.append(f"{_label(name)}: {ostat.get(name, 'absent')!r} -> {nstat.get(name, 'absent')!r}")
-    if orest[-1] != nrest[-1]:
-        reasons.append(f"grad mode: {orest[-1]} -> {nrest[-1]}")
+    # the key ends with: grad mode, autocast enabled, autocast dtype
+    if orest[-3] != nrest[-3]:
+        reasons.append(f"grad mode: {orest[-3]} -> {nrest[-3]}")
+    if orest[-2:] != nrest[-2:]:
+        reasons.append(f"autocast (enabled, dtype): {tuple(orest[-2:])} -> {tuple(nrest[-2:])}")
     if not reasons and oslots[1] != nslots[1]:
         reasons.append("the shapes or dtypes of captured storages changed")
     if not reasons and orest != nrest:
