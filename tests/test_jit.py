@@ -28,12 +28,8 @@ def _model():
     return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
 
 
-def _train(device, make_opt, steps=20, jit=False, scheduler=True):
-    model = _model().to(device)
-    opt = make_opt(model.parameters())
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if scheduler else None
-    gen = torch.Generator().manual_seed(1)
-    data = [(torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)) for _ in range(steps)]
+def _classifier_step(model, opt):
+    """One training step of a classifier: zero_grad, cross-entropy, backward, optimizer step."""
 
     def step(x, y):
         opt.zero_grad()
@@ -42,6 +38,17 @@ def _train(device, make_opt, steps=20, jit=False, scheduler=True):
         opt.step()
         return loss
 
+    return step
+
+
+def _train(device, make_opt, steps=20, jit=False, scheduler=True):
+    model = _model().to(device)
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if scheduler else None
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)) for _ in range(steps)]
+
+    step = _classifier_step(model, opt)
     if jit:
         step = t2j.jit(step)
     losses = []
@@ -403,15 +410,7 @@ def test_lower_for_places_the_program_on_the_target_without_running_it():
 
     model = _model().to("jax")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-
-    @t2j.jit
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = t2j.jit(_classifier_step(model, opt))
     x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
     before = [p.detach().cpu().clone() for p in model.parameters()]
     device = jax.devices()[-1]
