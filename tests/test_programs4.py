@@ -1347,10 +1347,6 @@ XFAIL = {
         "t2j.jit collects the meta-device template module that functional_call runs (stack_module_state's "
         "recipe) as state and refuses it as not on the jax device (torch2jax/jit.py _check_on_device); "
         "meta tensors hold no data and should be skipped",
-    ("checkpoint_forward_draws_like_the_plain_block", False):
-        "t2j's checkpoint (torch2jax/control_flow.py) runs the block on a key split off the global one "
-        "(_rng.next_key()), not on the global key's own stream, so its dropout masks differ from the plain "
-        "block's under the same seed; matching needs the body's final key carried out of its program",
     ("hook_captures_activation_inside_checkpoint", False):
         "torch.utils.checkpoint on jax tensors runs the block inside jax.checkpoint (torch2jax/control_flow.py), "
         "so a tensor a hook stores from inside the block is a leaked tracer (UnexpectedTracerError on use)",

@@ -640,7 +640,11 @@ def checkpoint(fn, *, policy=None):
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         leaves, spec, pos = _flatten((args, kwargs))
-        key = _rng.next_key()
+        # the block draws from the head of the generator's stream, which then skips its draws:
+        # its dropout masks are the plain block's under the same seed, as torch's checkpoint
+        # runs the forward on the global generator
+        key = _rng.stream_key()
+        draws = [0]
 
         def attempt(state):
             out_struct = _Structure()
@@ -652,7 +656,9 @@ def checkpoint(fn, *, policy=None):
                 def f(inputs, state_a):
                     def call():
                         a, k = _rebuild(leaves, spec, pos, inputs)
-                        return out_struct.flatten(fn(*a, **k), "checkpointed output")
+                        out = out_struct.flatten(fn(*a, **k), "checkpointed output")
+                        draws[0] = _rng.draws
+                        return out
 
                     out, new_state, _ = _run_body(state, list(state_a), carried, key, call)
                     return out, new_state
@@ -665,7 +671,9 @@ def checkpoint(fn, *, policy=None):
             _write_back(state, carried, outs[n:])
             return _rewrap(out_struct, outs[:n])
 
-        return _with_state(fn, attempt)
+        result = _with_state(fn, attempt)
+        _rng.skip(draws[0])
+        return result
 
     return wrapped
 

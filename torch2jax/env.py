@@ -112,6 +112,7 @@ class RngState:
     def __init__(self, seed: int):
         self.seed(seed)
         self._traced = None
+        self.draws = 0  # draws from the traced key in the innermost `traced_key` block
 
     def seed(self, seed: int) -> None:
         self.initial_seed = int(seed)
@@ -131,6 +132,7 @@ class RngState:
     def next_key(self):
         if self._traced is not None:
             self._traced, sub = jax.random.split(self._traced)
+            self.draws += 1
             return sub
         if not _trace_state_clean():
             raise RuntimeError(
@@ -148,14 +150,24 @@ class RngState:
     def traced_key(self, key):
         """Draw from ``key`` (usually a tracer) inside the block; ``block.key`` is the
         key after the last draw, to be carried to the next call."""
-        outer = self._traced
+        outer, outer_draws = self._traced, self.draws
         box = _KeyBox(key)
-        self._traced = key
+        self._traced, self.draws = key, 0
         try:
             yield box
         finally:
             box.key = self._traced
-            self._traced = outer
+            self._traced, self.draws = outer, outer_draws
+
+    def stream_key(self):
+        """The key the next draw splits: the traced key inside a trace, else the stored one.
+        A block traced with it (`traced_key`) that draws ``n`` times and is followed by
+        ``skip(n)`` draws what the same ops run one by one would."""
+        return self._traced if self._traced is not None else self.key
+
+    def skip(self, n: int) -> None:
+        for _ in range(n):
+            self.next_key()
 
 
 class _KeyBox:
