@@ -57,3 +57,11 @@ def test_scan_layers_example_matches_unrolled():
 def test_torch_compile_example_trains():
     out = _run("torch_compile.py")
     assert float(re.search(r"final loss ([\d.]+)", out).group(1)) < 0.1
+
+
+@pytest.mark.slow  # ~20 s; the offload mechanisms themselves are tested by default in tests/test_offload.py
+def test_host_offload_example_trains_like_saving_on_the_device():
+    out = _run("host_offload.py", "--layers", "2", "--embd", "32", "--seq", "16", "--batch", "2", "--steps", "2")
+    assert float(re.search(r"max loss difference between the two: (\S+)", out).group(1)) < 1e-5
+    assert "EMA weights live in memory kind 'pinned_host'" in out
+    assert float(re.search(r"activations moved to host per step: (\S+) MiB", out).group(1)) > 0
