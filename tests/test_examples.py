@@ -65,3 +65,10 @@ def test_host_offload_example_trains_like_saving_on_the_device():
     assert float(re.search(r"max loss difference between the two: (\S+)", out).group(1)) < 1e-5
     assert "EMA weights live in memory kind 'pinned_host'" in out
     assert float(re.search(r"activations moved to host per step: (\S+) MiB", out).group(1)) > 0
+
+
+@pytest.mark.slow
+def test_export_example_runs_the_deserialized_program_at_several_shapes():
+    out = _run("export_stablehlo.py")
+    diffs = [float(d) for d in re.findall(r"max difference to torch (\S+)", out)]
+    assert len(diffs) == 3 and max(diffs) < 1e-4

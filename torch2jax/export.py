@@ -25,6 +25,8 @@ program for every size in range::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import copy
 import inspect
 
@@ -86,9 +88,26 @@ def _export_jitted(run, state, arg_specs, platforms):
     """`jax.export` of ``run(state, key, *args)``. The state's specs are its arrays' own
     dtypes (int64 buffers of a module on the jax device stay int64); the arguments'
     follow JAX's defaults where they were made (int64 ids are int32 without x64)."""
+    def plain_run(state, key, *args):
+        out, buffers, key = run(state, key, *args)
+        return _plain(out), buffers, key
+
     with jax.enable_x64(True):
         state_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-        return jax_export.export(jax.jit(run), platforms=platforms)(state_specs, _key_spec(), *arg_specs)
+        return jax_export.export(jax.jit(plain_run), platforms=platforms)(state_specs, _key_spec(), *arg_specs)
+
+
+def _plain(tree):
+    """``tree`` with its containers made plain dicts, tuples and lists: an HF ``ModelOutput``
+    (a dict of its fields that are set) or a named tuple would otherwise need its class
+    registered wherever the serialized program is loaded, which may have no torch."""
+    if isinstance(tree, Mapping):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_plain(v) for v in tree)
+    if isinstance(tree, list):
+        return [_plain(v) for v in tree]
+    return tree
 
 
 def _key_spec():

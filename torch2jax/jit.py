@@ -1191,7 +1191,8 @@ def _to_device(x):
             raise JitError(f"t2j.jit: got a tensor on {x.device}; use tensors on the jax or cpu device")
         if x.requires_grad:  # a differentiable copy: gradients reach the CPU tensor
             return x.to(_tensor.DEVICE)
-        return new_tensor(jax_array(x))
+        with jax.enable_x64(True):  # int64 / float64 arguments stay 64-bit, as torch has them
+            return new_tensor(jax_array(x))
     return x
 
 

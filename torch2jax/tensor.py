@@ -310,11 +310,9 @@ def jax_array(t: torch.Tensor):
         t = t.contiguous()
     dtype = _dt.to_jax(t.dtype)
     if t.dtype in (torch.bfloat16, torch.uint16, torch.uint32, torch.uint64) or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
-        value = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize]).numpy().view(dtype)
-    else:
-        value = t.numpy()
-    with jax.enable_x64(True):  # int64 / float64 stay 64-bit whatever the caller's mode
-        return jnp.asarray(value)
+        bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize]).numpy()
+        return jnp.asarray(bits.view(dtype))
+    return jnp.asarray(t.numpy())
 
 
 def from_torch_cpu(t: torch.Tensor) -> Tensor:
