@@ -505,3 +505,21 @@ def test_explain_recompiles_names_grad_mode_and_autocast():
     with torch.no_grad(), torch.autocast("jax", dtype=torch.bfloat16):
         f(x)
     assert "autocast (enabled, dtype): (False, torch.float16) -> (True, torch.bfloat16)" in t2j.explain_recompiles()[-1]
+
+
+def test_state_reached_through_default_arguments_is_carried():
+    model = _model().to("jax")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def step(x, y, model=model, opt=opt):
+        return _classifier_step(model, opt)(x, y)
+
+    jitted = t2j.jit(step)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    for _ in range(2):
+        jitted(x, y)
+        _classifier_step(reference, ref_opt)(x.to("jax"), y.to("jax"))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach().cpu())

@@ -1344,10 +1344,6 @@ FAST = {
     ("checkpoint_dropout_recompute_consistency", False),
 }
 XFAIL = {
-    ("func_ensemble_training_stacked_params", True):
-        "t2j.jit collects the meta-device template module that functional_call runs (stack_module_state's "
-        "recipe) as state and refuses it as not on the jax device (torch2jax/jit.py _check_on_device); "
-        "meta tensors hold no data and should be skipped",
     ("hook_captures_activation_inside_checkpoint", False):
         "torch.utils.checkpoint on jax tensors runs the block inside jax.checkpoint (torch2jax/control_flow.py), "
         "so a tensor a hook stores from inside the block is a leaked tracer (UnexpectedTracerError on use)",

@@ -109,7 +109,8 @@ class _Roots:
             return
         if isinstance(obj, torch.nn.Module):
             self._seen.add(id(obj))
-            self.modules.append(obj)
+            if not _on_meta(obj):  # a template holds no state (torch.func.functional_call's base)
+                self.modules.append(obj)
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
             self.optimizers.append(obj)
@@ -153,10 +154,17 @@ class _Roots:
                     self.add(cell.cell_contents, depth)
                 except ValueError:  # an empty cell
                     pass
+        self.add(fn.__defaults__, depth)
+        self.add(fn.__kwdefaults__, depth)
         g = fn.__globals__
         for name in _global_names(fn.__code__):
             if name in g:
                 self.add(g[name], depth)
+
+
+def _on_meta(module) -> bool:
+    p = next(module.parameters(), None)
+    return p is not None and p.is_meta
 
 
 def _python_value(v, depth=0):
