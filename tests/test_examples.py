@@ -72,3 +72,12 @@ def test_export_example_runs_the_deserialized_program_at_several_shapes():
     out = _run("export_stablehlo.py")
     diffs = [float(d) for d in re.findall(r"max difference to torch (\S+)", out)]
     assert len(diffs) == 3 and max(diffs) < 1e-4
+
+
+@pytest.mark.slow
+def test_debugging_example_loads_safetensors_counts_and_profiles():
+    out = _run("debugging.py")
+    assert "weights equal True, lm_head tied to wte True" in out
+    assert "'host_fallbacks': 0" in out and "'traces': 3" in out
+    assert "[2, 16] -> torch.int64 [2, 8]" in out
+    assert int(re.search(r"profiler trace: (\d+) xplane", out).group(1)) >= 1
