@@ -28,6 +28,7 @@ def _setup(base):
     return model, opt, step
 
 
+@pytest.mark.slow  # ~30 s; test_programs.py::test_t2j_save_load_resumes_training covers resuming in CI
 def test_resume_from_checkpoint_matches_uninterrupted_training(tmp_path):
     torch.manual_seed(0)
     base = gpt.GPT(gpt.GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=64))

@@ -140,6 +140,7 @@ def test_scan_layers_matches_unrolled_values_and_every_layers_gradients(remat):
         torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-6, rtol=1e-4, msg=n)
 
 
+@pytest.mark.slow  # ~15 s; test_mark_sharding_inside_scan_layers_on_an_8_device_mesh trains scan_layers in CI
 def test_scan_layers_training_under_jit_matches_unrolled():
     ref, model = _gpt_pair()
     opt, optj = torch.optim.AdamW(ref.parameters(), lr=1e-3), torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -42,11 +42,13 @@ def test_quickstart():
     assert float(re.search(r"accuracy ([\d.]+)", out).group(1)) > 0.9
 
 
+@pytest.mark.slow  # ~28 s; tests/test_parallel.py covers FSDP x TP in CI
 def test_fsdp_tp_matches_one_device():
     out = _run("fsdp_tp.py", "--steps", "3")
     assert float(re.search(r"max difference over all steps: (\S+)", out).group(1)) < 1e-4
 
 
+@pytest.mark.slow  # ~27 s; tests/test_control_flow.py covers use_scan_layers in CI
 def test_scan_layers_example_matches_unrolled():
     out = _run("scan_layers.py", "--layers", "2", "--steps", "2")
     unrolled = json.loads(re.search(r"losses unrolled:\s+(\[.*\])", out).group(1))
@@ -54,6 +56,7 @@ def test_scan_layers_example_matches_unrolled():
     assert len(unrolled) == 2 and unrolled == pytest.approx(scanned, abs=1e-3)
 
 
+@pytest.mark.slow  # ~15 s; tests/test_dynamo.py covers the backend in CI
 def test_torch_compile_example_trains():
     out = _run("torch_compile.py")
     assert float(re.search(r"final loss ([\d.]+)", out).group(1)) < 0.1

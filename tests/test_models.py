@@ -313,11 +313,15 @@ def build_hf(name, attention="eager", **kwargs):
 # sdpa is the default attention of every model here; the eager one of these runs in the
 # slow set only, to keep the default run short.
 SLOW_EAGER = {"roberta", "distilbert", "t5", "bart", "vit", "clip", "whisper"}
+# the slowest sdpa cases in CI; their eager-attention siblings are in the slow set too, the jitted ones in CI
+SLOW_SDPA = {"t5", "whisper", "vit"}
+SLOW_EAGER_CI = {"gpt2"}  # gpt2-sdpa stays
 
 
 @pytest.mark.parametrize("name, attention", [
     pytest.param(name, attention, id=f"{name}-{attention}",
-                 marks=[pytest.mark.slow] if attention == "eager" and name in SLOW_EAGER else [])
+                 marks=[pytest.mark.slow] if (attention == "eager" and name in SLOW_EAGER | SLOW_EAGER_CI)
+                 or (attention == "sdpa" and name in SLOW_SDPA) else [])
     for name in HF_MODELS for attention in ATTENTION
 ])
 def test_hf_model(name, attention):
@@ -599,6 +603,7 @@ class Cells(nn.Module):
         return out, hn, cn, unbatched
 
 
+@pytest.mark.slow  # ~20 s; test_recurrent covers the same cells inside nn.RNN / LSTM / GRU in CI
 def test_recurrent_cells():
     torch.manual_seed(0)
     gen = _gen()

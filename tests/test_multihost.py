@@ -67,6 +67,7 @@ def test_two_processes_data_parallel_fsdp_match_one_process():
     assert losses == pytest.approx(_single_process_losses(3), abs=1e-4)
 
 
+@pytest.mark.slow  # ~54 s; two processes training together stay in CI
 def test_two_processes_save_sharded_checkpoint_and_resume_into_a_fresh_model(tmp_path):
     # 2 steps, orbax checkpoint written by both processes, a fresh model and AdamW
     # restored from it, 2 more steps: the same losses as 4 uninterrupted steps

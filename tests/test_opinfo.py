@@ -28,7 +28,9 @@ JIT_DTYPES = ("float32", "float16", "int64", "int32", "bool", "bfloat16", "compl
 # convolution rounds per kernel tap, as torch CPU does): run with the slow set
 SLOW_EAGER = {"nn.functional.conv_transpose3d|bfloat16|eager", "nn.functional.conv_transpose3d|float16|eager",
               "nn.functional.conv_transpose3d|complex64|eager", "istft|complex64|eager",
-              "nn.functional.ctc_loss|float32|eager", "nn.functional.interpolate.trilinear|float32|eager"}
+              "nn.functional.ctc_loss|float32|eager", "nn.functional.interpolate.trilinear|float32|eager",
+              "nn.functional.interpolate.trilinear|bfloat16|eager", "nn.functional.conv_transpose2d|bfloat16|eager",
+              "nn.functional.conv_transpose2d|float16|eager"}
 
 
 def cases():

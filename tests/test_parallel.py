@@ -94,6 +94,7 @@ def test_fsdp_times_tensor_parallel_on_a_2d_mesh():
     assert r["qkv_shard"] == [192 // 4, 64 // 2]
 
 
+@pytest.mark.slow  # ~40 s; FSDP x TP on a 2-D mesh stays in CI
 def test_tensor_parallel_hf_llama():
     r = run_8("""
         import transformers
