@@ -1,12 +1,15 @@
-"""The harness shared by tests/test_programs2.py and tests/test_programs3.py: seeded
-data and models, and a comparison of a program's result tree on the jax device
-against torch CPU's (the oracle)."""
+"""The harness shared by tests/test_programs2.py, test_programs3.py and test_programs4.py:
+seeded data and models, a training step, and a comparison of a program's result tree on
+the jax device (eager or under t2j.jit) against torch CPU's (the oracle)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+import torch2jax as t2j
 
 
 def _ident(fn):
@@ -60,3 +63,28 @@ def _params(model):
 
 def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _train_step(model, opt, loss_fn):
+    """One optimizer step on ``loss_fn(model, *batch)``: zero_grad, backward, step."""
+
+    def step(*batch):
+        opt.zero_grad()
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def _ce(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def run_program(programs, tolerances, name, jit):
+    """Program ``name`` on torch CPU and on the jax device (eagerly or under t2j.jit), compared."""
+    program = programs[name]
+    expected = program("cpu", _ident)
+    actual = program("jax", t2j.jit if jit else _ident)
+    _compare(actual, expected, name, **tolerances.get(name, {}))

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import torch2jax as t2j
-from programs_util import _batches, _compare, _gen, _grads, _ident, _mlp, _params, _randn  # noqa: F401
+import torch2jax  # noqa: F401 - registers the "jax" device
+from programs_util import run_program, _batches, _compare, _gen, _grads, _ident, _mlp, _params, _randn  # noqa: F401
 
 O = torch.optim
 
@@ -1143,7 +1143,4 @@ def _cases():
 
 @pytest.mark.parametrize("name, jit", list(_cases()))
 def test_program_matches_torch(name, jit):
-    program = PROGRAMS[name]
-    expected = program("cpu", _ident)
-    actual = program("jax", t2j.jit if jit else _ident)
-    _compare(actual, expected, name, **TOL.get(name, {}))
+    run_program(PROGRAMS, TOL, name, jit)

@@ -18,26 +18,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import torch2jax as t2j
-from programs_util import _batches, _compare, _gen, _grads, _ident, _mlp, _params, _randn
+import torch2jax  # noqa: F401 - registers the "jax" device
+from programs_util import _batches, _compare, _gen, _grads, _ident, _mlp, _params, _randn, _train_step, _ce, run_program
 
 O = torch.optim
 D = torch.distributions
 
-
-def _train_step(model, opt, loss_fn):
-    def step(*batch):
-        opt.zero_grad()
-        loss = loss_fn(model, *batch)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
-
-
-def _ce(model, x, y):
-    return F.cross_entropy(model(x), y)
 
 
 # -- torch.func -----------------------------------------------------------------------------
@@ -1361,7 +1347,4 @@ def _cases():
 
 @pytest.mark.parametrize("name, jit", list(_cases()))
 def test_program_matches_torch(name, jit):
-    program = PROGRAMS[name]
-    expected = program("cpu", _ident)
-    actual = program("jax", t2j.jit if jit else _ident)
-    _compare(actual, expected, name, **TOL.get(name, {}))
+    run_program(PROGRAMS, TOL, name, jit)
