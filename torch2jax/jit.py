@@ -329,6 +329,15 @@ class _Hyperparameters:
         return [ti for ti in floats if where + (ti,) in self.lifted]
 
 
+def _new_grad_slot(p, seen: set) -> bool:
+    """Whether ``p.grad`` is a slot not listed yet (then it is marked as seen). A non-leaf's
+    ``.grad`` stays None (and reading it warns) unless it retains grad."""
+    if p.requires_grad and (p.is_leaf or p.retains_grad) and id(p) not in seen:
+        seen.add(id(p))
+        return True
+    return False
+
+
 class _Walk:
     """The tensors a call's state consists of, in slot order, found by one walk over
     the roots (or the arguments). Where each came from (its *origin*, from which a
@@ -347,9 +356,7 @@ class _Walk:
             self.origins.append(origin)
 
     def add_grad(self, p, origin):
-        # a non-leaf's .grad stays None (and reading it warns) unless it retains grad
-        if p.requires_grad and (p.is_leaf or p.retains_grad) and id(p) not in self.grads_seen:
-            self.grads_seen.add(id(p))
+        if _new_grad_slot(p, self.grads_seen):
             self.add(p.grad, ("grad", p, origin) if self.full else None)
 
     def roots(self, roots: _Roots):
@@ -368,8 +375,7 @@ class _Walk:
                             self.add_grad(p, ("param", m, sub, name))
                         continue
                     tensors.append(p)
-                    if p is not None and p.requires_grad and (p.is_leaf or p.retains_grad) and id(p) not in grads_seen:
-                        grads_seen.add(id(p))
+                    if p is not None and _new_grad_slot(p, grads_seen):
                         tensors.append(p.grad)
                 for name, b in sub._buffers.items():
                     if full:
@@ -403,8 +409,7 @@ class _Walk:
             for pi, p in enumerate(group["params"]):
                 if full:
                     self.add_grad(p, ("opt_param", opt, k, gi, pi))
-                elif p.requires_grad and (p.is_leaf or p.retains_grad) and id(p) not in grads_seen:
-                    grads_seen.add(id(p))
+                elif _new_grad_slot(p, grads_seen):
                     tensors.append(p.grad)
                 st = state.get(p)
                 if st is None:
@@ -495,7 +500,7 @@ class _RootState:
         self.storage_of = [t._t2j_storage if t is not None else None for t in walk.tensors]
         self.flags = _flags(walk.tensors)
         self.avals = _avals(self.storages)
-        self.arrays = [st.array for st in self.storages]
+        self.remember_arrays()
         self.key = _Key((tuple(self.sig), tuple(self.avals), tuple(walk.static), tuple(walk.lifted_ids)))
 
     def matches(self, walk: _Walk) -> bool:
@@ -518,6 +523,7 @@ class _RootState:
         return True
 
     def remember_arrays(self):
+        """Record the storages' arrays as known to have the recorded shapes and dtypes."""
         self.arrays = [st.array for st in self.storages]
 
 
