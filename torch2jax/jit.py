@@ -288,6 +288,75 @@ def _no_distribution_validation():
         Distribution.set_default_validate_args(before)
 
 
+@contextlib.contextmanager
+def _scaler_steps_in_program():
+    """While tracing, ``GradScaler.step`` keeps its decision on the device. torch skips
+    ``optimizer.step()`` on the host when the unscaled gradients hold an inf or NaN
+    (``if not sum(found_inf.item() ...)``), which a trace cannot decide; here the step
+    always runs in the program and every parameter and optimizer-state tensor it writes
+    is put back where ``found_inf`` is set, so a skipped step leaves them as they were."""
+    from torch.amp import GradScaler
+
+    original = GradScaler._maybe_opt_step
+
+    def maybe_opt_step(scaler, optimizer, optimizer_state, *args, **kwargs):
+        found = list(optimizer_state["found_inf_per_device"].values())
+        if not any(isinstance(f, Tensor) for f in found):
+            return original(scaler, optimizer, optimizer_state, *args, **kwargs)
+        return _step_unless_found_inf(optimizer, found, args, kwargs)
+
+    GradScaler._maybe_opt_step = maybe_opt_step
+    try:
+        yield
+    finally:
+        GradScaler._maybe_opt_step = original
+
+
+def _step_unless_found_inf(optimizer, found, args, kwargs):
+    """``optimizer.step(*args, **kwargs)`` whose writes count only where no ``found`` tensor is set.
+
+    A state tensor the step creates (its first step) falls back to its initial value,
+    read right after the optimizer's ``_init_group`` made it, as torch would have made it
+    at the next step that is not skipped.
+    """
+    with torch.no_grad():
+        skip = functools.reduce(torch.add, [f.to(found[0].device) for f in found]).reshape(()) > 0
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        before = [p.detach().clone() for p in params]
+        initial = {(id(p), k): v.detach().clone() for p, st in optimizer.state.items()
+                   for k, v in st.items() if isinstance(v, torch.Tensor)}
+    init_group = getattr(optimizer, "_init_group", None)
+    own = optimizer.__dict__.get("_init_group", _MISSING)
+
+    def record_new_state(*a, **k):
+        out = init_group(*a, **k)
+        for p, st in optimizer.state.items():
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor) and (id(p), key) not in initial:
+                    initial[id(p), key] = v.detach().clone()
+        return out
+
+    if init_group is not None:
+        optimizer._init_group = record_new_state
+    try:
+        out = optimizer.step(*args, **kwargs)
+    finally:
+        if init_group is not None:
+            if own is _MISSING:
+                del optimizer._init_group
+            else:
+                optimizer._init_group = own
+    with torch.no_grad():
+        for p, old in zip(params, before):
+            p.copy_(torch.where(skip, old, p))
+        for p, st in optimizer.state.items():
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    old = initial.get((id(p), key))
+                    v.copy_(torch.where(skip, old if old is not None else torch.zeros_like(v), v))
+    return out
+
+
 class _Lifted:
     """Stands in the cache key for a hyperparameter whose value is a program input."""
 
@@ -949,7 +1018,7 @@ class JitFunction:
             _tensor.CAPTURE = capture
             _sym.GUARDS = guards
             with _rng.traced_key(key) as rng, torch.autograd.set_multithreading_enabled(False), \
-                    _no_distribution_validation():
+                    _no_distribution_validation(), _scaler_steps_in_program():
                 out = self.fn(*args, **kwargs)
             _tensor.CAPTURE = _sym.GUARDS = None
             for (g, hk, ti), v, a in zip(slots.lifted, values, arrays):

@@ -428,6 +428,8 @@ def nonzero(x):
 
 @register(aten.nonzero_static.default)
 def nonzero_static(x, *, size, fill_value=-1):
+    if x.size == 0:  # jnp.argwhere pads an empty input with zeros, torch with fill_value
+        return jnp.full((size, x.ndim), fill_value, _LONG)
     if x.ndim == 0:
         x = x.reshape(1)
         return jnp.argwhere(x, size=size, fill_value=fill_value).astype(_LONG)[:, :0]
@@ -569,6 +571,8 @@ def _searchsorted(seq, values, right, out_int32):
             f"tensor and input value tensor must match, but we got boundaries tensor {list(seq.shape)} and input "
             f"value tensor {list(values.shape)}"
         )
+    if values.size == 0 or seq.size == 0:
+        return jnp.zeros(values.shape, out_dtype)
     batch = seq.reshape(-1, seq.shape[-1])
     vals = values.reshape(-1, values.shape[-1])
     out = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(batch, vals)

@@ -82,17 +82,25 @@ def _softmax_dtype(x, half_to_float):
     return _F32 if half_to_float and x.dtype in _HALF else x.dtype
 
 
+def _over_dim(fn, x, dim, *arrays):
+    """``fn(x, *arrays, axis)`` along torch's ``dim``; a 0-d tensor is a 1-element vector, as in torch."""
+    axis = canonical_dim(dim, x.ndim)
+    if x.ndim:
+        return fn(x, *arrays, axis=axis)
+    return fn(x.reshape(1), *(a.reshape(1) for a in arrays), axis=0).reshape(())
+
+
 @register(aten._softmax.default)
 def _softmax(x, dim, half_to_float):
-    return jax.nn.softmax(upcast(x), axis=canonical_dim(dim, x.ndim)).astype(_softmax_dtype(x, half_to_float))
+    return _over_dim(jax.nn.softmax, upcast(x), dim).astype(_softmax_dtype(x, half_to_float))
 
 
 @register(aten._log_softmax.default)
 def _log_softmax(x, dim, half_to_float):
-    return jax.nn.log_softmax(upcast(x), axis=canonical_dim(dim, x.ndim)).astype(_softmax_dtype(x, half_to_float))
+    return _over_dim(jax.nn.log_softmax, upcast(x), dim).astype(_softmax_dtype(x, half_to_float))
 
 
-def _safe_softmax_compute(x, axis):
+def _safe_softmax_compute(x, *, axis):
     """softmax that gives 0 (not NaN) on slices that are entirely -inf."""
     dead = jnp.all(x == -jnp.inf, axis=axis, keepdims=True)
     out = jax.nn.softmax(jnp.where(dead, jnp.zeros((), x.dtype), x), axis=axis)
@@ -103,21 +111,25 @@ def _safe_softmax_compute(x, axis):
 def _safe_softmax(x, dim, dtype=None):
     out_dtype = _dt.to_jax(dtype) if dtype is not None else x.dtype
     x = x.astype(out_dtype) if dtype is not None else x
-    return _safe_softmax_compute(upcast(x), canonical_dim(dim, x.ndim)).astype(out_dtype)
+    return _over_dim(_safe_softmax_compute, upcast(x), dim).astype(out_dtype)
+
+
+def _softmax_vjp(y, g, axis):
+    return y * (g - jnp.sum(g * y, axis=axis, keepdims=True))
+
+
+def _log_softmax_vjp(y, g, axis):
+    return g - jnp.exp(y) * jnp.sum(g, axis=axis, keepdims=True)
 
 
 @register(aten._softmax_backward_data.default)
 def _softmax_backward_data(grad, out, dim, input_dtype):
-    g, y = upcast(grad), upcast(out)
-    d = canonical_dim(dim, y.ndim)
-    return (y * (g - jnp.sum(g * y, axis=d, keepdims=True))).astype(_dt.to_jax(input_dtype))
+    return _over_dim(_softmax_vjp, upcast(out), dim, upcast(grad)).astype(_dt.to_jax(input_dtype))
 
 
 @register(aten._log_softmax_backward_data.default)
 def _log_softmax_backward_data(grad, out, dim, input_dtype):
-    g, y = upcast(grad), upcast(out)
-    d = canonical_dim(dim, y.ndim)
-    return (g - jnp.exp(y) * jnp.sum(g, axis=d, keepdims=True)).astype(_dt.to_jax(input_dtype))
+    return _over_dim(_log_softmax_vjp, upcast(out), dim, upcast(grad)).astype(_dt.to_jax(input_dtype))
 
 
 # -- normalization ---------------------------------------------------------------
@@ -185,7 +197,7 @@ def _channel_shape(x):
 
 
 def _group_norm(x, weight, bias, n, group, eps):
-    xf = upcast(x).reshape(n, group, -1)
+    xf = upcast(x).reshape(n, group, x.size // max(n * group, 1))
     mean = jnp.mean(xf, axis=2, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=2, keepdims=True)
     rstd = jax.lax.rsqrt(var + eps)
@@ -849,7 +861,7 @@ def _attention(q, k, v, bias, dropout_p, is_causal, scale, key):
         s = jnp.where(np.tril(np.ones(s.shape[-2:], bool)), s, -jnp.inf)
     if bias is not None:
         s = s + upcast(bias)
-    p = _safe_softmax_compute(s, -1)
+    p = _safe_softmax_compute(s, axis=-1)
     if dropout_p > 0:
         p = p * jax.random.bernoulli(key, np.float32(1 - dropout_p), p.shape) / (1 - dropout_p)
     out = jnp.einsum("...qk,...kd->...qd", p, upcast(v)).astype(q.dtype)
