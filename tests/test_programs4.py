@@ -1329,11 +1329,7 @@ FAST = {
     ("integer_division_and_remainder_signs", True), ("checkpoint_forward_draws_like_the_plain_block", False),
     ("checkpoint_dropout_recompute_consistency", False),
 }
-XFAIL = {
-    ("hook_captures_activation_inside_checkpoint", False):
-        "torch.utils.checkpoint on jax tensors runs the block inside jax.checkpoint (torch2jax/control_flow.py), "
-        "so a tensor a hook stores from inside the block is a leaked tracer (UnexpectedTracerError on use)",
-}
+XFAIL = {}
 
 
 def _cases():

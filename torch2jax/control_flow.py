@@ -37,6 +37,7 @@ import torch.utils._pytree as torch_pytree
 
 from jax.extend.core import primitives as _prims
 
+from . import dispatch as _dispatch
 from . import tensor as _tensor
 from .env import default_rng as _rng
 from .interop import _torch_context
@@ -913,10 +914,12 @@ def _torch_checkpoint(original):
         # Torch's non-reentrant checkpoint recomputes the forward as torch ops in the
         # backward pass; under a trace XLA would merge that copy with the forward and
         # keep the activations. jax.checkpoint recomputes inside the program instead.
-        # The reentrant form gives closed-over parameters no gradient when no input
-        # needs one, and a context_fn picks what torch saves: both keep torch's path.
+        # Eagerly torch's own checkpoint runs (forward hooks see real values, the RNG
+        # state is stashed through torch.jax). The reentrant form gives closed-over
+        # parameters no gradient when no input needs one, and a context_fn picks what
+        # torch saves: both keep torch's path.
         default_context = context_fn is None or context_fn is torch.utils.checkpoint.noop_context_fn
-        if use_reentrant is False and default_context and _on_jax(args, kwargs):
+        if use_reentrant is False and default_context and not _dispatch._eager() and _on_jax(args, kwargs):
             for name in ("preserve_rng_state", "determinism_check", "debug", "early_stop"):
                 kwargs.pop(name, None)
             return checkpoint(function)(*args, **kwargs)

@@ -8,6 +8,8 @@ already on the device dispatch through `torch2jax.Tensor.__torch_dispatch__`.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import inspect
 
@@ -21,6 +23,15 @@ NAME = "jax"
 
 class _DeviceModule:
     """What torch asks a backend module for (``torch.jax`` after registration)."""
+
+    # torch.utils.checkpoint stashes and restores a backend's RNG state (so that a
+    # recomputed forward draws the same dropout masks) only when this is set
+    _initialized = True
+
+    @staticmethod
+    def device(index):
+        """``with torch.jax.device(i):`` — the jax device is one device: nothing to switch."""
+        return contextlib.nullcontext()
 
     @staticmethod
     def is_available() -> bool:
