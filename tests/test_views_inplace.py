@@ -212,6 +212,14 @@ def p_int_inplace(x):
     return x
 
 
+def p_set_aliases_source(x, y):
+    # x becomes another tensor on y's storage (shape and all): writes through either are seen by both
+    x.set_(y)
+    x[0].fill_(5)
+    y[1, :2].mul_(-1)
+    return x, x.shape == y.shape
+
+
 CASES = [
     (p_select_add, [(3, 4)]),
     (p_view_setitem, [(3, 4)]),
@@ -235,6 +243,7 @@ CASES = [
     (p_copy_across_dtypes, [(3, 4), ((3, 4), torch.int64)]),
     (p_copy_broadcast, [(3, 4)]),
     (p_out_arg, [(3, 4), (3, 4)]),
+    (p_set_aliases_source, [(2, 3), (4, 5)]),
     (p_out_into_view, [(3, 4), (3, 4)]),
     (p_dtype_view, [(3, 4)]),
     (p_view_as_real, [((3, 2), torch.complex64)]),
@@ -295,3 +304,25 @@ def test_out_argument_is_resized_like_torch():
     x = torch.arange(6.0, device="jax")
     x.resize_(2, 3)
     assert x.shape == (2, 3) and x.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def test_set_storage_form_raises_clearly():
+    # x.set_(tensor, offset, size, stride) passes the tensor's storage, which jax tensors do not hold values in
+    x, y = torch.zeros(2, device="jax"), torch.arange(6.0, device="jax")
+    with pytest.raises(torch2jax.OpError, match=r"set_\.source_Storage.*as_strided"):
+        x.set_(y, 1, (2, 2), (1, 2))
+
+
+def test_parametrization_and_distribution_checks_stay_on_the_device():
+    # register_parametrization re-points the original parameter with set_ (no host round trip),
+    # and torch.distributions' argument checks reduce with _is_all_true
+    results = {}
+    for device in ("cpu", "jax"):
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(4, 4).to(device)
+        with torch2jax.env(fallback="error"):
+            layer = torch.nn.utils.parametrizations.orthogonal(linear)
+            normal = torch.distributions.Normal(torch.zeros(3, device=device), torch.ones(3, device=device))
+            results[device] = (layer.weight, normal.log_prob(torch.ones(3, device=device)))
+    for a, e in zip(results["jax"], results["cpu"]):
+        torch.testing.assert_close(a.cpu(), e.detach(), atol=1e-5, rtol=1e-5)

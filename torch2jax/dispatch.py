@@ -132,6 +132,8 @@ def _brief(args, kwargs):
             return f"{_short_dtype(a.dtype)}[{','.join(map(str, a.shape))}]{where}"
         if isinstance(a, (list, tuple)):
             return "[" + ", ".join(one(b) for b in a) + "]"
+        if isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):  # its repr reads every element
+            return f"{type(a).__name__}(nbytes={a.nbytes()}, device={a.device})"
         return repr(a)
 
     parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
@@ -187,6 +189,8 @@ def _describe(args, kwargs):
             return f"Tensor({list(a.shape)}, {a.dtype}, {a.device})"
         if isinstance(a, (list, tuple)):
             return "[" + ", ".join(one(b) for b in a) + "]"
+        if isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):  # its repr reads every element
+            return f"{type(a).__name__}(nbytes={a.nbytes()}, device={a.device})"
         return repr(a)
 
     parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
@@ -375,6 +379,10 @@ def _choose(func):
         return _generic_view_handler, "lowering"
     if func is aten.resize_.default:
         return _resize_handler, "lowering"
+    if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset):
+        return _set_handler, "lowering"
+    if func in (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset):
+        return _set_storage_handler, "lowering"
     if func in _reg.DECOMPOSITIONS:  # ours, e.g. for ops that mutate lists of tensors
         return _decomposition_handler(_reg.DECOMPOSITIONS[func]), "decomposition"
     if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
@@ -1080,6 +1088,35 @@ def _resize_handler(func, args, kwargs):
             flat = jax.numpy.concatenate([flat, jax.numpy.zeros(n - flat.shape[0], flat.dtype)])
         x._rebind(new_tensor(flat[:n].reshape(size)))
     return x
+
+
+def _set_handler(func, args, kwargs):
+    """``x.set_(source)``: ``x`` becomes another tensor on ``source``'s storage (torch's
+    parametrizations re-point a parameter at a new value this way); with an offset, size
+    and stride, the view of that storage they describe."""
+    target, source, *layout = args
+    if not isinstance(source, Tensor):
+        raise OpError(f"torch2jax: {func} needs a jax-device source tensor, got {type(source).__name__} on "
+                      f"{getattr(source, 'device', None)}")
+    if layout or kwargs:
+        names = ("storage_offset", "size", "stride")
+        given = dict(zip(names, layout), **kwargs)
+        stride = given.get("stride") or _tensor._contiguous_strides(tuple(given["size"]))
+        view = dispatch(aten.as_strided.default, (source, given["size"], stride, given["storage_offset"]), {})
+    else:
+        view = dispatch(aten.alias.default, (source,), {})
+    if view.dtype != target.dtype:
+        raise TorchRuntimeError(f"Expected a source tensor of dtype {target.dtype}, but got {view.dtype}")
+    target._rebind(view)
+    return target
+
+
+def _set_storage_handler(func, args, kwargs):
+    raise OpError(
+        f"torch2jax: {func}: a jax-device tensor's values live in a jax.Array, not in a torch storage, so "
+        "x.set_(storage, ...) cannot point x at them; use x.set_(source_tensor) to alias a tensor, or "
+        "source.as_strided(size, stride, storage_offset) for a view of it"
+    )
 
 
 def write(target, value, func, resize=False):

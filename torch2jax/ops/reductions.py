@@ -281,6 +281,17 @@ def all_(x, dim=None, keepdim=False):
     return _logical(jnp.all, x, _axes(None if dim is None else [dim], x.ndim), keepdim)
 
 
+@register(aten._is_all_true.default)
+def _is_all_true(x):
+    """A 0-d bool: whether every element of a bool tensor is True (torch.distributions' argument checks)."""
+    return jnp.all(x)
+
+
+@register(aten._is_any_true.default)
+def _is_any_true(x):
+    return jnp.any(x)
+
+
 @register(aten.any.dims)
 def any_dims(x, dim=None, keepdim=False):
     return _logical(jnp.any, x, _axes(dim, x.ndim) if dim is None or len(dim) else (), keepdim)
