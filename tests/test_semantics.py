@@ -100,3 +100,60 @@ def test_empty_and_zero_size():
 def test_broadcasting():
     a, b = torch.randn(4, 1, 3), torch.randn(5, 1)
     torch.testing.assert_close((a.to("jax") - b.to("jax")).cpu(), a - b)
+
+
+def _eager_and_jitted(fn, x):
+    """``fn(x)`` on the jax device: eagerly (past the per-signature compile threshold) and under t2j.jit."""
+    eager = [fn(x.to("jax")) for _ in range(4)][-1].cpu()
+    return eager, torch2jax.jit(fn)(x.to("jax")).cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_division_by_a_scalar_is_correctly_rounded(dtype):
+    # XLA would multiply by the reciprocal (49 * (1/49) < 1 in float64): truncating, flooring
+    # or converting the quotient to an integer then loses one
+    x = (torch.arange(1.0, 200.0, dtype=torch.float64) * 49).to(dtype)
+    for fn in (lambda a: torch.div(a, 49.0, rounding_mode="trunc"), lambda a: (a / 49.0).floor(),
+               lambda a: (a / torch.tensor(49.0, dtype=a.dtype, device=a.device)).long(),
+               lambda a: torch.div(a, 49.0, rounding_mode="floor"), lambda a: a[:1] / 49.0):
+        expected = fn(x)
+        for actual in _eager_and_jitted(fn, x):
+            assert torch.equal(actual, expected)
+
+
+def test_float_to_integer_conversion_wraps_like_torch_cpu():
+    # torch CPU converts through int32 (int64 for int64): out of range or NaN gives its minimum,
+    # and narrower types keep the low bits; XLA's conversion would saturate
+    x = torch.tensor([1e10, 300.0, -1.0, 3e9, float("nan"), float("inf"), -2.7, 2.7, 2.0**31, -(2.0**31)])
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+        for src in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            expected = x.to(src).to(dtype)
+            for actual in _eager_and_jitted(lambda t: t.to(dtype), x.to(src)):
+                assert torch.equal(actual, expected), (src, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16])
+@pytest.mark.parametrize("args", [(0.0, -8.000001, -4.0), (1.0, 5.000001, 2.0), (-0.9, 2.1, 2.0), (2.1, -2.9, -1.0),
+                                  (3.1,), (0, 10, 3)])
+def test_integer_arange_truncates_its_arguments_like_torch(dtype, args):
+    # torch truncates start, end and step to integers; int64 counts the length in integers
+    expected = torch.arange(*args, dtype=dtype)
+    assert torch.equal(torch.arange(*args, dtype=dtype, device="jax").cpu(), expected)
+
+
+@pytest.mark.parametrize("fn", [torch.linspace, torch.logspace])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.float16, torch.bfloat16, torch.float32])
+def test_linspace_logspace_match_torch_cpu(fn, dtype):
+    # the ends converted to the output type first, two halves counted from each end
+    for start, end, steps in [(0, 50, 50), (4.3, 1, 50), (-3, 7.9, 17), (1.2, 2, 5), (50, 1, 50), (0.5, 0.5, 1)]:
+        if dtype == torch.uint8 and fn is torch.linspace and min(start, end) < 0:
+            continue
+        expected = fn(start, end, steps, dtype=dtype)
+        # float32: torch counts in float32, we in float64 (closer to the exact values)
+        same = torch.equal if dtype != torch.float32 else lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=0)
+        actual = fn(start, end, steps, dtype=dtype, device="jax").cpu()
+        assert same(actual, expected), (start, end, steps)
+        if fn is torch.linspace:
+            jitted = torch2jax.jit(lambda s, e: fn(s, e, steps, dtype=dtype, device="jax"))
+            actual = jitted(torch.tensor(start, device="jax"), torch.tensor(end, device="jax")).cpu()
+            assert same(actual, expected), (start, end, steps)

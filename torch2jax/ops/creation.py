@@ -9,7 +9,7 @@ import torch
 
 from .. import dtypes as _dt
 from ..symbolic import traced_number
-from .registry import as_dtype, register
+from .registry import _HALF, as_dtype, cast, register, true_divide
 
 aten = torch.ops.aten
 
@@ -120,10 +120,33 @@ def _arange_dtype(values, dtype):
     return _dt.default_float()
 
 
+def _trunc_div(a: int, b: int) -> int:
+    """C++'s integer division (rounds toward zero)."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b > 0) else -q
+
+
+def _integer_arange(start, end, step, dt):
+    """torch CPU's integer arange: start, end and step truncated to integers first; the length
+    from those in int64 (``ceil`` of an integer division), from the given values otherwise."""
+    istart, iend, istep = (int(v) for v in (start, end, step))
+    if istep == 0:
+        raise RuntimeError("step must be nonzero")
+    if not ((istep > 0 and iend >= istart) or (istep < 0 and iend <= istart)):
+        raise RuntimeError("upper bound and larger bound inconsistent with step sign")
+    if dt == np.int64:
+        n = _trunc_div(iend - istart + istep - (1 if istep > 0 else -1), istep)
+    else:
+        n = int(np.ceil((float(end) - float(start)) / float(step)))
+    return (istart + jnp.arange(max(n, 0), dtype=np.int64) * istep).astype(dt)
+
+
 @register(aten.arange.default, aten.arange.start, aten.arange.start_step)
 def arange(*args, dtype=None, layout=None, device=None, pin_memory=None):
     start, end, step = (0, args[0], 1) if len(args) == 1 else (args + (1,))[:3]
     dt = _arange_dtype((start, end, step), dtype)
+    if _dt.is_integral(dt) and dt != np.bool_:
+        return _integer_arange(start, end, step, dt)
     if step == 0:
         raise RuntimeError("step must be nonzero")
     if (end - start) / step < 0:
@@ -131,27 +154,75 @@ def arange(*args, dtype=None, layout=None, device=None, pin_memory=None):
             "upper bound and larger bound inconsistent with step sign"
         )
     n = int(np.ceil((end - start) / step))
-    if _dt.is_integral(dt) and all(isinstance(v, int) for v in (start, end, step)):
-        return (jnp.arange(n, dtype=np.int64) * step + start).astype(dt)
     return (start + jnp.arange(n, dtype=np.float64) * step).astype(dt)
 
 
-@register(aten.linspace.default)
+def _in_dtype(value, dt):
+    """A float64 array of ``value`` as torch's range kernels read it: converted to the
+    output dtype first (integers truncate and wrap, half-precision types round)."""
+    v = jnp.asarray(value)
+    v = v.real if jnp.iscomplexobj(v) and not jnp.issubdtype(dt, jnp.complexfloating) else v
+    if _dt.is_integral(dt):
+        return cast(v, dt).astype(np.float64)
+    return v.astype(dt).astype(np.float64) if dt in _HALF else v.astype(np.float64)
+
+
+def _halves(start, end, steps, step, rnd):
+    """torch's range kernels: the first half counts up from ``start``, the second down from
+    ``end`` (so both ends are exact); ``rnd`` rounds each intermediate to the output type."""
+    idx = jnp.arange(steps, dtype=np.float64)
+    up = rnd(start + rnd(step * idx))
+    down = rnd(end - rnd(step * (steps - 1 - idx)))
+    return jnp.where(idx < steps // 2, up, down)
+
+
+def _identity(x):
+    return x
+
+
+@register(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
+          aten.linspace.Scalar_Tensor)
 def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_memory=None):
     dt = jax_dtype(dtype)
     if steps < 0:
         raise RuntimeError("number of steps must be non-negative")
-    if _dt.is_integral(dt):
-        step = (end - start) / (steps - 1) if steps > 1 else 0
-        return (start + jnp.arange(steps, dtype=np.float64) * step).astype(np.int64).astype(dt)
-    return jnp.linspace(start, end, steps, dtype=np.float64).astype(dt)
+    if jnp.issubdtype(dt, jnp.complexfloating):
+        return jnp.linspace(jnp.asarray(start, dt), jnp.asarray(end, dt), steps).astype(dt)
+    s, e = _in_dtype(start, dt), _in_dtype(end, dt)
+    if steps <= 1:
+        return jnp.broadcast_to(s, (steps,)).astype(dt)
+    if dt in _HALF:
+        # scalar Half / BFloat16 arithmetic: each operation rounds to the type
+        def rnd(x):
+            return x.astype(dt).astype(np.float64)
+
+        return _halves(s, e, steps, rnd(true_divide(rnd(e - s), steps - 1.0)), rnd).astype(dt)
+    out = _halves(s, e, steps, true_divide(e - s, steps - 1.0), _identity)
+    return cast(out, dt)
 
 
-@register(aten.logspace.default)
+@register(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar,
+          aten.logspace.Scalar_Tensor)
 def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
-    # in float64 and cast once, which truncates integer results as torch does
-    exponents = linspace(start, end, steps, dtype=torch.float64)
-    return (jnp.asarray(base, np.float64) ** exponents).astype(jax_dtype(dtype))
+    dt = jax_dtype(dtype)
+    if steps < 0:
+        raise RuntimeError("number of steps must be non-negative")
+    if jnp.issubdtype(dt, jnp.complexfloating):
+        exponents = jnp.linspace(jnp.asarray(start, dt), jnp.asarray(end, dt), steps)
+        return (jnp.asarray(base, dt) ** exponents).astype(dt)
+    # torch CPU: the ends converted to the output type and their difference taken in it;
+    # the exponents, pow and the base in float64, then one conversion (integers truncate
+    # and wrap); a single step is pow(base, start) of the start as given
+    integral = _dt.is_integral(dt)
+    b = jnp.asarray(base, np.float64)
+    if steps <= 1:
+        exponents = jnp.broadcast_to(jnp.asarray(start, np.float64), (steps,))
+    else:
+        s, e = _in_dtype(start, dt), _in_dtype(end, dt)
+        diff = e - s if integral or dt == np.float64 else (e - s).astype(dt).astype(np.float64)
+        exponents = _halves(s, e, steps, true_divide(diff, steps - 1.0), _identity)
+    out = b ** exponents
+    return cast(out, dt)
 
 
 def _triangle_indices(np_indices, row, col, offset, dtype):
@@ -183,7 +254,7 @@ def clone(x, *, memory_format=None):
 
 @register(aten._to_copy)
 def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    return x if dtype is None else x.astype(_dt.to_jax(dtype))
+    return x if dtype is None else cast(x, _dt.to_jax(dtype))
 
 
 @register(aten.lift_fresh_copy, aten._unsafe_view)
@@ -193,7 +264,7 @@ def lift_fresh_copy(x, *size):
 
 @register(aten.copy)
 def copy(x, src, non_blocking=False):
-    out = jnp.broadcast_to(src.astype(x.dtype), x.shape)
+    out = jnp.broadcast_to(cast(src, x.dtype), x.shape)
     # An eager copy_ of the same dtype and shape would hand the destination the source's own
     # jax.Array; t2j.jit donates the buffers of the state it overwrites, so the copy (an
     # AveragedModel's first update_parameters, `ema.copy_(p)`) would be deleted with it.

@@ -18,7 +18,7 @@ from jax import lax
 
 from .. import dtypes as _dt
 from ..dispatch import OpError
-from .registry import as_dtype, elementwise, promote, register
+from .registry import as_dtype, cast, elementwise, promote, register, true_divide
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -258,9 +258,13 @@ def _trunc_div(a, b):
     if _is_int(a):
         _check_divisor(b)
         return lax.div(*jnp.broadcast_arrays(a, b))
-    if a.dtype in (jnp.float16, jnp.bfloat16):  # torch rounds the quotient to the half type before truncating
-        return jnp.trunc((a.astype(np.float32) / b.astype(np.float32)).astype(a.dtype))
-    return jnp.trunc(a / b)
+    if a.dtype in (jnp.float16, jnp.bfloat16):
+        quotient = true_divide(a.astype(np.float32), b.astype(np.float32))
+        if jnp.ndim(b) == 0:  # torch CPU's scalar-divisor kernel truncates the float32 quotient
+            return jnp.trunc(quotient).astype(a.dtype)
+        # the tensor kernel rounds the quotient to the half type before truncating
+        return jnp.trunc(quotient.astype(a.dtype))
+    return jnp.trunc(true_divide(a, b))
 
 
 def _floor_div(a, b):
@@ -269,18 +273,18 @@ def _floor_div(a, b):
         return jnp.floor_divide(a, b)
     # torch's div_floor_floating: the floor of the exact quotient, computed through fmod.
     mod = jnp.fmod(a, b)
-    div = (a - mod) / b
+    div = true_divide(a - mod, b)
     div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
     floor = jnp.floor(div)
     floor = jnp.where(div - floor > 0.5, floor + 1, floor)
-    quotient = a / b
+    quotient = true_divide(a, b)
     out = jnp.where(div != 0, floor, jnp.copysign(jnp.zeros_like(div), quotient))
     return jnp.where(b == 0, quotient, out)
 
 
 @elementwise(aten.div.Tensor, aten.div.Scalar, aten.true_divide, promote_kind="int_to_float")
 def div(a, b):
-    return a / b
+    return true_divide(a, b)
 
 
 _div_trunc = elementwise(opmath=False)(_trunc_div)
@@ -302,7 +306,7 @@ def div_mode(a, b, *, rounding_mode=None):
 
 @elementwise(prims.div)
 def prims_div(a, b):
-    return _trunc_div(a, b) if _is_int(a) else a / b
+    return _trunc_div(a, b) if _is_int(a) else true_divide(a, b)
 
 
 @elementwise(aten.remainder, prims.remainder)
@@ -700,7 +704,4 @@ def complex_from_parts(real, imag):
 
 @register(prims.convert_element_type)
 def convert_element_type(x, dtype):
-    dt = _dt.to_jax(dtype)
-    if _is_complex(x) and not _dt.is_complex(dt):
-        x = jnp.real(x)
-    return lax.convert_element_type(x, dt)
+    return cast(x, _dt.to_jax(dtype))

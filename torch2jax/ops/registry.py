@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -84,6 +85,61 @@ _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 def _is_operand(a):
     return hasattr(a, "dtype") or isinstance(a, (bool, int, float, complex))
+
+
+def true_divide(a, b):
+    """``a / b``, correctly rounded as torch computes it, also for a scalar ``b``.
+
+    XLA rewrites a division by a broadcast scalar, constant or not, into a multiplication
+    by its reciprocal, which can miss the correctly rounded quotient by one unit in the
+    last place (49.0 / 49.0 -> 0.9999999999999999 in float64), so a truncating, flooring
+    or integer-converting division after it is off by one. A divisor that is not a
+    broadcast (``b - 0.0 * iota``: ``b`` itself, signed zeros, infinities and NaN
+    included) keeps XLA's divide; it fuses into the same loop, so costs no memory.
+
+    >>> jax.jit(lambda x: true_divide(x, 49.0))(jnp.float64(49.0) * jnp.arange(1, 4))
+    Array([1., 2., 3.], dtype=float64)
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    if (b.shape != shape or not shape) and jnp.issubdtype(b.dtype, jnp.floating):
+        # along the longest dimension: an iota of length 1 is a known zero. A quotient of
+        # one element (a constant 0-d divisor is rewritten too) hides it behind a barrier.
+        full = shape or (1,)
+        axis = int(np.argmax(full))
+        iota = jax.lax.broadcasted_iota(b.dtype, full, axis)
+        if full[axis] == 1:
+            iota = jax.lax.optimization_barrier(iota)
+        b = b - jnp.zeros((), b.dtype) * iota
+        return (a / b).reshape(shape)
+    return a / b
+
+
+def cast(x, dtype):
+    """Array ``x`` converted to ``dtype`` as torch's CPU kernels convert.
+
+    Complex to real keeps the real part. Float to integer truncates toward zero through
+    int32 (int64 for int64): a value out of that range, or NaN, becomes its minimum, and
+    narrower types keep the low bits (300.0 -> uint8 44, -1.0 -> uint8 255, 1e10 -> int32
+    -2147483648), where XLA's conversion would saturate.
+
+    >>> cast(jnp.array([300.0, -1.0]), np.uint8)
+    Array([ 44, 255], dtype=uint8)
+    """
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    if jnp.issubdtype(x.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        x = jnp.real(x)
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.integer):
+        wide = np.dtype(np.int64 if dtype.itemsize == 8 else np.int32)
+        info = np.iinfo(wide)
+        t = jnp.trunc(x.astype(np.float32) if x.dtype.itemsize < 4 else x)  # bounds past float16's range
+        # the bounds as floats of x's type: 2**31 and 2**63 are exact, so `<` excludes them
+        inside = (t >= float(info.min)) & (t < -float(info.min))
+        x = jnp.where(inside, t, 0).astype(wide)
+        x = jnp.where(inside, x, jnp.asarray(info.min, wide))
+    return x.astype(dtype)
 
 
 def as_dtype(a, dtype):
