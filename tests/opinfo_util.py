@@ -56,8 +56,9 @@ PHASE_FREE = {"linalg.eigh"}
 HOST_ARGS = {"tensor_split"}
 
 # Ops that leave the order of equal elements unspecified (torch's unstable sort and
-# selection): position of `dim` among the positional arguments.
-TIE_OPS = {"sort": 0, "argsort": 0, "topk": 1, "kthvalue": 1}
+# selection; mode returns the index of any occurrence of its value): positions of `dim`
+# and `keepdim` among the positional arguments (None: the op keeps the dimension).
+TIE_OPS = {"sort": (0, None), "argsort": (0, None), "topk": (1, None), "kthvalue": (1, 2), "mode": (0, 1)}
 
 TOLERANCE = {
     torch.float32: (1.3e-5, 1e-5),
@@ -351,11 +352,11 @@ def check_sample(op, sample, dtype, mode, where=""):
 def _same_picks(op, sample, actual, expected):
     """``actual`` with its indices replaced by torch's where both pick equal values of the input."""
     args, kwargs, x = sample.args, sample.kwargs, sample.input.detach()
-    lead = TIE_OPS[op.name]
+    lead, keep = TIE_OPS[op.name]
     if kwargs.get("stable") or x.ndim == 0:
         return actual
     dim = kwargs.get("dim", args[lead] if len(args) > lead else -1)
-    keepdim = op.name != "kthvalue" or kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    keepdim = keep is None or kwargs.get("keepdim", args[keep] if len(args) > keep else False)
     mine, torchs = (actual, expected) if op.name == "argsort" else (actual[1], expected[1])
     if not (isinstance(mine, torch.Tensor) and mine.shape == torchs.shape and mine.dtype == torchs.dtype):
         return actual

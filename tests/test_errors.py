@@ -25,6 +25,43 @@ _lib.impl("scale", lambda x, factor: x * factor, "CPU")
 _lib.impl("scale", lambda x, factor: torch.empty_like(x), "Meta")
 
 
+
+@torch.library.custom_op("t2jtest::softclip", mutates_args=())
+def _softclip(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """A custom op with a device-agnostic kernel written in torch ops."""
+    return limit * torch.tanh(x / limit)
+
+
+_softclip.register_autograd(
+    lambda ctx, grad: (grad * (1 - torch.tanh(ctx.x / ctx.limit) ** 2), None),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]) or setattr(ctx, "limit", inputs[1]),
+)
+
+
+@torch.library.custom_op("t2jtest::cpu_only", mutates_args=(), device_types="cpu")
+def _cpu_only(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(x.numpy() * 3)
+
+
+def test_custom_op_kernel_runs_on_the_jax_device():
+    # a torch.library.custom_op's device-agnostic kernel runs as a decomposition (no host
+    # round trip, and under t2j.jit); one registered for the CPU only falls back to the host
+    x = torch.linspace(-5, 5, 7)
+    expected = _softclip(x.clone().requires_grad_(), 2.0)
+    expected.sum().backward()
+    with t2j.env(fallback="error"):
+        xj = x.to("jax").requires_grad_()
+        out = torch.ops.t2jtest.softclip(xj, 2.0)
+        out.sum().backward()
+        jitted = t2j.jit(lambda a: torch.ops.t2jtest.softclip(a, 2.0) * 2)(x.to("jax"))
+    torch.testing.assert_close(out.detach().cpu(), expected.detach())
+    torch.testing.assert_close(jitted.cpu(), expected.detach() * 2)
+    assert t2j.path_of(torch.ops.t2jtest.softclip.default) == "decomposition"
+    with pytest.warns(UserWarning, match="cpu_only.*runs on the host"):
+        assert _cpu_only(torch.arange(3.0, device="jax")).cpu().tolist() == [0.0, 3.0, 6.0]
+    assert t2j.path_of(torch.ops.t2jtest.cpu_only.default) == "fallback"
+
+
 def test_unlowered_op_falls_back_to_host_with_one_warning():
     x = torch.arange(4.0, device="jax")
     with warnings.catch_warnings(record=True) as w:

@@ -220,10 +220,32 @@ def register() -> None:
     impl = torch.library.Library("aten", "IMPL")
     impl.impl("copy_", _copy, "PrivateUse1")
     _libs.extend([fallback, impl])
+    _linear_cross_entropy_defaults()
     # torch.autocast("jax") turns on AutocastPrivateUse1, whose kernels the backend must provide.
     from . import amp
 
     amp.install()
+
+
+def _linear_cross_entropy_defaults() -> None:
+    """``F.linear_cross_entropy``'s "auto" options are picked per device type and fall back
+    to half-precision accumulation on a device torch does not know. XLA multiplies half
+    inputs with float32 accumulation on every backend, so the jax device gets the CPU's
+    picks: float32 accumulation, the "accurate" policy and its chunking."""
+    try:
+        from torch.nn.modules import linear_cross_entropy_options as lce
+    except ImportError:  # a torch without the chunked linear_cross_entropy
+        return
+    for dtype in (torch.float16, torch.bfloat16):
+        lce._AUTO_DEFAULTS.setdefault((NAME, dtype), lce._AUTO_DEFAULTS[("cpu", dtype)])
+    original = lce.LinearCrossEntropyOptions._resolve_auto_acc_dtype
+
+    def resolve_auto_acc_dtype(dtype, device):
+        if device is not None and device.type == NAME and dtype in (torch.float16, torch.bfloat16):
+            return torch.float32
+        return original(dtype, device)
+
+    lce.LinearCrossEntropyOptions._resolve_auto_acc_dtype = staticmethod(resolve_auto_acc_dtype)
 
 
 def register_factories(lowerings) -> None:

@@ -396,6 +396,9 @@ def _choose(func):
         return _decomposition_handler(decomp), "decomposition"
     if _has_composite(func):
         return _composite_handler, "decomposition"
+    custom = _custom_op_function(func)
+    if custom is not None:
+        return _decomposition_handler(custom), "decomposition"
     return _host_handler, "fallback"
 
 
@@ -410,6 +413,21 @@ def _decomposition(func):
     if func in DECOMPOSITION_DENYLIST:
         return None
     return decomposition_table.get(func)
+
+
+def _custom_op_function(func):
+    """The Python function of a ``torch.library.custom_op`` that serves the jax device: its
+    kernel registered for "jax", else its device-agnostic one. It is written in torch ops, so
+    it runs on jax tensors (and under jit) as a decomposition does; a kernel registered
+    only for "cpu" or "cuda" is left to the host fallback."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return None
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(func._schema.name)
+    if opdef is None:
+        return None
+    return opdef._backend_fns.get(DEVICE.type) or opdef._backend_fns.get(None)
 
 
 def _has_composite(func):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .nn import upcast
-from .registry import register
+from .registry import register, true_divide
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -500,7 +500,7 @@ def _grid_reflect(c, twice_low, twice_high):
     span = jnp.asarray(twice_high - twice_low, c.dtype) / 2
     c = jnp.abs(c - lo)
     extra = jnp.fmod(c, span)
-    flips = jnp.floor(c / span)
+    flips = jnp.floor(true_divide(c, span))
     return jnp.where(jnp.fmod(flips, 2) == 0, extra + lo, span - extra + lo)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from .. import dtypes as _dt
 from .. import env as _env
-from .registry import _HALF, as_dtype, canonical_dim, canonical_dims, register
+from .registry import _HALF, as_dtype, canonical_dim, canonical_dims, register, true_divide
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -613,7 +613,9 @@ def histc(x, bins=100, min=0, max=0):
     same = lo == hi
     lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
     inside = (xc >= lo) & (xc <= hi)
-    pos = jnp.floor((xc - lo) * bins / (hi - lo)).astype(_LONG)
+    # torch computes the bin in the input's dtype: a half-precision input rounds after each step
+    rnd = (lambda v: v.astype(x.dtype).astype(np.float32)) if x.dtype in _HALF else (lambda v: v)
+    pos = jnp.floor(rnd(true_divide(rnd(rnd(xc - lo) * bins), rnd(hi - lo)))).astype(_LONG)
     pos = jnp.where(inside, jnp.clip(pos, 0, bins - 1), 0)
     return jnp.zeros((bins,), x.dtype).at[pos.reshape(-1)].add(inside.reshape(-1).astype(x.dtype))
 

@@ -16,7 +16,7 @@ import torch
 
 from .. import dtypes as _dt
 from ..dispatch import OpError
-from .registry import _HALF, canonical_dim, canonical_dims, register
+from .registry import _HALF, canonical_dim, canonical_dims, register, true_divide
 from .shape import is_traced
 
 aten = torch.ops.aten
@@ -508,7 +508,7 @@ def _linspace_edges(lo, hi, bins, dtype):
     """``bins + 1`` edges as torch's linspace computes them in ``dtype``: from the start for
     the first half, from the end for the second, so both ends are exact."""
     lo, hi = jnp.asarray(lo, dtype), jnp.asarray(hi, dtype)
-    step = (hi - lo) / bins
+    step = true_divide(hi - lo, bins)
     i = jnp.arange(bins + 1)
     return jnp.where(i < (bins + 1) // 2, lo + step * i.astype(dtype), hi - step * (bins - i).astype(dtype))
 
