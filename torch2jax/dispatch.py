@@ -420,7 +420,8 @@ def _custom_op_function(func):
     kernel registered for "jax", else its device-agnostic one. It is written in torch ops, so
     it runs on jax tensors (and under jit) as a decomposition does; a kernel registered
     only for "cpu" or "cuda" is left to the host fallback."""
-    if not isinstance(func, torch._ops.OpOverload):
+    # torch's prims are custom ops too, whose eager kernels assume real storages
+    if not isinstance(func, torch._ops.OpOverload) or func.namespace in ("aten", "prims"):
         return None
     from torch._library.custom_ops import OPDEFS
 
