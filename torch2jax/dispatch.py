@@ -132,9 +132,7 @@ def _brief(args, kwargs):
             return f"{_short_dtype(a.dtype)}[{','.join(map(str, a.shape))}]{where}"
         if isinstance(a, (list, tuple)):
             return "[" + ", ".join(one(b) for b in a) + "]"
-        if isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):  # its repr reads every element
-            return f"{type(a).__name__}(nbytes={a.nbytes()}, device={a.device})"
-        return repr(a)
+        return _repr(a)
 
     parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
     return "(" + ", ".join(parts) + ")"
@@ -183,15 +181,20 @@ def _reraise_with_torch_message(func, args, kwargs, error):
     ) from error
 
 
+def _repr(a):
+    """``repr(a)`` for an error or log line; a storage's repr would read every element."""
+    if isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):
+        return f"{type(a).__name__}(nbytes={a.nbytes()}, device={a.device})"
+    return repr(a)
+
+
 def _describe(args, kwargs):
     def one(a):
         if isinstance(a, torch.Tensor):
             return f"Tensor({list(a.shape)}, {a.dtype}, {a.device})"
         if isinstance(a, (list, tuple)):
             return "[" + ", ".join(one(b) for b in a) + "]"
-        if isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):  # its repr reads every element
-            return f"{type(a).__name__}(nbytes={a.nbytes()}, device={a.device})"
-        return repr(a)
+        return _repr(a)
 
     parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
     return "(" + ", ".join(parts) + ")"

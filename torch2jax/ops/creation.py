@@ -120,8 +120,8 @@ def _arange_dtype(values, dtype):
     return _dt.default_float()
 
 
-def _trunc_div(a: int, b: int) -> int:
-    """C++'s integer division (rounds toward zero)."""
+def _c_int_div(a: int, b: int) -> int:
+    """C++'s division of Python ints (rounds toward zero)."""
     q = abs(a) // abs(b)
     return q if (a >= 0) == (b > 0) else -q
 
@@ -135,7 +135,7 @@ def _integer_arange(start, end, step, dt):
     if not ((istep > 0 and iend >= istart) or (istep < 0 and iend <= istart)):
         raise RuntimeError("upper bound and larger bound inconsistent with step sign")
     if dt == np.int64:
-        n = _trunc_div(iend - istart + istep - (1 if istep > 0 else -1), istep)
+        n = _c_int_div(iend - istart + istep - (1 if istep > 0 else -1), istep)
     else:
         n = int(np.ceil((float(end) - float(start)) / float(step)))
     return (istart + jnp.arange(max(n, 0), dtype=np.int64) * istep).astype(dt)
@@ -219,7 +219,7 @@ def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=No
         exponents = jnp.broadcast_to(jnp.asarray(start, np.float64), (steps,))
     else:
         s, e = _in_dtype(start, dt), _in_dtype(end, dt)
-        diff = e - s if integral or dt == np.float64 else (e - s).astype(dt).astype(np.float64)
+        diff = e - s if integral else (e - s).astype(dt).astype(np.float64)
         exponents = _halves(s, e, steps, true_divide(diff, steps - 1.0), _identity)
     out = b ** exponents
     return cast(out, dt)
