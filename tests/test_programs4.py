@@ -1298,6 +1298,60 @@ def _p_vmap_ensemble_with_batchnorm_replaced(device, wrap):
 
 # -- programs list --------------------------------------------------------------------------
 
+# -- losses and sampling with hand-written backward kernels -----------------------------------
+
+
+def _p_ctc_training_with_lengths_on_the_cpu(device, wrap):
+    """CTC code keeps the lengths on the CPU (as CUDA's kernels want them); an impossible
+    alignment (6 labels with repeats in 5 steps) gives an infinite loss, zeroed by zero_infinity."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 6)).to(device)
+    opt = O.Adam(model.parameters(), lr=1e-2)
+    feats = torch.randn(10, 3, 4, generator=_gen()).to(device)
+    targets = torch.tensor([[1, 2, 2, 3, 0, 0], [5, 0, 0, 0, 0, 0], [1, 1, 1, 2, 2, 2]]).to(device)
+    input_lengths, target_lengths = torch.tensor([10, 7, 5]), torch.tensor([4, 1, 6])
+
+    def step(feats, targets):
+        opt.zero_grad()
+        log_probs = model(feats).log_softmax(-1)
+        per_sample = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, reduction="none",
+                                zero_infinity=True)
+        loss = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, zero_infinity=True)
+        loss.backward()
+        opt.step()
+        return loss, per_sample
+
+    step = wrap(step)
+    flat = torch.cat([targets[0, :4], targets[1, :1], targets[2]])
+    losses = [step(feats, targets) for _ in range(3)]
+    summed = F.ctc_loss(model(feats).log_softmax(-1), flat, input_lengths.to(device), target_lengths.to(device),
+                        reduction="sum", zero_infinity=True)
+    return losses, summed, _params(model)
+
+
+def _p_multilabel_margin_and_grid_sample_grads(device, wrap):
+    """multilabel_margin_loss reads each row's targets up to its first -1; grid_sample's
+    gradients with respect to the grid, with grid points on the border (align_corners)."""
+    x = torch.randn(4, 5, generator=_gen()).to(device).requires_grad_()
+    labels = torch.tensor([[1, 2, -1, 0, 0], [3, 3, 0, -1, 1], [-1, 1, 1, 1, 1], [4, 3, 2, 1, 0]]).to(device)
+    img = torch.randn(2, 3, 5, 6, generator=_gen(1)).to(device).requires_grad_()
+    # the identity puts grid points exactly on the border; the other map puts none there (a
+    # point within rounding of the border would get a gradient on one side and none on the other)
+    theta = torch.tensor([[[1.0, 0, 0], [0, 1, 0]], [[1.2, 0.35, 0.1], [-0.2, 0.9, -0.25]]]).to(device)
+    theta.requires_grad_()
+
+    def losses(x, img, theta):
+        out = [F.multilabel_margin_loss(x, labels, reduction=r) for r in ("none", "sum")]
+        for pad in ("zeros", "border", "reflection"):
+            for mode in ("bilinear", "bicubic"):
+                grid = F.affine_grid(theta, (2, 3, 4, 7), align_corners=True)
+                out.append(F.grid_sample(img, grid, mode=mode, padding_mode=pad, align_corners=True))
+        total = sum((o * torch.linspace(-1, 1, o.numel(), device=o.device).reshape(o.shape)).sum() for o in out)
+        return out, torch.autograd.grad(total, (x, img, theta))
+
+    return wrap(losses)(x, img, theta)
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
@@ -1312,6 +1366,7 @@ JITTABLE = {
     "sort_stability_and_ties", "cumulative_bool_int_and_gradients", "nan_handling_reductions",
     "complex_spectral_pooling_and_polar", "integer_division_and_remainder_signs",
     "label_smoothing_ignore_index_and_weights", "gaussian_process_marginal_likelihood", "sinkhorn_optimal_transport",
+    "ctc_training_with_lengths_on_the_cpu", "multilabel_margin_and_grid_sample_grads",
 }
 TOL = {
     "func_maml_second_order": dict(atol=1e-4, rtol=1e-4),  # second derivatives summed in another order
@@ -1327,7 +1382,8 @@ FAST = {
     ("scatter_reduce_include_self_dims_and_grad", True), ("custom_functions_in_training", True),
     ("func_vmap_randomness_modes", False), ("pairwise_distances_and_knn", True),
     ("integer_division_and_remainder_signs", True), ("checkpoint_forward_draws_like_the_plain_block", False),
-    ("checkpoint_dropout_recompute_consistency", False),
+    ("checkpoint_dropout_recompute_consistency", False), ("ctc_training_with_lengths_on_the_cpu", True),
+    ("multilabel_margin_and_grid_sample_grads", False),
 }
 XFAIL = {}
 

@@ -63,6 +63,18 @@ def test_repr_and_print():
     assert "grad_fn=" in repr(y * 2)
 
 
+def test_format_spec_like_torch():
+    for value in (torch.tensor(2.3456), torch.tensor(7), torch.tensor(True)):
+        ours = value.to("jax")
+        for spec in ("", ".2f", ">8", "e") if value.is_floating_point() else ("",):
+            assert format(ours, spec) == format(value, spec), (value, spec)
+    assert format(torch.tensor([1.5, 2.0], device="jax")) == repr(torch.tensor([1.5, 2.0], device="jax"))
+    loss = torch.tensor(0.123456, device="jax", requires_grad=True) * 2
+    assert f"loss {loss:.3f}" == "loss 0.247"
+    with pytest.raises(TypeError):
+        format(torch.tensor([1.5, 2.0], device="jax"), ".2f")
+
+
 def test_module_to_jax_and_back():
     m = torch.nn.Linear(3, 2)
     ref = m(torch.ones(1, 3))

@@ -219,12 +219,24 @@ def register() -> None:
     # copies with the Python key excluded, so copy_ gets a kernel of its own.
     impl = torch.library.Library("aten", "IMPL")
     impl.impl("copy_", _copy, "PrivateUse1")
+    impl.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
     _libs.extend([fallback, impl])
     _linear_cross_entropy_defaults()
     # torch.autocast("jax") turns on AutocastPrivateUse1, whose kernels the backend must provide.
     from . import amp
 
     amp.install()
+
+
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
+    """``ctc_loss`` with length tensors: CTC code keeps the lengths on the CPU, as CUDA's
+    kernels read them there. torch's composite divides the loss by ``target_lengths``
+    as given when an argument is a tensor subclass, which would mix devices; the lengths
+    move to the device first, then torch's own composite runs (autograd included)."""
+    device = log_probs.device
+    return torch.ops.aten.ctc_loss.Tensor.decompose(
+        log_probs, targets, input_lengths.to(device), target_lengths.to(device), blank, reduction, zero_infinity
+    )
 
 
 def _linear_cross_entropy_defaults() -> None:

@@ -222,6 +222,13 @@ class Tensor(torch.Tensor):
             extras.append("requires_grad=True")
         return text[:-1] + ", " + ", ".join(extras) + ")"
 
+    def __format__(self, format_spec):
+        # torch formats a 0-d tensor as its Python number only when its type is exactly
+        # torch.Tensor; f"{loss:.4f}" must work on the jax device too.
+        if self.dim() == 0 and not isinstance(self._value(), jax.core.Tracer):
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def __reduce_ex__(self, protocol):
         base = _saved_base(self._t2j_storage)
         meta = (tuple(self.shape), tuple(self.stride()), self.storage_offset())

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .nn import upcast
+from .nn import _vjp, upcast
 from .registry import register, true_divide
 
 aten = torch.ops.aten
@@ -28,11 +28,6 @@ def _tuple(v, n):
         return (v,) * n
     v = tuple(v)
     return v * n if len(v) == 1 else v
-
-
-def _vjp(fn, primals, cotangent):
-    out, pullback = jax.vjp(fn, *primals)
-    return pullback(cotangent.astype(out.dtype))
 
 
 def _linear_backward(forward, shape, dtype, grad):
@@ -490,7 +485,10 @@ _register_interp("upsample_bicubic2d", _cubic_axis)
 
 
 def _grid_clip(c, size):
-    return jnp.minimum(jnp.asarray(size - 1, c.dtype), jnp.maximum(c, jnp.asarray(0, c.dtype)))
+    # by comparisons, not min / max: a coordinate on the border gets no gradient (torch's
+    # clip_coordinates_set_grad), where max's would be split between the two sides
+    c = jnp.where(c <= 0, jnp.zeros((), c.dtype), c)
+    return jnp.where(c >= size - 1, jnp.asarray(size - 1, c.dtype), c)
 
 
 def _grid_reflect(c, twice_low, twice_high):
@@ -498,7 +496,8 @@ def _grid_reflect(c, twice_low, twice_high):
         return jnp.zeros_like(c)
     lo = jnp.asarray(twice_low, c.dtype) / 2
     span = jnp.asarray(twice_high - twice_low, c.dtype) / 2
-    c = jnp.abs(c - lo)
+    c = c - lo
+    c = jnp.where(c < 0, -c, c)  # abs with torch's gradient of 1 at 0
     extra = jnp.fmod(c, span)
     flips = jnp.floor(true_divide(c, span))
     return jnp.where(jnp.fmod(flips, 2) == 0, extra + lo, span - extra + lo)
@@ -578,6 +577,13 @@ def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
         v, valid = _grid_gather(x, cy, cx)
         out = jnp.where(valid, out + v * weight[:, None], out)
     return out
+
+
+@register(aten.grid_sampler_2d_backward.default)
+def grid_sampler_2d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    gx, ggrid = _vjp(lambda a, g: grid_sampler_2d(a, g, interpolation_mode, padding_mode, align_corners),
+                     (x, grid), grad)
+    return gx if output_mask[0] else None, ggrid.astype(grid.dtype)
 
 
 # -- padding ------------------------------------------------------------------------

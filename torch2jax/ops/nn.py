@@ -553,6 +553,34 @@ def soft_margin_loss(x, target, reduction=_MEAN):
     return _reduce(upcast(loss), reduction).astype(x.dtype)
 
 
+def _multilabel_margin(x, target, reduction):
+    """(loss, is_target). A row's targets are its entries before the first -1 (torch's
+    decomposition also counts the entries after it); each of them, repeats included,
+    adds ``max(0, 1 - x[target] + x[i])`` over the classes i that are not targets."""
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    target = target.reshape(rows.shape).astype(np.int64)
+    classes = rows.shape[-1]
+    listed = jnp.cumprod(target != -1, axis=-1).astype(bool)
+    picked = jnp.where(listed, target, -1)
+    is_target = (picked[:, :, None] == jnp.arange(classes)[None, None, :]).any(axis=1)
+    at_target = jnp.take_along_axis(rows, jnp.clip(target, 0, classes - 1), axis=-1)
+    hinge = jnp.maximum(1 - at_target[:, :, None] + rows[:, None, :], 0)
+    counted = listed[:, :, None] & ~is_target[:, None, :]
+    loss = jnp.sum(jnp.where(counted, hinge, 0), axis=(1, 2)) / classes
+    loss = _reduce(loss if x.ndim > 1 else loss.reshape(()), reduction)
+    return loss, is_target.reshape(x.shape).astype(x.dtype)
+
+
+@float_op(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward(x, target, reduction=_MEAN):
+    return _multilabel_margin(x, target, reduction)
+
+
+@float_op(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
+    return _vjp(lambda a: _multilabel_margin(a, target, reduction)[0], (x,), grad)[0]
+
+
 @float_op(aten.smooth_l1_loss.default)
 def smooth_l1_loss(x, target, reduction=_MEAN, beta=1.0):
     d = jnp.abs(x - target)
@@ -996,10 +1024,13 @@ def _nested_tensor_from_mask(t, mask, mask_check=True):
 
 def _lse(*terms):
     """log(sum(exp(terms))) as torch's CTC kernel forms it: around the largest term, taken
-    as 0 when every term is -inf (so that the result is -inf, not nan)."""
+    as 0 when every term is -inf (so that the result is -inf, not nan). The logarithm
+    of that empty sum is taken at 1 and replaced, so its derivative is 0, not 0 * inf."""
     top = functools.reduce(jnp.maximum, terms)
     top = jnp.where(top == -jnp.inf, 0, top)
-    return jnp.log(sum(jnp.exp(t - top) for t in terms)) + top
+    total = sum(jnp.exp(t - top) for t in terms)
+    empty = total == 0
+    return jnp.where(empty, -jnp.inf, jnp.log(jnp.where(empty, 1, total)) + top)
 
 
 @register(aten._ctc_loss.default, aten._ctc_loss.Tensor)
@@ -1056,6 +1087,32 @@ def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_i
     l2 = jnp.where(tg_len > 0, jnp.take_along_axis(last, jnp.maximum(end - 1, 0)[:, None], axis=1)[:, 0], neg)
     nll = -_lse(l1, l2)
     return nll.astype(log_probs.dtype), jnp.moveaxis(log_alpha, 0, 1).astype(log_probs.dtype)
+
+
+@register(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha,
+                       blank, zero_infinity=False):
+    """The gradient torch's CTC kernels return: not d nll / d log_probs alone but that plus
+    ``exp(log_probs) * grad`` at every step inside the input length, so that it is the
+    gradient with respect to the logits once it passes back through a log_softmax (whose
+    backward takes away ``exp(log_probs) * sum(grad)`` again). Steps past an input's length
+    get 0; a sample whose loss is infinite gets nan there, or 0 with ``zero_infinity``."""
+    steps, batch = log_probs.shape[:2]
+
+    def nll(lp):
+        return _ctc_loss(lp, targets, input_lengths, target_lengths, blank, zero_infinity)[0]
+
+    g = grad.astype(log_probs.dtype).reshape(batch)
+    (true_grad,) = _vjp(nll, (log_probs,), g)
+    out = true_grad + jnp.exp(log_probs) * g[None, :, None]
+    in_len = jnp.asarray(input_lengths, np.int64).reshape(batch)
+    keep = jnp.arange(steps)[:, None] < in_len[None, :]
+    infinite = jnp.isinf(neg_log_likelihood)[None, :]
+    if zero_infinity:
+        keep = keep & ~infinite
+    else:  # torch's exp(log_alpha + log_beta + nll - log_probs) is exp(-inf + inf) there
+        out = jnp.where(infinite[..., None], jnp.nan, out)
+    return jnp.where(keep[..., None], out, 0).astype(log_probs.dtype)
 
 
 def _opmath_of(dtype):
