@@ -1352,6 +1352,25 @@ def _p_multilabel_margin_and_grid_sample_grads(device, wrap):
     return wrap(losses)(x, img, theta)
 
 
+def _p_embedding_bag_modes_and_gradients(device, wrap):
+    """EmbeddingBag in every mode, with an empty bag, padding, per-sample weights and
+    scale_grad_by_freq (torch CPU scales the i-th group of equal sorted indices by the count
+    of the i-th sorted index, which the jax device reproduces)."""
+    weight = torch.randn(10, 3, generator=_gen()).to(device)
+    idx = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 4, 4, 0]).to(device)
+    offsets = torch.tensor([0, 4, 4, 8]).to(device)
+    out = []
+    for mode, pad, freq, psw in [("sum", None, True, True), ("sum", 4, True, False), ("mean", None, True, False),
+                                 ("mean", 2, False, False), ("max", None, False, False), ("max", 9, False, False)]:
+        w = weight.clone().requires_grad_()
+        sample_weights = torch.linspace(0.5, 1.5, 11).to(device).requires_grad_() if psw else None
+        bags = F.embedding_bag(idx, w, offsets, mode=mode, padding_idx=pad, scale_grad_by_freq=freq,
+                               per_sample_weights=sample_weights)
+        (bags * torch.linspace(-1, 2, bags.numel()).to(device).reshape(bags.shape)).sum().backward()
+        out.append((bags, w.grad) + ((sample_weights.grad,) if psw else ()))
+    return out
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
@@ -1383,7 +1402,7 @@ FAST = {
     ("func_vmap_randomness_modes", False), ("pairwise_distances_and_knn", True),
     ("integer_division_and_remainder_signs", True), ("checkpoint_forward_draws_like_the_plain_block", False),
     ("checkpoint_dropout_recompute_consistency", False), ("ctc_training_with_lengths_on_the_cpu", True),
-    ("multilabel_margin_and_grid_sample_grads", False),
+    ("multilabel_margin_and_grid_sample_grads", False), ("embedding_bag_modes_and_gradients", False),
 }
 XFAIL = {}
 

@@ -966,6 +966,7 @@ def _generic_view_handler(func, args, kwargs):
         raise OpError(f"torch2jax: view op {func} on a dtype view is not supported")
     outs = []
     for size, stride, offset, dtype in metas:
+        _check_in_storage(x, size, stride, offset, dtype)
         idx = strided_indices(size, stride, offset)
         step = ViewStep(
             functools.partial(_gather_flat, idx),
@@ -976,6 +977,20 @@ def _generic_view_handler(func, args, kwargs):
         value = step.forward(storage.array)
         outs.append(Tensor(storage, (step,), value=value, size=size, stride=stride, offset=offset, dtype=dtype))
     return outs if isinstance(meta, list) else outs[0]
+
+
+def _check_in_storage(x, size, stride, offset, dtype):
+    """torch's bounds check of a view's elements against its storage (meta tensors skip it)."""
+    if 0 in size:
+        return
+    needed = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
+    have = _storage_numel(x)
+    if needed > have:
+        item = dtype.itemsize
+        raise RuntimeError(
+            f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and itemsize {item} "
+            f"requiring a storage size of {needed * item} are out of bounds for storage of size {have * item}"
+        )
 
 
 def _gather_flat(idx, base):
@@ -1104,11 +1119,7 @@ def _inplace_view_handler(view_op):
 def _resize_handler(func, args, kwargs):
     x, size = args[0], tuple(args[1])
     if tuple(x.shape) != size:
-        flat = x._value().reshape(-1)
-        n = int(np.prod(size, dtype=np.int64))
-        if n > flat.shape[0]:
-            flat = jax.numpy.concatenate([flat, jax.numpy.zeros(n - flat.shape[0], flat.dtype)])
-        x._rebind(new_tensor(flat[:n].reshape(size)))
+        x._rebind(dispatch(aten.resize.default, (x, size), {}))
     return x
 
 

@@ -667,7 +667,7 @@ def nan_to_num(x, nan=None, posinf=None, neginf=None):
 # -- complex numbers -------------------------------------------------------------
 
 
-@register(aten._conj, aten.conj_physical, prims.conj_physical, prims.conj)
+@register(aten._conj, aten.conj_physical, aten._conj_physical, prims.conj_physical, prims.conj)
 def conj_physical(x):
     """Materialized: torch2jax tensors carry no conjugate bit."""
     return jnp.conj(x) if _is_complex(x) else x

@@ -10,6 +10,7 @@ only eagerly and raise `OpError` when traced.
 from __future__ import annotations
 
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -411,6 +412,15 @@ def masked_scatter(x, mask, source):
         return jnp.broadcast_to(x, shape)
     pos = jnp.cumsum(m) - 1
     return jnp.where(m, src[jnp.clip(pos, 0, src.size - 1)], jnp.broadcast_to(x, shape).reshape(-1)).reshape(shape)
+
+
+@register(aten.masked_scatter_backward.default)
+def masked_scatter_backward(grad, mask, sizes):
+    """The source's gradient: the gradient at the mask's true positions, in order, then zeros."""
+    m = jnp.broadcast_to(mask, grad.shape).reshape(-1)
+    n = math.prod(sizes)
+    slot = jnp.where(m, jnp.cumsum(m) - 1, n)  # past the end: dropped
+    return jnp.zeros(n, grad.dtype).at[slot].set(grad.reshape(-1), mode="drop").reshape(sizes)
 
 
 @register(aten.masked_select.default)

@@ -121,6 +121,24 @@ def mm_dtype(a, b, out_dtype):
     return _finish(_mm(a, b), _dt.to_jax(out_dtype))
 
 
+@register(aten._trilinear.default)
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """``(i1 * i2 * i3).sum(sumdim)`` after each input gets size-1 dimensions at its
+    ``expand`` positions (F.bilinear's x1^T W x2), as one contraction. Dimensions count in
+    the expanded rank; the summed ones leave the result."""
+    rank = i1.ndim + len(expand1)
+    letters = [chr(ord("a") + d) for d in range(rank)]
+
+    def subscript(expand):
+        return "".join(letters[d] for d in range(rank) if d not in expand)
+
+    summed = {d % rank for d in sumdim}
+    out = "".join(letters[d] for d in range(rank) if d not in summed)
+    spec = f"{subscript(expand1)},{subscript(expand2)},{subscript(expand3)}->{out}"
+    result = jnp.einsum(spec, i1, i2, i3, precision=_precision(), preferred_element_type=_acc_dtype(i1.dtype))
+    return _finish(result, i1.dtype)
+
+
 @register(aten._int_mm)
 def _int_mm(a, b):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=np.int32)

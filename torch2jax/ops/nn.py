@@ -581,6 +581,34 @@ def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
     return _vjp(lambda a: _multilabel_margin(a, target, reduction)[0], (x,), grad)[0]
 
 
+def _multi_margin(x, target, p, margin, weight, reduction):
+    """Per row, ``max(0, margin - x[target] + x[i]) ** p`` (times ``weight[target]``) over the
+    classes i other than the target, averaged over the classes."""
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    target = target.reshape(-1).astype(np.int64)
+    classes = rows.shape[-1]
+    at_target = jnp.take_along_axis(rows, jnp.clip(target, 0, classes - 1)[:, None], axis=1)
+    z = margin - at_target + rows
+    h = jnp.where(z > 0, z if p == 1 else z * z, 0)
+    if weight is not None:
+        h = h * weight[target][:, None]
+    h = jnp.where(jnp.arange(classes)[None, :] == target[:, None], 0, h)
+    loss = jnp.sum(h, axis=1) / classes
+    return _reduce(loss if x.ndim > 1 else loss.reshape(()), reduction)
+
+
+@float_op(aten.multi_margin_loss.default)
+def multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=_MEAN):
+    if p not in (1, 2):
+        raise RuntimeError("only p == 1 and p == 2 supported")
+    return _multi_margin(x, target, p, margin, weight, reduction)
+
+
+@float_op(aten.multi_margin_loss_backward.default)
+def multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reduction=_MEAN):
+    return _vjp(lambda a: _multi_margin(a, target, p, margin, weight, reduction), (x,), grad)[0]
+
+
 @float_op(aten.smooth_l1_loss.default)
 def smooth_l1_loss(x, target, reduction=_MEAN, beta=1.0):
     d = jnp.abs(x - target)
@@ -697,6 +725,65 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
         out = out / jnp.maximum(count, 1)[:, None]
     bag_size = count if mode == 1 else jnp.zeros(bags, np.int64)
     return out.astype(weight.dtype), offset2bag, bag_size, bag_size
+
+
+@register(aten._embedding_bag_dense_backward.default)
+def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                  scale_grad_by_freq, mode, per_sample_weights, padding_idx=-1):
+    """The weight's gradient: each entry of ``indices`` gets its bag's gradient (over the
+    bag's size for mean, times its per-sample weight), an entry equal to ``padding_idx``
+    none; for max, each (bag, column) goes to the row that was the maximum. With
+    ``scale_grad_by_freq`` a row's gradient is divided by how often it occurs in ``indices``."""
+    g = upcast(grad)
+    out = jnp.zeros((num_weights, grad.shape[-1]), g.dtype)
+    if mode == 2:
+        rows = jnp.where(bag_size[:, None] > 0, maximum_indices, num_weights)  # empty bags add nowhere
+        cols = jnp.broadcast_to(jnp.arange(grad.shape[-1]), rows.shape)
+        out = out.at[rows, cols].add(g, mode="drop")
+    else:
+        per_entry = g[offset2bag]
+        if mode == 1:
+            per_entry = per_entry / jnp.maximum(bag_size[offset2bag], 1)[:, None]
+        if per_sample_weights is not None:
+            per_entry = per_entry * upcast(per_sample_weights)[:, None]
+        valid = indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+        out = out.at[jnp.where(valid, indices, num_weights)].add(per_entry, mode="drop")
+    if scale_grad_by_freq:
+        out = out / _embedding_bag_freq(indices, num_weights)[:, None]
+    return out.astype(grad.dtype)
+
+
+def _embedding_bag_freq(indices, num_weights):
+    """The divisor of each weight row under ``scale_grad_by_freq``, as torch's CPU kernel
+    computes it. That kernel walks the sorted indices in groups of equal values and scales
+    the i-th group by the count of ``sorted[i]`` (the i-th sorted entry, not the group's
+    value), so a row is divided by its own frequency only while the groups before it are
+    single entries. F.embedding divides by the row's own frequency."""
+    if indices.shape[0] == 0:
+        return jnp.ones(num_weights, _F32)
+    counts = jnp.zeros(num_weights, np.int64).at[indices].add(1)
+    group = jnp.cumsum(counts > 0) - 1  # each present row's group number among the sorted values
+    divisor = counts[jnp.sort(indices)[jnp.clip(group, 0, indices.shape[0] - 1)]]
+    return jnp.maximum(divisor, 1).astype(_F32)
+
+
+@register(aten._embedding_bag_backward.default)
+def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                            scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
+    if sparse:
+        raise OpError("torch2jax: aten._embedding_bag_backward: sparse=True (a sparse weight gradient) is not "
+                      "supported on the jax device; build the EmbeddingBag with sparse=False")
+    return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                         scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+@register(aten._embedding_bag_per_sample_weights_backward.default)
+def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    """d out / d per_sample_weights (sum mode): each entry's row dotted with its bag's gradient."""
+    dots = jnp.sum(upcast(grad)[offset2bag] * upcast(weight)[indices], axis=-1)
+    if padding_idx >= 0:
+        dots = jnp.where(indices == padding_idx, 0, dots)
+    return dots.astype(grad.dtype)
 
 
 # -- weight norm -------------------------------------------------------------------------

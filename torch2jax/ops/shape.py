@@ -21,6 +21,7 @@ from ..dispatch import _storage_numel
 from .registry import canonical_dim, canonical_dims, decomposition, register, view
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 def infer_size(size, numel):
@@ -349,6 +350,32 @@ def expand(x, size, implicit=False):
 
 
 register(aten.expand_copy.default)(expand)
+
+
+@register(aten.resize.default)
+def resize(x, size, memory_format=None):
+    """``x``'s elements in order, cut to or extended to ``size``: the new elements, which torch
+    leaves uninitialized, are zeros."""
+    flat = x.reshape(-1)
+    n = math.prod(size)
+    if n > flat.shape[0]:
+        flat = jnp.concatenate([flat, jnp.zeros(n - flat.shape[0], flat.dtype)])
+    return flat[:n].reshape(size)
+
+
+@decomposition(aten.as_strided_scatter.default, prims.as_strided_scatter.default)
+def as_strided_scatter(x, src, size, stride, storage_offset=0):
+    """A copy of ``x`` (its storage as far as its layout reaches, strides kept, as torch's
+    clone_preserve_strides) with ``src`` written into its ``as_strided(size, stride,
+    storage_offset)`` view."""
+    if tuple(src.shape) != tuple(size):
+        raise RuntimeError(f"as_strided_scatter: expected src to have a size equal to the slice of self. "
+                           f"src size = {list(src.shape)}, slice size = {list(size)}")
+    needed = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + x.storage_offset() if x.numel() else 0
+    buffer = x.as_strided((needed,), (1,), 0).clone()
+    out = buffer.as_strided(x.shape, x.stride(), x.storage_offset())
+    buffer.as_strided(size, stride, 0 if storage_offset is None else storage_offset).copy_(src)
+    return out
 
 
 # -- storage metadata (forward-mode AD's tangent layout) -----------------------
