@@ -1371,6 +1371,27 @@ def _p_embedding_bag_modes_and_gradients(device, wrap):
     return out
 
 
+def _p_antialias_resize_and_volumetric_grid_sample(device, wrap):
+    """Antialiased bilinear / bicubic resizing (down and up, sizes and scale factors) and
+    5-D grid_sample with its gradients; a uint8 image resizes through the host fallback."""
+    img = torch.randn(2, 3, 13, 11, generator=_gen()).to(device).requires_grad_()
+    vol = torch.randn(1, 2, 4, 5, 6, generator=_gen(1)).to(device).requires_grad_()
+    grid = (torch.rand(1, 3, 4, 5, 3, generator=_gen(2)) * 2.4 - 1.2).to(device).requires_grad_()
+
+    def resize(img, vol, grid):
+        outs = [F.interpolate(img, size=(5, 4), mode="bilinear", antialias=True),
+                F.interpolate(img, size=(7, 17), mode="bicubic", antialias=True, align_corners=True),
+                F.interpolate(img, scale_factor=0.4, mode="bilinear", antialias=True)]
+        outs += [F.grid_sample(vol, grid, mode=m, padding_mode=p, align_corners=False)
+                 for m, p in (("bilinear", "zeros"), ("bilinear", "reflection"), ("nearest", "border"))]
+        total = sum((o * torch.linspace(-1, 1, o.numel(), device=o.device).reshape(o.shape)).sum() for o in outs)
+        return outs, torch.autograd.grad(total, (img, vol, grid))
+
+    pixels = torch.randint(0, 256, (1, 3, 10, 12), generator=_gen(3), dtype=torch.uint8).to(device)
+    shrink = wrap(lambda p: F.interpolate(p, size=(4, 5), mode="bilinear", antialias=True))
+    return wrap(resize)(img, vol, grid), shrink(pixels)
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
@@ -1386,6 +1407,7 @@ JITTABLE = {
     "complex_spectral_pooling_and_polar", "integer_division_and_remainder_signs",
     "label_smoothing_ignore_index_and_weights", "gaussian_process_marginal_likelihood", "sinkhorn_optimal_transport",
     "ctc_training_with_lengths_on_the_cpu", "multilabel_margin_and_grid_sample_grads",
+    "antialias_resize_and_volumetric_grid_sample",
 }
 TOL = {
     "func_maml_second_order": dict(atol=1e-4, rtol=1e-4),  # second derivatives summed in another order
@@ -1403,6 +1425,7 @@ FAST = {
     ("integer_division_and_remainder_signs", True), ("checkpoint_forward_draws_like_the_plain_block", False),
     ("checkpoint_dropout_recompute_consistency", False), ("ctc_training_with_lengths_on_the_cpu", True),
     ("multilabel_margin_and_grid_sample_grads", False), ("embedding_bag_modes_and_gradients", False),
+    ("antialias_resize_and_volumetric_grid_sample", True),
 }
 XFAIL = {}
 

@@ -47,6 +47,12 @@ class OpError(RuntimeError):
     """An op could not run on the jax device; the message names the op and why."""
 
 
+class HostFallback(Exception):
+    """Raised by a lowering for inputs it does not cover (a dtype torch computes with a
+    kernel of its own): the op then runs through the host fallback, as an op with no
+    lowering does."""
+
+
 class TorchRuntimeError(RuntimeError):
     """The RuntimeError torch itself raises for this input, with torch's message."""
 
@@ -446,22 +452,25 @@ def _lowering_handler(func, lowering, cpu_args=None):
     def run(func, args, kwargs):
         if kwargs and _is_foreign_device(kwargs):
             return _host_run(func, args, kwargs)
-        if compiled is not None and compiled.enabled and _tensor.CAPTURE is None:
+        try:
+            if compiled is not None and compiled.enabled and _tensor.CAPTURE is None:
+                if cpu_args is None:
+                    uargs = _operands(args)
+                    ukwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
+                else:
+                    uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
+                out = compiled(uargs, ukwargs)
+                if type(out) is _ArrayImpl:
+                    return new_tensor(_unshared(out, uargs))
+                return _wrap(_unshared_all(out, uargs))
             if cpu_args is None:
-                uargs = _operands(args)
+                uargs = _unwrap(args)
                 ukwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
             else:
                 uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
-            out = compiled(uargs, ukwargs)
-            if type(out) is _ArrayImpl:
-                return new_tensor(_unshared(out, uargs))
-            return _wrap(_unshared_all(out, uargs))
-        if cpu_args is None:
-            uargs = _unwrap(args)
-            ukwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
-        else:
-            uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
-        out = lowering(*uargs, **ukwargs)
+            out = lowering(*uargs, **ukwargs)
+        except HostFallback:
+            return _host_handler(func, args, kwargs)
         return _wrap(_unshared(out, uargs) if type(out) is _ArrayImpl else _unshared_all(out, uargs))
 
     return run

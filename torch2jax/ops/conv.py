@@ -8,6 +8,8 @@ its exact divisors. Backward ops of linear forwards are their `jax.vjp`.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import jax
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from .nn import _vjp, upcast
+from ..dispatch import HostFallback
 from .registry import register, true_divide
 
 aten = torch.ops.aten
@@ -477,6 +480,75 @@ _register_interp("upsample_trilinear3d", _interp_axis)
 _register_interp("upsample_bicubic2d", _cubic_axis)
 
 
+# Antialiased resizing (PIL's algorithm, as torch's CPU kernels run it): each output
+# pixel averages the input pixels under a filter stretched by the downscaling factor,
+# with weights normalized to sum to 1; separable, the width first.
+
+
+def _triangle(t):
+    t = np.abs(t)
+    return np.where(t < 1, 1 - t, 0)
+
+
+def _keys_cubic(t, a=-0.5):
+    t = np.abs(t)
+    near = ((a + 2) * t - (a + 3)) * t * t + 1
+    far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+    return np.where(t < 1, near, np.where(t < 2, far, 0))
+
+
+def _aa_taps(size, out, scale, align_corners, support_size, kernel, ftype):
+    """(first input index, weights) of each output pixel, weights as (out, taps) in ``ftype``."""
+    if align_corners:
+        r = ftype(size - 1) / ftype(out - 1) if out > 1 else ftype(0)
+    else:
+        r = ftype(1.0 / scale) if scale is not None and scale > 0 else ftype(size) / ftype(out)
+    support = ftype(support_size / 2) * r if r >= 1 else ftype(support_size / 2)
+    invscale = ftype(1) / r if r >= 1 else ftype(1)
+    taps = int(math.ceil(support)) * 2 + 1
+    center = r * (np.arange(out, dtype=ftype) + ftype(0.5))
+    first = np.maximum((center - support + ftype(0.5)).astype(np.int64), 0)
+    count = np.clip(np.minimum((center + support + ftype(0.5)).astype(np.int64), size) - first, 0, taps)
+    j = np.arange(taps)
+    w = kernel((j[None, :] + first[:, None] - center[:, None] + ftype(0.5)) * invscale).astype(ftype)
+    w = np.where(j[None, :] < count[:, None], w, ftype(0))
+    total = w.sum(axis=1, keepdims=True, dtype=ftype)
+    return first, np.where(total != 0, w / np.where(total != 0, total, 1), w).astype(ftype)
+
+
+def _aa_resize(x, output_size, align_corners, scales, support_size, kernel):
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype in (jnp.float16, jnp.bfloat16):
+        raise HostFallback  # torch's uint8 kernel works in fixed point
+    ftype = _opmath(x.dtype)
+    for ax, o, sc in reversed(list(zip(range(x.ndim - 2, x.ndim), output_size, scales))):
+        size = x.shape[ax]
+        first, w = _aa_taps(size, o, sc, align_corners, support_size, kernel, ftype)
+        shape = [1] * x.ndim
+        shape[ax] = o
+        out = 0
+        for k in range(w.shape[1]):
+            tap = jnp.take(x, np.minimum(first + k, size - 1), axis=ax)
+            out = out + tap * jnp.asarray(w[:, k].reshape(shape))
+        x = out.astype(x.dtype)
+    return x
+
+
+def _register_aa(op, support_size, kernel):
+    def lowering(x, output_size, align_corners, scales_h=None, scales_w=None):
+        return _aa_resize(x, output_size, align_corners, (scales_h, scales_w), support_size, kernel)
+
+    def backward(grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+        return _linear_backward(lambda a: lowering(a, output_size, align_corners, scales_h, scales_w),
+                                tuple(input_size), grad.dtype, grad)
+
+    register(getattr(aten, op).default)(lowering)
+    register(getattr(aten, op + "_backward").default)(backward)
+
+
+_register_aa("_upsample_bilinear2d_aa", 2, _triangle)
+_register_aa("_upsample_bicubic2d_aa", 4, _keys_cubic)
+
+
 # -- grid sampling ------------------------------------------------------------------
 # torch CPU's grid_sampler_2d has a vectorized kernel for float32 / float64 only;
 # float16 / bfloat16 take its scalar fallback, which does every step of the
@@ -518,13 +590,45 @@ def _grid_unnormalize(c, size, align_corners):
     return ((c + 1) * size - 1) / 2
 
 
-def _grid_gather(x, iy, ix):
-    """x[n, :, iy, ix] for every grid point (zero where out of bounds), as (N, C, Ho, Wo)."""
-    h, w = x.shape[2:]
-    valid = (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
-    n = np.arange(x.shape[0]).reshape(-1, 1, 1)
-    v = x[n, :, jnp.clip(iy, 0, h - 1), jnp.clip(ix, 0, w - 1)]
+def _grid_gather(x, *coords):
+    """x[n, :, *coords] for every grid point (zero where out of bounds), as (N, C, *grid), and
+    where the point was in bounds, as (N, 1, *grid). ``coords`` are integer arrays
+    (N, *grid), one per spatial dim of ``x`` in its order (depth, height, width)."""
+    sizes = x.shape[2:]
+    valid = functools.reduce(jnp.logical_and, [(c >= 0) & (c < n) for c, n in zip(coords, sizes)])
+    batch = np.arange(x.shape[0]).reshape((-1,) + (1,) * (coords[0].ndim - 1))
+    v = x[(batch, slice(None)) + tuple(jnp.clip(c, 0, n - 1) for c, n in zip(coords, sizes))]
     return jnp.moveaxis(jnp.where(valid[..., None], v, jnp.zeros((), x.dtype)), -1, 1), valid[:, None]
+
+
+def _grid_coords(x, grid, padding_mode, align_corners):
+    """The grid's sampling positions in pixels, padded, one array per spatial dim of ``x``
+    in its order (the grid's last axis lists them from the width on)."""
+    sizes = x.shape[2:]
+    return [_grid_pad(_grid_unnormalize(grid[..., k].astype(x.dtype), n, align_corners), n, padding_mode,
+                      align_corners)
+            for k, n in zip(range(len(sizes) - 1, -1, -1), sizes)]
+
+
+def _grid_nearest(x, coords):
+    """Nearest sampling, ties to even as std::nearbyint."""
+    return _grid_gather(x, *(jnp.round(c).astype(np.int64) for c in coords))[0]
+
+
+def _grid_linear(x, coords):
+    """(Bi/tri)linear sampling as torch's kernels sum it: corners in the order of their
+    offsets (width fastest), each weighted by the product of its per-axis weights taken
+    from the width axis on; corners out of bounds add nothing."""
+    low = [jnp.floor(c).astype(np.int64) for c in coords]
+    out = jnp.zeros((x.shape[0], x.shape[1]) + coords[0].shape[1:], x.dtype)
+    for offsets in itertools.product((0, 1), repeat=len(coords)):
+        corner = [lo + o for lo, o in zip(low, offsets)]
+        factors = [(lo + 1).astype(x.dtype) - c if o == 0 else c - lo.astype(x.dtype)
+                   for lo, c, o in zip(low, coords, offsets)]
+        weight = functools.reduce(jnp.multiply, factors[::-1])
+        v, valid = _grid_gather(x, *corner)
+        out = jnp.where(valid, out + v * weight[:, None], out)
+    return out
 
 
 def _cubic_coeffs(t):
@@ -560,28 +664,28 @@ def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
 
         rows = [_cubic_interp([value(ix0 + (j - 1), iy0 + (i - 1)) for j in range(4)], tx) for i in range(4)]
         return _cubic_interp(rows, ty)
-    ix = _grid_pad(_grid_unnormalize(gx, w, align_corners), w, padding_mode, align_corners)
-    iy = _grid_pad(_grid_unnormalize(gy, h, align_corners), h, padding_mode, align_corners)
-    if interpolation_mode == 1:  # nearest, ties to even as std::nearbyint
-        return _grid_gather(x, jnp.round(iy).astype(np.int64), jnp.round(ix).astype(np.int64))[0]
-    x0, y0 = jnp.floor(ix).astype(np.int64), jnp.floor(iy).astype(np.int64)
-    fx0, fy0, fx1, fy1 = (v.astype(x.dtype) for v in (x0, y0, x0 + 1, y0 + 1))
-    corners = (
-        (y0, x0, (fx1 - ix) * (fy1 - iy)),
-        (y0, x0 + 1, (ix - fx0) * (fy1 - iy)),
-        (y0 + 1, x0, (fx1 - ix) * (iy - fy0)),
-        (y0 + 1, x0 + 1, (ix - fx0) * (iy - fy0)),
-    )
-    out = jnp.zeros((x.shape[0], x.shape[1]) + ix.shape[1:], x.dtype)
-    for cy, cx, weight in corners:
-        v, valid = _grid_gather(x, cy, cx)
-        out = jnp.where(valid, out + v * weight[:, None], out)
-    return out
+    coords = _grid_coords(x, grid, padding_mode, align_corners)
+    return _grid_nearest(x, coords) if interpolation_mode == 1 else _grid_linear(x, coords)
 
 
 @register(aten.grid_sampler_2d_backward.default)
 def grid_sampler_2d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
     gx, ggrid = _vjp(lambda a, g: grid_sampler_2d(a, g, interpolation_mode, padding_mode, align_corners),
+                     (x, grid), grad)
+    return gx if output_mask[0] else None, ggrid.astype(grid.dtype)
+
+
+@register(aten.grid_sampler_3d.default)
+def grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
+    if interpolation_mode == 2:
+        raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
+    coords = _grid_coords(x, grid, padding_mode, align_corners)
+    return _grid_nearest(x, coords) if interpolation_mode == 1 else _grid_linear(x, coords)
+
+
+@register(aten.grid_sampler_3d_backward.default)
+def grid_sampler_3d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    gx, ggrid = _vjp(lambda a, g: grid_sampler_3d(a, g, interpolation_mode, padding_mode, align_corners),
                      (x, grid), grad)
     return gx if output_mask[0] else None, ggrid.astype(grid.dtype)
 
