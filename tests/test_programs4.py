@@ -1392,6 +1392,24 @@ def _p_antialias_resize_and_volumetric_grid_sample(device, wrap):
     return wrap(resize)(img, vol, grid), shrink(pixels)
 
 
+def _p_fractional_max_pool_layers(device, wrap):
+    """nn.FractionalMaxPool2d / 3d (ratios and sizes) in a small conv net trained one step,
+    with the windows drawn from the seeded RNG on the device (so compared by their statistics:
+    shapes, indices in range, values taken from the input) and from given samples exactly."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 9, 11, generator=_gen()).to(device).requires_grad_()
+    samples = torch.rand(2, 3, 2, generator=_gen(1)).to(device)
+    out, idx = F.fractional_max_pool2d(x, (2, 3), output_size=(4, 5), return_indices=True, _random_samples=samples)
+    grad, = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).to(device).reshape(out.shape)).sum(), x)
+    vol = torch.randn(1, 2, 6, 7, 8, generator=_gen(2)).to(device)
+    vsamples = torch.rand(1, 2, 3, generator=_gen(3)).to(device)
+    vout, vidx = F.fractional_max_pool3d(vol, 2, output_ratio=0.5, return_indices=True, _random_samples=vsamples)
+    drawn, drawn_idx = nn.FractionalMaxPool2d(2, output_ratio=(0.6, 0.5), return_indices=True)(x)
+    taken = x.detach().flatten(2).gather(2, drawn_idx.flatten(2)).reshape(drawn.shape)
+    consistent = bool(torch.equal(taken, drawn.detach())) and drawn.shape == (2, 3, 5, 5)
+    return out, idx, grad, vout, vidx, consistent
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
@@ -1425,7 +1443,7 @@ FAST = {
     ("integer_division_and_remainder_signs", True), ("checkpoint_forward_draws_like_the_plain_block", False),
     ("checkpoint_dropout_recompute_consistency", False), ("ctc_training_with_lengths_on_the_cpu", True),
     ("multilabel_margin_and_grid_sample_grads", False), ("embedding_bag_modes_and_gradients", False),
-    ("antialias_resize_and_volumetric_grid_sample", True),
+    ("antialias_resize_and_volumetric_grid_sample", True), ("fractional_max_pool_layers", False),
 }
 XFAIL = {}
 

@@ -235,6 +235,64 @@ def max_pool3d_with_indices_backward(grad, x, kernel_size, stride, padding, dila
     return _scatter_indices(grad, x, indices, 3)
 
 
+def _fractional_starts(sample, size, out, pool):
+    """Each plane's window starts along one dim from its random sample in [0, 1), as torch's
+    generate_intervals computes them (in the sample's dtype, truncated); the last window
+    ends at the input's end."""
+    if out == 0:
+        return jnp.zeros(sample.shape + (0,), np.int64)
+    alpha = jnp.asarray((size - pool) / (out - 1) if out > 1 else 0, sample.dtype)
+    i = jnp.arange(out, dtype=sample.dtype)
+    starts = (jnp.trunc((i + sample[..., None]) * alpha) - jnp.trunc(sample * alpha)[..., None]).astype(np.int64)
+    return starts.at[..., -1].set(size - pool)
+
+
+def _fractional_max_pool(x, kernel_size, output_size, samples, sample_of_dim):
+    """(values, flat indices) of max pooling over windows at pseudo-random fractional
+    strides: ``samples[..., sample_of_dim[i]]`` places the windows of spatial dim i."""
+    n = len(sample_of_dim)
+    k, outs = _tuple(kernel_size, n), _tuple(output_size, n)
+    sizes = x.shape[x.ndim - n:]
+    batched = x if x.ndim == n + 2 else x[None]
+    samples = samples.reshape(batched.shape[:2] + (n,)).astype(x.dtype if x.dtype != jnp.float16 else np.float32)
+    flat = jnp.zeros((), np.int64)
+    for i in range(n):
+        starts = _fractional_starts(samples[..., sample_of_dim[i]], sizes[i], outs[i], k[i])
+        pos = starts[..., :, None] + np.arange(k[i])  # (N, C, out_i, k_i)
+        shape = list(pos.shape[:2]) + [1] * (2 * n)
+        shape[2 + i], shape[2 + n + i] = pos.shape[2:]
+        flat = flat * sizes[i] + pos.reshape(shape)
+    flat = flat.reshape(flat.shape[:2 + n] + (-1,))
+    plane = batched.reshape(batched.shape[:2] + (-1,))
+    vals = jnp.take_along_axis(plane, flat.reshape(flat.shape[:2] + (-1,)), axis=2).reshape(flat.shape)
+    arg = jnp.argmax(vals, axis=-1)[..., None]
+    out = jnp.take_along_axis(vals, arg, axis=-1)[..., 0]
+    idx = jnp.take_along_axis(flat, arg, axis=-1)[..., 0]
+    if x.ndim == n + 1:
+        out, idx = out[0], idx[0]
+    return out, idx
+
+
+@register(aten.fractional_max_pool2d.default)
+def fractional_max_pool2d(x, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(x, kernel_size, output_size, random_samples, (1, 0))
+
+
+@register(aten.fractional_max_pool3d.default)
+def fractional_max_pool3d(x, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(x, kernel_size, output_size, random_samples, (0, 1, 2))
+
+
+@register(aten.fractional_max_pool2d_backward.default)
+def fractional_max_pool2d_backward(grad, x, kernel_size, output_size, indices):
+    return _scatter_indices(grad, x, indices, 2)
+
+
+@register(aten.fractional_max_pool3d_backward.default)
+def fractional_max_pool3d_backward(grad, x, kernel_size, output_size, indices):
+    return _scatter_indices(grad, x, indices, 3)
+
+
 def _adaptive_geometry(x, output_size, n):
     return [_adaptive(x.shape[x.ndim - n + i], o) for i, o in enumerate(_tuple(output_size, n))]
 
