@@ -226,3 +226,49 @@ def test_in_place_op_default_reaches_its_functional_variant():
         torch.ops.t2jtest.scale_(x, 0.5)
     torch.testing.assert_close(xj.cpu(), x)
     assert path_of(torch.ops.t2jtest.scale_.default) == "functional"
+
+
+def test_an_error_in_a_backward_kernel_is_raised_by_backward():
+    """An error raised by a jax-device kernel that the autograd engine calls comes out of
+    backward() / autograd.grad with its message (torch would abort the process on it), and
+    the next backward pass runs normally."""
+    from torch2jax import dispatch
+    from torch2jax.ops import registry
+
+    op = torch.ops.aten.scatter_add.default  # gather's backward
+
+    def failing(*args, **kwargs):
+        raise ValueError("scatter_add kernel failed")
+
+    def forget(func):
+        dispatch._HANDLERS.pop(func, None)
+        dispatch._PATHS.pop(func, None)
+        dispatch._BY_ID.pop(id(func), None)
+
+    original = registry.LOWERINGS[op]
+    registry.LOWERINGS[op] = failing
+    forget(op)
+    try:
+        x = torch.randn(5, device="jax", requires_grad=True)
+        index = torch.tensor([0, 3, 3], device="jax")
+        for run in (lambda out: out.sum().backward(), lambda out: torch.autograd.grad(out.sum(), x)):
+            with pytest.raises(RuntimeError, match="scatter_add kernel failed") as info:
+                run(torch.gather(x, 0, index))
+            assert any("aten.scatter_add" in note for note in info.value.__notes__)
+    finally:
+        registry.LOWERINGS[op] = original
+        forget(op)
+    (grad,) = torch.autograd.grad(torch.gather(x, 0, index).sum(), x)
+    assert grad.cpu().tolist() == [1.0, 0.0, 0.0, 2.0, 0.0]
+
+
+def test_backward_runs_on_the_calling_thread():
+    """The engine would run jax-device nodes on a device worker thread, which does not see
+    the caller's thread-local state (t2j.env scopes among it)."""
+    import threading
+
+    seen = []
+    x = torch.randn(3, device="jax", requires_grad=True)
+    x.register_hook(lambda g: seen.append(threading.get_ident()))
+    (x * 2).sum().backward()
+    assert seen == [threading.get_ident()]

@@ -206,6 +206,8 @@ def register() -> None:
     torch._register_device_module(NAME, _DeviceModule())
     torch._C._acc.register_python_privateuseone_hook(_backend._DummyPrivateUse1Hook())
     torch._C._acc.register_python_privateuseone_device_guard(_backend._DummyDeviceGuard())
+    torch.autograd.graph._engine_run_backward = _on_calling_thread(torch.autograd.graph._engine_run_backward)
+    torch.autograd._engine_run_backward = torch.autograd.graph._engine_run_backward
     torch.nn.Module.to = _swapping(torch.nn.Module.to)
     torch.nn.Module.cpu = _swapping(torch.nn.Module.cpu)
     mixin = torch.nn.parameter.UninitializedTensorMixin
@@ -226,6 +228,30 @@ def register() -> None:
     from . import amp
 
     amp.install()
+
+
+def _on_calling_thread(engine_run_backward):
+    """The autograd engine's entry point (``backward()``, ``autograd.grad``) running every
+    backward node on the calling thread. The engine gives an accelerator device worker
+    threads of its own, where the caller's thread-local settings (``t2j.env`` scopes, JAX's)
+    are not seen; the CPU device already runs on the calling thread. An error a jax-device
+    kernel raised in the pass is raised here, when the engine returns (see
+    `torch2jax.dispatch.defer_backward_error`)."""
+
+    @functools.wraps(engine_run_backward)
+    def run(*args, **kwargs):
+        from .dispatch import raise_backward_error
+
+        threaded = torch._C._is_multithreading_enabled()
+        torch._C._set_multithreading_enabled(False)
+        try:
+            out = engine_run_backward(*args, **kwargs)
+        finally:
+            torch._C._set_multithreading_enabled(threaded)
+            raise_backward_error()
+        return out
+
+    return run
 
 
 def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):

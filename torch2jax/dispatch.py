@@ -23,6 +23,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import types
 import warnings
 
@@ -1229,6 +1230,34 @@ def _is_traced(tree):
 
     _tree_map_tensors(visit, (tree,))
     return bool(found)
+
+
+_BACKWARD_ERRORS = threading.local()
+
+
+def defer_backward_error(func, args, kwargs, error):
+    """Keep ``error`` (raised by ``func`` inside the autograd engine) for
+    `raise_backward_error` and give the engine zeros shaped as ``func``'s result."""
+    pending = getattr(_BACKWARD_ERRORS, "errors", None)
+    if pending is None:
+        pending = _BACKWARD_ERRORS.errors = []
+    error.add_note(f"(raised by {func} in the backward pass)")
+    pending.append(error)
+    try:
+        margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
+        out = func(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - no stand-in: the error goes to the engine as it is
+        pending.remove(error)
+        raise error from None
+    return _tree_map_tensors(lambda t: new_tensor(jax.numpy.zeros(tuple(t.shape), _dt.to_jax(t.dtype))), out)
+
+
+def raise_backward_error():
+    """Raise the first error kept by `defer_backward_error` since the last call, if any."""
+    pending = getattr(_BACKWARD_ERRORS, "errors", None)
+    if pending:
+        _BACKWARD_ERRORS.errors = []
+        raise pending[0]
 
 
 def _to_meta(t):

@@ -139,7 +139,17 @@ class Tensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+        try:
+            return _dispatch(func, args, kwargs or {})
+        except Exception as error:
+            if torch._C._current_graph_task_id() == -1:
+                raise
+            # an error escaping a Python kernel in the autograd engine on a PrivateUse1
+            # device aborts the process (a torch bug); the engine gets a stand-in result
+            # and the error is raised when the backward pass returns
+            from .dispatch import defer_backward_error
+
+            return defer_backward_error(func, args, kwargs or {}, error)
 
     # -- value access -------------------------------------------------------
 

@@ -227,6 +227,9 @@ def gather(x, dim, index, *, sparse_grad=False):
 def _scatter_args(x, dim, index, src):
     d, x1 = _as_1d(x, dim)
     index1 = index.reshape(-1) if index.ndim == 0 else index
+    if index1.size == 0:  # writes nothing, whatever the index's rank (torch checks no shapes then)
+        nowhere = jnp.zeros((0,), np.int64)
+        return x1, (nowhere,) * x1.ndim, jnp.zeros((0,), x.dtype)
     _check_range(index1, x1.shape[d], _out_of_bounds(dim, x1.shape[d], RuntimeError), negative=False)
     if hasattr(src, "ndim") and src.ndim:
         src = _crop(src, index1.shape)

@@ -22,6 +22,7 @@ from .. import env as _env
 from ..dispatch import OpError
 from .linalg import _acc_dtype, _precision
 from .registry import canonical_dim, decomposition, register
+from .sparse import _warn_dense
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -770,9 +771,8 @@ def _embedding_bag_freq(indices, num_weights):
 @register(aten._embedding_bag_backward.default)
 def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
                             scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
-    if sparse:
-        raise OpError("torch2jax: aten._embedding_bag_backward: sparse=True (a sparse weight gradient) is not "
-                      "supported on the jax device; build the EmbeddingBag with sparse=False")
+    if sparse:  # the jax device has no sparse layout: the gradient is its dense equivalent
+        _warn_dense()
     return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
                                          scale_grad_by_freq, mode, per_sample_weights, padding_idx)
 

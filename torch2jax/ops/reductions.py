@@ -157,6 +157,28 @@ def amin(x, dim=(), keepdim=False):
     return _extreme("amin", jnp.min, x, dim, keepdim)
 
 
+@register(aten.hash_tensor.default)
+def hash_tensor(x, dim=(), keepdim=False, mode=0):
+    """The xor of the elements' bits, each first widened to float64 / int64 (sign extended)
+    and read as a uint64."""
+    if mode != 0:
+        raise RuntimeError(f"hash_tensor: mode {mode} is not supported; only mode=0 (xor reduction) is")
+    if _dt.is_complex(x.dtype):
+        raise RuntimeError("hash_tensor: complex tensors are not supported")
+    if x.size == 0 and not dim:
+        raise RuntimeError("hash_tensor: Expected reduction dim to be specified for input.numel() == 0. "
+                           "Specify the reduction dim with the 'dim' argument.")
+    if _dt.is_floating(x.dtype):
+        wide = x.astype(np.float64)
+    else:
+        wide = x.astype(np.uint64 if x.dtype == np.uint64 else np.int64)
+    bits = jax.lax.bitcast_convert_type(wide, np.uint64)
+    axes = _axes(dim, x.ndim)
+    _require_nonempty("hash_tensor", x, axes)
+    out = jax.lax.reduce(bits, np.uint64(0), jax.lax.bitwise_xor, axes)
+    return jnp.expand_dims(out, axes) if keepdim else out
+
+
 def _require_numel(name, x):
     if x.size == 0:
         raise RuntimeError(
