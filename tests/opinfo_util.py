@@ -298,10 +298,13 @@ def _draws_random(op, sample):
 
 
 class _Reconstructed:
-    """A SIGN_FREE op whose result is (U diag(S) V^H, S, U^H U, V^H V)."""
+    """A SIGN_FREE op whose result is (U diag(S) V^H, S, U^H U, V^H V). ``thin``: U and V
+    cut to their first k = len(S) columns, for gradients: with full_matrices the other
+    columns are any basis of the complement, and a loss that reads them has no defined
+    gradient (torch's own depends on LAPACK's pick)."""
 
-    def __init__(self, op):
-        self.op, self.name = op, op.name
+    def __init__(self, op, thin=False):
+        self.op, self.name, self.thin = op, op.name, thin
 
     def __call__(self, *args, **kwargs):
         u, s, v = self.op(*args, **kwargs)
@@ -309,6 +312,8 @@ class _Reconstructed:
             v = v.mH
         k = s.shape[-1]
         product = (u[..., :k] * s.unsqueeze(-2).to(u.dtype)) @ v[..., :k].mH
+        if self.thin:
+            u, v = u[..., :k], v[..., :k]
         return product, s, u.mH @ u, v.mH @ v
 
 
@@ -334,7 +339,7 @@ def check_sample(op, sample, dtype, mode, where=""):
     it. Where torch rejects a sample in eager or jit mode, we must reject it too.
     """
     if op.name in SIGN_FREE:
-        op = _Reconstructed(op)
+        op = _Reconstructed(op, thin=mode == "grad")
     elif op.name in PHASE_FREE:
         op = _PhaseFixed(op)
     values = not _draws_random(op, sample)
