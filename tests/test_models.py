@@ -27,6 +27,8 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoModelForSpeechSeq2Seq,
+    GPT2Config,
+    GPT2LMHeadModel,
 )
 
 transformers.logging.set_verbosity_error()
@@ -703,3 +705,27 @@ def test_multihead_attention_weights():
             return self.mha(q, k, v, key_padding_mask=mask, need_weights=True, average_attn_weights=False)
 
     check_parity(Wrapper(), dict(q=q, k=k, v=v, mask=mask))
+
+
+def test_save_pretrained_from_the_jax_device_round_trips(tmp_path):
+    """transformers' save_pretrained (safetensors) finds tied weights by their storages'
+    data_ptr: a jax-device model saves once per storage and loads back on the CPU."""
+    from safetensors.torch import save_file
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0,
+                        eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).to("jax").eval()
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    assert model.lm_head.weight.data_ptr() != model.transformer.wpe.weight.data_ptr()
+    model.save_pretrained(tmp_path)
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value.cpu(), rtol=0, atol=0)
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(model(ids.to("jax")).logits.cpu(), loaded(ids).logits)
+    # safetensors refuses tensors that share memory, on any device
+    x = torch.arange(4.0, device="jax")
+    with pytest.raises(RuntimeError, match="share memory"):
+        save_file({"a": x, "b": x[1:]}, tmp_path / "shared.safetensors")

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 
 import jax
@@ -69,6 +70,32 @@ class Storage:
                 "would escape the trace. Use t2j.jit, which carries such state in and out, or "
                 "t2j.functionalize for a pure function of the state."
             )
+
+
+class _StorageHandle(torch.UntypedStorage):
+    """``untyped_storage()`` of a jax-device tensor. Its values live in a jax.Array, so this
+    is an empty meta storage that only answers what code asks of a storage's identity:
+    ``data_ptr()`` (the same for a base tensor and all its views, different for tensors
+    that do not share values), ``nbytes()`` and ``device``."""
+
+    def __new__(cls, storage):
+        handle = super().__new__(cls, 0, device="meta")
+        handle._t2j_storage = storage
+        return handle
+
+    def __init__(self, storage):
+        pass
+
+    def data_ptr(self):
+        return id(self._t2j_storage)
+
+    def nbytes(self):
+        array = self._t2j_storage.array
+        return math.prod(array.shape) * array.dtype.itemsize
+
+    @property
+    def device(self):
+        return DEVICE
 
 
 class ViewStep:
@@ -231,6 +258,15 @@ class Tensor(torch.Tensor):
         elif self.requires_grad:
             extras.append("requires_grad=True")
         return text[:-1] + ", " + ", ".join(extras) + ")"
+
+    def untyped_storage(self):
+        return _StorageHandle(self._t2j_storage)
+
+    def data_ptr(self):
+        """An address that identifies the storage, as libraries compare them (tied weights
+        in safetensors / transformers' save_pretrained): views of one storage share it,
+        offset by their ``storage_offset``. Nothing can be read through it."""
+        return id(self._t2j_storage) + self.storage_offset() * self.element_size()
 
     def __format__(self, format_spec):
         # torch formats a 0-d tensor as its Python number only when its type is exactly
