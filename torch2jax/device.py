@@ -222,6 +222,7 @@ def register() -> None:
     impl = torch.library.Library("aten", "IMPL")
     impl.impl("copy_", _copy, "PrivateUse1")
     impl.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
+    impl.impl("_pin_memory", _pin_memory, "CPU")
     _libs.extend([fallback, impl])
     _linear_cross_entropy_defaults()
     # torch.autocast("jax") turns on AutocastPrivateUse1, whose kernels the backend must provide.
@@ -252,6 +253,17 @@ def _on_calling_thread(engine_run_backward):
         return out
 
     return run
+
+
+def _pin_memory(x, device=None):
+    """``x.pin_memory()`` of a CPU tensor. With the jax device registered, torch finds an
+    accelerator and pins for it (``DataLoader(pin_memory=True)`` does), but a Python
+    backend cannot provide a pinned allocator; JAX stages host transfers itself, so
+    pinning for the jax device is a plain copy. Other devices pin as torch does."""
+    target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
+    if target is not None and target.type == NAME:
+        return x.clone()
+    return torch.ops.aten._pin_memory.default._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, x, device)
 
 
 def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
