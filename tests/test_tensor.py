@@ -199,3 +199,16 @@ def test_pin_memory_and_dataloader_pinning():
         batches = list(DataLoader(data, batch_size=4, pin_memory=True, num_workers=workers))
         assert [b[0].tolist() for b in batches] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
         assert batches[1][1].dtype == torch.int64
+
+
+def test_accelerator_apis_answer_for_the_jax_device():
+    """Device-agnostic code times with torch.accelerator.synchronize() and logs memory."""
+    assert torch.accelerator.current_accelerator().type == "jax"
+    x = torch.randn(256, 256, device="jax")
+    y = x @ x
+    torch.accelerator.synchronize()
+    torch.jax.synchronize()
+    assert torch.accelerator.memory_allocated() >= y.numel() * 4
+    assert torch.accelerator.max_memory_allocated() >= y.numel() * 4
+    assert isinstance(torch.accelerator.memory_stats(), dict)
+    torch.accelerator.empty_cache()

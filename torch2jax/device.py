@@ -83,7 +83,51 @@ class _DeviceModule:
 
     @staticmethod
     def synchronize(device=None) -> None:
-        return None
+        """Wait for every computation whose result is alive (JAX dispatches asynchronously)."""
+        import jax
+
+        jax.block_until_ready(jax.live_arrays())
+
+    @staticmethod
+    def memory_stats(device=None) -> dict:
+        """The JAX device's allocator statistics (empty where the backend keeps none, as on CPU)."""
+        import jax
+
+        return jax.devices()[0].memory_stats() or {}
+
+    @staticmethod
+    def memory_allocated(device=None) -> int:
+        """Bytes held by live arrays: the allocator's count, else the arrays' own sizes."""
+        import jax
+
+        stats = _DeviceModule.memory_stats()
+        if "bytes_in_use" in stats:
+            return int(stats["bytes_in_use"])
+        return sum(a.nbytes for a in jax.live_arrays())
+
+    @staticmethod
+    def max_memory_allocated(device=None) -> int:
+        stats = _DeviceModule.memory_stats()
+        return int(stats.get("peak_bytes_in_use", _DeviceModule.memory_allocated()))
+
+    @staticmethod
+    def empty_cache() -> None:
+        """Nothing to release: JAX frees an array's buffer when the array is collected."""
+
+
+def _accelerator_api(name, original):
+    """``torch.accelerator.<name>``, answered by the jax device module when the current
+    accelerator is the jax device (torch's own would ask for a C++ allocator or stream
+    the Python backend does not have)."""
+
+    @functools.wraps(original)
+    def api(*args, **kwargs):
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None and accelerator.type == NAME:
+            return getattr(_DeviceModule, name)(*args)
+        return original(*args, **kwargs)
+
+    return api
 
 
 def _fallback(op, *args, **kwargs):
@@ -204,6 +248,8 @@ def register() -> None:
     if torch._C._get_privateuse1_backend_name() != NAME:
         torch.utils.rename_privateuse1_backend(NAME)
     torch._register_device_module(NAME, _DeviceModule())
+    for name in ("synchronize", "memory_stats", "memory_allocated", "max_memory_allocated", "empty_cache"):
+        setattr(torch.accelerator, name, _accelerator_api(name, getattr(torch.accelerator, name)))
     torch._C._acc.register_python_privateuseone_hook(_backend._DummyPrivateUse1Hook())
     torch._C._acc.register_python_privateuseone_device_guard(_backend._DummyDeviceGuard())
     torch.autograd.graph._engine_run_backward = _on_calling_thread(torch.autograd.graph._engine_run_backward)
