@@ -658,10 +658,6 @@ def test_transformer_encoder_fast_path(norm_first, masks):
     check_inference(Encoder(norm_first).eval(), inputs, torch.ops.aten._transformer_encoder_layer_fwd.default)
 
 
-@pytest.mark.xfail(strict=True, raises=t2j.OpError,
-                   reason="nn.TransformerEncoder's nested-tensor fast path (eval, no_grad, padding mask, "
-                          "enable_nested_tensor=True): aten._nested_tensor_from_mask cannot make a nested tensor "
-                          "on the jax device; needs the encoder kept off that path (device/module.to, lead)")
 def test_transformer_encoder_nested_fast_path():
     torch.manual_seed(0)
     model = Encoder(False).eval()
@@ -729,3 +725,24 @@ def test_save_pretrained_from_the_jax_device_round_trips(tmp_path):
     x = torch.arange(4.0, device="jax")
     with pytest.raises(RuntimeError, match="share memory"):
         save_file({"a": x, "b": x[1:]}, tmp_path / "shared.safetensors")
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("left_aligned", [True, False])
+def test_transformer_encoder_nested_path_with_final_norm_eager_and_jit(batch_first, left_aligned):
+    """The default encoder (enable_nested_tensor=True) in eval without grad: torch zeroes
+    the padded positions before the final norm when the mask is left-aligned, not otherwise."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+    encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(8)).eval()
+    x = torch.randn(3, 5, 8) if batch_first else torch.randn(5, 3, 8)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 4 + [True]])
+    if not left_aligned:
+        pad[0, 1] = True
+    with torch.no_grad():
+        expected = encoder(x, src_key_padding_mask=pad)
+        encoder.to("jax")
+        eager = encoder(x.to("jax"), src_key_padding_mask=pad.to("jax"))
+        jitted = t2j.jit(lambda a, m: encoder(a, src_key_padding_mask=m))(x.to("jax"), pad.to("jax"))
+    for out in (eager, jitted):
+        torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)

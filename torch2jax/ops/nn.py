@@ -1097,13 +1097,59 @@ def _transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bi
     return norm(x + feed_forward(x), norm_weight_2, norm_bias_2)
 
 
+class NestedTensorRequested(OpError):
+    """A nested tensor was asked for; the jax device has none."""
+
+
 @register(aten._nested_tensor_from_mask.default)
 def _nested_tensor_from_mask(t, mask, mask_check=True):
-    raise OpError(
-        "torch2jax: _nested_tensor_from_mask: the jax device has no nested tensors; nn.TransformerEncoder takes "
-        "this path in eval mode without grad when given a src_key_padding_mask: build it with "
-        "enable_nested_tensor=False (or set its use_nested_tensor = False)"
+    raise NestedTensorRequested(
+        "torch2jax: _nested_tensor_from_mask: the jax device has no nested tensors (nn.TransformerEncoder's "
+        "nested path is taken for it without them)"
     )
+
+
+def _encoder_forward(forward):
+    """nn.TransformerEncoder.forward taking its nested-tensor path on the jax device without
+    nested tensors. In eval mode without grad, given a ``src_key_padding_mask``, torch packs
+    the valid tokens of each sequence into a nested tensor, runs the layers on it and pads
+    the result with zeros before the final norm. Here the layers run on the padded batch with
+    the padding mask (the valid tokens' results are the same), the padded positions are
+    zeroed where torch's mask check would have let it nest (a left-aligned mask), and then the
+    norm is applied: the result is torch's, and no value decides the path (it traces)."""
+
+    @functools.wraps(forward)
+    def run(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+        from ..tensor import Tensor
+
+        if not (isinstance(src, Tensor) and getattr(self, "use_nested_tensor", False)):
+            return forward(self, src, mask, src_key_padding_mask, is_causal)
+        check, self.mask_check = self.mask_check, False
+        try:
+            return forward(self, src, mask, src_key_padding_mask, is_causal)
+        except NestedTensorRequested:
+            pass
+        finally:
+            self.mask_check = check
+        norm, self.norm, self.use_nested_tensor = self.norm, None, False
+        try:
+            out = forward(self, src, mask, src_key_padding_mask, is_causal)
+        finally:
+            self.norm, self.use_nested_tensor = norm, True
+        pad = src_key_padding_mask.bool()
+        if not self.layers[0].self_attn.batch_first:
+            pad = pad.t()
+        zeroed = out.masked_fill(pad.unsqueeze(-1), 0.0)
+        if check:
+            padded = src_key_padding_mask.bool()
+            left_aligned = (padded[:, 1:] >= padded[:, :-1]).all()
+            zeroed = torch.where(left_aligned, zeroed, out)
+        return zeroed if norm is None else norm(zeroed)
+
+    return run
+
+
+torch.nn.TransformerEncoder.forward = _encoder_forward(torch.nn.TransformerEncoder.forward)
 
 
 # -- CTC loss -----------------------------------------------------------------------
