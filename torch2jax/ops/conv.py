@@ -722,30 +722,37 @@ def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
 
         rows = [_cubic_interp([value(ix0 + (j - 1), iy0 + (i - 1)) for j in range(4)], tx) for i in range(4)]
         return _cubic_interp(rows, ty)
+    return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
+
+
+def _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners):
+    """Linear (0) or nearest (1) grid sampling of a 4-D or 5-D input."""
     coords = _grid_coords(x, grid, padding_mode, align_corners)
     return _grid_nearest(x, coords) if interpolation_mode == 1 else _grid_linear(x, coords)
 
 
+def _grid_sampler_backward(forward, grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    gx, ggrid = _vjp(lambda a, g: forward(a, g, interpolation_mode, padding_mode, align_corners), (x, grid), grad)
+    return gx if output_mask[0] else None, ggrid.astype(grid.dtype)
+
+
 @register(aten.grid_sampler_2d_backward.default)
 def grid_sampler_2d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
-    gx, ggrid = _vjp(lambda a, g: grid_sampler_2d(a, g, interpolation_mode, padding_mode, align_corners),
-                     (x, grid), grad)
-    return gx if output_mask[0] else None, ggrid.astype(grid.dtype)
+    return _grid_sampler_backward(grid_sampler_2d, grad, x, grid, interpolation_mode, padding_mode, align_corners,
+                                  output_mask)
 
 
 @register(aten.grid_sampler_3d.default)
 def grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
     if interpolation_mode == 2:
         raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
-    coords = _grid_coords(x, grid, padding_mode, align_corners)
-    return _grid_nearest(x, coords) if interpolation_mode == 1 else _grid_linear(x, coords)
+    return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
 
 
 @register(aten.grid_sampler_3d_backward.default)
 def grid_sampler_3d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
-    gx, ggrid = _vjp(lambda a, g: grid_sampler_3d(a, g, interpolation_mode, padding_mode, align_corners),
-                     (x, grid), grad)
-    return gx if output_mask[0] else None, ggrid.astype(grid.dtype)
+    return _grid_sampler_backward(grid_sampler_3d, grad, x, grid, interpolation_mode, padding_mode, align_corners,
+                                  output_mask)
 
 
 # -- padding ------------------------------------------------------------------------
