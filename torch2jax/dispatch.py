@@ -471,7 +471,7 @@ def _lowering_handler(func, lowering, cpu_args=None):
                 uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
             out = lowering(*uargs, **ukwargs)
         except HostFallback:
-            return _host_handler(func, args, kwargs)
+            return _host_handler(func, args, kwargs, " for these inputs")
         return _wrap(_unshared(out, uargs) if type(out) is _ArrayImpl else _unshared_all(out, uargs))
 
     return run
@@ -1201,19 +1201,19 @@ def write(target, value, func, resize=False):
 # ---------------------------------------------------------------------------
 
 
-def _host_handler(func, args, kwargs):
+def _host_handler(func, args, kwargs, which=""):
     _check_devices(func, args, kwargs)
     COUNTERS["host_fallbacks"] += 1
     mode = _env.config().fallback
     if mode == "error":
         raise OpError(
-            f"torch2jax: {func} has no JAX lowering or decomposition, and host fallback is disabled "
+            f"torch2jax: {func} has no JAX lowering or decomposition{which}, and host fallback is disabled "
             f"(fallback='error')"
         )
     if mode == "warn" and func not in _warned:
         _warned.add(func)
         warnings.warn(
-            f"torch2jax: {func} has no JAX lowering; it runs on the host through torch (slow, "
+            f"torch2jax: {func} has no JAX lowering{which}; it runs on the host through torch (slow, "
             f"and a host round trip under jit)",
             stacklevel=4,
         )
