@@ -1246,9 +1246,13 @@ def defer_backward_error(func, args, kwargs, error):
     try:
         margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
         out = func(*margs, **mkwargs)
-    except Exception:  # noqa: BLE001 - no stand-in: the error goes to the engine as it is
-        pending.remove(error)
-        raise error from None
+    except Exception:  # noqa: BLE001 - no meta kernel: shaped like the first tensor argument
+        first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        returns = func._schema.returns
+        if not returns or any(not isinstance(r.type, torch.TensorType) for r in returns):
+            pending.remove(error)
+            raise error from None
+        out = [first] * len(returns) if len(returns) > 1 else first
     return _tree_map_tensors(lambda t: new_tensor(jax.numpy.zeros(tuple(t.shape), _dt.to_jax(t.dtype))), out)
 
 

@@ -219,8 +219,8 @@ def _scatter_indices(grad, x, indices, n):
     lead = x.shape[: x.ndim - n]
     b = math.prod(lead)
     plane = math.prod(x.shape[x.ndim - n:])
-    g = upcast(grad).reshape(b, -1)
-    idx = indices.reshape(b, -1)
+    g = upcast(grad).reshape(b, math.prod(grad.shape[len(lead):]))  # no -1: the batch may be empty
+    idx = indices.reshape(g.shape)
     out = jnp.zeros((b, plane), g.dtype).at[jnp.arange(b)[:, None], idx].add(g)
     return out.reshape(x.shape).astype(x.dtype)
 
@@ -251,8 +251,17 @@ def _fractional_max_pool(x, kernel_size, output_size, samples, sample_of_dim):
     """(values, flat indices) of max pooling over windows at pseudo-random fractional
     strides: ``samples[..., sample_of_dim[i]]`` places the windows of spatial dim i."""
     n = len(sample_of_dim)
+    name = f"fractional_max_pool{n}d()"
     k, outs = _tuple(kernel_size, n), _tuple(output_size, n)
+    if x.ndim not in (n + 1, n + 2):
+        raise RuntimeError(f"{name}: Expected {n + 1}D or {n + 2}D tensor, but got: {list(x.shape)}")
+    if 0 in x.shape[x.ndim - n - 1:]:
+        raise RuntimeError(f"{name}: Expected input to have non-zero size for non-batch dimensions, but got "
+                           f"{list(x.shape)}")
     sizes = x.shape[x.ndim - n:]
+    for name_of_dim, size, pool, out in zip(("time", "height", "width")[3 - n:], sizes, k, outs):
+        if out + pool - 1 > size:
+            raise RuntimeError(f"{name}: pool {name_of_dim} {pool} too large relative to input {name_of_dim} {size}")
     batched = x if x.ndim == n + 2 else x[None]
     samples = samples.reshape(batched.shape[:2] + (n,)).astype(x.dtype if x.dtype != jnp.float16 else np.float32)
     flat = jnp.zeros((), np.int64)
@@ -262,9 +271,10 @@ def _fractional_max_pool(x, kernel_size, output_size, samples, sample_of_dim):
         shape = list(pos.shape[:2]) + [1] * (2 * n)
         shape[2 + i], shape[2 + n + i] = pos.shape[2:]
         flat = flat * sizes[i] + pos.reshape(shape)
-    flat = flat.reshape(flat.shape[:2 + n] + (-1,))
-    plane = batched.reshape(batched.shape[:2] + (-1,))
-    vals = jnp.take_along_axis(plane, flat.reshape(flat.shape[:2] + (-1,)), axis=2).reshape(flat.shape)
+    flat = flat.reshape(flat.shape[:2 + n] + (math.prod(k),))  # explicit sizes: a batch may be empty
+    plane = batched.reshape(batched.shape[:2] + (math.prod(sizes),))
+    picks = flat.reshape(flat.shape[:2] + (math.prod(flat.shape[2:]),))
+    vals = jnp.take_along_axis(plane, picks, axis=2).reshape(flat.shape)
     arg = jnp.argmax(vals, axis=-1)[..., None]
     out = jnp.take_along_axis(vals, arg, axis=-1)[..., 0]
     idx = jnp.take_along_axis(flat, arg, axis=-1)[..., 0]
