@@ -267,7 +267,6 @@ def register() -> None:
     # copies with the Python key excluded, so copy_ gets a kernel of its own.
     impl = torch.library.Library("aten", "IMPL")
     impl.impl("copy_", _copy, "PrivateUse1")
-    impl.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
     impl.impl("_pin_memory", _pin_memory, "CPU")
     _libs.extend([fallback, impl])
     _linear_cross_entropy_defaults()
@@ -310,17 +309,6 @@ def _pin_memory(x, device=None):
     if target is not None and target.type == NAME:
         return x.clone()
     return torch.ops.aten._pin_memory.default._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, x, device)
-
-
-def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
-    """``ctc_loss`` with length tensors: CTC code keeps the lengths on the CPU, as CUDA's
-    kernels read them there. torch's composite divides the loss by ``target_lengths``
-    as given when an argument is a tensor subclass, which would mix devices; the lengths
-    move to the device first, then torch's own composite runs (autograd included)."""
-    device = log_probs.device
-    return torch.ops.aten.ctc_loss.Tensor.decompose(
-        log_probs, targets, input_lengths.to(device), target_lengths.to(device), blank, reduction, zero_infinity
-    )
 
 
 def _linear_cross_entropy_defaults() -> None:

@@ -1247,9 +1247,9 @@ def defer_backward_error(func, args, kwargs, error):
         margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
         out = func(*margs, **mkwargs)
     except Exception:  # noqa: BLE001 - no meta kernel: shaped like the first tensor argument
-        first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         returns = func._schema.returns
-        if not returns or any(not isinstance(r.type, torch.TensorType) for r in returns):
+        if first is None or not returns or any(not isinstance(r.type, torch.TensorType) for r in returns):
             pending.remove(error)
             raise error from None
         out = [first] * len(returns) if len(returns) > 1 else first

@@ -187,13 +187,16 @@ def _lowest(dtype):
     return -np.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
 
 
-def _max_windows(x, geometry):
-    patches, valid, flat = _windows(x, geometry)
-    vals = jnp.where(valid, patches, jnp.asarray(_lowest(x.dtype), x.dtype))
+def _window_max(vals, flat):
+    """(max, its flat input index) over the last axis of the windows ``vals``."""
     arg = jnp.argmax(vals, axis=-1)[..., None]
     out = jnp.take_along_axis(vals, arg, axis=-1)[..., 0]
-    idx = jnp.take_along_axis(jnp.broadcast_to(flat, vals.shape), arg, axis=-1)[..., 0]
-    return out, idx
+    return out, jnp.take_along_axis(jnp.broadcast_to(flat, vals.shape), arg, axis=-1)[..., 0]
+
+
+def _max_windows(x, geometry):
+    patches, valid, flat = _windows(x, geometry)
+    return _window_max(jnp.where(valid, patches, jnp.asarray(_lowest(x.dtype), x.dtype)), flat)
 
 
 def _max_pool(x, n, kernel_size, stride, padding, dilation, ceil_mode):
@@ -274,10 +277,7 @@ def _fractional_max_pool(x, kernel_size, output_size, samples, sample_of_dim):
     flat = flat.reshape(flat.shape[:2 + n] + (math.prod(k),))  # explicit sizes: a batch may be empty
     plane = batched.reshape(batched.shape[:2] + (math.prod(sizes),))
     picks = flat.reshape(flat.shape[:2] + (math.prod(flat.shape[2:]),))
-    vals = jnp.take_along_axis(plane, picks, axis=2).reshape(flat.shape)
-    arg = jnp.argmax(vals, axis=-1)[..., None]
-    out = jnp.take_along_axis(vals, arg, axis=-1)[..., 0]
-    idx = jnp.take_along_axis(flat, arg, axis=-1)[..., 0]
+    out, idx = _window_max(jnp.take_along_axis(plane, picks, axis=2).reshape(flat.shape), flat)
     if x.ndim == n + 1:
         out, idx = out[0], idx[0]
     return out, idx
@@ -494,14 +494,18 @@ def _interp_axis(x, ax, out, scale, align_corners, dtype):
     return jnp.take(x, i0, axis=ax) * lam0 + jnp.take(x, i1, axis=ax) * lam1
 
 
+def _cubic_near(d, a):
+    """Keys' cubic convolution kernel for |d| < 1 (``a``: -0.75 as torch's bicubic, -0.5 antialiased)."""
+    return ((a + 2) * d - (a + 3)) * d * d + 1
+
+
+def _cubic_far(d, a):
+    """The kernel for 1 <= |d| < 2."""
+    return ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+
+
 def _cubic_weights(t, a=-0.75):
-    def near(d):
-        return ((a + 2) * d - (a + 3)) * d * d + 1
-
-    def far(d):
-        return ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
-
-    return (far(t + 1), near(t), near(1 - t), far(2 - t))
+    return (_cubic_far(t + 1, a), _cubic_near(t, a), _cubic_near(1 - t, a), _cubic_far(2 - t, a))
 
 
 def _cubic_axis(x, ax, out, scale, align_corners, dtype):
@@ -560,9 +564,7 @@ def _triangle(t):
 
 def _keys_cubic(t, a=-0.5):
     t = np.abs(t)
-    near = ((a + 2) * t - (a + 3)) * t * t + 1
-    far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
-    return np.where(t < 1, near, np.where(t < 2, far, 0))
+    return np.where(t < 1, _cubic_near(t, a), np.where(t < 2, _cubic_far(t, a), 0))
 
 
 def _aa_taps(size, out, scale, align_corners, support_size, kernel, ftype):
@@ -585,8 +587,8 @@ def _aa_taps(size, out, scale, align_corners, support_size, kernel, ftype):
 
 
 def _aa_resize(x, output_size, align_corners, scales, support_size, kernel):
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype in (jnp.float16, jnp.bfloat16):
-        raise HostFallback  # torch's uint8 kernel works in fixed point
+    if x.dtype not in (np.float32, np.float64):
+        raise HostFallback  # torch computes uint8 in fixed point and refuses the other dtypes
     ftype = _opmath(x.dtype)
     for ax, o, sc in reversed(list(zip(range(x.ndim - 2, x.ndim), output_size, scales))):
         size = x.shape[ax]
@@ -701,14 +703,7 @@ def _grid_linear(x, coords):
 
 def _cubic_coeffs(t):
     a = jnp.asarray(-0.75, t.dtype)
-
-    def near(d):
-        return ((a + 2) * d - (a + 3)) * d * d + 1
-
-    def far(d):
-        return ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
-
-    return far(t + 1), near(t), near(1 - t), far((1 - t) + 1)
+    return _cubic_far(t + 1, a), _cubic_near(t, a), _cubic_near(1 - t, a), _cubic_far((1 - t) + 1, a)
 
 
 def _cubic_interp(v, t):
@@ -718,9 +713,9 @@ def _cubic_interp(v, t):
 
 @register(aten.grid_sampler_2d.default)
 def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
-    h, w = x.shape[2:]
-    gx, gy = grid[..., 0].astype(x.dtype), grid[..., 1].astype(x.dtype)
     if interpolation_mode == 2:  # bicubic: taps are padded one by one
+        h, w = x.shape[2:]
+        gx, gy = grid[..., 0].astype(x.dtype), grid[..., 1].astype(x.dtype)
         ix, iy = _grid_unnormalize(gx, w, align_corners), _grid_unnormalize(gy, h, align_corners)
         ix0, iy0 = jnp.floor(ix), jnp.floor(iy)
         tx, ty = (ix - ix0)[:, None], (iy - iy0)[:, None]

@@ -582,9 +582,12 @@ def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
     return _vjp(lambda a: _multilabel_margin(a, target, reduction)[0], (x,), grad)[0]
 
 
-def _multi_margin(x, target, p, margin, weight, reduction):
+@float_op(aten.multi_margin_loss.default)
+def multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=_MEAN):
     """Per row, ``max(0, margin - x[target] + x[i]) ** p`` (times ``weight[target]``) over the
     classes i other than the target, averaged over the classes."""
+    if p not in (1, 2):
+        raise RuntimeError("only p == 1 and p == 2 supported")
     rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
     target = target.reshape(-1).astype(np.int64)
     classes = rows.shape[-1]
@@ -598,16 +601,7 @@ def _multi_margin(x, target, p, margin, weight, reduction):
     return _reduce(loss if x.ndim > 1 else loss.reshape(()), reduction)
 
 
-@float_op(aten.multi_margin_loss.default)
-def multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=_MEAN):
-    if p not in (1, 2):
-        raise RuntimeError("only p == 1 and p == 2 supported")
-    return _multi_margin(x, target, p, margin, weight, reduction)
-
-
-@float_op(aten.multi_margin_loss_backward.default)
-def multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reduction=_MEAN):
-    return _vjp(lambda a: _multi_margin(a, target, p, margin, weight, reduction), (x,), grad)[0]
+_loss_op(multi_margin_loss.compute, aten.multi_margin_loss_backward.default)
 
 
 @float_op(aten.smooth_l1_loss.default)
@@ -1246,6 +1240,21 @@ def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, 
     else:  # torch's exp(log_alpha + log_beta + nll - log_probs) is exp(-inf + inf) there
         out = jnp.where(infinite[..., None], jnp.nan, out)
     return jnp.where(keep[..., None], out, 0).astype(log_probs.dtype)
+
+
+def ctc_loss_tensor(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
+    """The AutogradPrivateUse1 kernel of aten::ctc_loss.Tensor. CTC code keeps the lengths on
+    the CPU, as CUDA's kernels read them there; torch's composite divides the loss by
+    ``target_lengths`` as given when an argument is a tensor subclass, which would mix
+    devices. The lengths move to the device first, then torch's composite runs (autograd
+    included)."""
+    device = log_probs.device
+    return aten.ctc_loss.Tensor.decompose(
+        log_probs, targets, input_lengths.to(device), target_lengths.to(device), blank, reduction, zero_infinity
+    )
+
+
+_library.impl("ctc_loss.Tensor", ctc_loss_tensor, "AutogradPrivateUse1")
 
 
 def _opmath_of(dtype):
