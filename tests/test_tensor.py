@@ -211,3 +211,32 @@ def test_accelerator_apis_answer_for_the_jax_device():
     assert torch.accelerator.max_memory_allocated() >= y.numel() * 4
     assert isinstance(torch.accelerator.memory_stats(), dict)
     torch.accelerator.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16, torch.bool])
+def test_dlpack_exports_the_value_of_a_jax_tensor(dtype):
+    cpu = torch.arange(12).reshape(3, 4).to(dtype)
+    view = cpu.to("jax")[:, 1::2]
+    expected = cpu[:, 1::2]
+    for exported in (torch.from_dlpack(view), torch.from_dlpack(torch.to_dlpack(view))):
+        assert exported.device.type == "cpu" and exported.dtype == dtype
+        torch.testing.assert_close(exported, expected, rtol=0, atol=0)
+    if dtype != torch.bfloat16:  # numpy has no bfloat16
+        np.testing.assert_array_equal(np.from_dlpack(view), expected.numpy())
+    assert view.__dlpack_device__() == view.jax().__dlpack_device__()
+    moved = torch.from_dlpack(view, device="jax")
+    assert moved.device.type == "jax"
+    torch.testing.assert_close(moved.cpu(), expected, rtol=0, atol=0)
+
+
+def test_dlpack_refuses_like_torch():
+    x = torch.ones(2, device="jax", requires_grad=True)
+    with pytest.raises(BufferError, match="require gradient"):
+        torch.from_dlpack(x)
+
+    @t2j.jit
+    def export(y):
+        return torch.from_dlpack(y * 2)
+
+    with pytest.raises(BufferError, match="traced inside jit"):
+        export(torch.ones(2, device="jax"))

@@ -130,6 +130,19 @@ def _accelerator_api(name, original):
     return api
 
 
+def _to_dlpack(original):
+    """``torch.to_dlpack`` that exports a jax-device tensor's jax.Array (torch's would
+    describe the wrapper tensor, which owns no memory)."""
+
+    @functools.wraps(original)
+    def to_dlpack(tensor):
+        if tensor.device.type == NAME:
+            return tensor.__dlpack__()
+        return original(tensor)
+
+    return to_dlpack
+
+
 def _fallback(op, *args, **kwargs):
     from .dispatch import dispatch
 
@@ -250,6 +263,7 @@ def register() -> None:
     torch._register_device_module(NAME, _DeviceModule())
     for name in ("synchronize", "memory_stats", "memory_allocated", "max_memory_allocated", "empty_cache"):
         setattr(torch.accelerator, name, _accelerator_api(name, getattr(torch.accelerator, name)))
+    torch.to_dlpack = torch.utils.dlpack.to_dlpack = _to_dlpack(torch.utils.dlpack.to_dlpack)
     torch._C._acc.register_python_privateuseone_hook(_backend._DummyPrivateUse1Hook())
     torch._C._acc.register_python_privateuseone_device_guard(_backend._DummyDeviceGuard())
     torch.autograd.graph._engine_run_backward = _on_calling_thread(torch.autograd.graph._engine_run_backward)

@@ -268,6 +268,36 @@ class Tensor(torch.Tensor):
         offset by their ``storage_offset``. Nothing can be read through it."""
         return id(self._t2j_storage) + self.storage_offset() * self.element_size()
 
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """Export the value through DLPack, as its jax.Array does (zero-copy where JAX allows).
+
+        The consumer sees the memory JAX holds: ``torch.from_dlpack`` and
+        ``numpy.from_dlpack`` of a tensor on a CPU-backed jax device give host arrays,
+        on a GPU-backed one CUDA arrays.
+
+        >>> import numpy as np
+        >>> np.from_dlpack(torch.arange(3.0, device="jax"))
+        array([0., 1., 2.], dtype=float32)
+        """
+        if self.requires_grad:
+            raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+        kwargs = {"stream": stream, "dl_device": dl_device, "copy": copy}
+        if max_version is not None:
+            kwargs["max_version"] = max_version
+        return self._exported_value("__dlpack__").__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._exported_value("__dlpack_device__").__dlpack_device__()
+
+    def _exported_value(self, what):
+        value = self._value()
+        if isinstance(value, jax.core.Tracer):
+            raise BufferError(
+                f"torch2jax: {what} of a tensor traced inside jit: its value exists only when the program runs; "
+                "export the result after the jitted call returns."
+            )
+        return value
+
     def __format__(self, format_spec):
         # torch formats a 0-d tensor as its Python number only when its type is exactly
         # torch.Tensor; f"{loss:.4f}" must work on the jax device too.
