@@ -326,3 +326,58 @@ def test_parametrization_and_distribution_checks_stay_on_the_device():
             results[device] = (layer.weight, normal.log_prob(torch.ones(3, device=device)))
     for a, e in zip(results["jax"], results["cpu"]):
         torch.testing.assert_close(a.cpu(), e.detach(), atol=1e-5, rtol=1e-5)
+
+
+# Writes whose target shares memory with an input: torch refuses a partial overlap for
+# pointwise ops and copy_, any overlap for the index family; the rest are allowed.
+_I = torch.arange(10)
+OVERLAP_PROGRAMS = {
+    "shift_by_slice_assignment": lambda x: x.__setitem__(slice(1, None), x[:-1]),
+    "mask_assignment_from_own_slice": lambda x: x.__setitem__(x > 0, x[:int((x > 0).sum())]),
+    "index_assignment_from_own_slice": lambda x: x.__setitem__(_I[5:].to(x.device), x[:5]),
+    "index_put_accumulate": lambda x: x.index_put_((_I[:5].to(x.device),), x[2:7], accumulate=True),
+    "add_out_shifted": lambda x: torch.add(x[:-1], 1, out=x[1:]),
+    "inplace_add_shifted": lambda x: x[1:].add_(x[:-1]),
+    "addcmul_shifted": lambda x: x[1:].addcmul_(x[:-1], x[:-1]),
+    "clamp_out_shifted": lambda x: torch.clamp(x[:-1], 0, 1, out=x[1:]),
+    "index_copy_self": lambda x: x.index_copy_(0, _I.to(x.device), x),
+    "scatter_add_partial": lambda x: x.scatter_add_(0, _I[:3].to(x.device), x[1:4]),
+    "gather_out_partial": lambda x: torch.gather(x, 0, _I[:3].to(x.device), out=x[1:4]),
+    "index_select_out_self": lambda x: torch.index_select(x, 0, _I.to(x.device), out=x),
+    "put_partial": lambda x: x.put_(_I[:3].to(x.device), x[1:4]),
+    "cat_out_of_own_halves": lambda x: torch.cat([x[:5], x[:5]], out=x),
+    "stride_zero_write": lambda x: x.as_strided((3,), (0,)).add_(1),
+    # allowed: a full overlap for pointwise ops and copy_, disjoint halves, scalars
+    "inplace_add_self": lambda x: x.add_(x),
+    "copy_onto_itself": lambda x: x.copy_(x),
+    "copy_between_halves": lambda x: x[:5].copy_(x[5:]),
+    "flip_onto_itself": lambda x: x.copy_(x.flip(0)),
+    "masked_fill_with_own_element": lambda x: x.masked_fill_(x > 0, x[0]),
+    "index_fill_with_own_element": lambda x: x.index_fill_(0, _I[:3].to(x.device), x[1]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAP_PROGRAMS))
+def test_overlapping_writes_match_torch(name):
+    program = OVERLAP_PROGRAMS[name]
+    cpu = torch.randn(10, generator=torch.Generator().manual_seed(0))
+    jx = cpu.to("jax")
+    try:
+        program(cpu)
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError) as caught:
+            program(jx)
+        assert str(caught.value) == str(e)
+        return
+    program(jx)
+    torch.testing.assert_close(jx.cpu(), cpu)
+
+
+def test_overlap_check_under_jit():
+    @torch2jax.jit
+    def shift(x):
+        x[1:] = x[:-1]
+        return x
+
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        shift(torch.randn(6, device="jax"))

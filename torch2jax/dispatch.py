@@ -33,6 +33,7 @@ import torch
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 from jax._src.array import ArrayImpl as _ArrayImpl
+from torch import _prims_common
 
 from . import dtypes as _dt
 from . import env as _env
@@ -368,6 +369,7 @@ def _is_foreign_device(kwargs):
 
 def _resolve(func):
     handler, path = _choose(func)
+    handler = _checking_overlap(func, handler)
     _HANDLERS[func] = handler
     _BY_ID[id(func)] = (func, handler)
     _PATHS[func] = path
@@ -1018,6 +1020,92 @@ def _scatter_flat(idx, base, value):
 
 def _mutated(schema):
     return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+# Ops that refuse any overlap between the tensor they write and their inputs, even a
+# full one (torch's at::assert_no_overlap): they read their inputs while writing.
+_NO_OVERLAP = {
+    "index_copy", "index_copy_", "index_add", "index_add_", "index_reduce", "index_reduce_", "index_put_",
+    "_index_put_impl_", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+    "put_", "gather", "index_select", "take", "cat", "stack", "masked_select",
+}
+# Beside the pointwise ops (torch's TensorIterator), these refuse a partial overlap only
+# (at::assert_no_partial_overlap): writing a tensor onto itself is fine.
+_NO_PARTIAL_OVERLAP = {"copy_", "where", "cumsum", "cumsum_", "cumprod", "cumprod_", "sort"}
+
+_OVERLAP_MESSAGE = (
+    "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory "
+    "location. Please clone() the tensor before performing the operation."
+)
+
+
+def _checking_overlap(func, handler):
+    """``handler`` behind torch's memory-overlap checks, for ops that write a tensor.
+
+    A jax-device op computes its result before it writes, so an overlap torch refuses
+    (``x[1:] = x[:-1]``, ``x[mask] = x[:5]``) would silently give the answer of a cloned
+    input; torch's error is the specification (its result would depend on the order its
+    kernel visits elements).
+    """
+    if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten":
+        return handler
+    name = func._schema.name.split("::")[1]
+    full = name in _NO_OVERLAP
+    if not (full or name in _NO_PARTIAL_OVERLAP or torch.Tag.pointwise in func.tags):
+        return handler
+    schema = func._schema
+    mutated = _mutated(schema)
+    if not mutated:
+        return handler
+    written = [(i, schema.arguments[i].name) for i in mutated]
+    read = [
+        (i, a.name, isinstance(a.type, torch.ListType))
+        for i, a in enumerate(schema.arguments)
+        if i not in mutated and "Tensor" in str(a.type)
+    ]
+
+    def checked(func, args, kwargs):
+        n = len(args)
+        for i, name in written:
+            w = args[i] if i < n else kwargs.get(name)
+            storage = getattr(w, "_t2j_storage", None)
+            if storage is None:
+                continue
+            # a base tensor is dense; only a view can repeat elements (expand, as_strided)
+            if w._t2j_view and any(st == 0 and sz > 1 for sz, st in zip(w.shape, w.stride())):
+                raise TorchRuntimeError(
+                    "unsupported operation: more than one element of the written-to tensor refers to a single "
+                    "memory location. Please clone() the tensor before performing the operation."
+                )
+            for j, rname, is_list in read:
+                a = args[j] if j < n else kwargs.get(rname)
+                for b in (a or ()) if is_list else (a,):
+                    if getattr(b, "_t2j_storage", None) is storage:
+                        status = _overlap(w, b)
+                        if status == "partial" or (full and status == "full"):
+                            raise TorchRuntimeError(_OVERLAP_MESSAGE)
+        return handler(func, args, kwargs)
+
+    return checked
+
+
+def _overlap(a, b):
+    """How tensors ``a`` and ``b`` of one storage overlap, as torch's get_overlap_status
+    decides it: "full" (same elements, same strides), "partial", or None (disjoint, or
+    too hard to tell: one of them has gaps or repeats)."""
+    if a is b:
+        return "full"
+    if a.numel() == 0 or b.numel() == 0:
+        return None
+    if not (_prims_common.is_non_overlapping_and_dense_or_false(a) and _prims_common.is_non_overlapping_and_dense_or_false(b)):
+        return None
+    a_begin = a.storage_offset() * a.element_size()
+    b_begin = b.storage_offset() * b.element_size()
+    a_end = a_begin + a.numel() * a.element_size()
+    b_end = b_begin + b.numel() * b.element_size()
+    if (a_begin, a_end) == (b_begin, b_end):
+        return "full" if a.stride() == b.stride() else "partial"
+    return "partial" if a_begin < b_end and b_begin < a_end else None
 
 
 @functools.lru_cache(maxsize=None)
