@@ -186,6 +186,24 @@ def test_module_to_jax_keeps_shared_weights_and_optimizer_references():
     assert not torch.__future__.get_swap_module_params_on_conversion()
 
 
+def test_old_style_weight_norm_module_moves_between_devices_and_trains_like_torch():
+    """nn.utils.weight_norm keeps the computed weight as a plain attribute whose graph
+    references weight_g and weight_v: moving the module must still swap them."""
+    torch.manual_seed(0)
+    cpu = torch.nn.utils.weight_norm(torch.nn.Linear(3, 4))
+    torch.manual_seed(0)
+    jx = torch.nn.utils.weight_norm(torch.nn.Linear(3, 4)).to("jax")
+    x = torch.randn(2, 3)
+    for m, inp in ((cpu, x), (jx, x.to("jax"))):
+        m(inp).square().sum().backward()
+    assert jx.weight_g.device.type == "jax" and isinstance(jx.weight_g, torch.nn.Parameter)
+    torch.testing.assert_close(jx.weight_g.grad.cpu(), cpu.weight_g.grad)
+    torch.testing.assert_close(jx.weight_v.grad.cpu(), cpu.weight_v.grad)
+    jx.cpu()
+    assert jx.weight_v.device.type == "cpu"
+    torch.testing.assert_close(jx(x), cpu(x))
+
+
 def test_pin_memory_and_dataloader_pinning():
     """Registering the jax device makes torch see an accelerator, so DataLoader(pin_memory=True)
     pins every batch (in its pin-memory thread): that must work (a copy)."""

@@ -176,7 +176,12 @@ def _swapping(method):
         lazy = _take_uninitialized(module)
         torch.__future__.set_swap_module_params_on_conversion(True)
         try:
-            return method(module, *args, **kwargs)
+            try:
+                return method(module, *args, **kwargs)
+            except RuntimeError as e:
+                if "Couldn't swap" not in str(e) or not _detach_derived_attributes(module):
+                    raise
+                return method(module, *args, **kwargs)
         finally:
             torch.__future__.set_swap_module_params_on_conversion(False)
             target = NAME if method.__name__ != "cpu" and device is not None and device.type == NAME else None
@@ -185,6 +190,21 @@ def _swapping(method):
                 slots[key] = t
 
     return convert
+
+
+def _detach_derived_attributes(module) -> bool:
+    """Detach the computed tensors modules keep as plain attributes (the old-style
+    ``nn.utils.weight_norm`` keeps ``weight``, computed from ``weight_g`` and ``weight_v``).
+    Their autograd graphs hold references to the parameters, which ``swap_tensors``
+    refuses to swap; such a tensor is recomputed before it is used again (weight_norm's
+    forward pre-hook). Returns whether any was found."""
+    found = False
+    for m in module.modules():
+        for name, value in list(vars(m).items()):
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                setattr(m, name, value.detach())
+                found = True
+    return found
 
 
 def _take_uninitialized(module):
