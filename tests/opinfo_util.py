@@ -50,7 +50,7 @@ SIGN_FREE = {"svd_lowrank": False, "pca_lowrank": False, "svd": False, "linalg.s
 # Ops whose eigenvectors are defined up to sign (phase) and whose LAPACK (jax's and
 # torch's are different builds) may pick either: each vector is compared scaled so
 # that its largest-magnitude entry is real and positive.
-PHASE_FREE = {"linalg.eigh"}
+PHASE_FREE = {"linalg.eigh", "linalg.eig"}
 
 # Ops whose positional arguments torch requires on the CPU whatever the input's device
 # (as in torch's own tests on CUDA): they stay CPU tensors.
