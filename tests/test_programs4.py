@@ -1373,7 +1373,7 @@ def _p_embedding_bag_modes_and_gradients(device, wrap):
 
 def _p_antialias_resize_and_volumetric_grid_sample(device, wrap):
     """Antialiased bilinear / bicubic resizing (down and up, sizes and scale factors) and
-    5-D grid_sample with its gradients; a uint8 image resizes through the host fallback."""
+    5-D grid_sample with its gradients; uint8 images resize through the host fallback."""
     img = torch.randn(2, 3, 13, 11, generator=_gen()).to(device).requires_grad_()
     vol = torch.randn(1, 2, 4, 5, 6, generator=_gen(1)).to(device).requires_grad_()
     grid = (torch.rand(1, 3, 4, 5, 3, generator=_gen(2)) * 2.4 - 1.2).to(device).requires_grad_()
@@ -1389,7 +1389,10 @@ def _p_antialias_resize_and_volumetric_grid_sample(device, wrap):
 
     pixels = torch.randint(0, 256, (1, 3, 10, 12), generator=_gen(3), dtype=torch.uint8).to(device)
     shrink = wrap(lambda p: F.interpolate(p, size=(4, 5), mode="bilinear", antialias=True))
-    return wrap(resize)(img, vol, grid), shrink(pixels)
+    # without antialias too: torch resizes uint8 in fixed point (a float lowering is off by up to 255)
+    plain = wrap(lambda p: [F.interpolate(p, scale_factor=1.7, mode=m, align_corners=c)
+                            for m in ("bilinear", "bicubic") for c in (False, True)])
+    return wrap(resize)(img, vol, grid), shrink(pixels), plain(pixels)
 
 
 def _p_fractional_max_pool_layers(device, wrap):

@@ -522,6 +522,8 @@ def _cubic_axis(x, ax, out, scale, align_corners, dtype):
 
 
 def _interpolate(axis_fn, x, output_size, align_corners, scales, rounds=True):
+    if x.dtype == np.uint8:
+        raise HostFallback  # torch CPU resizes uint8 images in fixed point (its antialias kernel's)
     n = len(output_size)
     scales = (tuple(scales) + (None,) * n)[:n]
     out = upcast(x)
