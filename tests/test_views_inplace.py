@@ -381,3 +381,51 @@ def test_overlap_check_under_jit():
 
     with pytest.raises(RuntimeError, match="refer to a single memory location"):
         shift(torch.randn(6, device="jax"))
+
+
+# Result layouts: torch lays the result of a pointwise op, clone, the *_like factories,
+# cat, batch norm or a convolution out like its (non-contiguous) inputs, which decides
+# the strides users read and which later .view() calls are legal.
+def _channels_last(dev):
+    return torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(0)).to(dev).to(
+        memory_format=torch.channels_last)
+
+
+LAYOUT_PROGRAMS = {
+    "transposed_pointwise_then_view": lambda dev: (torch.arange(6., device=dev).reshape(2, 3).t() * 2).t().view(-1),
+    "channels_last_relu_nhwc_view": lambda dev: torch.relu(_channels_last(dev)).permute(0, 2, 3, 1).view(-1, 3),
+    "channels_last_clone": lambda dev: _channels_last(dev).clone(),
+    "channels_last_empty_like": lambda dev: torch.zeros_like(_channels_last(dev)),
+    "channels_last_cat": lambda dev: torch.cat([_channels_last(dev)] * 2, 1),
+    "channels_last_broadcast_add": lambda dev: _channels_last(dev) + torch.ones(5, device=dev),
+    "contiguous_first_operand_wins": lambda dev: _channels_last(dev).contiguous() + _channels_last(dev),
+    "channels_last_to_float64": lambda dev: _channels_last(dev).double(),
+    "channels_last_contiguous": lambda dev: _channels_last(dev).contiguous(),
+    "empty_channels_last": lambda dev: torch.empty(2, 3, 4, 5, device=dev, memory_format=torch.channels_last).zero_(),
+    "channels_last_conv_and_batch_norm": lambda dev: torch.nn.BatchNorm2d(4).to(dev)(
+        torch.nn.Conv2d(3, 4, 3).to(dev).to(memory_format=torch.channels_last)(_channels_last(dev))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_PROGRAMS))
+def test_result_layout_matches_torch(name):
+    torch.manual_seed(0)
+    expected = LAYOUT_PROGRAMS[name]("cpu")
+    torch.manual_seed(0)
+    actual = LAYOUT_PROGRAMS[name]("jax")
+    assert actual.stride() == expected.stride()
+    torch.testing.assert_close(actual.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_result_layout_under_jit_and_autograd():
+    x = torch.randn(3, 4, device="jax", requires_grad=True)
+
+    @torch2jax.jit
+    def f(x):
+        y = torch.tanh(x.t())
+        return y.stride(), y.t().view(-1) * 2
+
+    stride, out = f(x)
+    assert stride == (1, 4)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), 2 * (1 - torch.tanh(x.detach().cpu()) ** 2))

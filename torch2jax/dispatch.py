@@ -450,6 +450,29 @@ def _has_composite(func):
 
 
 def _lowering_handler(func, lowering, cpu_args=None):
+    run = _plain_lowering_handler(func, lowering, cpu_args)
+    if not _keeps_layout(func):
+        return run
+
+    def run_keeping_layout(func, args, kwargs):
+        out = run(func, args, kwargs)
+        if kwargs and kwargs.get("memory_format") in (torch.channels_last, torch.channels_last_3d):
+            return _torch_layout(func, args, kwargs, out)
+        for a in args:
+            if type(a) is Tensor:
+                if a._t2j_view and not a.is_contiguous():  # a base tensor is contiguous
+                    return _torch_layout(func, args, kwargs, out)
+            elif type(a) is list:
+                if any(isinstance(b, torch.Tensor) and not b.is_contiguous() for b in a):
+                    return _torch_layout(func, args, kwargs, out)
+            elif isinstance(a, torch.Tensor) and not a.is_contiguous():
+                return _torch_layout(func, args, kwargs, out)
+        return out
+
+    return run_keeping_layout
+
+
+def _plain_lowering_handler(func, lowering, cpu_args=None):
     compiled = _Compiled(lowering) if _jittable(func, lowering) else None
 
     def run(func, args, kwargs):
@@ -477,6 +500,90 @@ def _lowering_handler(func, lowering, cpu_args=None):
         return _wrap(_unshared(out, uargs) if type(out) is _ArrayImpl else _unshared_all(out, uargs))
 
     return run
+
+
+# -- result layout ----------------------------------------------------------------
+#
+# A lowering's result is a contiguous array; torch lays the result of these ops out
+# like their inputs (TensorIterator's pointwise ops, the *_like factories, clone and
+# _to_copy with preserve_format, softmax, cat...): ``(x.t() * 2).t().view(-1)`` and a
+# channels_last tensor's ``relu(x).permute(0, 2, 3, 1).view(-1, c)`` are legal views
+# in torch only because of that layout. Where an input is not contiguous, the result
+# takes the strides torch's meta kernel gives it: it is made a permutation of a base
+# stored in that memory order.
+
+_LAYOUT_OPS = frozenset({
+    "clone", "_to_copy", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "_softmax", "_log_softmax", "cat", "native_dropout", "bernoulli", "native_batch_norm",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
+    "convolution", "empty",
+})
+_LAYOUTS: dict = {}
+
+
+def _keeps_layout(func):
+    if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten" or func._schema.is_mutable:
+        return False
+    return func._schema.name.split("::")[1] in _LAYOUT_OPS or torch.Tag.pointwise in func.tags
+
+
+def _layout_key(a):
+    if isinstance(a, torch.Tensor):
+        return (tuple(a.shape), a.stride(), a.dtype, a.device.type)
+    if isinstance(a, (list, tuple)):
+        return tuple(_layout_key(b) for b in a)
+    if isinstance(a, dict):
+        return tuple((k, _layout_key(v)) for k, v in a.items())
+    return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.memory_format)) else id(a)
+
+
+def _torch_layout(func, args, kwargs, out):
+    """``out`` with the strides torch gives this op's results for these inputs."""
+    key = (func, _layout_key(args), _layout_key(kwargs))
+    strides = _LAYOUTS.get(key, False)
+    if strides is False:
+        if len(_LAYOUTS) > 4096:  # shapes that keep changing: start over rather than grow
+            _LAYOUTS.clear()
+        strides = _LAYOUTS[key] = _meta_strides(func, args, kwargs)
+    if strides is None:
+        return out
+    if isinstance(out, (list, tuple)):
+        return type(out)(_laid_out(o, st) for o, st in zip(out, strides))
+    return _laid_out(out, strides[0])
+
+
+def _meta_strides(func, args, kwargs):
+    try:
+        margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
+        if "device" in mkwargs:
+            mkwargs["device"] = torch.device("meta")
+        if "generator" in mkwargs:
+            mkwargs["generator"] = None
+        res = func(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel: the result stays contiguous
+        return None
+    if func is aten.convolution.default and res.dim() in (4, 5):
+        # torch's CPU kernels choose channels_last output from the operands; its meta kernel does not
+        fmt = torch.channels_last if res.dim() == 4 else torch.channels_last_3d
+        if any(isinstance(a, torch.Tensor) and not a.is_contiguous() and a.is_contiguous(memory_format=fmt)
+               for a in args[:2]):
+            return (torch.empty(res.shape, device="meta", memory_format=fmt).stride(),)
+    res = res if isinstance(res, (list, tuple)) else (res,)
+    return tuple(r.stride() if isinstance(r, torch.Tensor) else None for r in res)
+
+
+def _laid_out(t, strides):
+    if not isinstance(t, Tensor) or strides is None or t.dim() < 2 or tuple(strides) == t.stride():
+        return t
+    shape = tuple(t.shape)
+    perm = sorted(range(len(shape)), key=lambda d: -strides[d])
+    dense = 1
+    for d in reversed(perm):
+        if shape[d] != 1 and strides[d] != dense:
+            return t  # not a permutation of a dense layout (torch's result has gaps)
+        dense *= shape[d]
+    base = new_tensor(jax.numpy.transpose(t._value(), perm), requires_grad=False)
+    return dispatch(aten.permute.default, (base, list(np.argsort(perm))), {})
 
 
 def _decomposition_handler(decomp):
