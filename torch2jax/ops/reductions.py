@@ -730,6 +730,208 @@ def mode(x, dim=-1, keepdim=False):
     return _keep(value, x, d, keepdim), _keep(last, x, d, keepdim).astype(_LONG)
 
 
+# -- segment reductions ------------------------------------------------------
+
+# torch's names of the reductions segment_reduce accepts, and the one each stands for
+_SEGMENT_REDUCTIONS = {"sum": "sum", "mean": "mean", "prod": "prod", "max": "max", "amax": "max", "min": "min",
+                       "amin": "min"}
+_SEGMENT_DTYPES = tuple(np.dtype(d) for d in (np.float32, np.float64, jnp.float16, jnp.bfloat16))
+
+
+def _segment_kind(reduce):
+    if reduce not in _SEGMENT_REDUCTIONS:
+        raise RuntimeError(f"reduce argument must be either sum, prod, mean, amax or amin, got {reduce}")
+    return _SEGMENT_REDUCTIONS[reduce]
+
+
+class _Segments:
+    """Where the segments of a segment reduction lie, for data viewed as (B, N, I).
+
+    ``axis`` (of data) is the last axis of ``lengths`` / ``offsets``, whose leading axes are
+    data's first B = prod(data.shape[:axis]) rows; N is data's length along ``axis`` and I the
+    product of the axes after it. Each row has S segments: ``lengths`` gives their sizes, laid
+    end to end from 0; ``offsets`` (S + 1 per row) their boundaries. ``ids`` (B * N,) numbers
+    the segment of every position globally (row * S + segment); a position in no segment
+    (lengths that do not cover the axis, which torch allows when ``unsafe``, or offsets that
+    start past 0 or end before N) gets B * S, which jax.ops.segment_* drop. ``sizes``
+    (B * S,) are the segments' lengths.
+    Everything here depends on the values of lengths / offsets only through arrays, so the
+    segments may be traced; the shapes come from the tensors' shapes.
+    """
+
+    def __init__(self, data, lengths, offsets, axis):
+        by_offsets = offsets is not None
+        if not by_offsets and lengths is None:
+            raise RuntimeError("segment_reduce(): Either lengths or offsets must be defined.")
+        bounds = offsets if by_offsets else lengths
+        name = "offsets" if by_offsets else "lengths"
+        a = canonical_dim(axis, data.ndim)
+        if data.ndim < bounds.ndim:
+            raise RuntimeError(f"segment_reduce(): Expected data.dim() >= {name}.dim(), got {data.ndim} and "
+                               f"{bounds.ndim}.")
+        if a != bounds.ndim - 1:
+            raise RuntimeError(f"segment_reduce(): Expected axis to be the last dimension of {name} but got {a}.")
+        if bounds.dtype not in (np.int32, np.int64):
+            raise RuntimeError(f"segment_reduce(): {name} must be an int32 or int64 tensor, got "
+                               f"{_torch_name(bounds.dtype)}")
+        if bounds.shape[:-1] != data.shape[:a]:
+            # torch's kernel reads past the end of the tensor here
+            raise RuntimeError(f"segment_reduce(): {name} of shape {tuple(bounds.shape)} does not match data of "
+                               f"shape {tuple(data.shape)} in the dimensions before axis {a}")
+        if by_offsets and bounds.shape[-1] == 0:
+            raise RuntimeError("segment_reduce(): offsets must hold at least one boundary along axis")
+        self.shape, self.axis, self.name = data.shape, a, name
+        self.rows, self.n = math.prod(data.shape[:a]), data.shape[a]
+        self.inner = math.prod(data.shape[a + 1:])
+        bounds = bounds.reshape(self.rows, bounds.shape[-1]).astype(_LONG)
+        if by_offsets:
+            starts, ends, first = bounds[:, :-1], bounds[:, 1:], bounds[:, :1]
+        else:
+            ends = jnp.cumsum(bounds, axis=1)
+            starts, first = ends - bounds, jnp.zeros((self.rows, 1), _LONG)
+        self.count = ends.shape[1]
+        self.bounds = bounds
+        self.sizes = (ends - starts).reshape(-1)
+        pos = jnp.arange(self.n, dtype=_LONG)
+        # the segment holding position p is the first whose end lies past p: empty segments
+        # before it end where it starts
+        seg = jax.vmap(lambda e: jnp.searchsorted(e, pos, side="right"))(ends)
+        inside = (pos >= first) & (seg < self.count)
+        row = jnp.arange(self.rows, dtype=_LONG)[:, None] * self.count
+        self.ids = jnp.where(inside, row + seg, self.rows * self.count).reshape(-1)
+
+    @property
+    def segments(self):
+        return self.rows * self.count
+
+    def flat(self, x):
+        """Data-shaped ``x`` as (B * N, I), one row per position."""
+        return x.reshape(self.rows * self.n, self.inner)
+
+    def out_flat(self, y):
+        """Output-shaped ``y`` (data's shape with S along axis) as (B * S, I), one row per segment."""
+        return y.reshape(self.segments, self.inner)
+
+    def out(self, y):
+        return y.reshape(self.shape[:self.axis] + (self.count,) + self.shape[self.axis + 1:])
+
+    def gather(self, per_segment):
+        """(B * S, ...) values per segment -> (B * N, ...) per position (0 outside any segment)."""
+        return jnp.take(per_segment, self.ids, axis=0, mode="fill", fill_value=0)
+
+    def reduce(self, fn, x):
+        return fn(x, self.ids, num_segments=self.segments)
+
+
+def _check_segment_lengths(seg, unsafe):
+    """torch's checks of the segments' lengths. They read the values, so run in eager mode
+    only (naming Tracer keeps this lowering out of the dispatcher's compiled calls, where
+    the values would be traced too)."""
+    if isinstance(seg.sizes, jax.core.Tracer):
+        return
+    if seg.name == "lengths" and not unsafe:
+        lengths = np.asarray(seg.bounds)
+        if lengths.size and lengths.min() < 0:
+            raise RuntimeError("lengths contains negative value!")
+        if not (lengths.sum(axis=-1) == seg.n).all():
+            raise RuntimeError("segment_reduce(): Expected all rows of lengths along axis to sum to "
+                               "data.size(lengths.dim()-1) when !unsafe.")
+    if (np.asarray(seg.sizes) < 0).any():
+        raise RuntimeError("Expected segment_length >= 0 to be true, but got false.")
+
+
+def _require_segment_dtype(x):
+    if np.dtype(x.dtype) not in _SEGMENT_DTYPES:
+        raise RuntimeError(f"\"_segment_reduce_cpu\" not implemented for '{_torch_name(x.dtype).capitalize()}'")
+
+
+@register(aten.segment_reduce.default)
+def segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
+    """torch._segment_reduce: each segment of ``data`` along ``axis`` reduced to one value.
+
+    The reduction starts from ``initial`` (cast to data's dtype) where given, else from the
+    reduction's identity; an empty segment is that start value, except an empty mean without
+    ``initial``, which is NaN. A mean divides the sum, ``initial`` included, by the segment's
+    length. max / min are NaN when the segment or ``initial`` holds a NaN. ``offsets`` wins
+    over ``lengths`` when both are given, as in torch. Sums and products of float16 /
+    bfloat16 accumulate in float32, where torch's kernel rounds to the input's dtype after
+    every element, so long segments can differ by more than one rounding.
+    """
+    if indices is not None:
+        raise RuntimeError("segment_reduce(): indices based reduction is not supported yet.")
+    kind = _segment_kind(reduce)
+    seg = _Segments(data, lengths, offsets, axis)
+    _require_segment_dtype(data)
+    _check_segment_lengths(seg, unsafe)
+    x = seg.flat(data)
+    start = None if initial is None else jnp.asarray(initial, data.dtype)
+    if kind in ("max", "min"):
+        extreme = seg.reduce(jax.ops.segment_max if kind == "max" else jax.ops.segment_min, x)
+        if start is not None:
+            extreme = (jnp.maximum if kind == "max" else jnp.minimum)(extreme, start)
+        # scatter-max and -min need not propagate NaN; torch's kernel keeps any NaN it meets
+        has_nan = seg.reduce(jax.ops.segment_max, jnp.isnan(x))
+        return seg.out(jnp.where(has_nan, jnp.array(jnp.nan, data.dtype), extreme))
+    xc = _opmath(x)
+    if kind == "prod":
+        out = seg.reduce(jax.ops.segment_prod, xc)
+        out = out if start is None else start.astype(xc.dtype) * out
+        return seg.out(out.astype(data.dtype))
+    total = seg.reduce(jax.ops.segment_sum, xc)
+    if start is not None:
+        total = start.astype(xc.dtype) + total
+    if kind == "sum":
+        return seg.out(total.astype(data.dtype))
+    sizes = seg.sizes[:, None]
+    empty = jnp.array(jnp.nan, xc.dtype) if start is None else start.astype(xc.dtype)
+    mean = jnp.where(sizes > 0, total / jnp.maximum(sizes, 1).astype(xc.dtype), empty)
+    return seg.out(mean.astype(data.dtype))
+
+
+@register(aten._segment_reduce_backward.default)
+def _segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets=None, axis=0, initial=None):
+    """The gradient of segment_reduce with respect to ``data``, as torch's CPU kernel gives it.
+
+    sum: each element gets its segment's gradient; mean: that divided by the segment's length.
+    max / min: the elements equal to the result, and NaN elements, get the gradient; when there
+    are two or more of them, those whose gradient is positive share it equally (torch divides
+    only positive gradients). prod: ``grad * result / x``, and for a zero or NaN element the
+    gradient times the product of ``initial`` (1 when not given) and the segment's other
+    elements. Elements in no segment get 0.
+    """
+    kind = _segment_kind(reduce)
+    seg = _Segments(data, lengths, offsets, axis)
+    dtype = grad.dtype
+    x = seg.flat(data).astype(dtype)
+    inside = (seg.ids < seg.segments)[:, None]
+    g = seg.gather(seg.out_flat(grad))
+    if kind == "sum":
+        dx = g
+    elif kind == "mean":
+        dx = g / seg.gather(seg.sizes)[:, None].astype(dtype)
+    elif kind in ("max", "min"):
+        hit = jnp.isnan(x) | (x == seg.gather(seg.out_flat(output).astype(dtype)))
+        ties = seg.gather(seg.reduce(jax.ops.segment_sum, hit.astype(_LONG)))
+        dx = jnp.where(hit, g, jnp.zeros((), dtype))
+        dx = jnp.where((ties >= 2) & (dx > 0), dx / ties.astype(dtype), dx)
+    else:
+        out = seg.gather(seg.out_flat(output).astype(dtype))
+        zero, nan = x == 0, jnp.isnan(x)
+        regular = ~(zero | nan)
+        # the product of a zero or NaN element's segment-mates: the product of the segment's
+        # other (regular) elements, 0 if another zero is among them, NaN if another NaN is
+        xc = _opmath(x)
+        others = seg.gather(seg.reduce(jax.ops.segment_prod, jnp.where(regular, xc, jnp.ones((), xc.dtype))))
+        zeros = seg.gather(seg.reduce(jax.ops.segment_sum, zero.astype(_LONG))) - zero
+        nans = seg.gather(seg.reduce(jax.ops.segment_sum, nan.astype(_LONG))) - nan
+        others = jnp.where(zeros > 0, jnp.zeros((), xc.dtype) * others, others)
+        others = jnp.where(nans > 0, jnp.array(jnp.nan, xc.dtype), others)
+        if initial is not None:
+            others = jnp.asarray(initial, dtype).astype(xc.dtype) * others
+        dx = jnp.where(regular, (g * out) / jnp.where(regular, x, jnp.ones((), dtype)), g * others.astype(dtype))
+    return jnp.where(inside, dx, jnp.zeros((), dtype)).reshape(data.shape)
+
+
 # -- prims -------------------------------------------------------------------
 
 
