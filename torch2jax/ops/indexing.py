@@ -410,7 +410,7 @@ def masked_scatter(x, mask, source):
     if _env.config().check_indices and not _traced(m):
         with jax.ensure_compile_time_eval():
             if int(jnp.sum(m)) > src.size:
-                raise RuntimeError("masked_scatter: expected source to have at least as many elements as ones in mask")
+                raise RuntimeError("Number of elements of source < number of ones in mask")
     if src.size == 0:
         return jnp.broadcast_to(x, shape)
     pos = jnp.cumsum(m) - 1
