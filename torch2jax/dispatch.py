@@ -1144,6 +1144,10 @@ _OVERLAP_MESSAGE = (
     "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory "
     "location. Please clone() the tensor before performing the operation."
 )
+INTERNAL_OVERLAP_MESSAGE = (
+    "unsupported operation: more than one element of the written-to tensor refers to a single memory location. "
+    "Please clone() the tensor before performing the operation."
+)
 
 
 def _checking_overlap(func, handler):
@@ -1156,11 +1160,11 @@ def _checking_overlap(func, handler):
     """
     if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten":
         return handler
-    name = func._schema.name.split("::")[1]
+    schema = func._schema
+    name = schema.name.split("::")[1]
     full = name in _NO_OVERLAP
     if not (full or name in _NO_PARTIAL_OVERLAP or torch.Tag.pointwise in func.tags):
         return handler
-    schema = func._schema
     mutated = _mutated(schema)
     if not mutated:
         return handler
@@ -1180,10 +1184,7 @@ def _checking_overlap(func, handler):
                 continue
             # a base tensor is dense; only a view can repeat elements (expand, as_strided)
             if w._t2j_view and any(st == 0 and sz > 1 for sz, st in zip(w.shape, w.stride())):
-                raise TorchRuntimeError(
-                    "unsupported operation: more than one element of the written-to tensor refers to a single "
-                    "memory location. Please clone() the tensor before performing the operation."
-                )
+                raise TorchRuntimeError(INTERNAL_OVERLAP_MESSAGE)
             for j, rname, is_list in read:
                 a = args[j] if j < n else kwargs.get(rname)
                 for b in (a or ()) if is_list else (a,):
@@ -1204,7 +1205,8 @@ def _overlap(a, b):
         return "full"
     if a.numel() == 0 or b.numel() == 0:
         return None
-    if not (_prims_common.is_non_overlapping_and_dense_or_false(a) and _prims_common.is_non_overlapping_and_dense_or_false(b)):
+    dense = _prims_common.is_non_overlapping_and_dense_or_false
+    if not (dense(a) and dense(b)):
         return None
     a_begin = a.storage_offset() * a.element_size()
     b_begin = b.storage_offset() * b.element_size()

@@ -17,7 +17,7 @@ import torch
 
 from .. import dtypes as _dt
 from ..tensor import Tensor
-from ..dispatch import _storage_numel
+from ..dispatch import INTERNAL_OVERLAP_MESSAGE, _storage_numel
 from .registry import canonical_dim, canonical_dims, decomposition, register, view
 
 aten = torch.ops.aten
@@ -337,10 +337,7 @@ def _expand_inverse(base, value, size, implicit=False):
     shape = _expand_shape(base.shape, size)
     lead = len(shape) - base.ndim
     if any(s > 1 and (i < lead or base.shape[i - lead] == 1) for i, s in enumerate(shape)):
-        raise RuntimeError(
-            "unsupported operation: more than one element of the written-to tensor refers to a single memory "
-            "location. Please clone() the tensor before performing the operation."
-        )
+        raise RuntimeError(INTERNAL_OVERLAP_MESSAGE)
     return value.reshape(base.shape)
 
 
