@@ -8,6 +8,7 @@ shape and its values are within the dtype's tolerance of torch CPU's.
 from __future__ import annotations
 
 import os
+import typing
 
 import jax
 import torch
@@ -15,6 +16,7 @@ from torch.testing._internal.common_methods_invocations import op_db
 from torch.testing._internal.opinfo.core import SampleInput
 
 import torch2jax
+from torch2jax.complex32 import retag
 from torch2jax.symbolic import is_traced_number, value_of
 from torch2jax.tensor import Tensor, new_tensor
 
@@ -257,20 +259,31 @@ def run_jit(op, sample):
     def fn(key, *arrays):
         filled = list(leaves)
         for i, a in zip(positions, arrays):
-            filled[i] = _rebuild(leaves[i], new_tensor(a))
+            filled[i] = _rebuild(leaves[i], _tensor_of(a, _storage(leaves[i]).dtype))
         inp, kwargs, args = jax.tree_util.tree_unflatten(treedef, filled)
         with torch2jax.rng_key(key):
             result = op(inp, *(sample.args if host else args), **kwargs)
         out_leaves, out["tree"] = jax.tree_util.tree_flatten(result, is_leaf=lambda x: isinstance(x, torch.Tensor))
-        out["leaves"] = [(o if not traced(o) else isinstance(o, Tensor)) for o in out_leaves]
+        # a traced output's place holds its dtype (a tensor) or None (a number)
+        out["leaves"] = [(o if not traced(o) else _Traced(o.dtype if isinstance(o, Tensor) else None)) for o in out_leaves]
         return [o.jax() if isinstance(o, Tensor) else value_of(o) for o in out_leaves if traced(o)]
 
     with jax.enable_x64(True):
         arrays = iter(jax.jit(fn)(jax.random.key(0), *[_storage(leaves[i]).jax() for i in positions]))
     results = [
-        (new_tensor(next(arrays)) if o else next(arrays).item()) if isinstance(o, bool) else o for o in out["leaves"]
+        (_tensor_of(next(arrays), o.dtype) if o.dtype else next(arrays).item()) if isinstance(o, _Traced) else o
+        for o in out["leaves"]
     ]
     return jax.tree_util.tree_unflatten(out["tree"], results)
+
+
+class _Traced(typing.NamedTuple):
+    dtype: torch.dtype | None
+
+
+def _tensor_of(array, dtype):
+    """The jax tensor of ``array`` as a tensor of ``dtype`` (complex32 is held as complex64)."""
+    return retag(new_tensor(array)) if dtype is torch.complex32 else new_tensor(array)
 
 
 def run_t2j_jit(op, sample):

@@ -98,6 +98,19 @@ def test_torch_save_and_pickle():
     torch.testing.assert_close(again.cpu(), x.cpu())
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_save_load_of_torch_newer_dtypes(dtype):
+    # torch pickles these through _rebuild_tensor_v3, not v2: they must come back on the jax device too
+    x = torch.arange(6).to(dtype).to("jax")
+    buf = io.BytesIO()
+    torch.save({"x": x, "tail": x[2:]}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert isinstance(loaded["x"], t2j.Tensor) and isinstance(loaded["tail"], t2j.Tensor)
+    assert loaded["x"].dtype == dtype
+    assert loaded["tail"].cpu().to(torch.float32).tolist() == [2.0, 3.0, 4.0, 5.0]
+
+
 def test_state_dict_save_load():
     m = torch.nn.Linear(4, 4).to("jax")
     buf = io.BytesIO()

@@ -220,6 +220,15 @@ def p_set_aliases_source(x, y):
     return x, x.shape == y.shape
 
 
+def p_complex_dtype_views(z, x):
+    # bit views between complex and real dtypes, written through
+    z.view(torch.float32)[:, 1].mul_(-2)
+    z.view(torch.int64)[0].zero_()
+    w = x.view(torch.complex64)
+    w[1].mul_(1j)
+    return z, x, z.view(torch.float64), x.view(torch.complex128)
+
+
 CASES = [
     (p_select_add, [(3, 4)]),
     (p_view_setitem, [(3, 4)]),
@@ -247,6 +256,7 @@ CASES = [
     (p_out_into_view, [(3, 4), (3, 4)]),
     (p_dtype_view, [(3, 4)]),
     (p_view_as_real, [((3, 2), torch.complex64)]),
+    (p_complex_dtype_views, [((3, 2), torch.complex64), (3, 4)]),
     (p_inplace_unary_on_view, [(3, 4)]),
     (p_transpose_reshape, [(3, 4)]),
     (p_int_inplace, [((3, 4), torch.int64)]),

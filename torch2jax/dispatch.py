@@ -35,6 +35,7 @@ from jax._src import core as _jax_core
 from jax._src.array import ArrayImpl as _ArrayImpl
 from torch import _prims_common
 
+from . import complex32 as _complex32
 from . import dtypes as _dt
 from . import env as _env
 from . import symbolic as _sym
@@ -158,6 +159,10 @@ def _short_dtype(dtype):
 def _run(handler, func, args, kwargs):
     try:
         return handler(func, args, kwargs)
+    except _dt.Complex32Needed:
+        if not _complex32.involved((args, kwargs)):
+            raise
+        return _complex32.run(func, args, kwargs)
     except DeviceMismatchError as e:
         e.ops.append(func)
         raise
@@ -985,6 +990,8 @@ def _view_handler(func, forward, inverse):
         if inverse is None:  # an alias (detach, alias, lift_fresh): x's value, chain and metadata
             return _alias(x)
         meta = _view_meta(func, x, rest, kwargs)
+        if type(meta) is tuple and meta[3] is torch.complex32:  # view_as_complex of float16
+            raise _dt.Complex32Needed("torch2jax: a complex32 view, held as complex64")
         urest = _unwrap(rest)
         if isinstance(meta, list):
             value = forward(x._value(), *urest, **kwargs)

@@ -37,11 +37,18 @@ _TORCH_TO_JAX = {
 _JAX_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_JAX.items()}
 
 
+class Complex32Needed(TypeError):
+    """An op made or read complex32, which JAX lacks: the dispatcher runs it again on
+    complex64 values rounded to complex32 (torch2jax/complex32.py)."""
+
+
 def to_jax(dtype: torch.dtype) -> np.dtype:
     """The JAX dtype of a torch dtype, e.g. ``to_jax(torch.bfloat16) -> bfloat16``."""
     try:
         return np.dtype(_TORCH_TO_JAX[dtype])
     except KeyError:
+        if dtype is torch.complex32:
+            raise Complex32Needed("torch2jax: complex32 is held as complex64 with float16 parts") from None
         raise TypeError(f"torch2jax: dtype {dtype} has no JAX equivalent") from None
 
 
@@ -97,7 +104,7 @@ def complex_of(dtype) -> np.dtype:
     if category(d) == _COMPLEX:
         return d
     if d == np.float16:
-        raise TypeError(f"torch2jax: the complex dtype of {to_torch(d)} is complex32, which has no JAX dtype")
+        raise Complex32Needed("torch2jax: the complex dtype of float16 is complex32, held as complex64")
     return np.dtype(np.complex64)
 
 

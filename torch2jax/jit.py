@@ -66,6 +66,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from jax.extend.core import jaxpr_as_fun
 
+from . import complex32 as _complex32
 from .env import default_rng as _rng
 from . import debug as _debug
 from . import symbolic as _sym
@@ -711,7 +712,7 @@ class _Entry:
     new_storages: list  # storages created by the trace whose value is an output
     post: list  # (setter, slot index | tensor | None): slots to re-point after a call
     out_def: object  # torch pytree spec of the outputs
-    out_leaves: list  # per output leaf: ("array", k) | ("pre", slot) | ("const", value)
+    out_leaves: list  # per output leaf: ("array" | "array32", k) | ("pre", slot) | ("arg", k) | ("const", value)
     uses_rng: bool
     names: list  # slot names, to explain a later cache miss
     trace_s: float
@@ -905,6 +906,8 @@ class JitFunction:
         for kind, v in entry.out_leaves:
             if kind == "array":
                 result.append(arrays[v])
+            elif kind == "array32":  # held as complex64 (torch2jax/complex32.py)
+                result.append(_complex32.retag(arrays[v]))
             elif kind == "pre":
                 result.append(slots.tensors[v])
             elif kind == "arg":
@@ -1043,7 +1046,7 @@ class JitFunction:
                 elif isinstance(leaf, Tensor) and id(leaf) in pre_index:
                     kinds.append(("pre", pre_index[id(leaf)]))
                 elif isinstance(leaf, Tensor):
-                    kinds.append(("array", len(outs)))
+                    kinds.append(("array32" if leaf.dtype is torch.complex32 else "array", len(outs)))
                     if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
                         grad_outs.append(len(outs))
                     outs.append(leaf._value())

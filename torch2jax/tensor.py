@@ -251,7 +251,8 @@ class Tensor(torch.Tensor):
         value = self._value()
         if isinstance(value, jax.core.Tracer):
             return f"torch2jax.Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, traced={value.aval})"
-        text = repr(torch_cpu(value))
+        host = torch_cpu(value)
+        text = repr(host if host.dtype is self.dtype else host.to(self.dtype))  # complex32 is held as complex64
         extras = [f"device='{self.device}'"]
         if self.grad_fn is not None:
             extras.append(f"grad_fn=<{type(self.grad_fn).__name__}>")
@@ -400,6 +401,10 @@ def jax_array(t: torch.Tensor):
 
 def from_torch_cpu(t: torch.Tensor) -> Tensor:
     """A torch2jax tensor copying a torch CPU tensor (``t.to("jax")`` goes through here)."""
+    if t.dtype is torch.complex32:  # held as complex64 (torch2jax/complex32.py)
+        from .complex32 import retag
+
+        return retag(new_tensor(jax_array(t.to(torch.complex64))))
     return new_tensor(jax_array(t))
 
 
@@ -480,6 +485,7 @@ def _rebuild(base, size, stride, offset, requires_grad, is_param):
 
 
 _torch_rebuild_tensor_v2 = torch._utils._rebuild_tensor_v2
+_torch_rebuild_tensor_v3 = torch._utils._rebuild_tensor_v3
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
@@ -487,6 +493,16 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, bac
     # maps its storage to the jax device (``_restore`` marked it), the same tensor
     # there. Tensors sharing a storage become views of one jax base, as in torch.
     t = _torch_rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata)
+    return _loaded_onto_jax(t, storage, storage_offset, size, stride, requires_grad)
+
+
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
+    # torch's rebuild for the dtypes it added after TypedStorage (uint16-64, float8, complex32)
+    t = _torch_rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata)
+    return _loaded_onto_jax(t, storage, storage_offset, size, stride, requires_grad)
+
+
+def _loaded_onto_jax(t, storage, storage_offset, size, stride, requires_grad):
     untyped = storage._untyped_storage if isinstance(storage, torch.TypedStorage) else storage
     if untyped.device.type != "cpu" or _RESTORING.get(untyped.data_ptr()) != _device.NAME:
         return t
@@ -496,7 +512,7 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, bac
         if not whole:
             t = torch.empty(0, dtype=t.dtype).set_(untyped, 0, (untyped.nbytes() // t.element_size(),))
         with jax.enable_x64(True):
-            base = storage._t2j_loaded = new_tensor(jax_array(t))
+            base = storage._t2j_loaded = from_torch_cpu(t)
         if whole:
             return base.requires_grad_(requires_grad) if requires_grad else base
     meta = (tuple(size), tuple(stride), storage_offset)
@@ -505,10 +521,12 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, bac
     return out.requires_grad_(requires_grad) if requires_grad else out
 
 
-# Pickles name the function by module and qualified name, and torch.load's
-# weights-only unpickler allows it by that name: it keeps torch's.
-_rebuild_tensor_v2.__module__, _rebuild_tensor_v2.__qualname__ = "torch._utils", "_rebuild_tensor_v2"
-torch._utils._rebuild_tensor_v2 = _rebuild_tensor_v2
+# Pickles name the functions by module and qualified name, and torch.load's
+# weights-only unpickler allows them by that name: they keep torch's.
+for _ours in (_rebuild_tensor_v2, _rebuild_tensor_v3):
+    _ours.__module__ = "torch._utils"
+    setattr(torch._utils, _ours.__name__, _ours)
+del _ours
 torch._weights_only_unpickler._get_allowed_globals.cache_clear()
 
 # before torch's own CPU tagger (priority 10)

@@ -684,7 +684,7 @@ def angle(x):
 
 def _check_complex_parts(part):
     if part.dtype == jnp.float16:
-        raise OpError("torch2jax: complex32 (torch.chalf) has no JAX equivalent; use float32 parts")
+        raise _dt.Complex32Needed("torch2jax: complex parts in float16 make complex32, held as complex64")
 
 
 @register(aten.polar)

@@ -88,6 +88,8 @@ def _bitcast(x, dtype):
     src, dst = np.dtype(x.dtype), np.dtype(dtype)
     if src == dst:
         return x
+    if src.kind == "c" or dst.kind == "c":
+        return _bitcast_complex(x, dst)
     if dst == np.bool_ or src == np.bool_:
         carrier = np.dtype(np.uint8)
         if src == np.bool_:
@@ -106,6 +108,19 @@ def _bitcast(x, dtype):
         return out.reshape(x.shape[:-1] + (x.shape[-1] * (src.itemsize // dst.itemsize),))
     ratio = dst.itemsize // src.itemsize
     return jax.lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // ratio, ratio)), dst)
+
+
+def _bitcast_complex(x, dst):
+    """`_bitcast` where a side is complex, through the real parts (XLA bitcasts no complex).
+    The shapes were checked by torch's meta kernel: a 0-d ``x`` changes no element size."""
+    one = x.reshape(1) if x.ndim == 0 else x
+    if np.dtype(x.dtype).kind == "c":
+        parts = jnp.stack([jnp.real(one), jnp.imag(one)], axis=-1)
+        out = _bitcast(parts.reshape(one.shape[:-1] + (2 * one.shape[-1],)), dst)
+    else:
+        parts = _bitcast(one, _dt.real_of(dst))
+        out = jax.lax.complex(parts[..., 0::2], parts[..., 1::2])
+    return out.reshape(()) if x.ndim == 0 else out
 
 
 @view(aten.view.dtype, inverse=lambda base, value, dtype: _bitcast(value, base.dtype))
