@@ -61,6 +61,9 @@ def test_repr_and_print():
     y = x.clone().requires_grad_()
     assert "requires_grad=True" in repr(y)
     assert "grad_fn=" in repr(y * 2)
+    param = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    ours = torch.nn.Parameter(x.clone())
+    assert repr(ours) == repr(param).replace(", requires_grad", ", device='jax:0', requires_grad")
 
 
 def test_format_spec_like_torch():

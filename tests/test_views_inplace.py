@@ -314,13 +314,29 @@ def test_out_argument_is_resized_like_torch():
     x = torch.arange(6.0, device="jax")
     x.resize_(2, 3)
     assert x.shape == (2, 3) and x.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert x.resize_as_(torch.ones(2, 2, device="jax")) is x and x.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    grown = torch.arange(2.0, device="jax").resize_as_(torch.ones(3, 4, device="jax"))
+    assert grown.shape == (3, 4) and grown.flatten()[:2].tolist() == [0.0, 1.0]
 
 
-def test_set_storage_form_raises_clearly():
-    # x.set_(tensor, offset, size, stride) passes the tensor's storage, which jax tensors do not hold values in
-    x, y = torch.zeros(2, device="jax"), torch.arange(6.0, device="jax")
-    with pytest.raises(torch2jax.OpError, match=r"set_\.source_Storage.*as_strided"):
-        x.set_(y, 1, (2, 2), (1, 2))
+def p_set_to_storage_views(x, m):
+    # set_ with an offset, size and stride (of a tensor or its storage) views that storage
+    w = torch.empty(0, device=x.device).set_(x, 1, (2, 2), (1, 2))
+    w.mul_(10)
+    v = torch.empty(0, device=x.device).set_(m.untyped_storage(), 2, (2,), (1,))
+    v.add_(1)
+    z = torch.empty(0, device=x.device).set_(x)
+    return w, v, x, m, x.storage().tolist(), m.storage()[4], z.is_set_to(x), w.is_set_to(x)
+
+
+def test_set_to_storage_views():
+    run_both(p_set_to_storage_views, (6,), (2, 3))
+
+
+def test_set_to_another_dtypes_storage_raises_clearly():
+    x, y = torch.zeros(2, device="jax"), torch.arange(6, device="jax")
+    with pytest.raises(torch2jax.OpError, match="holds torch.int64 values"):
+        x.set_(y.untyped_storage(), 0, (2,))
 
 
 def test_parametrization_and_distribution_checks_stay_on_the_device():

@@ -155,6 +155,12 @@ def _copy(dst, src, non_blocking=False):
     return dispatch(torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
 
 
+def _set_to_tensor(target, source, storage_offset, size, stride=()):
+    from .dispatch import dispatch
+
+    return dispatch(torch.ops.aten.set_.source_Tensor_storage_offset, (target, source, storage_offset, size, stride), {})
+
+
 _libs = []
 
 
@@ -302,6 +308,9 @@ def register() -> None:
     impl = torch.library.Library("aten", "IMPL")
     impl.impl("copy_", _copy, "PrivateUse1")
     impl.impl("_pin_memory", _pin_memory, "CPU")
+    # torch's composite kernel turns x.set_(tensor, offset, size, stride) into a set_ to
+    # the tensor's C++ storage, which a jax tensor's values are not in: kept whole here
+    impl.impl("set_.source_Tensor_storage_offset", _set_to_tensor, "AutogradPrivateUse1")
     _libs.extend([fallback, impl])
     _linear_cross_entropy_defaults()
     # torch.autocast("jax") turns on AutocastPrivateUse1, whose kernels the backend must provide.

@@ -396,10 +396,14 @@ def _choose(func):
         return _generic_view_handler, "lowering"
     if func is aten.resize_.default:
         return _resize_handler, "lowering"
+    if func is aten.resize_as_.default:
+        return _resize_as_handler, "lowering"
     if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset):
         return _set_handler, "lowering"
     if func in (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset):
         return _set_storage_handler, "lowering"
+    if func is aten.is_set_to.default:
+        return _is_set_to_handler, "lowering"
     if func in _reg.DECOMPOSITIONS:  # ours, e.g. for ops that mutate lists of tensors
         return _decomposition_handler(_reg.DECOMPOSITIONS[func]), "decomposition"
     if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
@@ -1337,6 +1341,10 @@ def _resize_handler(func, args, kwargs):
     return x
 
 
+def _resize_as_handler(func, args, kwargs):
+    return _resize_handler(aten.resize_.default, (args[0], args[1].shape), {})
+
+
 def _set_handler(func, args, kwargs):
     """``x.set_(source)``: ``x`` becomes another tensor on ``source``'s storage (torch's
     parametrizations re-point a parameter at a new value this way); with an offset, size
@@ -1359,10 +1367,40 @@ def _set_handler(func, args, kwargs):
 
 
 def _set_storage_handler(func, args, kwargs):
-    raise OpError(
-        f"torch2jax: {func}: a jax-device tensor's values live in a jax.Array, not in a torch storage, so "
-        "x.set_(storage, ...) cannot point x at them; use x.set_(source_tensor) to alias a tensor, or "
-        "source.as_strided(size, stride, storage_offset) for a view of it"
+    """``x.set_(storage, offset, size, stride)`` with a jax tensor's storage (what
+    ``x.set_(tensor, offset, size, stride)`` and ``x.storage()[i]`` turn into): ``x``
+    becomes that view of the storage's values."""
+    target, storage, *layout = args
+    handle = getattr(storage, "_untyped_storage", storage)
+    if not isinstance(handle, _tensor._StorageHandle):
+        raise OpError(
+            f"torch2jax: {func}: the storage is on {handle.device}, not the jax device; move its tensor with "
+            ".to('jax') and pass that tensor"
+        )
+    whole = Tensor(handle._t2j_storage)
+    if whole.dtype != target.dtype:
+        raise OpError(
+            f"torch2jax: {func}: the storage holds {whole.dtype} values and the tensor is {target.dtype}; "
+            "set_ to a tensor of the storage's dtype, then .view(dtype)"
+        )
+    flat = whole.reshape(-1) if whole.dim() != 1 else whole
+    names = ("storage_offset", "size", "stride")
+    given = dict(zip(names, layout), **kwargs)
+    size = tuple(given.get("size", (flat.numel(),)))
+    stride = given.get("stride") or _tensor._contiguous_strides(size)
+    target._rebind(dispatch(aten.as_strided.default, (flat, size, stride, given.get("storage_offset", 0)), {}))
+    return target
+
+
+def _is_set_to_handler(func, args, kwargs):
+    """Whether two tensors are the same view of one storage (torch compares storage, offset, size, stride)."""
+    a, b = args
+    return (
+        isinstance(b, Tensor)
+        and a._t2j_storage is b._t2j_storage
+        and a.storage_offset() == b.storage_offset()
+        and tuple(a.shape) == tuple(b.shape)
+        and tuple(a.stride()) == tuple(b.stride())
     )
 
 

@@ -258,7 +258,9 @@ class Tensor(torch.Tensor):
             extras.append(f"grad_fn=<{type(self.grad_fn).__name__}>")
         elif self.requires_grad:
             extras.append("requires_grad=True")
-        return text[:-1] + ", " + ", ".join(extras) + ")"
+        text = text[:-1] + ", " + ", ".join(extras) + ")"
+        # nn.Parameter of a subclass is the tensor itself, marked (torch's Parameter.__new__)
+        return "Parameter containing:\n" + text if getattr(self, "_is_param", False) else text
 
     def untyped_storage(self):
         return _StorageHandle(self._t2j_storage)
