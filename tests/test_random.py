@@ -222,6 +222,21 @@ def test_manual_seed_reproduces_draws():
     assert not torch.equal(torch.randn(5, device="jax").cpu(), a[0])
 
 
+def test_manual_seed_inside_jit_reseeds_every_call():
+    def draw(x):
+        torch.manual_seed(7)
+        return x + torch.randn_like(x)
+
+    x = torch.zeros(3, device="jax")
+    eager = draw(x).cpu()
+    after_eager = torch.randn(2, device="jax").cpu()
+    jitted = torch2jax.jit(draw)
+    for _ in range(3):
+        assert torch.equal(jitted(x).cpu(), eager)
+        # the generator continues from the seed, as after the eager call
+        assert torch.equal(torch.randn(2, device="jax").cpu(), after_eager)
+
+
 def test_consecutive_draws_differ():
     x = torch.randn(100, device="jax").cpu()
     y = torch.randn(100, device="jax").cpu()

@@ -117,6 +117,11 @@ class RngState:
     def seed(self, seed: int) -> None:
         self.initial_seed = int(seed)
         self._key = None
+        if getattr(self, "_traced", None) is not None:
+            # seeded inside a traced function: the program's later draws restart from the
+            # seed on every call, as the eager function's do
+            with jax.ensure_compile_time_eval():
+                self._traced = self.key
 
     @property
     def key(self):
