@@ -179,6 +179,29 @@ def test_view_of_argument_written():
     assert torch.equal(x.cpu(), ref)
 
 
+def test_outputs_that_view_inputs_are_views():
+    # as in torch, a returned view of an argument or of a parameter aliases it
+    @t2j.jit
+    def f(x, lin):
+        return x.t(), x.add_(1).view(-1), lin.weight.t(), x * 2
+
+    def run(device):
+        x = torch.arange(6.0, device=device).reshape(2, 3)
+        lin = torch.nn.Linear(3, 2).to(device)
+        t, flat, wt, fresh = (f if device == "jax" else f.__wrapped__)(x, lin)
+        t[0, 0] = -7.0
+        x[1].mul_(10)
+        return [t.stride(), flat.stride(), wt.stride(), fresh.stride(), t._base is x, wt._base is lin.weight,
+                t.cpu().tolist(), flat.cpu().tolist(), fresh.cpu().tolist()]
+
+    assert run("jax") == run("cpu")
+    run("jax")  # the compiled program again
+    w = torch.ones(3, 2, device="jax", requires_grad=True)
+    wt, doubled = t2j.jit(lambda a: (a.t(), a * 2))(w)
+    (wt.sum() + doubled.sum()).backward()
+    assert w.grad.tolist() == [[3.0, 3.0]] * 3
+
+
 def test_item_inside_becomes_traced_scalar():
     f = t2j.jit(lambda x, s: x * s.item())
     assert f(torch.ones(2, device="jax"), torch.tensor(3.0, device="jax")).tolist() == [3.0, 3.0]

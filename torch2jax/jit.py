@@ -677,6 +677,18 @@ def _module_slot_name(module, prefix, name):
 # ---------------------------------------------------------------------------
 
 
+def _view_of_slot(t, tensors, storages):
+    """(slot, size, stride, offset, requires_grad) where output ``t`` is a view of an input's
+    storage that the slot's tensor can give again with ``as_strided`` (as torch returns a
+    view of the input, writes through it reaching the input); None otherwise."""
+    if not t._t2j_view or not any(t._t2j_storage is st for st in storages):
+        return None
+    for k, s in enumerate(tensors):
+        if s is not None and s._t2j_storage is t._t2j_storage and s.dtype == t.dtype:
+            return k, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad
+    return None
+
+
 class _Capture:
     """Watches a trace: storages created, and tensors read that are not inputs."""
 
@@ -712,7 +724,8 @@ class _Entry:
     new_storages: list  # storages created by the trace whose value is an output
     post: list  # (setter, slot index | tensor | None): slots to re-point after a call
     out_def: object  # torch pytree spec of the outputs
-    out_leaves: list  # per output leaf: ("array" | "array32", k) | ("pre", slot) | ("arg", k) | ("const", value)
+    # per output leaf: ("array" | "array32", k) | ("pre", slot) | ("arg", k) | ("view", `_view_of_slot`) | ("const", value)
+    out_leaves: list
     uses_rng: bool
     names: list  # slot names, to explain a later cache miss
     trace_s: float
@@ -908,6 +921,10 @@ class JitFunction:
                 result.append(arrays[v])
             elif kind == "array32":  # held as complex64 (torch2jax/complex32.py)
                 result.append(_complex32.retag(arrays[v]))
+            elif kind == "view":
+                slot, size, stride, offset, grad = v
+                with torch.set_grad_enabled(grad):
+                    result.append(slots.tensors[slot].as_strided(size, stride, offset))
             elif kind == "pre":
                 result.append(slots.tensors[v])
             elif kind == "arg":
@@ -1045,6 +1062,8 @@ class JitFunction:
                     kinds.append(("arg", arg_index[id(leaf)]))
                 elif isinstance(leaf, Tensor) and id(leaf) in pre_index:
                     kinds.append(("pre", pre_index[id(leaf)]))
+                elif isinstance(leaf, Tensor) and _view_of_slot(leaf, slots.tensors, storages) is not None:
+                    kinds.append(("view", _view_of_slot(leaf, slots.tensors, storages)))
                 elif isinstance(leaf, Tensor):
                     kinds.append(("array32" if leaf.dtype is torch.complex32 else "array", len(outs)))
                     if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
