@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import torch2jax  # noqa: F401
 
@@ -430,6 +431,26 @@ LAYOUT_PROGRAMS = {
     "empty_channels_last": lambda dev: torch.empty(2, 3, 4, 5, device=dev, memory_format=torch.channels_last).zero_(),
     "channels_last_conv_and_batch_norm": lambda dev: torch.nn.BatchNorm2d(4).to(dev)(
         torch.nn.Conv2d(3, 4, 3).to(dev).to(memory_format=torch.channels_last)(_channels_last(dev))),
+    "channels_last_max_pool": lambda dev: F.max_pool2d(_channels_last(dev), 2, return_indices=True)[1],
+    "channels_last_avg_pool": lambda dev: F.avg_pool2d(_channels_last(dev), 2),
+    "channels_last_adaptive_avg_pool": lambda dev: F.adaptive_avg_pool2d(_channels_last(dev), 3),
+    "channels_last_upsample_nearest": lambda dev: F.interpolate(_channels_last(dev), scale_factor=2),
+    "channels_last_upsample_bilinear": lambda dev: F.interpolate(_channels_last(dev), scale_factor=2, mode="bilinear"),
+    "channels_last_constant_pad": lambda dev: F.pad(_channels_last(dev), (1, 1, 1, 1)),
+    "channels_last_reflection_pad": lambda dev: F.pad(_channels_last(dev), (1, 1, 1, 1), mode="reflect"),
+    "channels_last_group_norm": lambda dev: F.group_norm(_channels_last(dev), 3),
+    "channels_last_roll": lambda dev: _channels_last(dev).roll(1, 0),
+    "channels_last_3d_max_pool": lambda dev: F.max_pool3d(
+        torch.randn(2, 3, 4, 4, 4, generator=torch.Generator().manual_seed(0)).to(dev).to(
+            memory_format=torch.channels_last_3d), 2),
+    "transposed_sort": lambda dev: torch.arange(20.0, device=dev).reshape(4, 5).t().sort(-1, descending=True).values,
+    "transposed_flip": lambda dev: torch.arange(20.0, device=dev).reshape(4, 5).t().flip(0),
+    "transposed_roll_is_contiguous": lambda dev: torch.arange(20.0, device=dev).reshape(4, 5).t().roll(1, 0),
+    "cpu_transposed_to_device": lambda dev: torch.arange(12.0).reshape(3, 4).t().to(dev),
+    "cpu_channels_last_to_device": lambda dev: torch.arange(96.0).reshape(2, 3, 4, 4).to(
+        memory_format=torch.channels_last).to(dev),
+    "transposed_to_cpu": lambda dev: torch.arange(12.0, device=dev).reshape(3, 4).t().cpu(),
+    "empty_strided": lambda dev: torch.empty_strided((2, 3), (1, 2), device=dev).fill_(1),
 }
 
 

@@ -388,6 +388,8 @@ def _choose(func):
         _ops.load_namespace(func.namespace)
     if func in _reg.VIEWS:
         return _view_handler(func, *_reg.VIEWS[func]), "lowering"
+    if func in (aten.empty_strided.default, aten.new_empty_strided.default):
+        return _strided_factory(_lowering_handler(func, _reg.LOWERINGS[func])), "lowering"
     if func in _reg.LOWERINGS:
         return _lowering_handler(func, _reg.LOWERINGS[func], _cpu_arguments(func)), "lowering"
     if isinstance(func, torch._ops.OpOverload) and func.is_view:
@@ -526,6 +528,19 @@ _LAYOUT_OPS = frozenset({
     "randint_like", "_softmax", "_log_softmax", "cat", "native_dropout", "bernoulli", "native_batch_norm",
     "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
     "convolution", "empty",
+    # pooling, resizing and padding keep a channels_last input's layout; sort, flip, roll,
+    # tril and triu lay out like their input
+    "max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool2d", "avg_pool3d",
+    "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+    "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+    "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    "upsample_trilinear3d", "constant_pad_nd", "reflection_pad2d", "reflection_pad3d", "replication_pad2d",
+    "replication_pad3d", "native_group_norm", "sort", "flip", "roll", "tril", "triu",
+})
+# Ops whose CPU kernels give a channels_last result for a channels_last input where their
+# meta kernels do not (torch's suggest_memory_format of the input)
+_SUGGESTED_FORMAT_OPS = frozenset({
+    "native_group_norm", "roll", "reflection_pad2d", "reflection_pad3d", "replication_pad2d", "replication_pad3d",
 })
 _LAYOUTS: dict = {}
 
@@ -571,14 +586,22 @@ def _meta_strides(func, args, kwargs):
         res = func(*margs, **mkwargs)
     except Exception:  # noqa: BLE001 - no meta kernel: the result stays contiguous
         return None
-    if func is aten.convolution.default and res.dim() in (4, 5):
-        # torch's CPU kernels choose channels_last output from the operands; its meta kernel does not
-        fmt = torch.channels_last if res.dim() == 4 else torch.channels_last_3d
-        if any(isinstance(a, torch.Tensor) and not a.is_contiguous() and a.is_contiguous(memory_format=fmt)
-               for a in args[:2]):
-            return (torch.empty(res.shape, device="meta", memory_format=fmt).stride(),)
     res = res if isinstance(res, (list, tuple)) else (res,)
-    return tuple(r.stride() if isinstance(r, torch.Tensor) else None for r in res)
+    name = func._schema.name.split("::")[1]
+    operands = args[:2] if func is aten.convolution.default else args[:1] if name in _SUGGESTED_FORMAT_OPS else ()
+    # torch's CPU kernels choose channels_last output from these operands; their meta kernels do not
+    return tuple(_channels_last_of(operands, r) or r.stride() if isinstance(r, torch.Tensor) else None for r in res)
+
+
+def _channels_last_of(operands, res):
+    """channels_last strides for ``res`` where one of ``operands`` is channels_last (and not contiguous)."""
+    if res.dim() not in (4, 5):
+        return None
+    fmt = torch.channels_last if res.dim() == 4 else torch.channels_last_3d
+    if any(isinstance(a, torch.Tensor) and a.dim() == res.dim() and not a.is_contiguous()
+           and a.is_contiguous(memory_format=fmt) for a in operands):
+        return torch.empty(res.shape, device="meta", memory_format=fmt).stride()
+    return None
 
 
 def _laid_out(t, strides):
@@ -1341,6 +1364,18 @@ def _resize_handler(func, args, kwargs):
     return x
 
 
+def _strided_factory(run):
+    """``empty_strided`` with the strides asked for where they lay out the tensor densely
+    (torch's ``_to_copy`` to the jax device allocates the copy this way, and keeps
+    a transposed or channels_last tensor's layout)."""
+
+    def run_strided(func, args, kwargs):
+        out = run(func, args, kwargs)
+        return _laid_out(out, tuple(args[-1]))
+
+    return run_strided
+
+
 def _resize_as_handler(func, args, kwargs):
     return _resize_handler(aten.resize_.default, (args[0], args[1].shape), {})
 
@@ -1511,7 +1546,14 @@ def _to_meta(t):
 
 
 def _to_cpu(t):
-    return torch_cpu(t._value()) if isinstance(t, Tensor) else t
+    """A CPU copy of jax tensor ``t`` with its strides where they describe a dense layout
+    (a transposed or channels_last tensor stays one: ``.cpu()`` preserves the format)."""
+    if not isinstance(t, Tensor):
+        return t
+    host = torch_cpu(t._value())
+    if t._t2j_view and t.dim() > 1 and not t.is_contiguous() and _prims_common.is_non_overlapping_and_dense_or_false(t):
+        host = torch.empty_strided(t.shape, t.stride(), dtype=host.dtype).copy_(host)
+    return host
 
 
 def _cpu_kwargs(kwargs):
