@@ -355,6 +355,29 @@ def test_python_state_changed_by_a_trace_is_reported():
     assert trainer.calls == 1 and step.stats["traces"] == 1
 
 
+def test_containers_changed_by_a_trace_are_reported():
+    counts, losses = [], []
+
+    @t2j.jit
+    def step(x):
+        counts.append(1)
+        return x * 2
+
+    with pytest.warns(UserWarning, match="changed the items of a list it reaches; cached calls"):
+        step(torch.ones(2, device="jax"))
+    step(torch.ones(2, device="jax"))
+    assert counts == [1]
+
+    @t2j.jit
+    def logged(x):
+        losses.append(x.sum())
+        return x
+
+    with pytest.warns(UserWarning, match="every call traces and compiles again"):
+        logged(torch.ones(2, device="jax"))
+    assert losses[0].item() == 2.0
+
+
 def test_tensors_created_in_a_trace_are_not_python_state():
     # lazily created tensor attributes (a GradScaler's scale) are program outputs, not bookkeeping
     lin = nn.Linear(3, 2).to("jax")

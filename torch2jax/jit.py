@@ -105,7 +105,8 @@ class _Roots:
         self.objects = []  # other objects whose attributes were searched (see _python_state)
         self._seen = set()
 
-    def add(self, obj, depth=0):
+    def add(self, obj, depth=0, summarized=False):
+        """``summarized``: ``obj`` is inside an object whose attributes `_python_state` summarizes."""
         if id(obj) in self._seen or depth > 3:
             return
         if isinstance(obj, torch.nn.Module):
@@ -120,12 +121,16 @@ class _Roots:
             self.tensors.append(obj)
         elif isinstance(obj, (list, tuple)):
             self._seen.add(id(obj))
+            if isinstance(obj, list) and not summarized:
+                self.objects.append(obj)
             for o in obj[:256]:
-                self.add(o, depth + 1)
+                self.add(o, depth + 1, summarized)
         elif isinstance(obj, dict):
             self._seen.add(id(obj))
+            if not summarized:
+                self.objects.append(obj)
             for o in list(obj.values())[:256]:
-                self.add(o, depth + 1)
+                self.add(o, depth + 1, summarized)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             self.add(obj.optimizer, depth + 1)
         elif isinstance(obj, functools.partial):
@@ -143,7 +148,7 @@ class _Roots:
             self._seen.add(id(obj))
             self.objects.append(obj)
             for o in list(vars(obj).values())[:256]:
-                self.add(o, depth + 1)
+                self.add(o, depth + 1, summarized=True)
 
     def add_function(self, fn, depth=0):
         if id(fn) in self._seen:
@@ -185,7 +190,11 @@ def _python_value(v, depth=0):
 
 
 def _python_state(objects):
-    return [{k: _python_value(v) for k, v in vars(o).items()} for o in objects]
+    # a list or dict the function reaches (a closure's ``log``, a global table) by its items
+    return [
+        {"items": _python_value(o)} if isinstance(o, (list, dict)) else {k: _python_value(v) for k, v in vars(o).items()}
+        for o in objects
+    ]
 
 
 def _check_python_state(fn, objects, before):
@@ -200,6 +209,18 @@ def _check_python_state(fn, objects, before):
         if not changed:
             continue
         name = getattr(fn, "__qualname__", fn)
+        if isinstance(obj, (list, dict)):
+            kind = type(obj).__name__
+            if _count_tensors(new["items"]) > _count_tensors(old["items"]):
+                effect = "the tensors it adds are new state, so every call traces and compiles again"
+            else:
+                effect = "cached calls run only the compiled tensor program and will not change it again"
+            warnings.warn(
+                f"t2j.jit: tracing {name} changed the items of a {kind} it reaches; {effect}. Return the values "
+                f"instead and update the {kind} outside the jitted function.",
+                stacklevel=4,
+            )
+            continue
         what = f"{type(obj).__name__}.{', '.join(changed)}"
         if isinstance(obj, torch.amp.GradScaler):
             raise JitError(
@@ -217,6 +238,12 @@ def _check_python_state(fn, objects, before):
 
 
 _MISSING, _TENSOR = object(), object()
+
+
+def _count_tensors(summary) -> int:
+    if summary is _TENSOR:
+        return 1
+    return sum(_count_tensors(v) for v in summary) if isinstance(summary, tuple) else 0
 
 
 def _find_roots(fn, args, kwargs) -> _Roots:
