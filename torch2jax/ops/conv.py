@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from .. import dtypes as _dt
+from ..dispatch import HostFallback, TorchRuntimeError
+from .indexing import raise_as_torch
 from .nn import _vjp, upcast
-from ..dispatch import HostFallback
 from .registry import register, true_divide
 
 aten = torch.ops.aten
@@ -109,8 +111,125 @@ def _conv_transpose_half(x, weight, bias, stride, padding, dilation, output_padd
     return out
 
 
+# -- argument checks --------------------------------------------------------------------
+#
+# XLA pads, crops or returns an empty result where torch rejects the arguments (a kernel
+# larger than the padded input, an output padding as large as the stride), or fails with
+# a message of its own; these are torch's checks (aten::_convolution's, then its slow
+# transposed kernels'), in its order and with its messages. They read only shapes and
+# static arguments, so they run when the compiled lowering is traced, not on every call.
+
+
+def _conv_param(name, v, n):
+    """A conv argument as an n-tuple: one value stands for every spatial dimension."""
+    v = (v,) if isinstance(v, int) else tuple(v)
+    if len(v) == 1:
+        return v * n
+    if len(v) != n:
+        raise TorchRuntimeError(f"expected {name} to be a single integer value or a list of {n} values to match the "
+                                f"convolution dimensions, but got {name}={list(v)}")
+    return v
+
+
+def _sizes(values):
+    return " x ".join(map(str, values))
+
+
+def _check_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if weight.ndim < 3:
+        raise TorchRuntimeError("weight should have at least three dimensions")
+    if groups <= 0:
+        raise TorchRuntimeError("non-positive groups is not supported")
+    n = weight.ndim - 2
+    stride, padding, dilation, output_padding = (
+        _conv_param(name, v, n)
+        for name, v in (("stride", stride), ("padding", padding), ("dilation", dilation),
+                        ("output_padding", output_padding))
+    )
+    if min(padding) < 0:
+        raise TorchRuntimeError("negative padding is not supported")
+    if min(output_padding) < 0:
+        raise TorchRuntimeError("negative output_padding is not supported")
+    if min(stride) <= 0:
+        raise TorchRuntimeError("non-positive stride is not supported")
+    if min(dilation) <= 0:
+        raise TorchRuntimeError("dilation should be greater than zero")
+    w = list(weight.shape)
+    if x.ndim != weight.ndim:
+        raise TorchRuntimeError(f"Expected {weight.ndim}-dimensional input for {weight.ndim}-dimensional weight {w}, "
+                                f"but got {x.ndim}-dimensional input of size {list(x.shape)} instead")
+    if w[0] < groups:
+        raise TorchRuntimeError(f"Given groups={groups}, expected weight to be at least {groups} at dimension 0, but "
+                                f"got weight of size {w} instead")
+    if w[0] % groups:
+        raise TorchRuntimeError(f"Given groups={groups}, expected weight to be divisible by {groups} at dimension 0, "
+                                f"but got weight of size [{w}] instead")  # sic: torch prints the brackets twice
+    if transposed:
+        _check_conv_transpose(x, w, bias, stride, padding, dilation, output_padding, groups)
+    else:
+        _check_conv_forward(x, w, bias, padding, dilation, groups)
+
+
+def _check_conv_forward(x, w, bias, padding, dilation, groups):
+    if x.shape[1] != w[1] * groups:
+        raise TorchRuntimeError(f"Given groups={groups}, weight of size {w}, expected input{list(x.shape)} to have "
+                                f"{w[1] * groups} channels, but got {x.shape[1]} channels instead")
+    if bias is not None and bias.shape != (w[0],):
+        raise TorchRuntimeError(f"Given weight of size {w}, expected bias to be 1-dimensional with {w[0]} elements, "
+                                f"but got bias of size {list(bias.shape)} instead")
+    padded = [i + 2 * p for i, p in zip(x.shape[2:], padding)]
+    kernel = [d * (k - 1) + 1 for k, d in zip(w[2:], dilation)]
+    if any(i < k for i, k in zip(padded, kernel)):
+        raise TorchRuntimeError(f"Calculated padded input size per channel: ({_sizes(padded)}). Kernel size: "
+                                f"({_sizes(kernel)}). Kernel size can't be greater than actual input size")
+
+
+def _check_conv_transpose(x, w, bias, stride, padding, dilation, output_padding, groups):
+    if x.shape[1] != w[0]:
+        raise TorchRuntimeError(f"Given transposed=1, weight of size {w}, expected input{list(x.shape)} to have "
+                                f"{w[0]} channels, but got {x.shape[1]} channels instead")
+    if bias is not None and bias.shape != (w[1] * groups,):
+        raise TorchRuntimeError(f"Given transposed=1, weight of size {w}, expected bias to be 1-dimensional with "
+                                f"{w[1] * groups} elements, but got bias of size {list(bias.shape)} instead")
+    # torch's CPU kernels run a 1-d transposed convolution as a 2-d one of height 1 and say so
+    ins, k = tuple(x.shape[2:]), tuple(w[2:])
+    if len(ins) == 1:
+        ins, k, stride, padding, dilation, output_padding = (
+            (one,) + v for one, v in zip((1, 1, 1, 0, 1, 0), (ins, k, stride, padding, dilation, output_padding))
+        )
+    if any(op >= s and op >= d for op, s, d in zip(output_padding, stride, dilation)):
+        axes = ("depth", "height", "width")[-len(ins):]
+        got = " ".join(f"{name}_{axis}: {v}" for name, values in
+                       (("output_padding", output_padding), ("stride", stride), ("dilation", dilation))
+                       for axis, v in zip(axes, values))
+        raise TorchRuntimeError(f"output padding must be smaller than either stride or dilation, but got {got}")
+    outs = [(i - 1) * s - 2 * p + d * (kk - 1) + 1 + op
+            for i, s, p, d, kk, op in zip(ins, stride, padding, dilation, k, output_padding)]
+    if min(outs) < 1:
+        raise TorchRuntimeError(f"Given input size per channel: ({_sizes(ins)}). Calculated output size per channel: "
+                                f"({_sizes(outs)}). Output size is too small")
+
+
+def _check_conv_dtypes(x, weight, bias, transposed):
+    """torch's error for operands of different dtypes ("expected scalar type Float but found
+    Double", "Input type (float) and bias type (double) ..."), from its kernel run on
+    one-element stand-ins."""
+    if weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
+        return
+    n = x.ndim - 2
+    ones = (1, 1) + (1,) * n
+
+    def one(a, shape):
+        return None if a is None else torch.ones(shape, dtype=_dt.to_torch(a.dtype))
+
+    raise_as_torch(aten.convolution, one(x, ones), one(weight, ones), one(bias, (1,)), [1] * n, [0] * n, [1] * n,
+                   transposed, [0] * n, 1)
+
+
 @register(aten.convolution.default)
 def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    _check_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    _check_conv_dtypes(x, weight, bias, transposed)
     if transposed and x.dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)) and 0 not in x.shape:
         return _conv_transpose_half(x, weight, bias, stride, padding, dilation, output_padding, groups)
     return _conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)

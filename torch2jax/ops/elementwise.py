@@ -18,6 +18,7 @@ from jax import lax
 
 from .. import dtypes as _dt
 from ..dispatch import OpError
+from .indexing import raise_as_torch, stand_in
 from .registry import as_dtype, cast, elementwise, promote, register, true_divide
 
 aten = torch.ops.aten
@@ -609,6 +610,8 @@ def bitwise_right_shift(x, s):
 
 @register(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar, prims.where)
 def where(condition, x, y):
+    if condition.dtype != np.bool_:  # torch rejects other dtypes (uint8 with a warning only)
+        raise_as_torch(torch.where, stand_in(condition.dtype), 0, 0)
     dtype = _dt.result_type(x, y)
     return jnp.where(condition, as_dtype(x, dtype), as_dtype(y, dtype))
 

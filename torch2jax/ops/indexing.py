@@ -19,6 +19,7 @@ import torch
 
 from .. import dtypes as _dt
 from .. import env as _env
+from ..dispatch import TorchRuntimeError
 from .registry import _HALF, as_dtype, canonical_dim, canonical_dims, register, true_divide
 
 aten = torch.ops.aten
@@ -45,6 +46,23 @@ def _concrete(name, *arrays):
             "under jax.jit; call it outside the traced function"
         )
     return [np.asarray(a) for a in arrays]
+
+
+def raise_as_torch(fn, *args):
+    """Raise torch's own error for operands it rejects by dtype: ``fn``, torch's CPU kernel,
+    runs on stand-ins of them (small CPU tensors of their dtypes), so the message names the
+    dtypes as torch does ("long int", "ComplexFloat"). Returns where torch accepts them."""
+    try:
+        fn(*args)
+    except RuntimeError as e:
+        if type(e) is not RuntimeError:  # NotImplementedError ("... not implemented for 'Long'")
+            raise
+        raise TorchRuntimeError(str(e)) from None
+
+
+def stand_in(dtype):
+    """An empty CPU tensor of ``dtype`` for `raise_as_torch`."""
+    return torch.empty(0, dtype=_dt.to_torch(dtype))
 
 
 def _check_range(index, size, error, negative=True):
@@ -394,6 +412,8 @@ def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad
 
 @register(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 def masked_fill(x, mask, value):
+    if mask.dtype != _BOOL:  # jnp.where would take any nonzero value as True
+        raise_as_torch(torch.Tensor.masked_fill_, stand_in(x.dtype), stand_in(mask.dtype), 0)
     if hasattr(value, "ndim") and value.ndim:
         raise RuntimeError(
             "masked_fill_ only supports a 0-dimensional value tensor, but got tensor with "
@@ -404,6 +424,8 @@ def masked_fill(x, mask, value):
 
 @register(aten.masked_scatter.default)
 def masked_scatter(x, mask, source):
+    if mask.dtype != _BOOL:
+        raise_as_torch(torch.Tensor.masked_scatter_, stand_in(x.dtype), stand_in(mask.dtype), stand_in(x.dtype))
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
     m = jnp.broadcast_to(mask, shape).reshape(-1)
     src = source.reshape(-1).astype(x.dtype)
@@ -428,6 +450,8 @@ def masked_scatter_backward(grad, mask, sizes):
 
 @register(aten.masked_select.default)
 def masked_select(x, mask):
+    if mask.dtype != _BOOL:
+        raise_as_torch(torch.masked_select, stand_in(x.dtype), stand_in(mask.dtype))
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
     (m,) = _concrete("aten.masked_select", mask)
     return jnp.broadcast_to(x, shape)[np.broadcast_to(m, shape)]

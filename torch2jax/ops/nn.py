@@ -16,12 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
+from torch._decomp import decomposition_table as _TORCH_DECOMPOSITIONS
 
 from .. import dtypes as _dt
 from .. import env as _env
-from ..dispatch import OpError
+from ..dispatch import OpError, TorchRuntimeError
+from .indexing import raise_as_torch, stand_in
 from .linalg import _acc_dtype, _precision
-from .registry import canonical_dim, decomposition, register
+from .registry import canonical_dim, decomposition, register, true_divide
+from .shape import is_traced
 from .sparse import _warn_dense
 
 aten = torch.ops.aten
@@ -29,6 +32,8 @@ prims = torch.ops.prims
 
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 _F32 = np.dtype(np.float32)
+_LONG = np.dtype(np.int64)
+_BYTE = np.dtype(np.uint8)
 
 
 def upcast(x):
@@ -44,19 +49,24 @@ def _cast_like(out, dtype):
     return out if out is None or out.dtype == dtype else out.astype(dtype)
 
 
+def upcasting(fn):
+    """``fn`` with its array arguments upcast (see `upcast`) and its results in the dtype
+    of its first array argument; ``fn`` itself is its ``compute``."""
+
+    @functools.wraps(fn)
+    def lowering(*args, **kwargs):
+        dtype = next(a.dtype for a in args if hasattr(a, "dtype"))
+        return _cast_like(fn(*(upcast(a) for a in args), **kwargs), dtype)
+
+    lowering.compute = fn
+    return lowering
+
+
 def float_op(*ops):
-    """Register a lowering whose array arguments are upcast (see `upcast`) and whose
-    results come back in the dtype of its first array argument."""
+    """Register an `upcasting` lowering of ``ops``."""
 
     def deco(fn):
-        @functools.wraps(fn)
-        def lowering(*args, **kwargs):
-            dtype = next(a.dtype for a in args if hasattr(a, "dtype"))
-            return _cast_like(fn(*(upcast(a) for a in args), **kwargs), dtype)
-
-        register(*ops)(lowering)
-        lowering.compute = fn
-        return lowering
+        return register(*ops)(upcasting(fn))
 
     return deco
 
@@ -402,24 +412,32 @@ def hardtanh_backward(grad, x, min_val, max_val):
     return jnp.where((x <= min_val) | (x >= max_val), jnp.zeros((), grad.dtype), grad)
 
 
+def _sixth(x):
+    """``x / 6`` correctly rounded, as torch divides (XLA would multiply by a rounded 1/6)."""
+    return true_divide(x, np.asarray(6, x.dtype))
+
+
 @float_op(aten.hardsigmoid.default)
 def hardsigmoid(x):
-    return jnp.clip(x + 3, 0, 6) / 6
+    return _sixth(jnp.clip(x + 3, 0, 6))
 
 
 @float_op(aten.hardsigmoid_backward.default)
 def hardsigmoid_backward(grad, x):
-    return jnp.where((x > -3) & (x < 3), grad / 6, jnp.zeros((), grad.dtype))
+    # torch's kernel multiplies by 1/6 rounded to float32, float64 included
+    return jnp.where((x > -3) & (x < 3), grad * np.asarray(np.float32(1 / 6), grad.dtype), jnp.zeros((), grad.dtype))
 
 
 @float_op(aten.hardswish.default)
 def hardswish(x):
-    return x * jnp.clip(x + 3, 0, 6) / 6
+    return _sixth(x * jnp.clip(x + 3, 0, 6))
 
 
 @float_op(aten.hardswish_backward.default)
 def hardswish_backward(grad, x):
-    return jnp.where(x < -3, jnp.zeros((), grad.dtype), jnp.where(x <= 3, grad * (x / 3 + 0.5), grad))
+    # at the kinks x = -3 and x = 3 torch takes the outer pieces' slopes, 0 and 1
+    slope = true_divide(x, np.asarray(3, x.dtype)) + 0.5
+    return jnp.where(x <= -3, jnp.zeros((), grad.dtype), jnp.where(x < 3, grad * slope, grad))
 
 
 @float_op(aten.softplus.default)
@@ -624,15 +642,40 @@ def huber_loss(x, target, reduction=_MEAN, delta=1.0):
 _loss_op(huber_loss.compute, aten.huber_loss_backward.default)
 
 
-@float_op(aten.binary_cross_entropy.default)
+@jax.jit
+def _in_unit_interval(x, target):
+    """Whether every value of ``x`` and of ``target`` is in [0, 1] (NaN is not), as one
+    compiled call: the check runs on every eager call."""
+    return jnp.stack([jnp.all((x >= 0) & (x <= 1)), jnp.all((target >= 0) & (target <= 1))])
+
+
+def _check_probabilities(x, target):
+    """torch's CPU kernel checks every input and target value; eager only (a traced one is unknown)."""
+    if isinstance(x, jax.core.Tracer) or isinstance(target, jax.core.Tracer) or not _env.config().check_indices:
+        return
+    with jax.ensure_compile_time_eval():  # a constant inside a jit trace is still checked
+        x_ok, target_ok = np.asarray(_in_unit_interval(x, target))
+    if not (x_ok and target_ok):
+        raise TorchRuntimeError(f"all elements of {'target' if x_ok else 'input'} should be between 0 and 1")
+
+
+@register(aten.binary_cross_entropy.default)
 def binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
+    if target.dtype != x.dtype or not _dt.is_floating(x.dtype):  # torch's dtype errors, from its kernel
+        raise_as_torch(aten.binary_cross_entropy, stand_in(x.dtype), stand_in(target.dtype))
+    _check_probabilities(x, target)
+    return _binary_cross_entropy(x, target, weight, reduction)
+
+
+@upcasting
+def _binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
     loss = -(target * jnp.maximum(jnp.log(x), -100.0) + (1 - target) * jnp.maximum(jnp.log1p(-x), -100.0))
     if weight is not None:
         loss = loss * weight
     return _reduce(loss, reduction)
 
 
-_loss_op(binary_cross_entropy.compute, aten.binary_cross_entropy_backward.default)
+_loss_op(_binary_cross_entropy.compute, aten.binary_cross_entropy_backward.default)
 
 
 @float_op(aten.binary_cross_entropy_with_logits.default)
@@ -656,6 +699,72 @@ def _check_targets(target, n_classes, ignore_index):
         raise IndexError(f"Target {int(t[bad][0])} is out of bounds.")
 
 
+# nll_loss's argument checks, in torch's order and with its messages (a weight of the
+# wrong size would otherwise be read with clamped indices, a float target be rounded).
+
+
+def _scalar_type(dtype):
+    """torch's name of ``dtype`` in its messages ("Float", "Long")."""
+    return torch.empty(0, dtype=_dt.to_torch(dtype)).type()[len("torch."):-len("Tensor")]
+
+
+def _check_nll_target_dtype(target):
+    if target.dtype not in (_LONG, _BYTE):
+        raise TorchRuntimeError(f"expected target dtype to be Long or Byte, but got {_scalar_type(target.dtype)}")
+
+
+def _check_nll_dtypes(op, x, weight, ndim):
+    """torch's kernel's errors for an input that is not floating point or a weight of
+    another dtype, from the kernel run on one-element stand-ins."""
+    if _dt.is_floating(x.dtype) and (weight is None or weight.dtype == x.dtype):
+        return
+    ones = (1,) * ndim
+    w = None if weight is None else torch.ones(1, dtype=_dt.to_torch(weight.dtype))
+    raise_as_torch(op, torch.ones(ones, dtype=_dt.to_torch(x.dtype)), torch.zeros(ones[1:], dtype=torch.long), w,
+                   _MEAN, -100)
+
+
+def _check_nll(x, target, weight):
+    if not 1 <= x.ndim <= 2:
+        raise TorchRuntimeError("input tensor should be 1D or 2D")
+    if target.ndim > 1:
+        raise TorchRuntimeError("0D or 1D target tensor expected, multi-target not supported")
+    _check_nll_target_dtype(target)
+    if x.ndim == 1:
+        if target.ndim == 1 and target.shape[0] != 1:
+            raise ValueError(f"For 1D input, 1D target must have size 1, but got target size: {target.shape[0]}")
+    elif target.ndim == 0:  # torch reads the target's size(0)
+        raise IndexError("Dimension specified as 0 but tensor has no dimensions")
+    elif x.shape[0] != target.shape[0]:
+        raise TorchRuntimeError(f"size mismatch (got input: {list(x.shape)}, target: {list(target.shape)})")
+    if weight is not None and weight.shape != (x.shape[-1],):
+        raise TorchRuntimeError(f"weight tensor should be defined either for all {x.shape[-1]} classes or no classes "
+                                f"but got weight tensor of shape: {list(weight.shape)}")
+    _check_nll_dtypes(aten.nll_loss_forward, x, weight, 2)
+
+
+def _check_nll2d(x, target, weight):
+    if target.ndim != 3:
+        raise TorchRuntimeError(f"only batches of spatial targets supported (3D tensors) but got targets of "
+                                f"dimension: {target.ndim}")
+    if x.ndim != 4:
+        raise TorchRuntimeError(f"only batches of spatial inputs supported (4D tensors), but got input of "
+                                f"dimension: {x.ndim}")
+    _check_nll_target_dtype(target)
+    if weight is not None and weight.size != x.shape[1]:
+        raise TorchRuntimeError("weight tensor should be defined either for all or no classes")
+    if target.shape != (x.shape[0],) + x.shape[2:]:
+        # sic: torch's message has no closing parenthesis
+        raise TorchRuntimeError(f"size mismatch (got input: {list(x.shape)} , target: {list(target.shape)}")
+    _check_nll_dtypes(aten.nll_loss2d_forward, x, weight, 4)
+
+
+def _nll_operands(x, target, weight):
+    """(target, weight) as the lowerings read them: a 1-d input's target (one class, 0-d or
+    of size 1) 0-d, the weight (nll_loss2d takes any shape of C elements) 1-d."""
+    return target.reshape(()) if x.ndim == 1 else target, None if weight is None else weight.reshape(-1)
+
+
 def _nll_parts(x, target, weight, ignore_index):
     """(per-element picked log-probability, per-element weight) of nll_loss, class dim 1 (0 if 1-d)."""
     cdim = 0 if x.ndim == 1 else 1
@@ -668,8 +777,20 @@ def _nll_parts(x, target, weight, ignore_index):
     return picked, w
 
 
-@float_op(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+@register(aten.nll_loss_forward.default)
 def nll_loss_forward(x, target, weight, reduction, ignore_index):
+    _check_nll(x, target, weight)
+    return _nll_loss(x, *_nll_operands(x, target, weight), reduction, ignore_index)
+
+
+@register(aten.nll_loss2d_forward.default)
+def nll_loss2d_forward(x, target, weight, reduction, ignore_index):
+    _check_nll2d(x, target, weight)
+    return _nll_loss(x, *_nll_operands(x, target, weight), reduction, ignore_index)
+
+
+@upcasting
+def _nll_loss(x, target, weight, reduction, ignore_index):
     picked, w = _nll_parts(x, target, weight, ignore_index)
     loss = -picked * w
     total = jnp.sum(jnp.broadcast_to(w, loss.shape))
@@ -683,12 +804,76 @@ def nll_loss_forward(x, target, weight, reduction, ignore_index):
 @float_op(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
 def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight):
     cdim = 0 if x.ndim == 1 else 1
+    target, weight = _nll_operands(x, target, weight)
     _, w = _nll_parts(x, target, weight, ignore_index)
     scale = -w * grad
     if reduction == _MEAN:
         scale = scale / total_weight
     onehot = jax.nn.one_hot(jnp.where(target != ignore_index, target, 0), x.shape[cdim], dtype=x.dtype, axis=cdim)
     return onehot * jnp.expand_dims(jnp.broadcast_to(scale, target.shape), cdim)
+
+
+# -- one_hot ---------------------------------------------------------------------------
+#
+# aten::one_hot is CompositeImplicitAutograd, and for a tensor subclass torch's C++ kernel
+# takes its traceable form (compare with arange), which checks no class value: a negative
+# one, or one not below num_classes, gives a row of zeros where the CPU kernel raises.
+# (Its Python decomposition checks them with _assert_async, a host round trip per call.)
+# The AutogradPrivateUse1 kernel adds the CPU kernel's checks in eager mode.
+
+
+def one_hot(x, num_classes=-1):
+    """The AutogradPrivateUse1 kernel of aten::one_hot."""
+    if x.numel() == 0 and num_classes <= 0:  # the C++ kernel would take the max of no values
+        raise RuntimeError("Can not infer total number of classes from empty tensor.")
+    if x.dtype == torch.long and x.numel() and not is_traced(x) and _env.config().check_indices:
+        # (int64 values: JAX's 64-bit types are on only inside dispatch)
+        with jax.enable_x64(True), jax.ensure_compile_time_eval():  # a constant inside a jit trace is still checked
+            lo, hi = np.asarray(jnp.stack([jnp.min(x.jax()), jnp.max(x.jax())]))
+        if lo < 0:
+            raise RuntimeError("Class values must be non-negative.")
+        if num_classes != -1 and hi >= num_classes:
+            raise RuntimeError("Class values must be smaller than num_classes.")
+    return aten.one_hot.default._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, x, num_classes)
+
+
+_library = torch.library.Library("aten", "IMPL")
+_library.impl("one_hot", one_hot, "AutogradPrivateUse1")
+
+
+# -- pixel shuffle -----------------------------------------------------------------------
+#
+# torch's decompositions of pixel_shuffle / pixel_unshuffle check no more than the rank, so
+# a size that does not divide fails in their view with a message about the view; these run
+# them after the CPU kernels' checks.
+
+
+def _check_pixel_shuffle(name, x, factor, kind):
+    if x.dim() < 3:
+        raise TorchRuntimeError(f"{name} expects input to have at least 3 dimensions, but got input with {x.dim()} "
+                                f"dimension(s)")
+    if factor <= 0:
+        raise TorchRuntimeError(f"{name} expects a positive {kind}_factor, but got {factor}")
+
+
+@decomposition(aten.pixel_shuffle.default)
+def pixel_shuffle(x, upscale_factor):
+    _check_pixel_shuffle("pixel_shuffle", x, upscale_factor, "upscale")
+    c, square = x.shape[-3], upscale_factor * upscale_factor
+    if c % square:
+        raise TorchRuntimeError(f"pixel_shuffle expects its input's 'channel' dimension to be divisible by the square "
+                                f"of upscale_factor, but input.size(-3)={c} is not divisible by {square}")
+    return _TORCH_DECOMPOSITIONS[aten.pixel_shuffle.default](x, upscale_factor)
+
+
+@decomposition(aten.pixel_unshuffle.default)
+def pixel_unshuffle(x, downscale_factor):
+    _check_pixel_shuffle("pixel_unshuffle", x, downscale_factor, "downscale")
+    for dim, name in ((-2, "height"), (-1, "width")):
+        if x.shape[dim] % downscale_factor:
+            raise TorchRuntimeError(f"pixel_unshuffle expects {name} to be divisible by downscale_factor, but "
+                                    f"input.size({dim})={x.shape[dim]} is not divisible by {downscale_factor}")
+    return _TORCH_DECOMPOSITIONS[aten.pixel_unshuffle.default](x, downscale_factor)
 
 
 # -- embedding bag -----------------------------------------------------------------------
@@ -699,11 +884,14 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
                    per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     """(output, offset2bag, bag_size, max_indices) as torch's CPU kernel gives them, which
     its backward reads. Bag b starts at offsets[b]; the last bag runs to the end of
-    ``indices`` (with include_last_offset too); entries equal to padding_idx count nowhere."""
+    ``indices``, or with include_last_offset to the last offset: the entries after it
+    belong to no bag (offset2bag says ``bags``), as torch's default (float32 sum) kernel
+    and CSR read them (its other kernels add them to the last bag, or count them in a
+    mean's divisor only). Entries equal to padding_idx count nowhere."""
     n = indices.shape[0]
     bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
-    offset2bag = jnp.searchsorted(offsets[:bags], jnp.arange(n), side="right").astype(np.int64) - 1
-    valid = indices != padding_idx if padding_idx >= 0 else jnp.ones(n, bool)
+    offset2bag = jnp.searchsorted(offsets, jnp.arange(n), side="right").astype(np.int64) - 1
+    valid = _in_bag(indices, offset2bag, bags, padding_idx)
     rows = upcast(weight)[indices]
     if per_sample_weights is not None:
         rows = rows * upcast(per_sample_weights)[:, None]
@@ -720,6 +908,12 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
         out = out / jnp.maximum(count, 1)[:, None]
     bag_size = count if mode == 1 else jnp.zeros(bags, np.int64)
     return out.astype(weight.dtype), offset2bag, bag_size, bag_size
+
+
+def _in_bag(indices, offset2bag, bags, padding_idx):
+    """Which entries of ``indices`` count: those in a bag, other than padding_idx."""
+    valid = offset2bag < bags
+    return valid & (indices != padding_idx) if padding_idx >= 0 else valid
 
 
 @register(aten._embedding_bag_dense_backward.default)
@@ -741,7 +935,7 @@ def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_i
             per_entry = per_entry / jnp.maximum(bag_size[offset2bag], 1)[:, None]
         if per_sample_weights is not None:
             per_entry = per_entry * upcast(per_sample_weights)[:, None]
-        valid = indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+        valid = _in_bag(indices, offset2bag, grad.shape[0], padding_idx)
         out = out.at[jnp.where(valid, indices, num_weights)].add(per_entry, mode="drop")
     if scale_grad_by_freq:
         out = out / _embedding_bag_freq(indices, num_weights)[:, None]
@@ -775,8 +969,7 @@ def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximu
 def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
     """d out / d per_sample_weights (sum mode): each entry's row dotted with its bag's gradient."""
     dots = jnp.sum(upcast(grad)[offset2bag] * upcast(weight)[indices], axis=-1)
-    if padding_idx >= 0:
-        dots = jnp.where(indices == padding_idx, 0, dots)
+    dots = jnp.where(_in_bag(indices, offset2bag, grad.shape[0], padding_idx), dots, 0)
     return dots.astype(grad.dtype)
 
 
@@ -1021,7 +1214,6 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     )[0]
 
 
-_library = torch.library.Library("aten", "IMPL")
 _library.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
 
 
@@ -1160,8 +1352,58 @@ def _lse(*terms):
     return jnp.where(empty, -jnp.inf, jnp.log(jnp.where(empty, 1, total)) + top)
 
 
+_CTC_CHECK = " (while checking arguments for ctc_loss_allocate_outputs)"
+
+
+def _check_ctc(log_probs, targets, input_lengths, target_lengths, blank):
+    """torch's checks of ctc_loss's arguments, in its order and with its messages: XLA would
+    read a target past its row (or past the concatenated targets) as padding, an input step
+    past the end as the last one. The lengths' values are checked in eager mode."""
+    if log_probs.ndim != 3:
+        raise TorchRuntimeError(f"Expected 3-dimensional tensor, but got {log_probs.ndim}-dimensional tensor for "
+                                f"argument #1 'log_probs'{_CTC_CHECK}")
+    if not 1 <= targets.ndim <= 2:
+        raise TorchRuntimeError(f"Expected 1 to 2 dimensions, but got {targets.ndim}-dimensional tensor for "
+                                f"argument #2 'targets'{_CTC_CHECK}")
+    steps, batch, labels = log_probs.shape
+    if not 0 <= blank < labels:
+        raise TorchRuntimeError("blank must be in label range")
+    for name, lengths in (("input_lengths", input_lengths), ("target_lengths", target_lengths)):
+        if np.size(lengths) != batch:
+            raise TorchRuntimeError(f"{name} must be of size batch_size")
+    known = _env.config().check_indices and not any(
+        isinstance(v, jax.core.Tracer) for v in (input_lengths, target_lengths))
+    tg_len = np.asarray(target_lengths).reshape(-1) if known else None
+    if known and (tg_len < 0).any():
+        raise TorchRuntimeError(f"Expected target_lengths to have value at least 0, but got value "
+                                f"{tg_len[tg_len < 0][0]}{_CTC_CHECK}")
+    if targets.ndim == 1:
+        if known and targets.shape[0] != tg_len.sum():
+            raise TorchRuntimeError(f"Expected tensor to have size {tg_len.sum()} at dimension 0, but got size "
+                                    f"{targets.shape[0]} for argument #2 'targets'{_CTC_CHECK}")
+    elif targets.shape[0] != batch:
+        raise TorchRuntimeError(f"Expected tensor to have size {batch} at dimension 0, but got size "
+                                f"{targets.shape[0]} for argument #2 'targets'{_CTC_CHECK}")
+    elif known and batch and tg_len.max() > targets.shape[1]:
+        raise TorchRuntimeError(f"Expected tensor to have size at least {tg_len.max()} at dimension 1, but got size "
+                                f"{targets.shape[1]} for argument #2 'targets'{_CTC_CHECK}")
+    if not known:
+        return
+    in_len = np.asarray(input_lengths).reshape(-1)
+    bad = (in_len < 0) | (in_len > steps)
+    if bad.any():
+        v = in_len[bad][0]
+        bound = "least 0" if v < 0 else f"most {steps}"
+        raise TorchRuntimeError(f"Expected input_lengths to have value at {bound}, but got value {v}{_CTC_CHECK}")
+
+
 @register(aten._ctc_loss.default, aten._ctc_loss.Tensor)
 def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    _check_ctc(log_probs, targets, input_lengths, target_lengths, blank)
+    return _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank)
+
+
+def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
     """(neg_log_likelihood [B], log_alpha [B, T, 2 S + 1]) by the forward (alpha) recursion.
 
     S is the longest target as torch sizes it when the lengths are known; under a trace
@@ -1227,7 +1469,7 @@ def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, 
     steps, batch = log_probs.shape[:2]
 
     def nll(lp):
-        return _ctc_loss(lp, targets, input_lengths, target_lengths, blank, zero_infinity)[0]
+        return _ctc_forward(lp, targets, input_lengths, target_lengths, blank)[0]
 
     g = grad.astype(log_probs.dtype).reshape(batch)
     (true_grad,) = _vjp(nll, (log_probs,), g)

@@ -1,0 +1,411 @@
+"""Input torch rejects is rejected on the jax device too, with torch's exception type and
+message; and values at the edges torch defines (activation kinks, bags cut short by
+include_last_offset). torch CPU is the oracle: every error case also runs on the CPU, so
+the expected message is checked to be torch's own."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch2jax as t2j
+
+DEVICES = ("cpu", "jax")
+aten = torch.ops.aten
+
+
+def _t(values, device, **kwargs):
+    return torch.tensor(values, device=device, **kwargs)
+
+
+def _ones(*shape, device):
+    return torch.ones(*shape, device=device)
+
+
+def _case(name, call, error, message):
+    """``call(device)`` raises ``error`` with ``message`` in its text."""
+    return pytest.param(call, error, message, id=name)
+
+
+# -- errors -------------------------------------------------------------------------------
+
+_NLL_CASES = [
+    _case("nll_loss weight size", lambda d: F.nll_loss(torch.zeros(2, 3, device=d), _t([0, 2], d),
+                                                        weight=torch.ones(2, device=d)),
+          RuntimeError, "weight tensor should be defined either for all 3 classes or no classes but got weight "
+                        "tensor of shape: [2]"),
+    _case("cross_entropy weight size", lambda d: F.cross_entropy(torch.zeros(2, 3, device=d), _t([0, 2], d),
+                                                                 weight=torch.ones(2, device=d)),
+          RuntimeError, "weight tensor should be defined either for all 3 classes or no classes"),
+    _case("cross_entropy weight size, label smoothing",
+          lambda d: F.cross_entropy(torch.zeros(2, 3, device=d), _t([0, 2], d), weight=torch.ones(2, device=d),
+                                    label_smoothing=0.1),
+          RuntimeError, "weight tensor should be defined either for all 3 classes or no classes"),
+    _case("nll_loss2d weight size", lambda d: F.nll_loss(torch.zeros(2, 3, 4, 4, device=d),
+                                                          torch.zeros(2, 4, 4, dtype=torch.long, device=d),
+                                                          weight=torch.ones(2, device=d)),
+          RuntimeError, "weight tensor should be defined either for all or no classes"),
+    _case("nll_loss float target", lambda d: F.nll_loss(torch.zeros(2, 3, device=d), _t([0.0, 2.0], d)),
+          RuntimeError, "expected target dtype to be Long or Byte, but got Float"),
+    _case("nll_loss int32 target", lambda d: F.nll_loss(torch.zeros(2, 3, device=d), _t([0, 2], d, dtype=torch.int32)),
+          RuntimeError, "expected target dtype to be Long or Byte, but got Int"),
+    _case("nll_loss2d float target", lambda d: F.nll_loss(torch.zeros(2, 3, 4, 4, device=d),
+                                                           torch.zeros(2, 4, 4, device=d)),
+          RuntimeError, "expected target dtype to be Long or Byte, but got Float"),
+    _case("nll_loss batch size", lambda d: F.nll_loss(torch.zeros(2, 3, device=d), _t([0, 1, 2], d)),
+          ValueError, ("Expected input batch_size (2) to match target batch_size (3).")),
+    _case("nll_loss_forward batch size", lambda d: aten.nll_loss_forward(torch.zeros(2, 3, device=d),
+                                                                          _t([0, 1, 2], d), None, 1, -100),
+          RuntimeError, ("size mismatch (got input: [2, 3], target: [3])")),
+    _case("nll_loss_forward 3-d input", lambda d: aten.nll_loss_forward(torch.zeros(2, 3, 4, device=d),
+                                                                         _t([0, 1], d), None, 1, -100),
+          RuntimeError, "input tensor should be 1D or 2D"),
+    _case("nll_loss2d size", lambda d: F.nll_loss(torch.zeros(2, 3, 4, 4, device=d),
+                                                   torch.zeros(2, 4, 5, dtype=torch.long, device=d)),
+          RuntimeError, ("size mismatch (got input: [2, 3, 4, 4] , target: [2, 4, 5]")),
+    _case("nll_loss integer input", lambda d: aten.nll_loss_forward(torch.zeros(2, 3, dtype=torch.long, device=d),
+                                                                     _t([0, 1], d), None, 1, -100),
+          NotImplementedError, "\"nll_loss_out_frame\" not implemented for 'Long'"),
+    _case("nll_loss weight dtype", lambda d: F.nll_loss(torch.zeros(2, 3, device=d), _t([0, 1], d),
+                                                         weight=torch.ones(3, dtype=torch.float64, device=d)),
+          RuntimeError, "expected scalar type Float but found Double"),
+    # probabilities of another shape than the input: torch takes them for class indices
+    _case("cross_entropy probability target shape", lambda d: F.cross_entropy(torch.zeros(2, 3, device=d),
+                                                                                torch.rand(2, 4).to(d)),
+          RuntimeError, "0D or 1D target tensor expected, multi-target not supported"),
+]
+
+_ONE_HOT_CASES = [
+    _case("one_hot too large", lambda d: F.one_hot(_t([3, 0], d), 3),
+          RuntimeError, ("Class values must be smaller than num_classes.")),
+    _case("one_hot negative", lambda d: F.one_hot(_t([3, -1], d), 3),
+          RuntimeError, ("Class values must be non-negative.")),
+    _case("one_hot negative, inferred classes", lambda d: F.one_hot(_t([-1, 2], d)),
+          RuntimeError, ("Class values must be non-negative.")),
+    _case("one_hot empty, inferred classes", lambda d: F.one_hot(_t([], d, dtype=torch.long)),
+          RuntimeError, "Can not infer total number of classes from empty tensor."),
+]
+
+_MASK_CASES = [
+    _case("masked_fill long mask", lambda d: torch.zeros(3, device=d).masked_fill(_t([1, 0, 1], d), 1.0),
+          RuntimeError, "masked_fill_ only supports boolean masks, but got mask with dtype long int"),
+    _case("masked_fill_ uint8 mask", lambda d: torch.zeros(3, device=d).masked_fill_(_t([1, 0, 1], d).byte(), 1.0),
+          RuntimeError, "masked_fill_ only supports boolean masks, but got mask with dtype unsigned char"),
+    _case("masked_fill float mask, tensor value",
+          lambda d: torch.zeros(3, device=d).masked_fill(_t([1.0, 0.0, 1.0], d), _t(1.0, d)),
+          RuntimeError, "masked_fill_ only supports boolean masks, but got mask with dtype float"),
+    _case("where long condition", lambda d: torch.where(_t([1, 0], d), 1.0, 0.0),
+          RuntimeError, "where expected condition to be a boolean tensor, but got a tensor with dtype Long"),
+    _case("where float condition, tensors",
+          lambda d: torch.where(_t([1.0, 0.0], d), torch.ones(2, device=d), torch.zeros(2, device=d)),
+          RuntimeError, "where expected condition to be a boolean tensor, but got a tensor with dtype Float"),
+    _case("masked_scatter long mask",
+          lambda d: torch.zeros(3, device=d).masked_scatter(_t([1, 0, 1], d), torch.ones(3, device=d)),
+          RuntimeError, "masked_scatter_ only supports boolean masks, but got mask with dtype Long"),
+    _case("masked_select long mask", lambda d: torch.zeros(3, device=d).masked_select(_t([1, 0, 1], d)),
+          RuntimeError, "masked_select: expected BoolTensor for mask"),
+]
+
+_BCE_CASES = [
+    _case("binary_cross_entropy input above 1", lambda d: F.binary_cross_entropy(_t([1.5], d), _t([1.0], d)),
+          RuntimeError, "all elements of input should be between 0 and 1"),
+    _case("binary_cross_entropy NaN input", lambda d: F.binary_cross_entropy(_t([0.5, float("nan")], d),
+                                                                              _t([1.0, 1.0], d)),
+          RuntimeError, "all elements of input should be between 0 and 1"),
+    _case("binary_cross_entropy target below 0", lambda d: F.binary_cross_entropy(_t([0.5], d), _t([-0.5], d)),
+          RuntimeError, "all elements of target should be between 0 and 1"),
+    _case("binary_cross_entropy target dtype", lambda d: F.binary_cross_entropy(_t([0.5], d),
+                                                                                 _t([1.0], d, dtype=torch.float64)),
+          RuntimeError, "Found dtype Double but expected Float"),
+]
+
+_KERNEL_TOO_LARGE = "Kernel size can't be greater than actual input size"
+_OUTPUT_PADDING = "output padding must be smaller than either stride or dilation, but got "
+
+_CONV_CASES = [
+    _case("conv2d kernel larger than input",
+          lambda d: F.conv2d(_ones(1, 1, 2, 2, device=d), _ones(1, 1, 3, 3, device=d)),
+          RuntimeError, ("Calculated padded input size per channel: (2 x 2). Kernel size: (3 x 3). "
+                         + _KERNEL_TOO_LARGE)),
+    _case("conv1d kernel larger than input", lambda d: F.conv1d(_ones(1, 1, 2, device=d), _ones(1, 1, 3, device=d)),
+          RuntimeError, ("Calculated padded input size per channel: (2). Kernel size: (3). "
+                         + _KERNEL_TOO_LARGE)),
+    _case("conv3d kernel larger in one dimension",
+          lambda d: F.conv3d(_ones(1, 1, 2, 4, 4, device=d), _ones(1, 1, 3, 3, 3, device=d)),
+          RuntimeError, ("Calculated padded input size per channel: (2 x 4 x 4). Kernel size: (3 x 3 x 3). "
+                         + _KERNEL_TOO_LARGE)),
+    _case("conv2d dilated kernel larger than input",
+          lambda d: F.conv2d(_ones(1, 1, 4, 4, device=d), _ones(1, 1, 3, 3, device=d), dilation=2),
+          RuntimeError, ("Calculated padded input size per channel: (4 x 4). Kernel size: (5 x 5). "
+                         + _KERNEL_TOO_LARGE)),
+    _case("conv2d channels", lambda d: F.conv2d(_ones(1, 2, 4, 4, device=d), _ones(1, 3, 3, 3, device=d)),
+          RuntimeError, ("Given groups=1, weight of size [1, 3, 3, 3], expected input[1, 2, 4, 4] to have 3 "
+                         "channels, but got 2 channels instead")),
+    _case("conv1d channels with groups",
+          lambda d: F.conv1d(_ones(1, 4, 4, device=d), _ones(2, 1, 3, device=d), groups=2),
+          RuntimeError, ("Given groups=2, weight of size [2, 1, 3], expected input[1, 4, 4] to have 2 "
+                         "channels, but got 4 channels instead")),
+    _case("conv2d groups divide weight", lambda d: F.conv2d(_ones(1, 4, 4, 4, device=d), _ones(3, 2, 3, 3, device=d),
+                                                            groups=2),
+          RuntimeError, ("Given groups=2, expected weight to be divisible by 2 at dimension 0")),
+    _case("conv2d bias size", lambda d: F.conv2d(_ones(1, 1, 4, 4, device=d), _ones(2, 1, 3, 3, device=d),
+                                                 _ones(3, device=d)),
+          RuntimeError, ("Given weight of size [2, 1, 3, 3], expected bias to be 1-dimensional with 2 "
+                         "elements, but got bias of size [3] instead")),
+    _case("convolution input rank",
+          lambda d: aten.convolution(_ones(1, 1, 4, 4, 4, device=d), _ones(1, 1, 3, 3, device=d), None, [1, 1],
+                                     [0, 0], [1, 1], False, [0, 0], 1),
+          RuntimeError, ("Expected 4-dimensional input for 4-dimensional weight [1, 1, 3, 3], but got "
+                         "5-dimensional input of size [1, 1, 4, 4, 4] instead")),
+    _case("convolution stride length",
+          lambda d: aten.convolution(_ones(1, 1, 4, 4, device=d), _ones(1, 1, 3, 3, device=d), None, [1, 1, 1],
+                                     [0, 0], [1, 1], False, [0, 0], 1),
+          RuntimeError, ("expected stride to be a single integer value or a list of 2 values to match the "
+                         "convolution dimensions, but got stride=[1, 1, 1]")),
+    _case("convolution negative padding", lambda d: aten.convolution(_ones(1, 1, 4, 4, device=d),
+                                                                     _ones(1, 1, 3, 3, device=d), None, [1, 1],
+                                                                     [-1, 0], [1, 1], False, [0, 0], 1),
+          RuntimeError, "negative padding is not supported"),
+    _case("conv2d zero stride", lambda d: F.conv2d(_ones(1, 1, 4, 4, device=d), _ones(1, 1, 3, 3, device=d), stride=0),
+          RuntimeError, "non-positive stride is not supported"),
+    _case("conv2d zero dilation", lambda d: F.conv2d(_ones(1, 1, 4, 4, device=d), _ones(1, 1, 3, 3, device=d),
+                                                     dilation=0),
+          RuntimeError, "dilation should be greater than zero"),
+    _case("conv2d weight dtype", lambda d: F.conv2d(_ones(1, 1, 4, 4, device=d),
+                                                    _ones(1, 1, 3, 3, device=d).double()),
+          RuntimeError, "expected scalar type Float but found Double"),
+    _case("ConvTranspose2d output padding",
+          lambda d: torch.nn.ConvTranspose2d(1, 1, 3, stride=2, output_padding=2).to(d)(_ones(1, 1, 3, 3, device=d)),
+          RuntimeError, (_OUTPUT_PADDING + "output_padding_height: 2 output_padding_width: 2 stride_height: 2 "
+                         "stride_width: 2 dilation_height: 1 dilation_width: 1")),
+    _case("conv_transpose1d output padding",
+          lambda d: F.conv_transpose1d(_ones(1, 1, 3, device=d), _ones(1, 1, 3, device=d), stride=2, output_padding=2),
+          RuntimeError, (_OUTPUT_PADDING + "output_padding_height: 0 output_padding_width: 2 stride_height: 1 "
+                         "stride_width: 2 dilation_height: 1 dilation_width: 1")),
+    _case("conv_transpose3d output padding",
+          lambda d: F.conv_transpose3d(_ones(1, 1, 3, 3, 3, device=d), _ones(1, 1, 3, 3, 3, device=d), stride=2,
+                                       output_padding=(0, 0, 2)),
+          RuntimeError, (_OUTPUT_PADDING + "output_padding_depth: 0 output_padding_height: 0 "
+                         "output_padding_width: 2 stride_depth: 2")),
+    _case("conv_transpose2d output too small",
+          lambda d: F.conv_transpose2d(_ones(1, 1, 1, 1, device=d), _ones(1, 1, 1, 1, device=d), padding=1),
+          RuntimeError, ("Given input size per channel: (1 x 1). Calculated output size per channel: "
+                         "(-1 x -1). Output size is too small")),
+    _case("conv_transpose2d channels",
+          lambda d: F.conv_transpose2d(_ones(1, 2, 3, 3, device=d), _ones(1, 1, 3, 3, device=d)),
+          RuntimeError, ("Given transposed=1, weight of size [1, 1, 3, 3], expected input[1, 2, 3, 3] to "
+                         "have 1 channels, but got 2 channels instead")),
+]
+
+_CTC = " (while checking arguments for ctc_loss_allocate_outputs)"
+_LOG_PROBS = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(0)).log_softmax(2)
+
+
+def _ctc(d, targets, input_lengths, target_lengths, **kwargs):
+    return F.ctc_loss(_LOG_PROBS.to(d), _t(targets, d), _t(input_lengths, d), _t(target_lengths, d), **kwargs)
+
+
+_CTC_CASES = [
+    _case("ctc_loss targets shorter than target_lengths",
+          lambda d: F.ctc_loss(torch.zeros(3, 1, 4, device=d).log_softmax(2), _t([[1, 2, 3, 1, 2]], d), _t([3], d),
+                               _t([6], d)),
+          RuntimeError, ("Expected tensor to have size at least 6 at dimension 1, but got size 5 for "
+                         "argument #2 'targets'" + _CTC)),
+    _case("ctc_loss concatenated targets too short", lambda d: _ctc(d, [1, 2, 3, 1, 1], [5, 4], [3, 3]),
+          RuntimeError, ("Expected tensor to have size 6 at dimension 0, but got size 5 for argument #2 "
+                         "'targets'" + _CTC)),
+    _case("ctc_loss negative target length", lambda d: _ctc(d, [[1, 2, 3], [1, 1, 0]], [5, 4], [-1, 2]),
+          RuntimeError, ("Expected target_lengths to have value at least 0, but got value -1" + _CTC)),
+    _case("ctc_loss input length too long", lambda d: _ctc(d, [[1, 2, 3], [1, 1, 0]], [6, 4], [3, 2]),
+          RuntimeError, ("Expected input_lengths to have value at most 5, but got value 6" + _CTC)),
+    _case("ctc_loss input lengths as a list", lambda d: F.ctc_loss(_LOG_PROBS.to(d), _t([[1, 2, 3], [1, 1, 0]], d),
+                                                                   [5, -1], [3, 2]),
+          RuntimeError, ("Expected input_lengths to have value at least 0, but got value -1" + _CTC)),
+    _case("ctc_loss targets batch", lambda d: _ctc(d, [[1, 2, 3]], [5, 4], [3, 2]),
+          RuntimeError, ("Expected tensor to have size 2 at dimension 0, but got size 1 for argument #2 "
+                         "'targets'" + _CTC)),
+    _case("ctc_loss blank", lambda d: _ctc(d, [[1, 2, 3], [1, 1, 0]], [5, 4], [3, 2], blank=4),
+          RuntimeError, "blank must be in label range"),
+    _case("ctc_loss input_lengths size", lambda d: _ctc(d, [[1, 2, 3], [1, 1, 0]], [5, 4, 3], [3, 2]),
+          RuntimeError, "input_lengths must be of size batch_size"),
+]
+
+_PIXEL_SHUFFLE_CASES = [
+    _case("pixel_shuffle channels", lambda d: F.pixel_shuffle(_ones(1, 3, 2, 2, device=d), 2),
+          RuntimeError, ("pixel_shuffle expects its input's 'channel' dimension to be divisible by the square "
+                         "of upscale_factor, but input.size(-3)=3 is not divisible by 4")),
+    _case("pixel_unshuffle height", lambda d: F.pixel_unshuffle(_ones(1, 1, 3, 4, device=d), 2),
+          RuntimeError, ("pixel_unshuffle expects height to be divisible by downscale_factor, but "
+                         "input.size(-2)=3 is not divisible by 2")),
+    _case("pixel_unshuffle factor", lambda d: F.pixel_unshuffle(_ones(1, 1, 4, 4, device=d), 0),
+          RuntimeError, "pixel_unshuffle expects a positive downscale_factor, but got 0"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "call,error,message",
+    _NLL_CASES + _ONE_HOT_CASES + _MASK_CASES + _BCE_CASES + _CONV_CASES + _CTC_CASES + _PIXEL_SHUFFLE_CASES,
+)
+def test_rejects_like_torch(call, error, message, device):
+    with pytest.raises(error, match=re.escape(message)) as info:
+        call(device)
+    assert not isinstance(info.value, AssertionError)
+
+
+def test_conv_shape_error_also_once_compiled():
+    # the lowering is compiled on its third call with a signature; the check runs when it is traced
+    x, w = _ones(1, 1, 2, 2, device="jax"), _ones(1, 1, 3, 3, device="jax")
+    for _ in range(4):
+        with pytest.raises(RuntimeError, match=_KERNEL_TOO_LARGE):
+            F.conv2d(x, w)
+
+
+def test_dtype_checks_hold_under_jit():
+    cond = _t([1, 0], "jax")
+    with pytest.raises(RuntimeError, match="where expected condition to be a boolean tensor"):
+        t2j.jit(lambda c: torch.where(c, 1.0, 0.0))(cond)
+    with pytest.raises(RuntimeError, match="masked_fill_ only supports boolean masks"):
+        t2j.jit(lambda c: torch.zeros(2, device=c.device).masked_fill(c, 1.0))(cond)
+
+
+def test_value_checks_are_eager_only():
+    # traced values are unknown: one_hot and binary_cross_entropy compute as torch's
+    # formulas do, without the check
+    one_hot = t2j.jit(lambda t: F.one_hot(t, 3))(_t([0, 2], "jax"))
+    assert one_hot.cpu().tolist() == [[1, 0, 0], [0, 0, 1]]
+    p, y = torch.rand(4), torch.rand(4)
+    bce = t2j.jit(F.binary_cross_entropy)(p.to("jax"), y.to("jax"))
+    torch.testing.assert_close(bce.cpu(), F.binary_cross_entropy(p, y))
+
+
+def test_value_checks_follow_check_indices():
+    with t2j.env(check_indices=False):
+        assert F.one_hot(_t([3, 0], "jax"), 3).cpu().tolist() == [[0, 0, 0], [1, 0, 0]]
+        assert torch.isnan(F.binary_cross_entropy(_t([1.5], "jax"), _t([1.0], "jax"))).item()
+
+
+def test_ctc_loss_with_valid_lengths_under_jit():
+    targets, in_len, tg_len = _t([[1, 2, 3], [1, 1, 0]], "cpu"), _t([5, 4], "cpu"), _t([3, 2], "cpu")
+    expected = F.ctc_loss(_LOG_PROBS, targets, in_len, tg_len, reduction="none")
+    out = t2j.jit(lambda *a: F.ctc_loss(*a, reduction="none"))(
+        _LOG_PROBS.to("jax"), targets.to("jax"), in_len.to("jax"), tg_len.to("jax"))
+    torch.testing.assert_close(out.cpu(), expected)
+
+
+# -- values -------------------------------------------------------------------------------
+
+_KINKS = {
+    "hardswish": F.hardswish,
+    "hardsigmoid": F.hardsigmoid,
+    "hardtanh": F.hardtanh,
+    "hardtanh(-2, 3)": lambda x: F.hardtanh(x, -2.0, 3.0),
+    "relu6": F.relu6,
+    "relu": F.relu,
+    "leaky_relu": F.leaky_relu,
+    "elu": F.elu,
+    "threshold": lambda x: F.threshold(x, 1.0, 5.0),
+    "hardshrink": F.hardshrink,
+    "softshrink": F.softshrink,
+    "softplus": lambda x: F.softplus(x, 1.0, 3.0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(_KINKS))
+def test_activation_kinks_like_torch(name, dtype):
+    # at the points where the pieces meet, torch's backward picks a side (hardswish: the
+    # outer pieces' slopes, 0 at -3 and 1 at 3)
+    values = [-6.0, -3.0, -2.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0, 3.0, 6.0]
+    results = []
+    for device in DEVICES:
+        x = torch.tensor(values, dtype=dtype, device=device, requires_grad=True)
+        y = _KINKS[name](x)
+        (grad,) = torch.autograd.grad(y, x, torch.full_like(y, 0.75))
+        results.append((y.detach().cpu(), grad.cpu()))
+    torch.testing.assert_close(results[1], results[0])
+
+
+def test_hardswish_grad_at_kinks():
+    x = torch.tensor([-3.0, 3.0], device="jax", requires_grad=True)
+    (grad,) = torch.autograd.grad(F.hardswish(x).sum(), x)
+    assert grad.cpu().tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["hardswish", "hardsigmoid"])
+def test_hard_activations_round_like_torch(name, dtype):
+    # torch divides by 6 (and 3), where XLA would multiply by a rounded reciprocal
+    x0 = (torch.randn(2000, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    results = []
+    for device in DEVICES:
+        x = x0.to(device).requires_grad_()
+        y = _KINKS[name](x)
+        (grad,) = torch.autograd.grad(y, x, torch.full_like(y, 0.37))
+        results.append((y.detach().cpu(), grad.cpu()))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+_WEIGHT = torch.arange(10.0).view(5, 2)
+_INDICES = torch.tensor([1, 2, 3, 4])
+_OFFSETS = torch.tensor([0, 1, 2])  # with include_last_offset: bags [1] and [2]; 3 and 4 in none
+
+
+def _embedding_bag(device, indices, mode, per_sample_weights=None, padding_idx=None):
+    """(output, d weight, d per_sample_weights) of F.embedding_bag with include_last_offset."""
+    weight = _WEIGHT.to(device).requires_grad_()
+    inputs = [weight]
+    if per_sample_weights is not None:
+        per_sample_weights = per_sample_weights.to(device).requires_grad_()
+        inputs.append(per_sample_weights)
+    out = F.embedding_bag(indices.to(device), weight, _OFFSETS.to(device), mode=mode,
+                          per_sample_weights=per_sample_weights, include_last_offset=True, padding_idx=padding_idx)
+    grads = torch.autograd.grad((out * torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device)).sum(), inputs)
+    return [out.detach().cpu()] + [g.cpu() for g in grads]
+
+
+def test_embedding_bag_include_last_offset_ignores_indices_after_the_last_offset():
+    out = F.embedding_bag(_INDICES.to("jax"), _WEIGHT.to("jax"), _OFFSETS.to("jax"), mode="sum",
+                          include_last_offset=True)
+    assert out.cpu().tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    # as torch's default kernel (float32 sum) has it
+    expected = F.embedding_bag(_INDICES, _WEIGHT, _OFFSETS, mode="sum", include_last_offset=True)
+    torch.testing.assert_close(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2, 4])
+@pytest.mark.parametrize("mode,weighted", [("sum", False), ("sum", True), ("mean", False), ("max", False)])
+def test_embedding_bag_include_last_offset_modes(mode, weighted, padding_idx):
+    # torch's other kernels add the entries after the last offset to the last bag (or,
+    # for mean, count them in its divisor only), and its backward gives them gradients
+    # (float32 sum: reads memory it never wrote); the jax device leaves them out in every
+    # mode: the results are torch's for the indices the offsets cover
+    per_sample_weights = torch.tensor([1.0, 2.0, 3.0, 4.0]) if weighted else None
+    covered = int(_OFFSETS[-1])
+    expected = _embedding_bag("cpu", _INDICES[:covered], mode,
+                              None if per_sample_weights is None else per_sample_weights[:covered], padding_idx)
+    if weighted:  # the entries in no bag get no gradient
+        expected[-1] = torch.cat([expected[-1], torch.zeros(len(_INDICES) - covered)])
+    torch.testing.assert_close(_embedding_bag("jax", _INDICES, mode, per_sample_weights, padding_idx), expected)
+
+
+def test_nll_loss_1d_input_with_one_target():
+    x = torch.randn(3, generator=torch.Generator().manual_seed(0)).log_softmax(0)
+    for reduction in ("none", "mean", "sum"):
+        expected = F.nll_loss(x, torch.tensor([2]), weight=torch.tensor([1.0, 2.0, 3.0]), reduction=reduction)
+        actual = F.nll_loss(x.to("jax"), torch.tensor([2], device="jax"),
+                            weight=torch.tensor([1.0, 2.0, 3.0], device="jax"), reduction=reduction)
+        torch.testing.assert_close(actual.cpu(), expected)
+
+
+def test_nll_loss2d_weight_of_any_shape():
+    # nll_loss2d takes a weight of C elements in any shape, as torch's kernel does
+    gen = torch.Generator().manual_seed(0)
+    x, target = torch.randn(2, 3, 4, 5, generator=gen).log_softmax(1), torch.randint(0, 3, (2, 4, 5), generator=gen)
+    weight = torch.rand(1, 3, generator=gen)
+    expected = aten.nll_loss2d_forward(x, target, weight, 1, -100)
+    actual = aten.nll_loss2d_forward(x.to("jax"), target.to("jax"), weight.to("jax"), 1, -100)
+    torch.testing.assert_close([a.cpu() for a in actual], list(expected))
