@@ -55,6 +55,8 @@ _NLL_CASES = [
     _case("nll_loss2d float target", lambda d: F.nll_loss(torch.zeros(2, 3, 4, 4, device=d),
                                                            torch.zeros(2, 4, 4, device=d)),
           RuntimeError, "expected target dtype to be Long or Byte, but got Float"),
+    _case("nll_loss 1-d input, longer target", lambda d: F.nll_loss(torch.zeros(3, device=d), _t([0, 1], d)),
+          ValueError, "For 1D input, 1D target must have size 1, but got target size: 2"),
     _case("nll_loss batch size", lambda d: F.nll_loss(torch.zeros(2, 3, device=d), _t([0, 1, 2], d)),
           ValueError, ("Expected input batch_size (2) to match target batch_size (3).")),
     _case("nll_loss_forward batch size", lambda d: aten.nll_loss_forward(torch.zeros(2, 3, device=d),

@@ -60,6 +60,10 @@ class TorchRuntimeError(RuntimeError):
     """The RuntimeError torch itself raises for this input, with torch's message."""
 
 
+class TorchValueError(ValueError):
+    """The ValueError torch itself raises for this input (its ``TORCH_CHECK_VALUE``), with torch's message."""
+
+
 class DeviceMismatchError(OpError):
     """An op got a CPU tensor of one or more dimensions beside tensors on the jax device.
 
@@ -166,7 +170,8 @@ def _run(handler, func, args, kwargs):
     except DeviceMismatchError as e:
         e.ops.append(func)
         raise
-    except (OpError, TorchRuntimeError, IndexError, NotImplementedError, jax.errors.ConcretizationTypeError):
+    except (OpError, TorchRuntimeError, TorchValueError, IndexError, NotImplementedError,
+            jax.errors.ConcretizationTypeError):
         raise
     except Exception as e:
         _reraise_with_torch_message(func, args, kwargs, e)

@@ -30,8 +30,11 @@ class Config:
     fallback: what happens when an op has neither a lowering nor a decomposition
         and runs on the host through torch: ``"warn"`` (once per op), ``"silent"``
         or ``"error"``.
-    check_indices: in eager mode, raise torch's IndexError for out-of-range
-        indices (costs a device sync per indexing op; JAX itself clamps).
+    check_indices: in eager mode, raise torch's error for out-of-range indices
+        and for the values torch's kernels check (one_hot classes, binary
+        cross-entropy probabilities, CTC lengths); costs a device sync per such
+        op. Inside a traced program values are unknown, so nothing is checked
+        there (JAX clamps indices).
     """
 
     fallback: str = "warn"

@@ -20,7 +20,7 @@ from torch._decomp import decomposition_table as _TORCH_DECOMPOSITIONS
 
 from .. import dtypes as _dt
 from .. import env as _env
-from ..dispatch import OpError, TorchRuntimeError
+from ..dispatch import OpError, TorchRuntimeError, TorchValueError
 from .indexing import raise_as_torch, stand_in
 from .linalg import _acc_dtype, _precision
 from .registry import canonical_dim, decomposition, register, true_divide
@@ -664,7 +664,8 @@ def binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
     if target.dtype != x.dtype or not _dt.is_floating(x.dtype):  # torch's dtype errors, from its kernel
         raise_as_torch(aten.binary_cross_entropy, stand_in(x.dtype), stand_in(target.dtype))
     _check_probabilities(x, target)
-    return _binary_cross_entropy(x, target, weight, reduction)
+    # compiled on its own: the value check above keeps this lowering from being compiled whole
+    return _binary_cross_entropy_jit(x, target, weight, reduction)
 
 
 @upcasting
@@ -673,6 +674,9 @@ def _binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
     if weight is not None:
         loss = loss * weight
     return _reduce(loss, reduction)
+
+
+_binary_cross_entropy_jit = jax.jit(_binary_cross_entropy, static_argnums=3)
 
 
 _loss_op(_binary_cross_entropy.compute, aten.binary_cross_entropy_backward.default)
@@ -732,7 +736,7 @@ def _check_nll(x, target, weight):
     _check_nll_target_dtype(target)
     if x.ndim == 1:
         if target.ndim == 1 and target.shape[0] != 1:
-            raise ValueError(f"For 1D input, 1D target must have size 1, but got target size: {target.shape[0]}")
+            raise TorchValueError(f"For 1D input, 1D target must have size 1, but got target size: {target.shape[0]}")
     elif target.ndim == 0:  # torch reads the target's size(0)
         raise IndexError("Dimension specified as 0 but tensor has no dimensions")
     elif x.shape[0] != target.shape[0]:
