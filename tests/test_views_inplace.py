@@ -230,6 +230,14 @@ def p_complex_dtype_views(z, x):
     return z, x, z.view(torch.float64), x.view(torch.complex128)
 
 
+def p_conj_is_a_view(z):
+    # x.conj() aliases x: a write through it lands conjugated
+    c = z.conj()
+    c[0].mul_(2)
+    z.conj().t()[1, 0] = 5j
+    return z, c, z.conj().resolve_conj()
+
+
 CASES = [
     (p_select_add, [(3, 4)]),
     (p_view_setitem, [(3, 4)]),
@@ -258,6 +266,7 @@ CASES = [
     (p_dtype_view, [(3, 4)]),
     (p_view_as_real, [((3, 2), torch.complex64)]),
     (p_complex_dtype_views, [((3, 2), torch.complex64), (3, 4)]),
+    (p_conj_is_a_view, [((3, 2), torch.complex64)]),
     (p_inplace_unary_on_view, [(3, 4)]),
     (p_transpose_reshape, [(3, 4)]),
     (p_int_inplace, [((3, 4), torch.int64)]),

@@ -19,7 +19,7 @@ from jax import lax
 from .. import dtypes as _dt
 from ..dispatch import OpError
 from .indexing import raise_as_torch, stand_in
-from .registry import as_dtype, cast, elementwise, promote, register, true_divide
+from .registry import as_dtype, cast, elementwise, promote, register, true_divide, view
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -670,10 +670,16 @@ def nan_to_num(x, nan=None, posinf=None, neginf=None):
 # -- complex numbers -------------------------------------------------------------
 
 
-@register(aten._conj, aten.conj_physical, aten._conj_physical, prims.conj_physical, prims.conj)
+@register(aten.conj_physical, aten._conj_physical, prims.conj_physical, prims.conj)
 def conj_physical(x):
-    """Materialized: torch2jax tensors carry no conjugate bit."""
     return jnp.conj(x) if _is_complex(x) else x
+
+
+@view(aten._conj, inverse=lambda base, value: conj_physical(value))
+def _conj(x):
+    """``x.conj()``: a view, as in torch, whose values are computed conjugated (torch2jax
+    tensors carry no conjugate bit); a write through it reaches ``x`` conjugated back."""
+    return conj_physical(x)
 
 
 @register(aten.angle)
