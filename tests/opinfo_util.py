@@ -28,6 +28,7 @@ DTYPES = {
     "int32": torch.int32,
     "bool": torch.bool,
     "complex64": torch.complex64,
+    "complex32": torch.complex32,  # beyond the dtypes: JAX has none (torch2jax/complex32.py)
 }
 MODES = ("eager", "jit", "grad", "t2j_jit")
 

@@ -23,7 +23,7 @@ from opinfo_util import DTYPES, check_sample, cpu_ops, samples
 from opinfo_xfails import CRASHES, XFAIL
 
 OPS = cpu_ops()
-JIT_DTYPES = ("float32", "float16", "int64", "int32", "bool", "bfloat16", "complex64")
+JIT_DTYPES = ("float32", "float16", "int64", "int32", "bool", "bfloat16", "complex64", "complex32")
 # eager cases that take half a minute or more each (half-precision transposed 3-d
 # convolution rounds per kernel tap, as torch CPU does): run with the slow set
 SLOW_EAGER = {"nn.functional.conv_transpose3d|bfloat16|eager", "nn.functional.conv_transpose3d|float16|eager",
