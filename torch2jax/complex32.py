@@ -30,7 +30,7 @@ import torch
 from jax import lax
 
 from . import dtypes as _dt
-from .tensor import Tensor, ViewStep, _mark_saved, _rebuild, torch_cpu
+from .tensor import Tensor, ViewStep, _mark_saved, _rebuild, kernel_error, torch_cpu
 
 
 class Complex32Tensor(Tensor):
@@ -44,11 +44,7 @@ class Complex32Tensor(Tensor):
         try:
             return run(func, args, kwargs or {})
         except Exception as error:
-            if torch._C._current_graph_task_id() == -1:
-                raise
-            from .dispatch import defer_backward_error
-
-            return defer_backward_error(func, args, kwargs or {}, error)
+            return kernel_error(func, args, kwargs, error)
 
     def __deepcopy__(self, memo):
         if id(self) not in memo:

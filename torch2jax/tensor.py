@@ -169,14 +169,7 @@ class Tensor(torch.Tensor):
         try:
             return _dispatch(func, args, kwargs or {})
         except Exception as error:
-            if torch._C._current_graph_task_id() == -1:
-                raise
-            # an error escaping a Python kernel in the autograd engine on a PrivateUse1
-            # device aborts the process (a torch bug); the engine gets a stand-in result
-            # and the error is raised when the backward pass returns
-            from .dispatch import defer_backward_error
-
-            return defer_backward_error(func, args, kwargs or {}, error)
+            return kernel_error(func, args, kwargs, error)
 
     # -- value access -------------------------------------------------------
 
@@ -340,6 +333,18 @@ class Tensor(torch.Tensor):
 # tensor the traced function closes over became a constant with the ops on it folded away.
 # A jax tensor is a dense tensor on a device, traced like a CPU or CUDA one.
 _proxy_tensor.HANDLED_TYPES = (*_proxy_tensor.HANDLED_TYPES, Tensor)
+
+
+def kernel_error(func, args, kwargs, error):
+    """Raise ``error``, an op's failure; in the autograd engine, defer it instead: an error
+    escaping a Python kernel there on a PrivateUse1 device aborts the process (a torch
+    bug), so the engine gets a stand-in result and the error is raised when the backward
+    pass returns."""
+    if torch._C._current_graph_task_id() == -1:
+        raise error
+    from .dispatch import defer_backward_error
+
+    return defer_backward_error(func, args, kwargs or {}, error)
 
 
 def _dispatch(func, args, kwargs):
