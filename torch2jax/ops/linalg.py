@@ -12,6 +12,11 @@ small matrices differently), as they may between any two LAPACK builds.
 LU pivots are torch's: 1-based int32. Where torch factors ``A^T`` of a real
 matrix rather than ``A`` (det, slogdet: their backward formulas rely on it),
 so do we, assuming a contiguous ``A``.
+
+Bad input raises torch's error. A singular or not positive-definite matrix raises
+torch.linalg.LinAlgError where torch's kernel checks LAPACK's info (eagerly only: under
+a trace the values are unknown); the ``_ex`` variants return that info instead, with
+torch's values.
 """
 
 from __future__ import annotations
@@ -27,12 +32,146 @@ from jax import lax
 from jax.lax import linalg as lax_linalg
 
 from .. import dtypes as _dt
-from ..dispatch import OpError
-from .registry import canonical_dim, register
+from ..dispatch import OpError, TorchRuntimeError
+from .registry import canonical_dim, cast, register
 
 aten = torch.ops.aten
 
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+# ---------------------------------------------------------------------------
+# torch's argument checks and LAPACK errors
+# ---------------------------------------------------------------------------
+#
+# The checks are those of torch's C++ kernels, in their order and with their messages
+# (torch's Python meta kernels word some differently: "Got torch.int64" for "Got Long").
+# They raise TorchRuntimeError, which the dispatcher passes on as torch's own error.
+
+# The dtypes torch's LAPACK-backed CPU kernels are compiled for
+_LAPACK_DTYPES = frozenset(map(np.dtype, (np.float32, np.float64, np.complex64, np.complex128)))
+
+
+class LinAlgError(TorchRuntimeError, torch.linalg.LinAlgError):
+    """torch.linalg.LinAlgError, passed on by the dispatcher as torch's own error."""
+
+
+def _scalar_type(dtype):
+    """torch's C++ name of ``dtype`` in its messages ("Float", "Long")."""
+    return torch.empty(0, dtype=_dt.to_torch(dtype), device="cpu").type()[len("torch."):-len("Tensor")]
+
+
+def _check_matrix(shape, f_name, arg="A"):
+    if len(shape) < 2:
+        raise TorchRuntimeError(f"{f_name}: The input tensor {arg} must have at least 2 dimensions.")
+
+
+def _check_square(shape, f_name, arg="A"):
+    _check_matrix(shape, f_name, arg)
+    if shape[-1] != shape[-2]:
+        raise TorchRuntimeError(
+            f"{f_name}: {arg} must be batches of square matrices, but they are {shape[-2]} by {shape[-1]} matrices"
+        )
+
+
+def _check_floating(dtype, f_name, low_precision=True):
+    if not (_dt.is_floating(dtype) or _dt.is_complex(dtype)):
+        raise TorchRuntimeError(
+            f"{f_name}: Expected a floating point or complex tensor as input. Got {_scalar_type(dtype)}"
+        )
+    if not low_precision and np.dtype(dtype) not in _LAPACK_DTYPES:
+        raise TorchRuntimeError(f"{f_name}: Low precision dtypes not supported. Got {_scalar_type(dtype)}")
+
+
+def _not_implemented(kernel, dtype):
+    """The error of torch's dtype dispatch for a kernel not compiled for ``dtype``."""
+    return NotImplementedError(f"\"{kernel}\" not implemented for '{_scalar_type(dtype)}'")
+
+
+def _check_kernel(kernel, dtype):
+    """The error of one of torch's LAPACK-backed kernels for a dtype LAPACK lacks."""
+    if np.dtype(dtype) not in _LAPACK_DTYPES:
+        raise _not_implemented(kernel, dtype)
+
+
+def _check_solver(a_shape, b_shape, left, f_name):
+    """torch's checkInputsSolver: square A, and B matrices that fit AX = B (``left``) or XA = B."""
+    _check_square(a_shape, f_name)
+    _check_matrix(b_shape, f_name, "B")
+    if a_shape[-2 if left else -1] != b_shape[-2 if left else -1]:
+        raise TorchRuntimeError(
+            f"{f_name}: Incompatible shapes of A and B for the equation {'AX = B' if left else 'XA = B'} "
+            f"({a_shape[-2]}x{a_shape[-1]} and {b_shape[-2]}x{b_shape[-1]})"
+        )
+
+
+def _check_linear_solve(b, a, name):
+    """torch's linearSolveCheckInputs for the right-hand side ``b`` and the matrices ``a``."""
+    if b.dtype != a.dtype:
+        raise TorchRuntimeError(
+            f"Expected b and A to have the same dtype, but found b of type {_scalar_type(b.dtype)} and A of type "
+            f"{_scalar_type(a.dtype)} instead."
+        )
+    if a.shape[-1] != a.shape[-2]:
+        raise TorchRuntimeError(
+            f"A must be batches of square matrices, but they are {a.shape[-2]} by {a.shape[-1]} matrices"
+        )
+    n = a.shape[-1]
+    if b.shape[canonical_dim(-2, b.ndim)] != n:  # b.size(-2): torch's IndexError for a vector
+        raise TorchRuntimeError(
+            f"Incompatible matrix sizes for {name}: each A matrix is {n} by {n} but each b matrix is "
+            f"{b.shape[-2]} by {b.shape[-1]}"
+        )
+
+
+def _infer_size(a, b):
+    """torch's broadcast of shapes ``a`` and ``b`` (infer_size), with its error."""
+    ndim = max(len(a), len(b))
+    a, b = (1,) * (ndim - len(a)) + tuple(a), (1,) * (ndim - len(b)) + tuple(b)
+    for i in reversed(range(ndim)):
+        if a[i] != b[i] and 1 not in (a[i], b[i]):
+            raise TorchRuntimeError(
+                f"The size of tensor a ({a[i]}) must match the size of tensor b ({b[i]}) at non-singleton dimension {i}"
+            )
+    return tuple(y if x == 1 else x for x, y in zip(a, b))
+
+
+def _batch_shape(a_shape, b_shape):
+    """The broadcast batch dimensions (all but the last two) of two stacks of matrices."""
+    return _infer_size(a_shape[:-2], b_shape[:-2])
+
+
+def _traced(x):
+    """Whether ``x`` is traced (jit, grad, vmap): its values cannot be read, so they are not checked."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def _raise_for_info(info, api_name, is_matrix):
+    """Eager mode: the error torch raises for LAPACK's ``info`` codes (0 where a matrix succeeded).
+
+    torch's own check (``_linalg_check_errors`` on CPU) words it: LinAlgError for a singular or
+    not positive-definite matrix, "(Batch element i)" naming the first failed one of a batch.
+    Reading the codes costs a device sync, as on CUDA; the ``_ex`` variants, which return
+    them instead, do not check.
+    """
+    if _traced(info) or info.size == 0:
+        return
+    codes = np.asarray(info, np.int32)
+    if not codes.any():
+        return
+    try:
+        aten._linalg_check_errors(torch.tensor(codes, device="cpu"), api_name, is_matrix=is_matrix)
+    except torch.linalg.LinAlgError as e:
+        raise LinAlgError(str(e)) from None
+    except RuntimeError as e:  # lu_factor's error, and an internal assert for codes torch does not expect
+        raise TorchRuntimeError(str(e)) from None
+
+
+def _compiled(*static_argnames):
+    """jax.jit for the computation of a kernel that checks LAPACK's info itself (torch.cholesky,
+    cholesky_inverse, svd): reading the info keeps the dispatcher from compiling its lowering,
+    and op by op a loop or a chain of small ops is slow. The computation returns the info."""
+    return functools.partial(jax.jit, static_argnames=static_argnames)
 
 
 # ---------------------------------------------------------------------------
@@ -56,11 +195,72 @@ def _acc_dtype(dtype):
     return dtype
 
 
-def _same_dtype(name, *arrays):
-    dtypes = {np.dtype(a.dtype) for a in arrays}
-    if len(dtypes) > 1:
-        a, b = (_dt.to_torch(a.dtype) for a in arrays[:2])
-        raise RuntimeError(f"{name}: expected m1 and m2 to have the same dtype, but got: {a} != {b}")
+def _check_dtypes(op, *operands):
+    """torch's error, if any, for operands of mixed dtypes or of bool: ``op``, torch's CPU op,
+    runs on one-element stand-ins of them, so the message names the dtypes as its kernel
+    does ("float != long int", "Float and Double"). Shapes are checked before."""
+    if len({np.dtype(x.dtype) for x in operands}) == 1 and operands[0].dtype != np.bool_:
+        return
+    try:
+        op(*(torch.ones((1,) * x.ndim, dtype=_dt.to_torch(x.dtype), device="cpu") for x in operands))
+    except NotImplementedError:  # a kernel without bool
+        raise
+    except RuntimeError as e:
+        raise TorchRuntimeError(str(e)) from None
+
+
+def _check_mm(a, b, addmm=False):
+    """torch's shape checks of mm; addmm's name its first matrix mat1 and count dimensions."""
+    for x, name in zip((a, b), ("mat1" if addmm else "self", "mat2")):
+        if x.ndim != 2:
+            raise TorchRuntimeError(f"{name} must be a matrix" + (f", got {x.ndim}-D tensor" if addmm else ""))
+    if a.shape[1] != b.shape[0]:
+        raise TorchRuntimeError(
+            f"mat1 and mat2 shapes cannot be multiplied ({a.shape[0]}x{a.shape[1]} and {b.shape[0]}x{b.shape[1]})"
+        )
+
+
+def _check_bmm(a, b):
+    for x, name in ((a, "batch1"), (b, "batch2")):
+        if x.ndim != 3:
+            raise TorchRuntimeError(f"{name} must be a 3D tensor")
+    if b.shape[:2] != (a.shape[0], a.shape[2]):
+        raise TorchRuntimeError(
+            f"Expected size for first two dimensions of batch2 tensor to be: [{a.shape[0]}, {a.shape[2]}] but got: "
+            f"[{b.shape[0]}, {b.shape[1]}]."
+        )
+
+
+def _check_expand(x, shape):
+    """torch's expand of ``x`` (addmm's input) to the product's ``shape``, with its errors."""
+    if x.ndim > len(shape):
+        raise TorchRuntimeError(
+            f"expand(torch.{_scalar_type(x.dtype)}Tensor{{{list(x.shape)}}}, size={list(shape)}): the number of "
+            f"sizes provided ({len(shape)}) must be greater or equal to the number of dimensions in the tensor "
+            f"({x.ndim})"
+        )
+    lead = len(shape) - x.ndim
+    for i in reversed(range(lead, len(shape))):
+        if x.shape[i - lead] not in (1, shape[i]):
+            raise TorchRuntimeError(
+                f"The expanded size of the tensor ({shape[i]}) must match the existing size ({x.shape[i - lead]}) at "
+                f"non-singleton dimension {i}.  Target sizes: {list(shape)}.  Tensor sizes: {list(x.shape)}"
+            )
+
+
+def _size(x, dim):
+    """``x.size(dim)``, with torch's IndexError for a dimension ``x`` lacks."""
+    return x.shape[canonical_dim(dim, x.ndim)]
+
+
+def _check_addmv(self_shape, mat, vec):
+    if len(self_shape) > 1 or mat.ndim != 2 or vec.ndim != 1:
+        raise TorchRuntimeError(f"vector + matrix @ vector expected, got {len(self_shape)}, {mat.ndim}, {vec.ndim}")
+    numel = math.prod(self_shape)
+    if mat.shape[1] != vec.shape[0] or numel not in (1, mat.shape[0]):
+        raise TorchRuntimeError(
+            f"size mismatch, got input ({self_shape[0]}), mat ({mat.shape[0]}x{mat.shape[1]}), vec ({vec.shape[0]})"
+        )
 
 
 def _dot(a, b, contract, batch=((), ())):
@@ -111,13 +311,15 @@ def _add_scaled(self, product, beta, alpha, round_half=False):
 
 @register(aten.mm.default)
 def mm(a, b):
-    _same_dtype("mm", a, b)
+    _check_mm(a, b)
+    _check_dtypes(torch.mm, a, b)
     return _finish(_mm(a, b), a.dtype)
 
 
 @register(aten.mm.dtype)
 def mm_dtype(a, b, out_dtype):
-    _same_dtype("mm", a, b)
+    _check_mm(a, b)
+    _check_dtypes(torch.mm, a, b)
     return _finish(_mm(a, b), _dt.to_jax(out_dtype))
 
 
@@ -146,19 +348,23 @@ def _int_mm(a, b):
 
 @register(aten.bmm.default)
 def bmm(a, b):
-    _same_dtype("bmm", a, b)
+    _check_bmm(a, b)
+    _check_dtypes(torch.bmm, a, b)
     return _finish(_bmm(a, b), a.dtype)
 
 
 @register(aten.bmm.dtype)
 def bmm_dtype(a, b, out_dtype):
-    _same_dtype("bmm", a, b)
+    _check_bmm(a, b)
+    _check_dtypes(torch.bmm, a, b)
     return _finish(_bmm(a, b), _dt.to_jax(out_dtype))
 
 
 @register(aten.addmm.default)
 def addmm(self, a, b, *, beta=1, alpha=1):
-    _same_dtype("addmm", a, b)
+    _check_mm(a, b, addmm=True)
+    _check_dtypes(torch.addmm, self, a, b)
+    _check_expand(self, (a.shape[0], b.shape[1]))
     return _finish(_add_scaled(self, _mm(a, b), beta, alpha), a.dtype)
 
 
@@ -169,7 +375,9 @@ def addmm_dtype(self, a, b, out_dtype, *, beta=1, alpha=1):
 
 @register(aten.baddbmm.default)
 def baddbmm(self, a, b, *, beta=1, alpha=1):
-    _same_dtype("baddbmm", a, b)
+    _check_expand(self, (_size(a, 0), _size(a, 1), _size(b, 2)))
+    _check_bmm(a, b)
+    _check_dtypes(torch.baddbmm, self, a, b)
     return _finish(_add_scaled(self, _bmm(a, b), beta, alpha), a.dtype)
 
 
@@ -178,13 +386,29 @@ def baddbmm_dtype(self, a, b, out_dtype, *, beta=1, alpha=1):
     return _finish(_add_scaled(self, _bmm(a, b), beta, alpha), _dt.to_jax(out_dtype))
 
 
+def _check_addbmm(self, a, b):
+    _check_expand(self, (_size(a, 1), _size(b, 2)))
+    for x, name in ((a, "batch1"), (b, "batch2")):
+        if x.ndim != 3:
+            raise TorchRuntimeError(f"{name} must be a 3D tensor")
+    if a.shape[0] != b.shape[0]:
+        raise TorchRuntimeError(
+            f"batch1 and batch2 must have same number of batches, got {a.shape[0]} and {b.shape[0]}"
+        )
+    if a.shape[2] != b.shape[1]:
+        raise TorchRuntimeError(
+            f"Incompatible matrix sizes for bmm ({a.shape[1]}x{a.shape[2]} and {b.shape[1]}x{b.shape[2]})"
+        )
+    _check_dtypes(torch.addbmm, self, a, b)
+
+
 @register(aten.addbmm.default)
 def addbmm(self, a, b, *, beta=1, alpha=1):
     """``sum_i a[i] @ b[i]`` is one 2-D product: (n, B*k) @ (B*k, m).
 
     bf16 / fp16 follow torch's CPU kernel instead: one rounded addmm per batch.
     """
-    _same_dtype("addbmm", a, b)
+    _check_addbmm(self, a, b)
     nb, n, k = a.shape
     m = b.shape[2]
     if a.dtype in _HALF and nb > 0:
@@ -200,45 +424,53 @@ def addbmm(self, a, b, *, beta=1, alpha=1):
 
 @register(aten.mv.default)
 def mv(a, v):
-    _same_dtype("mv", a, v)
+    _check_addmv(a.shape[:1] or (1,), a, v)
+    _check_dtypes(torch.mv, a, v)
     return _finish(_mm(a, v), a.dtype)
 
 
 @register(aten.addmv.default)
 def addmv(self, a, v, *, beta=1, alpha=1):
-    _same_dtype("addmv", a, v)
+    _check_addmv(self.shape, a, v)
+    _check_dtypes(torch.addmv, self, a, v)
     return _finish(_add_scaled(self, _mm(a, v), beta, alpha, round_half=True), a.dtype)
 
 
-def _check_dot(name, a, b):
+def _check_dot(a, b):
     if a.ndim != 1 or b.ndim != 1:
-        raise RuntimeError(f"1D tensors expected, but got {a.ndim}D and {b.ndim}D tensors")
-    if a.shape != b.shape:
-        raise RuntimeError(
-            f"inconsistent tensor size, expected tensor [{a.shape[0]}] and src [{b.shape[0]}] to have the same "
-            "number of elements, but got {} and {} elements respectively".format(a.shape[0], b.shape[0])
-        )
+        raise TorchRuntimeError(f"1D tensors expected, but got {a.ndim}D and {b.ndim}D tensors")
     if a.dtype != b.dtype:
-        raise RuntimeError(
-            f"{name} : expected both vectors to have same dtype, but found {_dt.to_torch(a.dtype)} and "
-            f"{_dt.to_torch(b.dtype)}"
+        raise TorchRuntimeError(
+            f"dot : expected both vectors to have same dtype, but found {_scalar_type(a.dtype)} and "
+            f"{_scalar_type(b.dtype)}"
         )
+    if a.shape != b.shape:
+        raise TorchRuntimeError(
+            f"inconsistent tensor size, expected tensor [{a.shape[0]}] and src [{b.shape[0]}] to have the same "
+            f"number of elements, but got {a.shape[0]} and {b.shape[0]} elements respectively"
+        )
+    if a.dtype == np.bool_:
+        raise _not_implemented("dot", a.dtype)
 
 
 @register(aten.dot.default)
 def dot(a, b):
-    _check_dot("dot", a, b)
+    _check_dot(a, b)
     return _finish(_mm(a, b), a.dtype)
 
 
 @register(aten.vdot.default)
 def vdot(a, b):
-    _check_dot("vdot", a, b)
+    _check_dot(a, b)
     return _finish(_mm(jnp.conj(a), b), a.dtype)
 
 
 @register(aten.addr.default)
 def addr(self, v1, v2, *, beta=1, alpha=1):
+    for v, name in ((v1, "vec1"), (v2, "vec2")):
+        if v.ndim != 1:
+            raise TorchRuntimeError(f"addr: Expected 1-D argument {name}, but got {v.ndim}-D")
+    _check_expand(self, v1.shape + v2.shape)
     dtype = _dt.result_type(self, v1, v2)
     outer = v1[:, None].astype(dtype) * v2[None, :].astype(dtype)
     if dtype == np.bool_:
@@ -255,22 +487,36 @@ def addr(self, v1, v2, *, beta=1, alpha=1):
 @register(aten.trace.default)
 def trace(x):
     if x.ndim != 2:
-        raise RuntimeError("trace: expected a matrix, but got tensor with dim " + str(x.ndim))
+        raise TorchRuntimeError(f"trace: expected a matrix, but got tensor with dim {x.ndim}")
+    if x.dtype == np.bool_:
+        raise _not_implemented("trace", x.dtype)
     dtype = np.dtype(np.int64) if _dt.is_integral(x.dtype, include_bool=True) else np.dtype(x.dtype)
     return _finish(jnp.trace(x, dtype=_acc_dtype(dtype)), dtype)
 
 
-@register(aten.linalg_cross.default)
-def linalg_cross(a, b, *, dim=-1):
-    shape = jnp.broadcast_shapes(a.shape, b.shape)
-    d = canonical_dim(dim, len(shape))
-    if shape[d] != 3:
-        raise RuntimeError(
+def _check_cross(a, b, dim):
+    if a.ndim != b.ndim:
+        raise TorchRuntimeError("linalg.cross: inputs must have the same number of dimensions.")
+    if a.ndim == 0:
+        raise IndexError(f"Dimension specified as {dim} but tensor has no dimensions")
+    d = canonical_dim(dim, a.ndim)
+    if a.shape[d] != 3 or b.shape[d] != 3:
+        raise TorchRuntimeError(
             f"linalg.cross: inputs dimension {dim} must have length 3. Got {a.shape[d]} and {b.shape[d]}"
         )
-    dtype = _dt.result_type(a, b)
-    a = jnp.broadcast_to(a, shape).astype(dtype)
-    b = jnp.broadcast_to(b, shape).astype(dtype)
+    shape = _infer_size(a.shape, b.shape)
+    if a.dtype != b.dtype:
+        raise TorchRuntimeError(f"expected scalar type {_scalar_type(a.dtype)} but found {_scalar_type(b.dtype)}")
+    if a.dtype == np.bool_:
+        raise _not_implemented("cross", a.dtype)
+    return shape, d
+
+
+@register(aten.linalg_cross.default)
+def linalg_cross(a, b, *, dim=-1):
+    shape, d = _check_cross(a, b, dim)
+    a = jnp.broadcast_to(a, shape)
+    b = jnp.broadcast_to(b, shape)
 
     def at(x, i):
         return lax.index_in_dim(x, i, d, keepdims=True)
@@ -312,11 +558,29 @@ def _pnorm_dist(diff, p):
     return jnp.sum(a**p, axis=-1) ** (1.0 / p)
 
 
+def _check_cdist(x1, x2, p):
+    for x, name in ((x1, "X1"), (x2, "X2")):
+        if x.ndim < 2:
+            raise TorchRuntimeError(f"cdist only supports at least 2D tensors, {name} got: {x.ndim}D")
+    if x1.shape[-1] != x2.shape[-1]:
+        raise TorchRuntimeError(
+            f"X1 and X2 must have the same number of columns. X1: {x1.shape[-1]} X2: {x2.shape[-1]}"
+        )
+    for x, name in ((x1, "X1"), (x2, "X2")):
+        if not _dt.is_floating(x.dtype):
+            raise TorchRuntimeError(f"cdist only supports floating-point dtypes, {name} got: {_scalar_type(x.dtype)}")
+    if p < 0:
+        raise TorchRuntimeError("cdist only supports non-negative p values")
+    batch = _batch_shape(x1.shape, x2.shape)
+    if x1.dtype != x2.dtype:
+        raise TorchRuntimeError(f"expected scalar type {_scalar_type(x1.dtype)} but found {_scalar_type(x2.dtype)}")
+    _check_kernel("cdist", x1.dtype)
+    return batch
+
+
 @register(aten._cdist_forward.default)
 def _cdist_forward(x1, x2, p, compute_mode):
-    if p < 0:
-        raise RuntimeError(f"cdist only supports non-negative p values, got {p}")
-    batch = jnp.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    batch = _check_cdist(x1, x2, p)
     x1 = jnp.broadcast_to(x1, batch + x1.shape[-2:])
     x2 = jnp.broadcast_to(x2, batch + x2.shape[-2:])
     r1, r2 = x1.shape[-2], x2.shape[-2]
@@ -375,6 +639,7 @@ def _pdist_forward(x, p=2.0):
         raise RuntimeError(f"pdist only supports 2D tensors, got: {x.ndim}D")
     if p < 0:
         raise RuntimeError("pdist only supports non-negative p values")
+    _check_kernel("pdist", x.dtype)
     i, j = _pdist_pairs(x.shape[0])
     return _pnorm_dist(x[i] - x[j], p)
 
@@ -473,9 +738,9 @@ def _empty(dtype):
 
 @register(aten._linalg_check_errors.default)
 def _linalg_check_errors(info, api_name, *, is_matrix):
-    """A no-op: errors would need a device sync (and cannot be raised under jit);
-    ill-conditioned inputs give inf / nan as in the ``_ex`` variants."""
-    return None
+    """torch's check of the info codes an ``_ex`` variant returned (linalg.inv, solve, cholesky,
+    lu_factor... run the variant, then this): eager mode only, see `_raise_for_info`."""
+    _raise_for_info(info, api_name, is_matrix)
 
 
 # ---------------------------------------------------------------------------
@@ -485,19 +750,31 @@ def _linalg_check_errors(info, api_name, *, is_matrix):
 
 @register(aten._linalg_solve_ex.default)
 def _linalg_solve_ex(a, b, *, left=True, check_errors=False):
-    lu, pivots, perm, info = _lu(a)
+    _check_floating(a.dtype, "linalg.solve")
+    if a.dtype != b.dtype:
+        raise TorchRuntimeError(
+            f"linalg.solve: Expected A and B to have the same dtype, but found A of type {_scalar_type(a.dtype)} "
+            f"and B of type {_scalar_type(b.dtype)} instead"
+        )
     vector = _is_vector_rhs(a, b)
-    rhs = b[..., None] if vector else b
-    if not left and vector:
-        rhs = b[..., None, :]
-    x = _lu_solve(lu, perm, rhs, left=left)
-    if vector:
-        x = x[..., 0] if left else x[..., 0, :]
-    return x, lu, pivots, info
+    rhs_shape = b.shape + (1,) if vector else b.shape
+    _check_solver(a.shape, rhs_shape, left, "linalg.solve")
+    _batch_shape(rhs_shape, a.shape)
+    if vector and not left:
+        raise TorchRuntimeError(
+            "linalg.solve: Vector broadcasting of the left hand side is not supported for left=False. "
+            "In this case linalg.solve is equivalent to B / A.squeeze(-1)"
+        )
+    _check_kernel("lu_cpu", a.dtype)
+    lu, pivots, perm, info = _lu(a)
+    x = _lu_solve(lu, perm, b[..., None] if vector else b, left=left)
+    return x[..., 0] if vector else x, lu, pivots, info
 
 
 @register(aten.linalg_inv_ex.default)
 def linalg_inv_ex(a, *, check_errors=False):
+    _check_square(a.shape, "linalg.inv")
+    _check_floating(a.dtype, "linalg.inv", low_precision=False)
     lu, _, perm, info = _lu(a)
     eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
     return _lu_solve(lu, perm, eye), info
@@ -505,6 +782,9 @@ def linalg_inv_ex(a, *, check_errors=False):
 
 @register(aten._linalg_det.default)
 def _linalg_det(a):
+    _check_square(a.shape, "linalg.det")
+    _check_floating(a.dtype, "linalg.det")
+    _check_kernel("lu_cpu", a.dtype)
     lu, pivots, _, _ = _lu_of_input(a)
     return _det_from_lu(lu, pivots), lu, pivots
 
@@ -520,6 +800,8 @@ def _det_from_lu(lu, pivots):
 
 @register(aten._linalg_slogdet.default)
 def _linalg_slogdet(a):
+    _check_square(a.shape, "linalg.slogdet")
+    _check_floating(a.dtype, "linalg.slogdet", low_precision=False)
     lu, pivots, _, _ = _lu_of_input(a)
     diag = _diagonal(lu)
     absdiag = jnp.abs(diag)
@@ -534,45 +816,85 @@ def _linalg_slogdet(a):
 # ---------------------------------------------------------------------------
 
 
+def _check_lu(a, f_name, pivot):
+    if a.ndim < 2:
+        raise TorchRuntimeError(
+            f"{f_name}: Expected tensor with 2 or more dimensions. Got size: {list(a.shape)} instead"
+        )
+    _check_kernel("lu_cpu", a.dtype)
+    if not pivot:
+        raise TorchRuntimeError("linalg.lu_factor: LU without pivoting is not implemented on the CPU")
+
+
 @register(aten.linalg_lu_factor_ex.default)
 def linalg_lu_factor_ex(a, *, pivot=True, check_errors=False):
-    if not pivot:
-        raise RuntimeError("linalg.lu_factor: LU without pivoting is not implemented on the CPU")
+    _check_lu(a, "torch.lu_factor", pivot)
     lu, pivots, _, info = _lu(a)
     return lu, pivots, info
 
 
-def _unpack_lu(lu, perm, m, n):
+def _unpack_lu(lu, m, n):
     k = min(m, n)
     lower = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
-    upper = jnp.triu(lu[..., :k, :])
-    # A = P L U with A[perm] = L U: P[perm[i], i] = 1
-    p = jnp.swapaxes(jax.nn.one_hot(perm, m, dtype=lu.dtype), -1, -2)
-    return p, lower, upper
+    return lower, jnp.triu(lu[..., :k, :])
+
+
+def _permutation_matrix(perm, dtype):
+    """P with A = P L U where A[perm] = L U: P[perm[i], i] = 1."""
+    return jnp.swapaxes(jax.nn.one_hot(perm, perm.shape[-1], dtype=dtype), -1, -2)
 
 
 @register(aten.linalg_lu.default)
 def linalg_lu(a, *, pivot=True):
-    if not pivot:
-        raise RuntimeError("linalg.lu: LU without pivoting is not implemented on the CPU")
+    _check_lu(a, "linalg.lu", pivot)
     lu, _, perm, _ = _lu(a)
-    return _unpack_lu(lu, perm, *a.shape[-2:])
+    return (_permutation_matrix(perm, a.dtype),) + _unpack_lu(lu, *a.shape[-2:])
 
 
 @register(aten.lu_unpack.default)
 def lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+    if lu.ndim < 2:
+        raise TorchRuntimeError(
+            f"torch.lu_unpack: Expected tensor with 2 or more dimensions. Got size: {list(lu.shape)} instead"
+        )
+    if unpack_pivots and pivots.dtype != np.int32:
+        raise TorchRuntimeError(
+            "torch.lu_unpack: LU_pivots is expected to be a contiguous tensor of torch.int32 dtype.\n"
+            "Note: this function is intended to be used with the output produced by torch.linalg.lu_factor"
+        )
     m, n = lu.shape[-2:]
-    perm = _pivots_to_perm(pivots, m)
-    p, lower, upper = _unpack_lu(lu, perm, m, n)
-    if not unpack_data:
-        lower = upper = _empty(lu.dtype)
-    if not unpack_pivots:
-        p = _empty(lu.dtype)
+    p = _permutation_matrix(_pivots_to_perm(pivots, m), lu.dtype) if unpack_pivots else _empty(lu.dtype)
+    lower, upper = _unpack_lu(lu, m, n) if unpack_data else (_empty(lu.dtype), _empty(lu.dtype))
     return p, lower, upper
+
+
+def _check_lu_solve(lu, pivots, b, left):
+    _check_floating(lu.dtype, "torch.linalg.lu_solve")
+    if lu.dtype != b.dtype:
+        raise TorchRuntimeError(
+            f"linalg.lu_solve: Expected LU and B to have the same dtype, but found LU of type "
+            f"{_scalar_type(lu.dtype)} and B of type {_scalar_type(b.dtype)} instead"
+        )
+    if pivots.dtype != np.int32:
+        raise TorchRuntimeError("linalg.lu_solve: pivots should be a Tensor of scalar type torch.int32")
+    _check_square(lu.shape, "torch.linalg.lu_solve")
+    _check_solver(lu.shape, b.shape, left, "linalg.lu_solve")
+    if pivots.shape[-1:] != lu.shape[-1:]:
+        raise TorchRuntimeError(
+            "linalg.lu_solve: Number of pivots per batch should be same as the dimension of the matrix"
+        )
+    if pivots.shape != lu.shape[:-1]:
+        raise TorchRuntimeError(
+            "linalg.lu_solve: Expected LU.shape[:-1] and pivots.shape to be the same, but got pivots with shape "
+            f"{list(pivots.shape)} instead"
+        )
+    _batch_shape(b.shape, lu.shape)
+    _check_kernel("linalg.lu_solve_cpu", lu.dtype)
 
 
 @register(aten.linalg_lu_solve.default)
 def linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    _check_lu_solve(lu, pivots, b, left)
     return _lu_solve(lu, _pivots_to_perm(pivots, lu.shape[-1]), b, left=left, adjoint=adjoint)
 
 
@@ -583,11 +905,29 @@ def linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
 
 @register(aten.linalg_solve_triangular.default)
 def linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
-    return _tri_solve(a, b, lower=not upper, left=left, unit=unitriangular)
+    _check_solver(a.shape, b.shape, left, "linalg.solve_triangular")
+    _batch_shape(b.shape, a.shape)
+    _check_kernel("triangular_solve_cpu", a.dtype)
+    # the result has A's dtype: torch copies B into it before solving in place
+    return _tri_solve(a, cast(b, a.dtype), lower=not upper, left=left, unit=unitriangular)
+
+
+def _check_solve_operands(name, ndim_message, b, a, a_name):
+    """The checks of triangular_solve and cholesky_solve on B (``b``) and their matrices ``a``."""
+    for x, x_name in ((b, "b"), (a, a_name)):
+        if x.ndim < 2:
+            raise TorchRuntimeError(ndim_message.format(x_name, x.ndim))
+    _check_linear_solve(b, a, name)
+    _batch_shape(b.shape, a.shape)
+    _check_kernel(f"{name}_cpu", a.dtype)
 
 
 @register(aten.triangular_solve.default)
 def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
+    _check_solve_operands(
+        "triangular_solve", "torch.triangular_solve: Expected {} to have at least 2 dimensions, but it has {} "
+        "dimensions instead", b, a, "A"
+    )
     a, b = _broadcast_batch(a, b)
     x = lax_linalg.triangular_solve(
         a, b, left_side=True, lower=not upper, transpose_a=transpose, unit_diagonal=unitriangular
@@ -595,21 +935,89 @@ def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
     return x, a
 
 
-def _cholesky(a, upper):
+def _potf2(a):
+    """(L, info): LAPACK's unblocked Cholesky (potf2) of the lower triangles of ``a``.
+
+    Column j is factored after the ones before it; its pivot a_jj - |L[j, :j]|^2 must be
+    positive (and not NaN), else the factorization stops there: the pivot is left on the
+    diagonal, the later columns as they were, and info is j + 1, the order of the leading
+    minor that is not positive-definite. torch's LAPACK leaves these partial factors for
+    matrices up to its block size; past it the unfinished columns differ, info does not.
+    """
+    n = a.shape[-1]
+    idx = jnp.arange(n)
+
+    def column(j, state):
+        low, info = state
+        row = jnp.where(idx < j, low[..., j, :], 0)  # L[j, :j], masked: later columns may hold inf
+        pivot = jnp.real(low[..., j, j]) - jnp.sum(jnp.abs(row) ** 2, axis=-1)
+        goes = (info == 0) & (pivot > 0)
+        stops = (info == 0) & ~(pivot > 0)
+        d = jnp.sqrt(jnp.where(goes, pivot, 1)).astype(a.dtype)
+        done = jnp.where(idx < j, low, 0)
+        sums = jnp.einsum("...ik,...k->...i", done, jnp.conj(row), precision=lax.Precision.HIGHEST)
+        below = (low[..., :, j] - sums) * (1 / d)[..., None]
+        factored = jnp.where(idx > j, below, jnp.where(idx == j, d[..., None], low[..., :, j]))
+        stopped = jnp.where(idx == j, pivot.astype(a.dtype)[..., None], low[..., :, j])
+        col = jnp.where(goes[..., None], factored, jnp.where(stops[..., None], stopped, low[..., :, j]))
+        return low.at[..., :, j].set(col), jnp.where(stops, j + 1, info).astype(np.int32)
+
+    return lax.fori_loop(0, n, column, (jnp.tril(a), jnp.zeros(a.shape[:-2], np.int32)))
+
+
+def _refactor(a, lower, failed):
+    partial, info = _potf2(a)
+    return jnp.where(failed[..., None, None], partial, lower), jnp.where(failed, info, 0)
+
+
+def _keep(a, lower, failed):
+    return lower, jnp.zeros(failed.shape, np.int32)
+
+
+def _cholesky_lower(a):
+    """(L, info) of the lower triangles of ``a`` as torch's LAPACK gives them: JAX's factor
+    where it succeeds; where it fails JAX gives NaN, and `_potf2` redoes those matrices for
+    torch's partial factor and info (only when one failed: the loop is slower). The branches
+    are module functions: JAX caches their traces, so an eager call does not compile them anew."""
+    if a.shape[-1] == 0:
+        return a, jnp.zeros(a.shape[:-2], np.int32)
     lower = lax_linalg.cholesky(a, symmetrize_input=False)
-    return _mH(lower) if upper else lower
+    failed = jnp.any(jnp.isnan(_diagonal(lower)), axis=-1)
+    return lax.cond(jnp.any(failed), _refactor, _keep, a, lower, failed)
+
+
+def _cholesky(a, upper):
+    """(factor, info) from the lower triangles of ``a``, or with ``upper`` U (A = U^H U) from
+    the upper ones: the lower factor of A^H, whose lower triangles they are."""
+    if upper:
+        lower, info = _cholesky_lower(_mH(a))
+        return _mH(lower), info
+    return _cholesky_lower(a)
 
 
 @register(aten.linalg_cholesky_ex.default)
 def linalg_cholesky_ex(a, *, upper=False, check_errors=False):
-    out = _cholesky(a, upper)
-    info = _first_true(jnp.isnan(jnp.real(_diagonal(out))))
-    return out, info
+    _check_square(a.shape, "linalg.cholesky")
+    _check_floating(a.dtype, "linalg.cholesky")
+    _check_kernel("cholesky_cpu", a.dtype)
+    return _cholesky(a, upper)
+
+
+_cholesky_compiled = _compiled("upper")(_cholesky)
 
 
 @register(aten.cholesky.default)
-def cholesky(a, upper=False):
-    return _cholesky(a, upper)
+def cholesky_deprecated(a, upper=False):
+    """The deprecated torch.cholesky: linalg.cholesky_ex and its check in one kernel. (Named so
+    that the dispatcher does not take it for the ``lax_linalg.cholesky`` that linalg.cholesky_ex
+    calls, whose lowering it could then not compile.)"""
+    if a.size == 0:
+        return a
+    _check_square(a.shape, "cholesky")
+    _check_kernel("cholesky_cpu", a.dtype)
+    factor, info = _cholesky_compiled(a, upper)
+    _raise_for_info(info, "cholesky", a.ndim == 2)
+    return factor
 
 
 def _cholesky_solve(b, factor, upper):
@@ -622,13 +1030,26 @@ def _cholesky_solve(b, factor, upper):
 
 @register(aten.cholesky_solve.default)
 def cholesky_solve(b, factor, upper=False):
+    _check_solve_operands(
+        "cholesky_solve", "{} should have at least 2 dimensions, but has {} dimensions instead", b, factor, "u"
+    )
     return _cholesky_solve(b, factor, upper)
+
+
+@_compiled("upper")
+def _cholesky_inverse_ex(factor, upper):
+    eye = jnp.broadcast_to(jnp.eye(factor.shape[-1], dtype=factor.dtype), factor.shape)
+    # LAPACK's potri fails on the first zero on the factor's diagonal
+    return _cholesky_solve(eye, factor, upper), _first_true(_diagonal(factor) == 0)
 
 
 @register(aten.cholesky_inverse.default)
 def cholesky_inverse(factor, upper=False):
-    eye = jnp.broadcast_to(jnp.eye(factor.shape[-1], dtype=factor.dtype), factor.shape)
-    return _cholesky_solve(eye, factor, upper)
+    _check_square(factor.shape, "cholesky_inverse")
+    _check_kernel("cholesky_inverse_out_cpu", factor.dtype)
+    inverse, info = _cholesky_inverse_ex(factor, upper)
+    _raise_for_info(info, "cholesky_inverse", factor.ndim == 2)
+    return inverse
 
 
 # ---------------------------------------------------------------------------
@@ -775,14 +1196,9 @@ def _ldl_factor_matrix(a, hermitian):
 @register(aten.linalg_ldl_factor_ex.default)
 def linalg_ldl_factor_ex(a, *, hermitian=False, check_errors=False):
     """Bunch-Kaufman LDL^T (LDL^H) of the lower triangles of ``a`` with LAPACK's pivots (see above)."""
-    if a.ndim < 2:
-        raise RuntimeError("torch.linalg.ldl_factor_ex: The input tensor A must have at least 2 dimensions.")
-    if a.shape[-1] != a.shape[-2]:
-        raise RuntimeError(f"torch.linalg.ldl_factor_ex: A must be batches of square matrices, but they are "
-                           f"{a.shape[-2]} by {a.shape[-1]} matrices")
-    if not (_dt.is_floating(a.dtype) or _dt.is_complex(a.dtype)):
-        raise RuntimeError("torch.linalg.ldl_factor_ex: Expected a floating point or complex tensor as input. "
-                           f"Got {str(_dt.to_torch(a.dtype)).replace('torch.', '').capitalize()}")
+    _check_square(a.shape, "torch.linalg.ldl_factor_ex")
+    _check_floating(a.dtype, "torch.linalg.ldl_factor_ex")
+    _check_kernel("ldl_factor_kernel_cpu", a.dtype)
     n, batch = a.shape[-1], a.shape[:-2]
     if n == 0 or math.prod(batch) == 0:
         return jnp.zeros(a.shape, a.dtype), jnp.zeros(batch + (n,), np.int32), jnp.zeros(batch, np.int32)
@@ -848,22 +1264,20 @@ def _ldl_solve_matrix(ld, pivots, b, hermitian):
 def linalg_ldl_solve(ld, pivots, b, *, hermitian=False):
     """Solve A X = B from torch's LDL factorization of A (``linalg_ldl_factor_ex``); batch
     dimensions broadcast."""
-    if ld.ndim < 2 or b.ndim < 2:
-        raise RuntimeError("torch.linalg.ldl_solve: LD and B must have at least 2 dimensions")
-    if ld.shape[-1] != ld.shape[-2]:
-        raise RuntimeError(f"torch.linalg.ldl_solve: A must be batches of square matrices, but they are "
-                           f"{ld.shape[-2]} by {ld.shape[-1]} matrices")
+    name = "torch.linalg.ldl_solve"
+    _check_square(ld.shape, name)
+    _check_floating(ld.dtype, name)
+    _check_linear_solve(b, ld, name)
     if pivots.shape != ld.shape[:-1]:
-        raise RuntimeError("torch.linalg.ldl_solve: Expected LD.shape[:-1] and pivots.shape to be the same, "
-                           f"but got pivots with shape {list(pivots.shape)} instead")
-    if b.dtype != ld.dtype:
-        raise RuntimeError(f"Expected b and A to have the same dtype, but found b of type {_dt.to_torch(b.dtype)} "
-                           f"and A of type {_dt.to_torch(ld.dtype)} instead.")
+        raise TorchRuntimeError(
+            f"{name}: Expected LD.shape[:-1] and pivots.shape to be the same, but got pivots with shape "
+            f"{list(pivots.shape)} instead"
+        )
+    if not _dt.is_integral(pivots.dtype):
+        raise TorchRuntimeError(f"{name}: Expected pivots to be integers. Got {_scalar_type(pivots.dtype)}")
+    batch = _batch_shape(b.shape, ld.shape)
+    _check_kernel("ldl_solve_kernel_cpu", ld.dtype)
     n = ld.shape[-1]
-    if b.shape[-2] != n:
-        raise RuntimeError(f"Incompatible matrix sizes for torch.linalg.ldl_solve: each A matrix is {n} by {n} "
-                           f"but each b matrix is {b.shape[-2]} by {b.shape[-1]}")
-    batch = jnp.broadcast_shapes(ld.shape[:-2], b.shape[:-2])
     out_shape = batch + b.shape[-2:]
     if n == 0 or math.prod(out_shape) == 0:
         return jnp.zeros(out_shape, ld.dtype)
@@ -879,55 +1293,162 @@ def linalg_ldl_solve(ld, pivots, b, *, hermitian=False):
 # ---------------------------------------------------------------------------
 
 
+def _check_eigh(a, UPLO):
+    _check_square(a.shape, "linalg.eigh")
+    if len(UPLO) != 1 or UPLO.upper() not in ("L", "U"):
+        raise TorchRuntimeError(f"Expected UPLO argument to be 'L' or 'U', but got {UPLO}")
+    _check_kernel("linalg_eigh_cpu", a.dtype)
+
+
 @register(aten._linalg_eigh.default)
 def _linalg_eigh(a, UPLO="L", compute_v=True):
+    _check_eigh(a, UPLO)
     vectors, values = lax_linalg.eigh(a, lower=UPLO.upper() == "L", symmetrize_input=False)
     return values, vectors if compute_v else _empty(a.dtype)
 
 
+def _check_complex_type(dtype):
+    """torch's eig kernels make their result dtype first: there is none for integers and bool."""
+    if not (_dt.is_floating(dtype) or _dt.is_complex(dtype)):
+        raise TorchRuntimeError(f"Unknown Complex ScalarType for {_scalar_type(dtype)}")
+
+
 @register(aten.linalg_eig.default)
 def linalg_eig(a):
+    _check_complex_type(a.dtype)
+    # eager mode: torch refuses non-finite input here (LAPACK's geev would not converge), not in eigvals
+    if not _traced(a) and not bool(jnp.all(jnp.isfinite(a))):
+        raise TorchRuntimeError("torch.linalg.eig: input tensor should not contain infs or NaNs.")
+    _check_square(a.shape, "linalg.eig")
+    _check_kernel("linalg_eig_out_cpu", a.dtype)
     values, vectors = lax_linalg.eig(a, compute_left_eigenvectors=False)
     return values, vectors
 
 
 @register(aten._linalg_eigvals.default)
 def _linalg_eigvals(a):
+    _check_complex_type(a.dtype)
+    _check_square(a.shape, "linalg.eigvals")
+    _check_kernel("linalg_eig_out_cpu", a.dtype)
     (values,) = lax_linalg.eig(a, compute_left_eigenvectors=False, compute_right_eigenvectors=False)
     return values
 
 
-@register(aten._linalg_svd.default)
-def _linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None):
+def _nan_info(a):
+    """LAPACK's gesdd info for each matrix: -4 where it holds NaN (refused since LAPACK 3.10)."""
+    return jnp.where(jnp.any(jnp.isnan(a), axis=(-2, -1)), -4, 0).astype(np.int32)
+
+
+@_compiled("full_matrices", "compute_uv")
+def _svd_ex(a, full_matrices, compute_uv):
     if not compute_uv:
         s = lax_linalg.svd(a, full_matrices=False, compute_uv=False)
-        return _empty(a.dtype), s, _empty(a.dtype)
-    return tuple(lax_linalg.svd(a, full_matrices=full_matrices))
+        return (_empty(a.dtype), s, _empty(a.dtype)), _nan_info(a)
+    return tuple(lax_linalg.svd(a, full_matrices=full_matrices)), _nan_info(a)
+
+
+@register(aten._linalg_svd.default)
+def _linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None):
+    _check_matrix(a.shape, "linalg.svd")
+    _check_floating(a.dtype, "linalg.svd")
+    _check_kernel("linalg_svd_cpu", a.dtype)
+    usv, info = _svd_ex(a, full_matrices, compute_uv)
+    _raise_for_info(info, "linalg.svd", a.ndim == 2)
+    return usv
 
 
 @register(aten.linalg_qr.default)
 def linalg_qr(a, mode="reduced"):
+    _check_matrix(a.shape, "linalg.qr")
+    _check_floating(a.dtype, "linalg.qr")
     if mode not in ("reduced", "complete", "r"):
-        raise RuntimeError(
+        raise TorchRuntimeError(
             f"qr received unrecognized mode '{mode}' but expected one of 'reduced' (default), 'r', or 'complete'"
         )
+    _check_kernel("geqrf_cpu", a.dtype)
     q, r = lax_linalg.qr(a, full_matrices=mode == "complete")
     return (_empty(a.dtype) if mode == "r" else q), r
 
 
 @register(aten.geqrf.default)
 def geqrf(a):
+    if a.ndim < 2:
+        raise TorchRuntimeError("torch.geqrf: input must have at least 2 dimensions.")
+    _check_kernel("geqrf_cpu", a.dtype)
     h, tau = jnp.linalg.qr(a, mode="raw")
     return _mT(h), tau
 
 
+def _check_householder_product(a, tau):
+    name = "torch.linalg.householder_product"
+    if a.ndim < 2:
+        raise TorchRuntimeError(f"{name}: input must have at least 2 dimensions.")
+    if a.shape[-2] < a.shape[-1]:
+        raise TorchRuntimeError(f"{name}: input.shape[-2] must be greater than or equal to input.shape[-1]")
+    if a.shape[-1] < tau.shape[-1]:
+        raise TorchRuntimeError(f"{name}: input.shape[-1] must be greater than or equal to tau.shape[-1]")
+    if a.ndim - tau.ndim != 1:
+        raise TorchRuntimeError(
+            f"{name}: Expected tau to have one dimension less than input, but got tau.ndim equal to {tau.ndim} "
+            f"and input.ndim is equal to {a.ndim}"
+        )
+    if a.ndim > 2 and tau.shape[:-1] != a.shape[:-2]:
+        raise TorchRuntimeError(
+            f"{name}: Expected batch dimensions of tau to be equal to input.shape[:-2], but got {list(tau.shape[:-1])}"
+        )
+    if tau.dtype != a.dtype:
+        raise TorchRuntimeError(
+            f"{name}: tau dtype {_scalar_type(tau.dtype)} does not match input dtype {_scalar_type(a.dtype)}"
+        )
+    _check_kernel("orgqr_cpu", a.dtype)
+
+
 @register(aten.linalg_householder_product.default)
 def linalg_householder_product(a, tau):
+    _check_householder_product(a, tau)
     return lax_linalg.householder_product(a, tau)
+
+
+def _check_ormqr(a, tau, c, left):
+    if a.ndim < 2:
+        raise TorchRuntimeError("torch.ormqr: input must have at least 2 dimensions.")
+    if c.ndim < 2:
+        raise TorchRuntimeError("torch.ormqr: other must have at least 2 dimensions.")
+    side = -2 if left else -1
+    if c.shape[side] != a.shape[-2]:
+        raise TorchRuntimeError(f"torch.ormqr: other.shape[{side}] must be equal to input.shape[-2]")
+    if tau.shape[-1:] != (min(c.shape[side], a.shape[-1]),):
+        raise TorchRuntimeError(
+            f"torch.ormqr: tau.shape[-1] must be equal to min(other.shape[{side}], input.shape[-1])"
+        )
+    if a.ndim - tau.ndim != 1:
+        raise TorchRuntimeError(
+            "torch.ormqr: Expected tau to have one dimension less than input, but got tau.ndim equal to "
+            f"{tau.ndim} and input.ndim is equal to {a.ndim}"
+        )
+    if c.ndim != a.ndim:
+        raise TorchRuntimeError(
+            "torch.ormqr: Expected other to have the same number of dimensions as input, but got other.ndim equal "
+            f"to {c.ndim} and input.ndim is equal to {a.ndim}"
+        )
+    for x_name, batch in (("tau", tau.shape[:-1]), ("other", c.shape[:-2])):
+        if a.ndim > 2 and batch != a.shape[:-2]:
+            raise TorchRuntimeError(
+                f"torch.ormqr: Expected batch dimensions of {x_name} to be equal to input.shape[:-2], but got "
+                f"{list(batch)}"
+            )
+    for x, x_name in ((tau, "tau"), (c, "other")):
+        if x.dtype != a.dtype:  # torch's message lacks the space after the first "dtype"
+            raise TorchRuntimeError(
+                f"torch.ormqr: Expected input and {x_name} to have the same dtype, but input has dtype"
+                f"{_scalar_type(a.dtype)} and {x_name} has dtype {_scalar_type(x.dtype)}"
+            )
+    _check_kernel("ormqr_cpu", a.dtype)
 
 
 @register(aten.ormqr.default)
 def ormqr(a, tau, c, left=True, transpose=False):
+    _check_ormqr(a, tau, c, left)
     m = a.shape[-2]
     k = tau.shape[-1]
     # The full m x m Q: the reflectors padded with zero ones (tau = 0 is the identity).
@@ -1022,6 +1543,8 @@ def _exp_scaled(a, norm, theta):
 @register(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(a):
     """torch's algorithm: the cheapest Taylor approximant accurate for each matrix's 1-norm."""
+    _check_square(a.shape, "linalg.matrix_exp")
+    _check_floating(a.dtype, "linalg.matrix_exp")
     if a.shape[-1] == 0:
         return a
     if a.shape[-1] == 1:
@@ -1040,8 +1563,9 @@ def linalg_matrix_exp(a):
     return out.astype(dtype)
 
 
-@register(aten.linalg_pinv.atol_rtol_tensor)
-def linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
+@_compiled("hermitian", "precision")
+def _pinv_ex(a, atol, rtol, hermitian, precision):
+    """The pseudo-inverse from an eigendecomposition (``hermitian``) or an SVD, and the SVD's info."""
     m, n = a.shape[-2:]
     real = _dt.real_of(a.dtype)
     default_rtol = jnp.asarray(np.finfo(real).eps * max(m, n), real)
@@ -1050,17 +1574,58 @@ def linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
     atol = jnp.zeros((), real) if atol is None else jnp.asarray(atol, real)
     rtol = jnp.asarray(rtol, real)
     if a.size == 0:
-        return jnp.zeros(a.shape[:-2] + (n, m), a.dtype)
+        return jnp.zeros(a.shape[:-2] + (n, m), a.dtype), _nan_info(a)
     if hermitian:
         vectors, values = lax_linalg.eigh(a, symmetrize_input=False)
         s = jnp.abs(values)
         tol = jnp.maximum(atol[..., None], rtol[..., None] * jnp.max(s, axis=-1, keepdims=True))
         inv = jnp.where(s > tol, 1 / values, 0).astype(a.dtype)
-        return jnp.matmul(vectors * inv[..., None, :], _mH(vectors), precision=_precision())
+        return jnp.matmul(vectors * inv[..., None, :], _mH(vectors), precision=precision), _nan_info(a)
     u, s, vh = lax_linalg.svd(a, full_matrices=False)
     tol = jnp.maximum(atol[..., None], rtol[..., None] * s[..., :1])
     inv = jnp.where(s > tol, 1 / s, 0).astype(a.dtype)
-    return jnp.matmul(_mH(vh) * inv[..., None, :], _mH(u), precision=_precision())
+    return jnp.matmul(_mH(vh) * inv[..., None, :], _mH(u), precision=precision), _nan_info(a)
+
+
+@register(aten.linalg_pinv.atol_rtol_tensor)
+def linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
+    if a.ndim < 2 or np.dtype(a.dtype) not in _LAPACK_DTYPES:
+        raise TorchRuntimeError(
+            f"linalg.pinv({_scalar_type(a.dtype)}{{{list(a.shape)}}}): expected a tensor with 2 or more dimensions "
+            "of float, double, cfloat or cdouble types"
+        )
+    if hermitian:
+        _check_eigh(a, "L")
+    pinv, info = _pinv_ex(a, atol, rtol, hermitian, _precision())
+    if not hermitian:  # torch's eigh does not check, its SVD does
+        _raise_for_info(info, "linalg.svd", a.ndim == 2)
+    return pinv
+
+
+def _check_lstsq(a, b, driver):
+    """torch's checks, in its order; returns whether ``b`` is a vector (a stack of them)."""
+    name = "torch.linalg.lstsq"
+    if a.ndim < 2:
+        raise TorchRuntimeError(f"{name}: input must have at least 2 dimensions.")
+    if b.ndim < 1:
+        raise TorchRuntimeError(f"{name}: other must have at least 1 dimension.")
+    if a.dtype != b.dtype:
+        raise TorchRuntimeError(
+            f"{name}: Expected input and other to have the same dtype, but got input's dtype "
+            f"{_scalar_type(a.dtype)} and other's dtype {_scalar_type(b.dtype)}"
+        )
+    if not 0 <= a.ndim - b.ndim <= 1:
+        raise TorchRuntimeError(
+            f"{name}: input.dim() must be greater or equal to other.dim() and (input.dim() - other.dim()) <= 1"
+        )
+    vector = _is_vector_rhs(a, b)
+    if b.shape[-1 if vector else -2] != a.shape[-2]:
+        raise TorchRuntimeError(f"{name}: input.size(-2) should match other.size({-1 if vector else -2})")
+    if driver not in ("gels", "gelsy", "gelsd", "gelss"):
+        raise TorchRuntimeError(f"{name}: parameter `driver` should be one of (gels, gelsy, gelsd, gelss)")
+    if np.dtype(a.dtype) not in _LAPACK_DTYPES:
+        raise TorchRuntimeError("This function doesn't handle types other than float and double")
+    return vector
 
 
 @register(aten.linalg_lstsq.default)
@@ -1068,16 +1633,18 @@ def linalg_lstsq(a, b, rcond=None, *, driver=None):
     """The minimum-norm solution from an SVD, for every driver (they agree on full-rank
     input); rank / singular values / residuals are returned where torch's driver returns them."""
     driver = driver or "gelsy"
-    if driver not in ("gels", "gelsy", "gelsd", "gelss"):
-        raise RuntimeError(f"torch.linalg.lstsq: parameter `driver` should be one of (gels, gelsy, gelsd, gelss)")
+    vector = _check_lstsq(a, b, driver)
     m, n = a.shape[-2:]
     real = _dt.real_of(a.dtype)
-    vector = b.ndim == a.ndim - 1
-    rhs = b[..., None] if vector else b
+    # torch makes a column of every B with a dimension less than A: of a vector, and of a matrix
+    # whose rows then broadcast against A's (the solution keeps that column)
+    rhs = b[..., None] if b.ndim < a.ndim else b
+    batch = _infer_size(a.shape[:-2], rhs.shape[:-2])
+    rhs = jnp.broadcast_to(rhs, batch + (m, rhs.shape[-1]))
     if rcond is None or rcond < 0:
         rcond = np.finfo(real).eps * max(m, n)
-    a_b, rhs = _broadcast_batch(a, rhs)
-    u, s, vh = lax_linalg.svd(a_b, full_matrices=False)
+    # A is factored over its own batch dimensions: rank and singular values keep them
+    u, s, vh = lax_linalg.svd(a, full_matrices=False)
     keep = s > rcond * s[..., :1] if s.shape[-1] else s > 0
     inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)
     uhb = jnp.matmul(_mH(u), rhs, precision=_precision())
@@ -1092,9 +1659,8 @@ def linalg_lstsq(a, b, rcond=None, *, driver=None):
                 "a data-dependent shape that cannot be traced; use driver='gels' or 'gelsy' under jit"
             )
         if driver == "gels" or bool(jnp.all(full)):
-            r = jnp.abs(jnp.matmul(a_b, x, precision=_precision()) - rhs) ** 2
-            residuals = jnp.sum(r, axis=-2)
-            residuals = residuals[..., 0] if vector else residuals
+            r = jnp.abs(jnp.matmul(a, x, precision=_precision()) - rhs) ** 2
+            residuals = jnp.sum(r, axis=-2)  # of a vector too: a column of one
     if vector:
         x = x[..., 0]
     return (
