@@ -44,8 +44,7 @@ def _to_jax(x):
             _tensor.CAPTURE.read(x)
         return x._value()
     if isinstance(x, torch.Tensor):
-        with jax.enable_x64(True):  # an int64 or float64 CPU tensor keeps its dtype
-            return jax_array(x)
+        return jax_array(x)
     return x
 
 

@@ -402,8 +402,13 @@ def jax_array(t: torch.Tensor):
     dtype = _dt.to_jax(t.dtype)
     if t.dtype in (torch.bfloat16, torch.uint16, torch.uint32, torch.uint64) or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
         bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize]).numpy()
-        return jnp.asarray(bits.view(dtype))
-    return jnp.asarray(t.numpy())
+        host = bits.view(dtype)
+    else:
+        host = t.numpy()
+    if host.dtype.itemsize >= 8:  # int64 / float64 stay 64-bit wherever this is called (DESIGN.md, decision 6)
+        with jax.enable_x64(True):
+            return jnp.asarray(host)
+    return jnp.asarray(host)
 
 
 def from_torch_cpu(t: torch.Tensor) -> Tensor:
