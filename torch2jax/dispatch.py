@@ -958,6 +958,8 @@ class _Compiled:
 def _meta_view(func, size, stride, offset, storage_numel, dtype, args, kwargs):
     base = torch.empty(storage_numel, dtype=dtype, device="meta").as_strided(size, stride, offset)
     out = func(base, *args, **dict(kwargs))
+    if getattr(out, "dtype", None) is torch.complex32:  # view_as_complex of float16 (raised before it is cached)
+        raise _dt.Complex32Needed("torch2jax: a complex32 view, held as complex64")
     if isinstance(out, (list, tuple)):
         return [(tuple(o.shape), o.stride(), o.storage_offset(), o.dtype) for o in out]
     return (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
@@ -1022,8 +1024,6 @@ def _view_handler(func, forward, inverse):
         if inverse is None:  # an alias (detach, alias, lift_fresh): x's value, chain and metadata
             return _alias(x)
         meta = _view_meta(func, x, rest, kwargs)
-        if type(meta) is tuple and meta[3] is torch.complex32:  # view_as_complex of float16
-            raise _dt.Complex32Needed("torch2jax: a complex32 view, held as complex64")
         urest = _unwrap(rest)
         if isinstance(meta, list):
             value = forward(x._value(), *urest, **kwargs)

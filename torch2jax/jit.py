@@ -1097,8 +1097,8 @@ class JitFunction:
                     kinds.append(("arg", arg_index[id(leaf)]))
                 elif isinstance(leaf, Tensor) and id(leaf) in pre_index:
                     kinds.append(("pre", pre_index[id(leaf)]))
-                elif isinstance(leaf, Tensor) and _view_of_slot(leaf, slots.tensors, storages) is not None:
-                    kinds.append(("view", _view_of_slot(leaf, slots.tensors, storages)))
+                elif isinstance(leaf, Tensor) and (view := _view_of_slot(leaf, slots.tensors, storages)) is not None:
+                    kinds.append(("view", view))
                 elif isinstance(leaf, Tensor):
                     kinds.append(("array32" if leaf.dtype is torch.complex32 else "array", len(outs)))
                     if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
