@@ -88,3 +88,14 @@ def run_program(programs, tolerances, name, jit):
     expected = program("cpu", _ident)
     actual = program("jax", t2j.jit if jit else _ident)
     _compare(actual, expected, name, **tolerances.get(name, {}))
+
+
+def to_device(tree, device):
+    """``tree`` (tensors in lists, tuples and dicts) with its tensors moved to ``device``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_device(t, device) for t in tree)
+    if isinstance(tree, dict):
+        return {k: to_device(v, device) for k, v in tree.items()}
+    return tree

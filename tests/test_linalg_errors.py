@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import torch2jax as t2j
+from programs_util import to_device
 from torch2jax import dispatch
 from torch2jax.ops.registry import LOWERINGS
 
@@ -23,28 +24,18 @@ f16, f64, i64, c64 = torch.float16, torch.float64, torch.int64, torch.complex64
 NAN, INF = float("nan"), float("inf")
 
 
+def _on_jax(tree):
+    return to_device(tree, "jax")
+
+
+def _on_cpu(tree):
+    return to_device(tree, "cpu")
+
+
 @pytest.fixture(autouse=True)
 def _no_host_fallback():
     with t2j.env(fallback="error"):
         yield
-
-
-def _jax(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.to("jax")
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_jax(t) for t in tree)
-    if isinstance(tree, dict):
-        return {k: _jax(v) for k, v in tree.items()}
-    return tree
-
-
-def _cpu(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.cpu()
-    if isinstance(tree, (list, tuple)):
-        return [_cpu(t) for t in tree]
-    return tree
 
 
 def _randn(*shape, dtype=torch.float32, seed=0):
@@ -70,7 +61,7 @@ def _assert_same_error(fn, *args, **kwargs):
         fn(*args, **kwargs)
     expected = want.value
     with pytest.raises(type(expected), match=f"^{re.escape(str(expected))}$") as got:
-        fn(*_jax(args), **_jax(kwargs))
+        fn(*_on_jax(args), **_on_jax(kwargs))
     assert _kind(got.value) == _kind(expected)
     return expected
 
@@ -81,7 +72,7 @@ def _listed(result):
 
 def _assert_same_result(fn, *args, **kwargs):
     want = _listed(fn(*args, **kwargs))
-    got = _listed(_cpu(fn(*_jax(args), **_jax(kwargs))))
+    got = _listed(_on_cpu(fn(*_on_jax(args), **_on_jax(kwargs))))
     assert len(want) == len(got)
     for w, g in zip(want, got):
         assert w.shape == g.shape and w.dtype == g.dtype
@@ -462,7 +453,7 @@ def test_lu_based_ex_variants_return_torchs_info(a):
         (L.lu_factor_ex, (a[..., :1, :],)),
     ):
         want = fn(*args)
-        got = fn(*_jax(args))
+        got = fn(*_on_jax(args))
         assert torch.equal(got.info.cpu(), want.info), fn
 
 

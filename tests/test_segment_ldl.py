@@ -12,23 +12,20 @@ import pytest
 import torch
 
 import torch2jax as t2j
+from programs_util import to_device
 
 aten = torch.ops.aten
 NAN = float("nan")
+
+
+def _on_jax(tree):
+    return to_device(tree, "jax")
 
 
 @pytest.fixture(autouse=True)
 def _no_host_fallback():
     with t2j.env(fallback="error"):
         yield
-
-
-def _jax(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.to("jax")
-    if isinstance(tree, dict):
-        return {k: _jax(v) for k, v in tree.items()}
-    return tree
 
 
 # -- segment_reduce ----------------------------------------------------------
@@ -89,7 +86,7 @@ def test_segment_reduce_values_and_grads_match_torch(reduce, form):
                 expected = torch._segment_reduce(x, reduce, **kwargs)
                 grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(i)).to(dtype)
                 want, want_grad = _run_segment(x, reduce, kwargs, grad_out)
-                got, got_grad = _run_segment(x.to("jax"), reduce, _jax(kwargs), grad_out.to("jax"))
+                got, got_grad = _run_segment(x.to("jax"), reduce, _on_jax(kwargs), grad_out.to("jax"))
                 _assert_same(got, want, dtype)
                 _assert_same(got_grad, want_grad, dtype)
     assert t2j.path_of(aten.segment_reduce.default) == "lowering"
@@ -105,7 +102,7 @@ def test_empty_segment_is_the_start_value(initial, expected):
     x = torch.tensor([1.0, 2.0, 4.0])
     for reduce in REDUCTIONS:
         kwargs = {"lengths": torch.tensor([2, 0, 1]), "initial": initial}
-        out = torch._segment_reduce(x.to("jax"), reduce, **_jax(kwargs)).cpu()
+        out = torch._segment_reduce(x.to("jax"), reduce, **_on_jax(kwargs)).cpu()
         torch.testing.assert_close(out, torch._segment_reduce(x, reduce, **kwargs), equal_nan=True)
         torch.testing.assert_close(out[1], torch.tensor(expected[reduce]), equal_nan=True)
 
@@ -135,7 +132,7 @@ def test_extrema_propagate_nan_and_route_its_gradient():
     kwargs = {"lengths": torch.tensor([2, 3]), "initial": 0.0}
     for reduce in ("max", "min"):
         want, want_grad = _run_segment(x, reduce, kwargs, torch.ones(2))
-        got, got_grad = _run_segment(x.to("jax"), reduce, _jax(kwargs), torch.ones(2, device="jax"))
+        got, got_grad = _run_segment(x.to("jax"), reduce, _on_jax(kwargs), torch.ones(2, device="jax"))
         torch.testing.assert_close(got.cpu(), want, equal_nan=True)
         torch.testing.assert_close(got_grad.cpu(), want_grad, equal_nan=True)
 
@@ -147,7 +144,7 @@ def test_prod_gradient_with_zeros_nan_and_inf():
     for initial in (None, 3.0):
         kwargs = {"lengths": lengths, "initial": initial}
         want, want_grad = _run_segment(x, "prod", kwargs, torch.arange(1.0, 6.0))
-        got, got_grad = _run_segment(x.to("jax"), "prod", _jax(kwargs), torch.arange(1.0, 6.0, device="jax"))
+        got, got_grad = _run_segment(x.to("jax"), "prod", _on_jax(kwargs), torch.arange(1.0, 6.0, device="jax"))
         torch.testing.assert_close(got.cpu(), want, equal_nan=True)
         torch.testing.assert_close(got_grad.cpu(), want_grad, equal_nan=True)
     assert got_grad[:2].cpu().tolist() == [15.0, 0.0]  # 3 * 5 for the zero; grad * 0 / 5
@@ -159,7 +156,7 @@ def test_half_precision_stays_half(dtype):
     kwargs = {"lengths": torch.tensor([5, 0, 7])}
     for reduce in REDUCTIONS:
         want = torch._segment_reduce(x, reduce, **kwargs)
-        _assert_same(torch._segment_reduce(x.to("jax"), reduce, **_jax(kwargs)), want, dtype)
+        _assert_same(torch._segment_reduce(x.to("jax"), reduce, **_on_jax(kwargs)), want, dtype)
 
 
 @pytest.mark.parametrize("bad", [
@@ -175,7 +172,7 @@ def test_segment_reduce_rejects_what_torch_rejects(bad):
     with pytest.raises(RuntimeError):
         torch._segment_reduce(x, "sum", **bad)
     with pytest.raises(RuntimeError):
-        torch._segment_reduce(x.to("jax"), "sum", **_jax(bad))
+        torch._segment_reduce(x.to("jax"), "sum", **_on_jax(bad))
 
 
 def test_segment_reduce_rejects_integer_data():
