@@ -38,6 +38,7 @@ from jax import export as jax_export
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
+from . import dtypes as _dt
 from . import fx
 from .env import default_rng
 from .interop import functionalize
@@ -47,8 +48,14 @@ from .tensor import Tensor, jax_array, torch_cpu
 
 def _arg_specs(args):
     """ShapeDtypeStructs of the example arguments."""
-    arrays = [a._value() if isinstance(a, Tensor) else jax_array(a) for a in args]
-    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    return [jax.ShapeDtypeStruct(a.shape, a._value().dtype) if isinstance(a, Tensor)
+            else jax.ShapeDtypeStruct(tuple(a.shape), _default_dtype(a.dtype)) for a in args]
+
+
+def _default_dtype(dtype):
+    """The dtype JAX gives an array of torch ``dtype`` made where the exported program is
+    called: int64 / float64 only under x64."""
+    return jax.dtypes.canonicalize_dtype(_dt.to_jax(dtype))
 
 
 def export(module, *args, dynamic_shapes=None, platforms=None, **kwargs) -> jax_export.Exported:
@@ -217,7 +224,7 @@ def _symbolic_specs(ep):
         val = placeholders[spec.arg.name].meta["val"]
         text = ", ".join(_dim_text(d) for d in val.shape)
         shape = jax_export.symbolic_shape(text, scope=scope) if text else ()
-        specs.append(jax.ShapeDtypeStruct(shape, jax_array(torch.empty(0, dtype=val.dtype)).dtype))
+        specs.append(jax.ShapeDtypeStruct(shape, _default_dtype(val.dtype)))
     return specs
 
 
