@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import pytest
 import torch
 import torch.nn.functional as F
@@ -247,15 +248,82 @@ _PIXEL_SHUFFLE_CASES = [
 ]
 
 
+# Values torch's kernels read and check: (inputs, op) so that the op can also be traced
+# with the inputs as arguments (see test_value_checks_at_run_time).
+_X = [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]
+
+
+def _value_case(name, inputs, op, error, message):
+    return pytest.param(inputs, op, error, message, id=name)
+
+
+_VALUE_CASES = [
+    _value_case("index", lambda d: (_t(_X, d), _t([0, 2], d)), lambda x, i: x[i], IndexError,
+                "index 2 is out of bounds for dimension 0 with size 2"),
+    _value_case("index negative", lambda d: (_t(_X, d), _t([0, -4], d)), lambda x, i: x[:, i], IndexError,
+                "index -4 is out of bounds for dimension 0 with size 3"),  # torch counts the index tensors
+    _value_case("index second tensor", lambda d: (_t(_X, d), _t([0, 3], d)), lambda x, i: x[i.clamp(max=1), i],
+                IndexError, "index 3 is out of bounds for dimension 1 with size 3"),
+    _value_case("index_put", lambda d: (_t(_X, d), _t([5], d)), lambda x, i: x.index_put((i,), _t(1.0, x.device)),
+                IndexError, "index 5 is out of bounds for dimension 0 with size 2"),
+    _value_case("index_select", lambda d: (_t(_X, d), _t([0, 3], d)), lambda x, i: x.index_select(0, i),
+                IndexError, "index out of range in self"),
+    _value_case("gather", lambda d: (_t(_X, d), _t([[0, 3]], d)), lambda x, i: x.gather(1, i), RuntimeError,
+                "index 3 is out of bounds for dimension 1 with size 3"),
+    _value_case("scatter_add", lambda d: (_t(_X, d), _t([[0, 3]], d)),
+                lambda x, i: x.scatter_add(1, i, torch.ones_like(x)), RuntimeError,
+                "index 3 is out of bounds for dimension 1 with size 3"),
+    _value_case("index_add", lambda d: (_t(_X, d), _t([1, 2], d)), lambda x, i: x.index_add(0, i, torch.ones_like(x)),
+                RuntimeError, "index 2 is out of bounds for dimension 0 with size 2"),
+    _value_case("index_copy", lambda d: (_t(_X, d), _t([1, -3], d)),
+                lambda x, i: x.index_copy(0, i, torch.ones_like(x)), IndexError,
+                "index_copy_(): index -3 is out of bounds for dimension 0 with size 2"),
+    _value_case("index_fill", lambda d: (_t(_X, d), _t([1, 2], d)), lambda x, i: x.index_fill(0, i, 1.0),
+                IndexError, "index 2 is out of bounds for dimension 0 with size 2"),
+    _value_case("put", lambda d: (_t(_X, d), _t([-9], d)), lambda x, i: x.put(i, _t([1.0], x.device)), IndexError,
+                "out of range: tried to access index -9 on a tensor of 6 elements."),
+    _value_case("take", lambda d: (_t(_X, d), _t([6], d)), lambda x, i: x.take(i), IndexError,
+                "out of range: tried to access index 6 on a tensor of 6 elements."),
+    _value_case("embedding", lambda d: (_t(_X, d), _t([1, 2], d)), lambda w, i: F.embedding(i, w), IndexError,
+                "index out of range in self"),
+    _value_case("nll_loss target", lambda d: (_t(_X, d), _t([0, 3], d)), lambda x, t: F.nll_loss(x, t), IndexError,
+                "Target 3 is out of bounds."),
+    _value_case("cross_entropy target", lambda d: (_t(_X, d), _t([-2, 0], d)), lambda x, t: F.cross_entropy(x, t),
+                IndexError, "Target -2 is out of bounds."),
+    _value_case("multi_margin_loss target", lambda d: (_t(_X, d), _t([0, 3], d)),
+                lambda x, t: F.multi_margin_loss(x, t), RuntimeError, "target out of range"),
+    _value_case("multilabel_margin_loss target", lambda d: (_t(_X, d), _t([[0, -1, 3], [1, 2, -1]], d)),
+                lambda x, t: F.multilabel_margin_loss(x, t), RuntimeError, "argument #2 'target' is out of range"),
+    _value_case("one_hot class", lambda d: (_t([0, 3], d),), lambda t: F.one_hot(t, 3), RuntimeError,
+                "Class values must be smaller than num_classes."),
+    _value_case("one_hot negative", lambda d: (_t([0, -1], d),), lambda t: F.one_hot(t, 3), RuntimeError,
+                "Class values must be non-negative."),
+    _value_case("binary_cross_entropy", lambda d: (_t([0.5, 1.5], d), _t([0.0, 1.0], d)),
+                F.binary_cross_entropy, RuntimeError, "all elements of input should be between 0 and 1"),
+    _value_case("max_unpool2d", lambda d: (_t([[[[1.0, 2.0]]]], d), _t([[[[0, 9]]]], d)),
+                lambda x, i: F.max_unpool2d(x, i, 2), RuntimeError,
+                "Found an invalid max index: 9 (output volumes are of size 2x4)"),
+    _value_case("max_unpool1d", lambda d: (_t([[[1.0, 2.0]]], d), _t([[[0, -1]]], d)),
+                lambda x, i: F.max_unpool1d(x, i, 2), RuntimeError,
+                "Found an invalid max index: -1 (output volumes are of size 4x1)"),
+    _value_case("masked_scatter source", lambda d: (_t(_X, d), _t([[True, True, False], [True, False, True]], d)),
+                lambda x, m: x.masked_scatter(m, _t([1.0, 2.0, 3.0], x.device)), RuntimeError,
+                "Number of elements of source < number of ones in mask"),
+]
+_EAGER_VALUE_CASES = [_case(p.id, lambda d, inputs=p.values[0], op=p.values[1]: op(*inputs(d)), *p.values[2:])
+                      for p in _VALUE_CASES]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "call,error,message",
-    _NLL_CASES + _ONE_HOT_CASES + _MASK_CASES + _BCE_CASES + _CONV_CASES + _CTC_CASES + _PIXEL_SHUFFLE_CASES,
+    _NLL_CASES + _ONE_HOT_CASES + _MASK_CASES + _BCE_CASES + _CONV_CASES + _CTC_CASES + _PIXEL_SHUFFLE_CASES
+    + _EAGER_VALUE_CASES,
 )
 def test_rejects_like_torch(call, error, message, device):
     with pytest.raises(error, match=re.escape(message)) as info:
         call(device)
-    assert not isinstance(info.value, AssertionError)
+    assert not isinstance(info.value, (AssertionError, t2j.OpError)), "torch's error, not a wrapped one"
 
 
 def test_conv_shape_error_also_once_compiled():
@@ -282,6 +350,65 @@ def test_value_checks_are_eager_only():
     p, y = torch.rand(4), torch.rand(4)
     bce = t2j.jit(F.binary_cross_entropy)(p.to("jax"), y.to("jax"))
     torch.testing.assert_close(bce.cpu(), F.binary_cross_entropy(p, y))
+
+
+@pytest.mark.parametrize("inputs,op,error,message", _VALUE_CASES)
+def test_value_checks_at_run_time(inputs, op, error, message):
+    # under check_indices="always" a traced program checks the values when it runs
+    with t2j.env(check_indices="always"):
+        jitted = t2j.jit(op)
+        with pytest.raises(error, match=re.escape(message)):
+            jitted(*inputs("jax"))
+        assert jitted.stats["traces"] == 1, "the check ran when the program was traced, not when it ran"
+
+
+def test_run_time_checks_keep_the_state_and_pass_valid_values():
+    w = torch.nn.Parameter(torch.arange(6.0).view(3, 2).to("jax"))
+    opt = torch.optim.SGD([w], lr=0.1)
+
+    def step(i):
+        opt.zero_grad()
+        F.embedding(i, w).sum().backward()
+        opt.step()
+
+    with t2j.env(check_indices="always"):
+        jitted = t2j.jit(step)
+        jitted(_t([0, 2], "jax"))
+        before = w.detach().cpu().clone()
+        with pytest.raises(IndexError, match="index out of range in self"):
+            jitted(_t([0, 3], "jax"))
+        assert torch.equal(w.detach().cpu(), before)
+        jitted(_t([1, 1], "jax"))
+    assert torch.equal(w.detach().cpu(), before - 0.1 * torch.tensor([[0.0, 0.0], [2.0, 2.0], [0.0, 0.0]]))
+    # the first call gave w its grad, so the failing call was the first run of a second trace:
+    # the slots it re-points (w.grad) are put back
+    assert jitted.stats["traces"] == 2 and isinstance(w.grad, t2j.Tensor)
+
+
+def test_run_time_checks_are_part_of_the_jit_cache_key():
+    x = _t(_X, "jax")
+    gather = t2j.jit(lambda x, i: x[i])
+    assert gather(x, _t([0, 2], "jax")).shape == (2, 3)  # unchecked in the program: JAX clamps
+    with t2j.env(check_indices="always"), pytest.raises(IndexError):
+        gather(x, _t([0, 2], "jax"))
+    assert gather.stats["traces"] == 2
+
+
+def test_run_time_checks_inside_jax_jit():
+    x = _t(_X, "jax")
+
+    @jax.jit
+    def f(a, i):
+        return t2j.jax_view(t2j.torch_view(a)[t2j.torch_view(i)])
+
+    with t2j.env(check_indices="always"), pytest.raises(Exception, match="index 2 is out of bounds"):
+        jax.block_until_ready(f(x.jax(), _t([0, 2], "jax").jax()))
+
+
+def test_check_indices_values():
+    with pytest.raises(ValueError, match="check_indices must be True, False or 'always'"):
+        with t2j.env(check_indices="yes"):
+            pass
 
 
 def test_value_checks_follow_check_indices():

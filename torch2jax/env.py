@@ -30,19 +30,27 @@ class Config:
     fallback: what happens when an op has neither a lowering nor a decomposition
         and runs on the host through torch: ``"warn"`` (once per op), ``"silent"``
         or ``"error"``.
-    check_indices: in eager mode, raise torch's error for out-of-range indices
-        and for the values torch's kernels check (one_hot classes, binary
-        cross-entropy probabilities, CTC lengths); costs a device sync per such
-        op. Inside a traced program values are unknown, so nothing is checked
-        there (JAX clamps indices).
+    check_indices: ``True`` (the default): in eager mode, raise torch's error for
+        out-of-range indices and for the values torch's kernels check (one_hot
+        classes, nll_loss targets, binary cross-entropy probabilities, CTC
+        lengths); costs a device sync per such op. Inside a traced program
+        (`t2j.jit`, ``jax.jit``) values are unknown when it is traced, so nothing
+        is checked there: JAX clamps out-of-range gather indices and drops
+        out-of-range scatter updates. ``"always"``: also check inside traced
+        programs, when they run (a host callback per check; `t2j.jit` raises
+        torch's error to the caller and leaves the state unchanged; it is part of
+        `t2j.jit`'s cache key, so a function traced without it is traced again).
+        ``False``: check nothing.
     """
 
     fallback: str = "warn"
-    check_indices: bool = True
+    check_indices: bool | str = True
 
     def __post_init__(self):
         if self.fallback not in ("warn", "silent", "error"):
             raise ValueError(f"torch2jax: fallback must be 'warn', 'silent' or 'error', got {self.fallback!r}")
+        if self.check_indices not in (True, False, "always"):
+            raise ValueError(f"torch2jax: check_indices must be True, False or 'always', got {self.check_indices!r}")
 
 
 _global_config = Config()

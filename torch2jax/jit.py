@@ -67,6 +67,7 @@ import torch.utils._pytree as torch_pytree
 from jax.extend.core import jaxpr_as_fun
 
 from . import complex32 as _complex32
+from .env import config as _config
 from .env import default_rng as _rng
 from . import debug as _debug
 from . import symbolic as _sym
@@ -771,6 +772,9 @@ class _Entry:
     compile_s: float = 0.0
     differentiable: object = None  # the `_Differentiable` programs, made on first use
     keeps_avals: bool = False  # every state array it writes has the shape and dtype it had
+    # until its first run succeeds, the slots point to the tensors the trace made; a failing
+    # first run (a check at run time) puts back what they pointed to (see `_snapshot`)
+    undo: object = None
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -893,7 +897,7 @@ class JitFunction:
             extra = [s for s in extra if not any(s is st for st in slots.storages)]
             storages = slots.storages + extra
             key = (spec, _static_key(leaves), slots.key, tuple(id(s) for s in extra),
-                   tuple((tuple(s.array.shape), s.array.dtype) for s in extra), torch.is_grad_enabled(),
+                   tuple((tuple(s.array.shape), s.array.dtype) for s in extra), _config(), torch.is_grad_enabled(),
                    torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
             if key in self._eager:
                 return _Eager(key, self._eager[key]), leaves, slots, storages
@@ -978,11 +982,14 @@ class JitFunction:
             _sym.failed_check()  # one left by a program run outside t2j.jit is not this call's
             try:
                 outs, written, new, key = jitted(*arguments(inputs, _hyper_values(slots), _rng.key))
-            except jax.errors.JaxRuntimeError:
-                failed = _sym.failed_check()
+            except BaseException as e:
+                if entry.undo is not None:
+                    _restore(entry.undo)
+                failed = _sym.failed_check() if isinstance(e, jax.errors.JaxRuntimeError) else None
                 if failed is None:
                     raise
                 raise failed from None
+            entry.undo = None
             if not entry.compile_s:
                 entry.compile_s = time.perf_counter() - start
                 self.stats["compiles"] += 1
@@ -1051,7 +1058,7 @@ class JitFunction:
         keeps = all(_same_aval(closed.in_avals[i], a) for i, a in zip(written, out_avals))
         return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
                       info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start, info["guards"],
-                      program, info["grad_outs"], diff, keeps_avals=keeps)
+                      program, info["grad_outs"], diff, keeps_avals=keeps, undo=info["undo"])
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, key):
         saved = [(st, st.array) for st in storages]
@@ -1122,7 +1129,7 @@ class JitFunction:
             new_storages = [st for st in list(capture.new) if isinstance(st.array, jax.core.Tracer)
                             and id(st.array) not in input_ids]
             post = _repointed(slots, post_slots, pre_index)
-            info.update(
+            info.update(undo=saved_slots if post else None,
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
                 diff=_differentiable_inputs(slots, storages, written, post) if grad_outs else [],
@@ -1436,7 +1443,9 @@ def _diff(old, old_names, new, new_names):
     for name in list(dict.fromkeys(list(ostat) + list(nstat))):
         if ostat.get(name, _MISSING) != nstat.get(name, _MISSING):
             reasons.append(f"{_label(name)}: {ostat.get(name, 'absent')!r} -> {nstat.get(name, 'absent')!r}")
-    # the key ends with: grad mode, autocast enabled, autocast dtype
+    # the key ends with: torch2jax's settings, grad mode, autocast enabled, autocast dtype
+    if orest[-4] != nrest[-4]:
+        reasons.append(f"settings: {orest[-4]} -> {nrest[-4]}")
     if orest[-3] != nrest[-3]:
         reasons.append(f"grad mode: {orest[-3]} -> {nrest[-3]}")
     if orest[-2:] != nrest[-2:]:

@@ -70,6 +70,25 @@ def _raise_if(failed, *, error, message):
         raise err
 
 
+def check_when_run(failed, error, value) -> None:
+    """Make the program being traced raise ``error(value)`` when it runs with ``failed`` true.
+
+    ``failed`` is a traced bool and ``value`` a traced scalar naming the offending element
+    (an index, a class value); `t2j.jit` raises the error to its caller and keeps the state
+    it would have written, as torch's raise does.
+    """
+    global RUNTIME_CHECKS
+    RUNTIME_CHECKS += 1
+    jax.debug.callback(functools.partial(_raise_error, error=error), failed, value)
+
+
+def _raise_error(failed, value, *, error):
+    if failed:
+        err = error(value.item())
+        _FAILED[:] = [err]
+        raise err
+
+
 def failed_check() -> Exception | None:
     """The error of a validation moved into a program (see `_VALIDATIONS`) that failed when it ran, once."""
     return _FAILED.pop() if _FAILED else None

@@ -1,8 +1,9 @@
 """Lowerings: indexing, gathers and scatters, concatenation, padding and search.
 
 JAX clamps out-of-range gather indices and drops out-of-range scatter updates;
-torch raises. So every op taking indices checks them in eager mode (one device
-sync, skipped under jit and when ``check_indices`` is off). Ops whose output
+torch raises. So every op taking indices checks them (`check_values`): in eager
+mode with one device sync, inside a traced program only under
+``check_indices="always"``, never when it is off. Ops whose output
 shape depends on values (``nonzero``, ``unique``, boolean-mask indexing, ...) run
 only eagerly and raise `OpError` when traced.
 """
@@ -18,9 +19,8 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dt
-from .. import env as _env
 from ..dispatch import TorchRuntimeError
-from .registry import _HALF, as_dtype, canonical_dim, canonical_dims, register, true_divide
+from .registry import _HALF, as_dtype, canonical_dim, canonical_dims, check_values, register, true_divide
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -66,14 +66,9 @@ def stand_in(dtype):
 
 
 def _check_range(index, size, error, negative=True):
-    """Eager mode: raise ``error(bad_index)`` if ``index`` has a value outside torch's valid range."""
-    if not _env.config().check_indices or _traced(index) or index.size == 0:
-        return
+    """Raise ``error(bad_index)`` if ``index`` has a value outside torch's valid range (see `check_values`)."""
     lo = -size if negative else 0
-    with jax.ensure_compile_time_eval():  # a constant index inside a jit trace is still checked
-        bad = ((index < lo) | (index >= size)).reshape(-1)
-        if bool(jnp.any(bad)):
-            raise error(int(index.reshape(-1)[jnp.argmax(bad)]))
+    check_values(index, lambda i: (i < lo) | (i >= size), error)
 
 
 def _out_of_bounds(dim, size, kind=IndexError, prefix=""):
@@ -128,9 +123,9 @@ def _index_tuple(x, indices, check):
     if len(indices) > x.ndim:
         raise IndexError(f"too many indices for tensor of dimension {x.ndim} (got {len(indices)})")
     if check:
-        for d, i in enumerate(indices):
-            if i is not None:
-                _check_range(i, x.shape[d], _out_of_bounds(d, x.shape[d]))
+        given = [(d, i) for d, i in enumerate(indices) if i is not None]
+        for k, (d, i) in enumerate(given):  # torch's message counts the index tensors, not the dims
+            _check_range(i, x.shape[d], _out_of_bounds(k, x.shape[d]))
     return tuple(slice(None) if i is None else i for i in indices)
 
 
@@ -236,7 +231,7 @@ def _crop(a, shape):
 def gather(x, dim, index, *, sparse_grad=False):
     d, x1 = _as_1d(x, dim)
     index1 = index.reshape(-1) if index.ndim == 0 else index
-    _check_range(index1, x1.shape[d], _out_of_bounds(dim, x1.shape[d], RuntimeError), negative=False)
+    _check_range(index1, x1.shape[d], _out_of_bounds(dim, x1.shape[d], TorchRuntimeError), negative=False)
     if index1.size == 0:
         return jnp.zeros(index.shape, x.dtype)
     return x1[_along(d, index1)].reshape(index.shape)
@@ -248,7 +243,7 @@ def _scatter_args(x, dim, index, src):
     if index1.size == 0:  # writes nothing, whatever the index's rank (torch checks no shapes then)
         nowhere = jnp.zeros((0,), np.int64)
         return x1, (nowhere,) * x1.ndim, jnp.zeros((0,), x.dtype)
-    _check_range(index1, x1.shape[d], _out_of_bounds(dim, x1.shape[d], RuntimeError), negative=False)
+    _check_range(index1, x1.shape[d], _out_of_bounds(dim, x1.shape[d], TorchRuntimeError), negative=False)
     if hasattr(src, "ndim") and src.ndim:
         src = _crop(src, index1.shape)
     src = jnp.broadcast_to(_value(src, x.dtype), index1.shape)
@@ -345,7 +340,7 @@ def index_select(x, dim, index):
 
 @register(aten.index_add.default)
 def index_add(x, dim, index, source, *, alpha=1):
-    x1, idx, src = _dim_index(x, dim, index, lambda d, n: _out_of_bounds(d, n, RuntimeError), source)
+    x1, idx, src = _dim_index(x, dim, index, lambda d, n: _out_of_bounds(d, n, TorchRuntimeError), source)
     if alpha != 1:
         src = src * _value(alpha, x.dtype)
     return _accumulate(x1.at[idx], src, x.dtype).reshape(x.shape)
@@ -429,10 +424,8 @@ def masked_scatter(x, mask, source):
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
     m = jnp.broadcast_to(mask, shape).reshape(-1)
     src = source.reshape(-1).astype(x.dtype)
-    if _env.config().check_indices and not _traced(m):
-        with jax.ensure_compile_time_eval():
-            if int(jnp.sum(m)) > src.size:
-                raise RuntimeError("Number of elements of source < number of ones in mask")
+    check_values(jnp.sum(m), lambda ones: ones > src.size,
+                 lambda _: TorchRuntimeError("Number of elements of source < number of ones in mask"))
     if src.size == 0:
         return jnp.broadcast_to(x, shape)
     pos = jnp.cumsum(m) - 1

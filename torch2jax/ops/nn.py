@@ -23,7 +23,7 @@ from .. import env as _env
 from ..dispatch import OpError, TorchRuntimeError, TorchValueError
 from .indexing import raise_as_torch, stand_in
 from .linalg import _acc_dtype, _precision
-from .registry import canonical_dim, decomposition, register, true_divide
+from .registry import canonical_dim, check_values, decomposition, register, true_divide
 from .shape import is_traced
 from .sparse import _warn_dense
 
@@ -579,6 +579,8 @@ def _multilabel_margin(x, target, reduction):
     rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
     target = target.reshape(rows.shape).astype(np.int64)
     classes = rows.shape[-1]
+    check_values(target, lambda t: (t < -1) | (t >= classes),
+                 lambda _: TorchRuntimeError("argument #2 'target' is out of range"))
     listed = jnp.cumprod(target != -1, axis=-1).astype(bool)
     picked = jnp.where(listed, target, -1)
     is_target = (picked[:, :, None] == jnp.arange(classes)[None, None, :]).any(axis=1)
@@ -609,6 +611,7 @@ def multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=_MEAN):
     rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
     target = target.reshape(-1).astype(np.int64)
     classes = rows.shape[-1]
+    check_values(target, lambda t: (t < 0) | (t >= classes), lambda _: TorchRuntimeError("target out of range"))
     at_target = jnp.take_along_axis(rows, jnp.clip(target, 0, classes - 1)[:, None], axis=1)
     z = margin - at_target + rows
     h = jnp.where(z > 0, z if p == 1 else z * z, 0)
@@ -650,13 +653,20 @@ def _in_unit_interval(x, target):
 
 
 def _check_probabilities(x, target):
-    """torch's CPU kernel checks every input and target value; eager only (a traced one is unknown)."""
-    if isinstance(x, jax.core.Tracer) or isinstance(target, jax.core.Tracer) or not _env.config().check_indices:
+    """torch's CPU kernel checks every input and target value (see `check_values`)."""
+    if isinstance(x, jax.core.Tracer) or isinstance(target, jax.core.Tracer):
+        check_values(np.arange(2), lambda i: ~_in_unit_interval(x, target)[i], _outside_unit_interval)
+        return
+    if not _env.config().check_indices:
         return
     with jax.ensure_compile_time_eval():  # a constant inside a jit trace is still checked
         x_ok, target_ok = np.asarray(_in_unit_interval(x, target))
     if not (x_ok and target_ok):
-        raise TorchRuntimeError(f"all elements of {'target' if x_ok else 'input'} should be between 0 and 1")
+        raise _outside_unit_interval(int(x_ok))
+
+
+def _outside_unit_interval(which):
+    return TorchRuntimeError(f"all elements of {('input', 'target')[which]} should be between 0 and 1")
 
 
 @register(aten.binary_cross_entropy.default)
@@ -695,12 +705,8 @@ def binary_cross_entropy_with_logits(x, target, weight=None, pos_weight=None, re
 
 
 def _check_targets(target, n_classes, ignore_index):
-    if isinstance(target, jax.core.Tracer) or not _env.config().check_indices or target.size == 0:
-        return
-    t = np.asarray(target)
-    bad = (t != ignore_index) & ((t < 0) | (t >= n_classes))
-    if bad.any():
-        raise IndexError(f"Target {int(t[bad][0])} is out of bounds.")
+    check_values(target, lambda t: (t != ignore_index) & ((t < 0) | (t >= n_classes)),
+                 lambda t: IndexError(f"Target {t} is out of bounds."))
 
 
 # nll_loss's argument checks, in torch's order and with its messages (a weight of the
@@ -830,14 +836,15 @@ def one_hot(x, num_classes=-1):
     """The AutogradPrivateUse1 kernel of aten::one_hot."""
     if x.numel() == 0 and num_classes <= 0:  # the C++ kernel would take the max of no values
         raise RuntimeError("Can not infer total number of classes from empty tensor.")
-    if x.dtype == torch.long and x.numel() and not is_traced(x) and _env.config().check_indices:
-        # (int64 values: JAX's 64-bit types are on only inside dispatch)
-        with jax.enable_x64(True), jax.ensure_compile_time_eval():  # a constant inside a jit trace is still checked
-            lo, hi = np.asarray(jnp.stack([jnp.min(x.jax()), jnp.max(x.jax())]))
-        if lo < 0:
-            raise RuntimeError("Class values must be non-negative.")
-        if num_classes != -1 and hi >= num_classes:
-            raise RuntimeError("Class values must be smaller than num_classes.")
+    if num_classes == -1 and is_traced(x):
+        raise OpError("torch2jax: aten.one_hot with num_classes=-1 has an output shape that depends on tensor values, "
+                      "so it cannot run under jax.jit; pass num_classes")
+    if x.dtype == torch.long and x.numel():
+        with jax.enable_x64(True):  # (int64 values: JAX's 64-bit types are on only inside dispatch)
+            check_values(x.jax(), lambda v: v < 0, lambda _: RuntimeError("Class values must be non-negative."))
+            if num_classes != -1:
+                check_values(x.jax(), lambda v: v >= num_classes,
+                             lambda _: RuntimeError("Class values must be smaller than num_classes."))
     return aten.one_hot.default._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, x, num_classes)
 
 
@@ -878,6 +885,22 @@ def pixel_unshuffle(x, downscale_factor):
             raise TorchRuntimeError(f"pixel_unshuffle expects {name} to be divisible by downscale_factor, but "
                                     f"input.size({dim})={x.shape[dim]} is not divisible by {downscale_factor}")
     return _TORCH_DECOMPOSITIONS[aten.pixel_unshuffle.default](x, downscale_factor)
+
+
+# -- max_unpool -------------------------------------------------------------------------
+#
+# torch's decompositions scatter into the output with the indices unchecked; JAX drops an
+# out-of-range update where torch's kernels raise.
+
+
+@decomposition(aten.max_unpool2d.default, aten.max_unpool3d.default)
+def max_unpool(x, indices, output_size, *args):
+    op = aten.max_unpool2d.default if len(output_size) == 2 else aten.max_unpool3d.default
+    if isinstance(indices, torch.Tensor) and indices.device.type == "jax":
+        size = math.prod(output_size)
+        check_values(indices.jax(), lambda i: (i < 0) | (i >= size), lambda i: TorchRuntimeError(
+            f"Found an invalid max index: {i} (output volumes are of size {'x'.join(map(str, output_size))})"))
+    return _TORCH_DECOMPOSITIONS[op](x, indices, output_size, *args)
 
 
 # -- embedding bag -----------------------------------------------------------------------

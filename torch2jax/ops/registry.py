@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dt
+from .. import env as _env
+from .. import symbolic as _sym
 
 LOWERINGS: dict = {}
 VIEWS: dict = {}
@@ -202,6 +204,31 @@ def elementwise(*ops, promote_kind: str = "default", opmath: bool = True):
         return lowering
 
     return deco
+
+
+def check_values(values, is_bad, error) -> None:
+    """Raise ``error(v)`` for the first value ``v`` of ``values`` where ``is_bad`` (applied to
+    the NumPy or JAX array of them) is true, as torch's kernels check the values they read
+    (indices, class labels). Follows ``check_indices``: in eager mode at once (one device
+    sync), in a traced program when it runs (only under ``check_indices="always"``, see
+    `torch2jax.Config`).
+
+    >>> check_values(index, lambda i: (i < 0) | (i >= n), lambda i: IndexError(f"index {i} is out of bounds"))
+    """
+    mode = _env.config().check_indices
+    if not mode or np.size(values) == 0:
+        return
+    if not isinstance(values, jax.core.Tracer):
+        values = np.asarray(values)
+    values = values.reshape(-1)
+    bad = is_bad(values)
+    if isinstance(bad, jax.core.Tracer):
+        if mode == "always":
+            _sym.check_when_run(jnp.any(bad), error, jnp.asarray(values)[jnp.argmax(bad)])
+        return
+    bad = np.asarray(bad)
+    if bad.any():
+        raise error(values[np.argmax(bad)].item())
 
 
 def canonical_dim(dim: int, ndim: int) -> int:
