@@ -78,3 +78,13 @@ def test_dense_storage_warns_once():
         for _ in range(2):
             torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (2,), device="jax")
     assert sum("no sparse layout" in str(w.message) for w in record) == 1
+
+
+@pytest.mark.parametrize("convert", [lambda x: x.to_sparse(), lambda x: x.to_sparse(1), lambda x: x.to_sparse_csr(),
+                                     lambda x: x.to_sparse_csc(), lambda x: x.to_sparse(layout=torch.sparse_bsr,
+                                                                                         blocksize=(1, 1))])
+def test_to_sparse_layouts_raise_a_clear_error(convert):
+    x = torch.eye(3, device="jax")
+    with pytest.raises(t2j.OpError, match="the jax device has no sparse layouts .* x.cpu\\(\\).to_sparse\\(\\)"):
+        convert(x)
+    assert convert(x.cpu()).layout != torch.strided  # what the message suggests works

@@ -8,13 +8,17 @@ transforms themselves run unnormalized and the scale is applied afterwards.
 from __future__ import annotations
 
 import math
+import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
 from .. import dtypes as _dt
-from .registry import canonical_dims, register
+from ..dispatch import TorchRuntimeError
+from .linalg import _scalar_type
+from .registry import canonical_dims, check_values, register
 
 aten = torch.ops.aten
 
@@ -62,3 +66,83 @@ def _fft_c2c(x, dim, normalization, forward):
     n = math.prod(x.shape[a] for a in axes)
     out = jnp.fft.fftn(x, axes=axes) if forward else jnp.fft.ifftn(x, axes=axes, norm="forward")
     return _normalize(out.astype(x.dtype), n, normalization)
+
+
+# -- istft ------------------------------------------------------------------------------
+#
+# aten::istft is CompositeImplicitAutograd, and its kernel checks the window's overlap-add
+# envelope with a Python-bool comparison (aten::equal), which a traced program cannot
+# answer. This AutogradPrivateUse1 kernel takes the same steps as torch ops (so autograd
+# records them) and checks the envelope with `check_values`: at once in eager mode, when
+# the program runs under check_indices="always". torch's argument checks and warnings
+# come from running its own kernel on meta tensors, up to the envelope check.
+
+
+def _istft_arguments_checked(x, n_fft, hop_length, win_length, window, center, normalized, onesided, length,
+                             return_complex):
+    """Run torch's istft on meta stand-ins: its argument errors (named for the jax device) and warnings."""
+    meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    meta_window = torch.empty(window.shape, dtype=window.dtype, device="meta") if window is not None else None
+    try:
+        aten.istft.default._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, meta, n_fft, hop_length,
+                                  win_length, meta_window, center, normalized, onesided, length, return_complex)
+    except NotImplementedError as e:  # the envelope check, reached with valid arguments
+        if "aten::equal" not in str(e):
+            raise
+    except RuntimeError as e:
+        raise TorchRuntimeError(str(e).replace("Meta", "jax")) from None
+
+
+def _type_name(t):
+    return f"jax{_scalar_type(_dt.to_jax(t.dtype))}Type"
+
+
+def istft(x, n_fft, hop_length=None, win_length=None, window=None, center=True, normalized=False, onesided=None,
+          length=None, return_complex=False):
+    """The AutogradPrivateUse1 kernel of aten::istft: torch's algorithm in torch ops."""
+    _istft_arguments_checked(x, n_fft, hop_length, win_length, window, center, normalized, onesided, length,
+                             return_complex)
+    hop = hop_length if hop_length is not None else n_fft // 4
+    win = win_length if win_length is not None else n_fft
+    # torch's message for a failed envelope check shows the arguments as they were given
+    shown = (f"istft({_type_name(x)}{list(x.shape)}, n_fft={n_fft}, hop_length={hop}, win_length={win}, window="
+             f"{'None' if window is None else _type_name(window) + '{' + str(list(window.shape)) + '}'}, "
+             f"center={int(center)}, normalized={int(normalized)}, "
+             f"onesided={'None' if onesided is None else int(onesided)}, length={length}, "
+             f"return_complex={int(return_complex)})")
+    batched = x.dim() == 3
+    spectra = (x if batched else x.unsqueeze(0)).transpose(1, 2)  # [batch, frames, frequencies]
+    if window is None:
+        window = torch.ones(win, dtype=x.real.dtype, device=x.device)
+    left = (n_fft - win) // 2
+    window = torch.nn.functional.pad(window, (left, n_fft - win - left))
+    if onesided is None:
+        onesided = x.shape[-2] != n_fft
+    norm = "ortho" if normalized else "backward"
+    if return_complex:
+        frames = torch.fft.ifft(spectra, n=n_fft, dim=-1, norm=norm)
+    else:
+        frames = torch.fft.irfft(spectra[..., : n_fft // 2 + 1] if not onesided else spectra, n=n_fft, dim=-1,
+                                 norm=norm)
+    count = spectra.shape[1]
+    total = n_fft + hop * (count - 1)
+    signal = aten.unfold_backward(frames * window.view(1, 1, n_fft), [spectra.shape[0], total], 1, n_fft, hop)
+    envelope = aten.unfold_backward(window.pow(2).expand(1, count, n_fft), [1, total], 1, n_fft, hop)
+    start = n_fft // 2 if center else 0
+    end = start + length if length is not None else (-(n_fft // 2) if center else total)
+    signal, envelope = signal[:, start:end], envelope[:, start:end]
+    with jax.enable_x64(True):
+        check_values(envelope.abs().min().jax(), lambda lowest: lowest < 1e-11, lambda _: TorchRuntimeError(
+            f"{shown} window overlap add min: 1\n[ jaxBoolType{{}} ]"))
+    signal = signal / envelope
+    if not batched:
+        signal = signal.squeeze(0)
+    if end > total:
+        warnings.warn("The length of signal is shorter than the length parameter. Result is being padded with zeros "
+                      "in the tail. Please check your center and hop_length settings.", stacklevel=2)
+        signal = torch.nn.functional.pad(signal, (0, end - total))
+    return signal
+
+
+_library = torch.library.Library("aten", "IMPL")
+_library.impl("istft", istft, "AutogradPrivateUse1")

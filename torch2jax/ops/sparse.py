@@ -16,6 +16,7 @@ import warnings
 import jax.numpy as jnp
 import torch
 
+from ..dispatch import OpError
 from .creation import jax_dtype
 from .registry import register
 
@@ -41,3 +42,13 @@ def _sparse_coo_tensor_with_dims_and_tensors(sparse_dim, dense_dim, size, indice
     _warn_dense()
     dt = jax_dtype(dtype, values.dtype)
     return jnp.zeros(tuple(size), dt).at[tuple(indices[:sparse_dim])].add(values.astype(dt))
+
+
+@register(aten._to_sparse, aten._to_sparse_csr, aten._to_sparse_csc, aten._to_sparse_bsr, aten._to_sparse_bsc)
+def _to_sparse(x, *args, **kwargs):
+    """A sparse layout cannot hold a jax array: say so, and what to do instead."""
+    raise OpError(
+        "torch2jax: to_sparse / to_sparse_csr / to_sparse_csc / to_sparse_bsr / to_sparse_bsc: the jax device has "
+        "no sparse layouts (JAX arrays are dense); keep the tensor dense, or convert on the CPU: "
+        "x.cpu().to_sparse()"
+    )
