@@ -17,8 +17,7 @@ import torch
 
 from .. import dtypes as _dt
 from ..dispatch import TorchRuntimeError
-from .linalg import _scalar_type
-from .registry import canonical_dims, check_values, register
+from .registry import canonical_dims, check_values, register, scalar_type_name
 
 aten = torch.ops.aten
 
@@ -94,7 +93,7 @@ def _istft_arguments_checked(x, n_fft, hop_length, win_length, window, center, n
 
 
 def _type_name(t):
-    return f"jax{_scalar_type(_dt.to_jax(t.dtype))}Type"
+    return f"jax{scalar_type_name(t.dtype)}Type"
 
 
 def istft(x, n_fft, hop_length=None, win_length=None, window=None, center=True, normalized=False, onesided=None,

@@ -33,7 +33,7 @@ from jax.lax import linalg as lax_linalg
 
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
-from .registry import canonical_dim, cast, register
+from .registry import canonical_dim, cast, register, scalar_type_name
 
 aten = torch.ops.aten
 
@@ -56,11 +56,6 @@ class LinAlgError(TorchRuntimeError, torch.linalg.LinAlgError):
     """torch.linalg.LinAlgError, passed on by the dispatcher as torch's own error."""
 
 
-def _scalar_type(dtype):
-    """torch's C++ name of ``dtype`` in its messages ("Float", "Long")."""
-    return torch.empty(0, dtype=_dt.to_torch(dtype), device="cpu").type()[len("torch."):-len("Tensor")]
-
-
 def _check_matrix(shape, f_name, arg="A"):
     if len(shape) < 2:
         raise TorchRuntimeError(f"{f_name}: The input tensor {arg} must have at least 2 dimensions.")
@@ -77,15 +72,15 @@ def _check_square(shape, f_name, arg="A"):
 def _check_floating(dtype, f_name, low_precision=True):
     if not (_dt.is_floating(dtype) or _dt.is_complex(dtype)):
         raise TorchRuntimeError(
-            f"{f_name}: Expected a floating point or complex tensor as input. Got {_scalar_type(dtype)}"
+            f"{f_name}: Expected a floating point or complex tensor as input. Got {scalar_type_name(dtype)}"
         )
     if not low_precision and np.dtype(dtype) not in _LAPACK_DTYPES:
-        raise TorchRuntimeError(f"{f_name}: Low precision dtypes not supported. Got {_scalar_type(dtype)}")
+        raise TorchRuntimeError(f"{f_name}: Low precision dtypes not supported. Got {scalar_type_name(dtype)}")
 
 
 def _not_implemented(kernel, dtype):
     """The error of torch's dtype dispatch for a kernel not compiled for ``dtype``."""
-    return NotImplementedError(f"\"{kernel}\" not implemented for '{_scalar_type(dtype)}'")
+    return NotImplementedError(f"\"{kernel}\" not implemented for '{scalar_type_name(dtype)}'")
 
 
 def _check_kernel(kernel, dtype):
@@ -109,8 +104,8 @@ def _check_linear_solve(b, a, name):
     """torch's linearSolveCheckInputs for the right-hand side ``b`` and the matrices ``a``."""
     if b.dtype != a.dtype:
         raise TorchRuntimeError(
-            f"Expected b and A to have the same dtype, but found b of type {_scalar_type(b.dtype)} and A of type "
-            f"{_scalar_type(a.dtype)} instead."
+            f"Expected b and A to have the same dtype, but found b of type {scalar_type_name(b.dtype)} and A of type "
+            f"{scalar_type_name(a.dtype)} instead."
         )
     if a.shape[-1] != a.shape[-2]:
         raise TorchRuntimeError(
@@ -235,7 +230,7 @@ def _check_expand(x, shape):
     """torch's expand of ``x`` (addmm's input) to the product's ``shape``, with its errors."""
     if x.ndim > len(shape):
         raise TorchRuntimeError(
-            f"expand(torch.{_scalar_type(x.dtype)}Tensor{{{list(x.shape)}}}, size={list(shape)}): the number of "
+            f"expand(torch.{scalar_type_name(x.dtype)}Tensor{{{list(x.shape)}}}, size={list(shape)}): the number of "
             f"sizes provided ({len(shape)}) must be greater or equal to the number of dimensions in the tensor "
             f"({x.ndim})"
         )
@@ -441,8 +436,8 @@ def _check_dot(a, b):
         raise TorchRuntimeError(f"1D tensors expected, but got {a.ndim}D and {b.ndim}D tensors")
     if a.dtype != b.dtype:
         raise TorchRuntimeError(
-            f"dot : expected both vectors to have same dtype, but found {_scalar_type(a.dtype)} and "
-            f"{_scalar_type(b.dtype)}"
+            f"dot : expected both vectors to have same dtype, but found {scalar_type_name(a.dtype)} and "
+            f"{scalar_type_name(b.dtype)}"
         )
     if a.shape != b.shape:
         raise TorchRuntimeError(
@@ -506,7 +501,7 @@ def _check_cross(a, b, dim):
         )
     shape = _infer_size(a.shape, b.shape)
     if a.dtype != b.dtype:
-        raise TorchRuntimeError(f"expected scalar type {_scalar_type(a.dtype)} but found {_scalar_type(b.dtype)}")
+        raise TorchRuntimeError(f"expected scalar type {scalar_type_name(a.dtype)} but found {scalar_type_name(b.dtype)}")
     if a.dtype == np.bool_:
         raise _not_implemented("cross", a.dtype)
     return shape, d
@@ -568,12 +563,12 @@ def _check_cdist(x1, x2, p):
         )
     for x, name in ((x1, "X1"), (x2, "X2")):
         if not _dt.is_floating(x.dtype):
-            raise TorchRuntimeError(f"cdist only supports floating-point dtypes, {name} got: {_scalar_type(x.dtype)}")
+            raise TorchRuntimeError(f"cdist only supports floating-point dtypes, {name} got: {scalar_type_name(x.dtype)}")
     if p < 0:
         raise TorchRuntimeError("cdist only supports non-negative p values")
     batch = _batch_shape(x1.shape, x2.shape)
     if x1.dtype != x2.dtype:
-        raise TorchRuntimeError(f"expected scalar type {_scalar_type(x1.dtype)} but found {_scalar_type(x2.dtype)}")
+        raise TorchRuntimeError(f"expected scalar type {scalar_type_name(x1.dtype)} but found {scalar_type_name(x2.dtype)}")
     _check_kernel("cdist", x1.dtype)
     return batch
 
@@ -753,8 +748,8 @@ def _linalg_solve_ex(a, b, *, left=True, check_errors=False):
     _check_floating(a.dtype, "linalg.solve")
     if a.dtype != b.dtype:
         raise TorchRuntimeError(
-            f"linalg.solve: Expected A and B to have the same dtype, but found A of type {_scalar_type(a.dtype)} "
-            f"and B of type {_scalar_type(b.dtype)} instead"
+            f"linalg.solve: Expected A and B to have the same dtype, but found A of type {scalar_type_name(a.dtype)} "
+            f"and B of type {scalar_type_name(b.dtype)} instead"
         )
     vector = _is_vector_rhs(a, b)
     rhs_shape = b.shape + (1,) if vector else b.shape
@@ -873,7 +868,7 @@ def _check_lu_solve(lu, pivots, b, left):
     if lu.dtype != b.dtype:
         raise TorchRuntimeError(
             f"linalg.lu_solve: Expected LU and B to have the same dtype, but found LU of type "
-            f"{_scalar_type(lu.dtype)} and B of type {_scalar_type(b.dtype)} instead"
+            f"{scalar_type_name(lu.dtype)} and B of type {scalar_type_name(b.dtype)} instead"
         )
     if pivots.dtype != np.int32:
         raise TorchRuntimeError("linalg.lu_solve: pivots should be a Tensor of scalar type torch.int32")
@@ -1274,7 +1269,7 @@ def linalg_ldl_solve(ld, pivots, b, *, hermitian=False):
             f"{list(pivots.shape)} instead"
         )
     if not _dt.is_integral(pivots.dtype):
-        raise TorchRuntimeError(f"{name}: Expected pivots to be integers. Got {_scalar_type(pivots.dtype)}")
+        raise TorchRuntimeError(f"{name}: Expected pivots to be integers. Got {scalar_type_name(pivots.dtype)}")
     batch = _batch_shape(b.shape, ld.shape)
     _check_kernel("ldl_solve_kernel_cpu", ld.dtype)
     n = ld.shape[-1]
@@ -1310,7 +1305,7 @@ def _linalg_eigh(a, UPLO="L", compute_v=True):
 def _check_complex_type(dtype):
     """torch's eig kernels make their result dtype first: there is none for integers and bool."""
     if not (_dt.is_floating(dtype) or _dt.is_complex(dtype)):
-        raise TorchRuntimeError(f"Unknown Complex ScalarType for {_scalar_type(dtype)}")
+        raise TorchRuntimeError(f"Unknown Complex ScalarType for {scalar_type_name(dtype)}")
 
 
 @register(aten.linalg_eig.default)
@@ -1398,7 +1393,7 @@ def _check_householder_product(a, tau):
         )
     if tau.dtype != a.dtype:
         raise TorchRuntimeError(
-            f"{name}: tau dtype {_scalar_type(tau.dtype)} does not match input dtype {_scalar_type(a.dtype)}"
+            f"{name}: tau dtype {scalar_type_name(tau.dtype)} does not match input dtype {scalar_type_name(a.dtype)}"
         )
     _check_kernel("orgqr_cpu", a.dtype)
 
@@ -1441,7 +1436,7 @@ def _check_ormqr(a, tau, c, left):
         if x.dtype != a.dtype:  # torch's message lacks the space after the first "dtype"
             raise TorchRuntimeError(
                 f"torch.ormqr: Expected input and {x_name} to have the same dtype, but input has dtype"
-                f"{_scalar_type(a.dtype)} and {x_name} has dtype {_scalar_type(x.dtype)}"
+                f"{scalar_type_name(a.dtype)} and {x_name} has dtype {scalar_type_name(x.dtype)}"
             )
     _check_kernel("ormqr_cpu", a.dtype)
 
@@ -1591,7 +1586,7 @@ def _pinv_ex(a, atol, rtol, hermitian, precision):
 def linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
     if a.ndim < 2 or np.dtype(a.dtype) not in _LAPACK_DTYPES:
         raise TorchRuntimeError(
-            f"linalg.pinv({_scalar_type(a.dtype)}{{{list(a.shape)}}}): expected a tensor with 2 or more dimensions "
+            f"linalg.pinv({scalar_type_name(a.dtype)}{{{list(a.shape)}}}): expected a tensor with 2 or more dimensions "
             "of float, double, cfloat or cdouble types"
         )
     if hermitian:
@@ -1612,7 +1607,7 @@ def _check_lstsq(a, b, driver):
     if a.dtype != b.dtype:
         raise TorchRuntimeError(
             f"{name}: Expected input and other to have the same dtype, but got input's dtype "
-            f"{_scalar_type(a.dtype)} and other's dtype {_scalar_type(b.dtype)}"
+            f"{scalar_type_name(a.dtype)} and other's dtype {scalar_type_name(b.dtype)}"
         )
     if not 0 <= a.ndim - b.ndim <= 1:
         raise TorchRuntimeError(

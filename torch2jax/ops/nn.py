@@ -23,7 +23,7 @@ from .. import env as _env
 from ..dispatch import OpError, TorchRuntimeError, TorchValueError
 from .indexing import raise_as_torch, stand_in
 from .linalg import _acc_dtype, _precision
-from .registry import canonical_dim, check_values, decomposition, register, true_divide
+from .registry import canonical_dim, check_values, decomposition, register, scalar_type_name, true_divide
 from .shape import is_traced
 from .sparse import _warn_dense
 
@@ -713,14 +713,9 @@ def _check_targets(target, n_classes, ignore_index):
 # wrong size would otherwise be read with clamped indices, a float target be rounded).
 
 
-def _scalar_type(dtype):
-    """torch's name of ``dtype`` in its messages ("Float", "Long")."""
-    return torch.empty(0, dtype=_dt.to_torch(dtype)).type()[len("torch."):-len("Tensor")]
-
-
 def _check_nll_target_dtype(target):
     if target.dtype not in (_LONG, _BYTE):
-        raise TorchRuntimeError(f"expected target dtype to be Long or Byte, but got {_scalar_type(target.dtype)}")
+        raise TorchRuntimeError(f"expected target dtype to be Long or Byte, but got {scalar_type_name(target.dtype)}")
 
 
 def _check_nll_dtypes(op, x, weight, ndim):

@@ -231,6 +231,12 @@ def check_values(values, is_bad, error) -> None:
         raise error(values[np.argmax(bad)].item())
 
 
+def scalar_type_name(dtype) -> str:
+    """torch's C++ name of ``dtype`` (a JAX or torch dtype) in its messages: "Float", "Long"."""
+    dtype = dtype if isinstance(dtype, torch.dtype) else _dt.to_torch(dtype)
+    return torch.empty(0, dtype=dtype, device="cpu").type()[len("torch."):-len("Tensor")]
+
+
 def canonical_dim(dim: int, ndim: int) -> int:
     """A dim in [0, ndim) from torch's possibly negative ``dim`` (a scalar counts as 1-d)."""
     n = max(ndim, 1)
