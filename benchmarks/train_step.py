@@ -1,7 +1,7 @@
 """One GPT training step (forward + backward + AdamW), every way we can run it, in one run.
 
     python benchmarks/train_step.py [--layers 4] [--embd 256] [--heads 8] [--seq 128] [--batch 16]
-                                    [--steps 20] [--no-torch-compile]
+                                    [--steps 20] [--no-torch-compile] [--matmul-precision highest|high]
 
 Rows: torch eager CPU, torch.compile CPU, torch2jax `t2j.jit` with torch.optim.AdamW,
 torch2jax with optax (`t2j.train.make_train_step`), torchax (where it imports), and
@@ -149,7 +149,13 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-torch-compile", action="store_true")
+    ap.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
+                    help="float32 matmuls in every row: 'highest' (torch's default: full float32) or 'high' "
+                         "(TF32 passes on GPUs that have them); sets torch.set_float32_matmul_precision and "
+                         "JAX's jax_default_matmul_precision alike")
     args = ap.parse_args()
+    torch.set_float32_matmul_precision(args.matmul_precision)
+    jax.config.update("jax_default_matmul_precision", "highest" if args.matmul_precision == "highest" else "tensorfloat32")
 
     cfg = gpt.GPTConfig(vocab_size=96, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
     torch.manual_seed(0)
@@ -170,7 +176,8 @@ def main():
     tokens = args.batch * args.seq
     print(f"GPT {args.layers} layers, d={args.embd}, {args.heads} heads, seq {args.seq}, batch {args.batch}, "
           f"{gpt.n_params(model) / 1e6:.2f}M params; {args.steps} timed steps (median)")
-    print(f"jax {jax.__version__} ({jax.devices()[0].device_kind}), torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print(f"jax {jax.__version__} ({jax.devices()[0].device_kind}), torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"float32 matmul precision {args.matmul_precision!r}")
     print()
     print("| implementation | ms/step | vs JAX | tokens/s | trace s | vs JAX | compile s | memory MiB | vs JAX |")
     print("|---|---|---|---|---|---|---|---|---|")
