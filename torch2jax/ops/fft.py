@@ -103,36 +103,37 @@ def istft(x, n_fft, hop_length=None, win_length=None, window=None, center=True, 
                              return_complex)
     hop = hop_length if hop_length is not None else n_fft // 4
     win = win_length if win_length is not None else n_fft
-    # torch's message for a failed envelope check shows the arguments as they were given
-    shown = (f"istft({_type_name(x)}{list(x.shape)}, n_fft={n_fft}, hop_length={hop}, win_length={win}, window="
-             f"{'None' if window is None else _type_name(window) + '{' + str(list(window.shape)) + '}'}, "
-             f"center={int(center)}, normalized={int(normalized)}, "
-             f"onesided={'None' if onesided is None else int(onesided)}, length={length}, "
-             f"return_complex={int(return_complex)})")
+
+    def envelope_too_small(_):
+        # torch's message shows the arguments as they were given
+        shown = "None" if window is None else f"{_type_name(window)}{{{list(window.shape)}}}"
+        return TorchRuntimeError(
+            f"istft({_type_name(x)}{list(x.shape)}, n_fft={n_fft}, hop_length={hop}, win_length={win}, "
+            f"window={shown}, center={int(center)}, normalized={int(normalized)}, "
+            f"onesided={'None' if onesided is None else int(onesided)}, length={length}, "
+            f"return_complex={int(return_complex)}) window overlap add min: 1\n[ jaxBoolType{{}} ]")
+
     batched = x.dim() == 3
     spectra = (x if batched else x.unsqueeze(0)).transpose(1, 2)  # [batch, frames, frequencies]
-    if window is None:
-        window = torch.ones(win, dtype=x.real.dtype, device=x.device)
+    full = window if window is not None else torch.ones(win, dtype=x.real.dtype, device=x.device)
     left = (n_fft - win) // 2
-    window = torch.nn.functional.pad(window, (left, n_fft - win - left))
-    if onesided is None:
-        onesided = x.shape[-2] != n_fft
+    full = torch.nn.functional.pad(full, (left, n_fft - win - left))
+    one_sided = onesided if onesided is not None else x.shape[-2] != n_fft
     norm = "ortho" if normalized else "backward"
     if return_complex:
         frames = torch.fft.ifft(spectra, n=n_fft, dim=-1, norm=norm)
     else:
-        frames = torch.fft.irfft(spectra[..., : n_fft // 2 + 1] if not onesided else spectra, n=n_fft, dim=-1,
+        frames = torch.fft.irfft(spectra if one_sided else spectra[..., : n_fft // 2 + 1], n=n_fft, dim=-1,
                                  norm=norm)
     count = spectra.shape[1]
     total = n_fft + hop * (count - 1)
-    signal = aten.unfold_backward(frames * window.view(1, 1, n_fft), [spectra.shape[0], total], 1, n_fft, hop)
-    envelope = aten.unfold_backward(window.pow(2).expand(1, count, n_fft), [1, total], 1, n_fft, hop)
+    signal = aten.unfold_backward(frames * full.view(1, 1, n_fft), [spectra.shape[0], total], 1, n_fft, hop)
+    envelope = aten.unfold_backward(full.pow(2).expand(1, count, n_fft), [1, total], 1, n_fft, hop)
     start = n_fft // 2 if center else 0
     end = start + length if length is not None else (-(n_fft // 2) if center else total)
     signal, envelope = signal[:, start:end], envelope[:, start:end]
     with jax.enable_x64(True):
-        check_values(envelope.abs().min().jax(), lambda lowest: lowest < 1e-11, lambda _: TorchRuntimeError(
-            f"{shown} window overlap add min: 1\n[ jaxBoolType{{}} ]"))
+        check_values(envelope.abs().min().jax(), lambda lowest: lowest < 1e-11, envelope_too_small)
     signal = signal / envelope
     if not batched:
         signal = signal.squeeze(0)
