@@ -569,3 +569,47 @@ def test_state_reached_through_default_arguments_is_carried():
         _classifier_step(reference, ref_opt)(x.to("jax"), y.to("jax"))
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu())
+
+
+def test_explain_recompiles_names_the_parameter_whose_optimizer_state_changed():
+    model = _model().to("jax")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = t2j.jit(_classifier_step(model, opt))
+    x, y = torch.randn(4, 8, device="jax"), torch.tensor([0, 1, 2, 3], device="jax")
+    step(x, y)
+    step(x, y)
+    del opt.state[model[3].bias]["momentum_buffer"]
+    step(x, y)
+    assert step.stats["traces"] == 3
+    assert ("optimizer #0 state of param_groups[0].params[5]: ('momentum_buffer',) -> ()"
+            in t2j.explain_recompiles()[-1])
+
+
+def test_grads_set_between_calls_are_what_the_next_call_reads():
+    """A cached call skips re-pointing a .grad that already holds the program's tensor;
+    a .grad the user replaced in between is read, not the stale one."""
+
+    def accumulate(model):
+        def step(x):
+            model(x).sum().backward()
+        return step
+
+    x = torch.randn(4, 8)
+    ref = _model()
+    model = _model().to("jax")
+    step, ref_step = t2j.jit(accumulate(model)), accumulate(ref)
+    for _ in range(3):
+        step(x.to("jax"))
+        ref_step(x)
+    grad = model[0].weight.grad
+    step(x.to("jax"))
+    ref_step(x)
+    assert model[0].weight.grad is grad  # the same tensor, holding the new value
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    ref[0].weight.grad = torch.ones_like(ref[0].weight)
+    model[3].bias.grad = None
+    ref[3].bias.grad = None
+    step(x.to("jax"))
+    ref_step(x)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-5)

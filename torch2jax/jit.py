@@ -56,6 +56,7 @@ import functools
 import gc
 import logging
 import math
+import operator
 import time
 import types
 import warnings
@@ -430,10 +431,38 @@ class _Hyperparameters:
 def _new_grad_slot(p, seen: set) -> bool:
     """Whether ``p.grad`` is a slot not listed yet (then it is marked as seen). A non-leaf's
     ``.grad`` stays None (and reading it warns) unless it retains grad."""
-    if p.requires_grad and (p.is_leaf or p.retains_grad) and id(p) not in seen:
+    # the set lookup first: a tensor's flags cost more to read, and most parameters were seen
+    if id(p) not in seen and p.requires_grad and (p.is_leaf or p.retains_grad):
         seen.add(id(p))
         return True
     return False
+
+
+def _submodules(m) -> list:
+    """``list(m.modules())``: ``m`` and every module under it, once each, in the same order,
+    without the names that ``named_modules`` builds."""
+    out, seen, todo = [], set(), [m]
+    while todo:
+        sub = todo.pop()
+        if sub is None or id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        out.append(sub)
+        todo.extend(reversed(sub._modules.values()))
+    return out
+
+
+_KEY_ORDER: dict = {}  # a state dict's keys in insertion order -> the same keys sorted
+
+
+def _sorted_keys(st: dict) -> tuple:
+    """The keys of an optimizer state dict in sorted order (the slot order), remembered per
+    key sequence: every parameter of an optimizer has the same few."""
+    keys = tuple(st)
+    order = _KEY_ORDER.get(keys)
+    if order is None:
+        order = _KEY_ORDER[keys] = tuple(sorted(keys))
+    return order
 
 
 class _Walk:
@@ -463,8 +492,8 @@ class _Walk:
         # the loops below run on every call, over every parameter: origins are built only when full
         full, tensors, grads_seen = self.full, self.tensors, self.grads_seen
         for k, m in enumerate(roots.modules):
-            subs = list(m.modules())
-            self.static.append((("module", k, "training"), tuple(sub.training for sub in subs)))
+            subs = _submodules(m)
+            self.static.append((("module", k, "training"), tuple([sub.training for sub in subs])))
             for sub in subs:
                 for name, p in sub._parameters.items():
                     if full:
@@ -475,11 +504,11 @@ class _Walk:
                     tensors.append(p)
                     if p is not None and _new_grad_slot(p, grads_seen):
                         tensors.append(p.grad)
-                for name, b in sub._buffers.items():
-                    if full:
+                if full:
+                    for name, b in sub._buffers.items():
                         self.add(b, ("buffer", m, sub, name))
-                    else:
-                        tensors.append(b)
+                else:
+                    tensors.extend(sub._buffers.values())
         for k, opt in enumerate(roots.optimizers):
             self.optimizer(k, opt)
         return self
@@ -504,6 +533,8 @@ class _Walk:
                     hyper.append((hk, hv))
             static.append((("optimizer", k, "param_groups", gi), tuple(hyper)))
             state = opt.state
+            # per parameter: the names of its state in sorted order, the tensors' names alone
+            layouts = []
             for pi, p in enumerate(group["params"]):
                 if full:
                     self.add_grad(p, ("opt_param", opt, k, gi, pi))
@@ -511,22 +542,24 @@ class _Walk:
                     tensors.append(p.grad)
                 st = state.get(p)
                 if st is None:
-                    static.append((("optimizer", k, "state", gi, pi), None))
+                    layouts.append(None)
                     continue
                 values = []
-                for sk, sv in sorted(st.items()):
-                    if isinstance(sv, torch.Tensor):
-                        if not isinstance(sv, Tensor):
-                            # capturable: a step counter on the CPU would count traces, not calls
-                            sv = st[sk] = sv.to(_tensor.DEVICE)
-                        if full:
-                            self.add(sv, ("opt_state", opt, k, pi, p, sk))
-                        else:
-                            tensors.append(sv)
-                        values.append(sk)
+                for sk in _sorted_keys(st):
+                    sv = st[sk]
+                    if not isinstance(sv, Tensor):  # (the cheaper test first: torch.Tensor's is slow)
+                        if not isinstance(sv, torch.Tensor):
+                            values.append((sk, sv))
+                            continue
+                        # capturable: a step counter on the CPU would count traces, not calls
+                        sv = st[sk] = sv.to(_tensor.DEVICE)
+                    if full:
+                        self.add(sv, ("opt_state", opt, k, pi, p, sk))
                     else:
-                        values.append((sk, sv))
-                static.append((("optimizer", k, "state", gi, pi), tuple(values)))
+                        tensors.append(sv)
+                    values.append(sk)
+                layouts.append(tuple(values))
+            static.append((("optimizer", k, "state", gi), tuple(layouts)))
 
     def lift(self, group, k, gi, hk, ti):
         self.lifted.append((group, hk, ti))
@@ -603,18 +636,18 @@ class _RootState:
 
     def matches(self, walk: _Walk) -> bool:
         ts = walk.tensors
-        if len(ts) != len(self.tensors) or not all(map(_is, ts, self.tensors)):
+        if len(ts) != len(self.tensors) or not all(map(operator.is_, ts, self.tensors)):
             return False
         if walk.static != self.static or walk.lifted_ids != self.lifted_ids:
             return False
         storages = [t._t2j_storage if t is not None else None for t in ts]
-        if not all(map(_is, storages, self.storage_of)):
+        if not all(map(operator.is_, storages, self.storage_of)):
             return False
         if _flags(ts) != self.flags:
             return False
         # an array this state has seen has the shape and dtype it had then
         arrays = [st.array for st in self.storages]
-        if not all(map(_is, arrays, self.arrays)):
+        if not all(map(operator.is_, arrays, self.arrays)):
             if _avals(self.storages) != self.avals:
                 return False
             self.arrays = arrays
@@ -637,10 +670,6 @@ class _Key(tuple):
         if h is None:
             h = self.__dict__["hash"] = tuple.__hash__(self)
         return h
-
-
-def _is(a, b):
-    return a is b
 
 
 def _flags(tensors):
@@ -675,9 +704,9 @@ def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None =
     """
     walk = _Walk(full, hypers=hypers).roots(roots)
     prefixes = {id(m): {id(sub): prefix for prefix, sub in m.named_modules()} for m in roots.modules} if full else {}
-    _check_on_device(walk, prefixes)
     state = memo[0] if memo else None
-    if state is None or not state.matches(walk):
+    if state is None or not state.matches(walk):  # (the remembered state was checked)
+        _check_on_device(walk, prefixes)
         state = _RootState(walk)
         if memo is not None:
             memo[:] = [state]
@@ -758,7 +787,7 @@ class _Entry:
     arguments: object  # (state arrays, learning rates, key) -> the program's arguments
     written: list  # input storage indices whose new value is an output
     new_storages: list  # storages created by the trace whose value is an output
-    post: list  # (setter, slot index | tensor | None): slots to re-point after a call
+    post: list  # (setter, slot index | tensor | None, slot index | None): slots to re-point after a call
     out_def: object  # torch pytree spec of the outputs
     # per output leaf: ("array" | "array32", k) | ("pre", slot) | ("arg", k) | ("view", `_view_of_slot`) | ("const", value)
     out_leaves: list
@@ -976,8 +1005,11 @@ class JitFunction:
         """Run one compiled program and write its state back; its outputs as arrays."""
         inputs = [st.array for st in storages]
         arguments = entry.arguments if donated else _plain_arguments
-        with jax.enable_x64(True), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        # JAX warns of unusable donations when it compiles, on the first run
+        first = not entry.compile_s
+        with jax.enable_x64(True), (warnings.catch_warnings() if first else contextlib.nullcontext()):
+            if first:
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             start = time.perf_counter()
             _sym.failed_check()  # one left by a program run outside t2j.jit is not this call's
             try:
@@ -1003,8 +1035,12 @@ class JitFunction:
             st.version += 1
         if entry.uses_rng:
             _rng.key = key
-        for setter, target in entry.post:
-            setter(slots.tensors[target] if isinstance(target, int) else target)
+        for setter, target, slot in entry.post:
+            target = slots.tensors[target] if isinstance(target, int) else target
+            # from the second call on, a .grad already holds the tensor the trace made: setting it again
+            # costs torch's checks for every parameter
+            if slot is None or slots.tensors[slot] is not target:
+                setter(target)
         if entry.keeps_avals and self._roots_memo:
             # the next call's lookup then finds these arrays unchanged instead of reading every shape
             self._roots_memo[0].remember_arrays()
@@ -1038,17 +1074,22 @@ class JitFunction:
             new = res[n_out + n_written:n_out + n_written + n_new]
             return outs, w, new, (res[-1] if uses_rng else None)
 
-        donated_set = set(donate)
-        order = list(donate) + [i for i in range(n_in) if i not in donated_set]
-        inverse = sorted(range(n_in), key=lambda k: order[k])
+        # state the program never reads (e.g. the .grad arrays a zero_grad inside drops) is not passed:
+        # every argument costs dispatch time on each call
+        used = _used_inputs(closed.jaxpr)
+        kept = [i for i in range(n_in) if i not in set(donate) and i in used]
 
         def arguments(inputs, lrs, key):
             # written state first, so that one argument (donated) covers exactly it
-            return [inputs[i] for i in donate], [inputs[i] for i in order[len(donate):]], lrs, key
+            return [inputs[i] for i in donate], [inputs[i] for i in kept], lrs, key
 
-        def split_program(donated, kept, lrs, key):
-            both = list(donated) + list(kept)
-            return program([both[k] for k in inverse], lrs, key)
+        def split_program(donated, kept_arrays, lrs, key):
+            both = [None] * n_in
+            for i, a in zip(donate, donated):
+                both[i] = a
+            for i, a in zip(kept, kept_arrays):
+                both[i] = a
+            return program(both, lrs, key)
 
         jitted = jax.jit(split_program, donate_argnums=(0,))
         # as in torch, a tensor no output depends on gets no gradient (None), not zeros
@@ -1176,7 +1217,7 @@ def _differentiable_inputs(slots, storages, written, post) -> list:
     or wrote a tensor that requires grad): the graph its outputs hang on was consumed
     inside the function, so they come back as plain values, as a training step's loss.
     """
-    if any(getattr(setter, "func", None) is _set_grad and target is not None for setter, target in post):
+    if any(getattr(setter, "func", None) is _set_grad and target is not None for setter, target, _ in post):
         return []
     index = {id(st): i for i, st in enumerate(storages)}
     written = set(written)
@@ -1191,6 +1232,13 @@ def _differentiable_inputs(slots, storages, written, post) -> list:
             seen.add(i)
             diff.append((i, k))
     return diff
+
+
+def _used_inputs(jaxpr) -> set:
+    """The indices of the inputs of ``jaxpr`` that an equation or an output reads."""
+    read = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)}
+    read.update(v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal))
+    return {i for i, v in enumerate(jaxpr.invars) if v in read}
 
 
 def _inputs_reaching(jaxpr, outputs) -> set:
@@ -1378,19 +1426,18 @@ def _slot_id(setter):
 
 
 def _repointed(pre: _Slots, post: _Slots, pre_index):
-    """(setter, target) for every slot that points to another tensor after the trace:
-    target is the index of a slot tensor before the call, a tensor the trace
-    created, or None."""
-    before = {_slot_id(s): t for s, t in zip(pre.setters, pre.tensors) if s is not None}
+    """(setter, target, slot) for every slot that points to another tensor after the
+    trace: target is the index of a slot tensor before the call, a tensor the trace
+    created, or None; slot is the index of the same slot before the call (None for a
+    slot the trace created, such as new optimizer state)."""
+    before = {_slot_id(s): k for k, s in enumerate(pre.setters) if s is not None}
     out = []
     for setter, t in zip(post.setters, post.tensors):
-        if setter is None or before.get(_slot_id(setter), _MISSING) is t:
+        k = before.get(_slot_id(setter)) if setter is not None else None
+        if setter is None or (k is not None and pre.tensors[k] is t):
             continue
-        out.append((setter, pre_index.get(id(t), t) if t is not None else None))
+        out.append((setter, pre_index.get(id(t), t) if t is not None else None, k))
     return out
-
-
-_MISSING = object()
 
 
 def _unindexed(sig):
@@ -1405,13 +1452,20 @@ def _describe_sig(sig):
     return text + (f" view{view}" if view else "")
 
 
-def _label(key) -> str:
+def _static_change(key, old, new) -> str:
+    """Says how the Python value a trace depends on under ``key`` changed."""
     kind, k, what, *where = key
     if kind == "module":
-        return f"module #{k} {what} flags"
-    if what == "state":
-        return f"optimizer #{k} state of param_groups[{where[0]}].params[{where[1]}]"
-    return f"optimizer #{k} param_groups[{where[0]}] hyperparameters"
+        label = f"module #{k} {what} flags"
+    elif what == "state":
+        label = f"optimizer #{k} state of param_groups[{where[0]}]"
+        if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+            # one entry per parameter: name the first that differs
+            pi = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
+            label, old, new = f"{label}.params[{pi}]", old[pi], new[pi]
+    else:
+        label = f"optimizer #{k} param_groups[{where[0]}] hyperparameters"
+    return f"{label}: {'absent' if old is _MISSING else repr(old)} -> {'absent' if new is _MISSING else repr(new)}"
 
 
 def _key_parts(slots_key):
@@ -1442,7 +1496,7 @@ def _diff(old, old_names, new, new_names):
     ostat, nstat = dict(oslots[2]), dict(nslots[2])
     for name in list(dict.fromkeys(list(ostat) + list(nstat))):
         if ostat.get(name, _MISSING) != nstat.get(name, _MISSING):
-            reasons.append(f"{_label(name)}: {ostat.get(name, 'absent')!r} -> {nstat.get(name, 'absent')!r}")
+            reasons.append(_static_change(name, ostat.get(name, _MISSING), nstat.get(name, _MISSING)))
     # the key ends with: torch2jax's settings, grad mode, autocast enabled, autocast dtype
     if orest[-4] != nrest[-4]:
         reasons.append(f"settings: {orest[-4]} -> {nrest[-4]}")
