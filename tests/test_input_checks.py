@@ -268,6 +268,10 @@ _VALUE_CASES = [
                 IndexError, "index 5 is out of bounds for dimension 0 with size 2"),
     _value_case("index_select", lambda d: (_t(_X, d), _t([0, 3], d)), lambda x, i: x.index_select(0, i),
                 IndexError, "index out of range in self"),
+    _value_case("index_select dim 1", lambda d: (_t(_X, d), _t([0, 3], d)), lambda x, i: x.index_select(1, i),
+                RuntimeError, "INDICES element is out of DATA bounds, id=3 axis_dim=3"),  # torch's dim-1 kernel
+    _value_case("index_select empty", lambda d: (_t(_X, d)[:0], _t([4], d)), lambda x, i: x.index_select(-1, i),
+                RuntimeError, "INDICES element is out of DATA bounds, id=4 axis_dim=3"),
     _value_case("gather", lambda d: (_t(_X, d), _t([[0, 3]], d)), lambda x, i: x.gather(1, i), RuntimeError,
                 "index 3 is out of bounds for dimension 1 with size 3"),
     _value_case("scatter_add", lambda d: (_t(_X, d), _t([[0, 3]], d)),
@@ -538,3 +542,11 @@ def test_nll_loss2d_weight_of_any_shape():
     expected = aten.nll_loss2d_forward(x, target, weight, 1, -100)
     actual = aten.nll_loss2d_forward(x.to("jax"), target.to("jax"), weight.to("jax"), 1, -100)
     torch.testing.assert_close([a.cpu() for a in actual], list(expected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_index_select_from_an_empty_axis(device):
+    x = _t(_X, device)[:, :0]
+    assert x.index_select(1, _t([], device).long()).shape == (2, 0)
+    with pytest.raises(RuntimeError, match=re.escape("index_select(): self indexing axis dim should be positive")):
+        x.index_select(1, _t([0], device))

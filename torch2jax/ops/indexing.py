@@ -330,10 +330,20 @@ def _dim_index(x, dim, index, error, source=None, negative=False):
     return x1, (slice(None),) * d + (index,), source
 
 
+def _index_select_error(x, d):
+    """torch's CPU kernel words an out-of-range index by the path it takes: the one for
+    dim 1 (and for an empty tensor) of a tensor of two or more dims names the index."""
+    if x.ndim > 1 and (d == 1 or x.size == 0):
+        return lambda i: TorchRuntimeError(f"INDICES element is out of DATA bounds, id={i} axis_dim={x.shape[d]}")
+    return _index_out_of_range_in_self
+
+
 @register(aten.index_select.default)
 def index_select(x, dim, index):
     d, x1 = _as_1d(x, dim)
-    _check_range(index, x1.shape[d], _index_out_of_range_in_self, negative=False)
+    if x.ndim > 1 and x.shape[d] == 0 and index.size:
+        raise TorchRuntimeError("index_select(): self indexing axis dim should be positive")
+    _check_range(index, x1.shape[d], _index_select_error(x, d), negative=False)
     out = jnp.take(x1, index.reshape(-1), axis=d)
     return out.reshape(()) if x.ndim == 0 else out
 
