@@ -1130,6 +1130,7 @@ def _generic_view_handler(func, args, kwargs):
             functools.partial(_gather_flat, idx),
             functools.partial(_scatter_flat, idx),
             func,
+            repeats=np.unique(idx).size < idx.size,
         )
         storage = x._t2j_storage
         value = step.forward(storage.array)
@@ -1178,6 +1179,15 @@ _NO_OVERLAP = {
 # Beside the pointwise ops (torch's TensorIterator), these refuse a partial overlap only
 # (at::assert_no_partial_overlap): writing a tensor onto itself is fine.
 _NO_PARTIAL_OVERLAP = {"copy_", "where", "cumsum", "cumsum_", "cumprod", "cumprod_", "sort"}
+# The written tensor itself may not show one element twice (at::assert_no_internal_overlap): the
+# ops above, the pointwise ones, and these; but not the ones after them, which torch lets write
+# an expanded tensor.
+_NO_INTERNAL_OVERLAP = {
+    aten.fill_.Tensor, aten.masked_scatter_.default, aten.normal_.default, aten.uniform_.default,
+    aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.random_.default, aten.random_.to, getattr(aten.random_, "from"),
+    aten.exponential_.default, aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default,
+}
+_INTERNAL_OVERLAP_ALLOWED = {"index_put_", "_index_put_impl_"}
 
 _OVERLAP_MESSAGE = (
     "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory "
@@ -1202,7 +1212,9 @@ def _checking_overlap(func, handler):
     schema = func._schema
     name = schema.name.split("::")[1]
     full = name in _NO_OVERLAP
-    if not (full or name in _NO_PARTIAL_OVERLAP or torch.Tag.pointwise in func.tags):
+    inputs = full or name in _NO_PARTIAL_OVERLAP or torch.Tag.pointwise in func.tags
+    internal = (inputs or func in _NO_INTERNAL_OVERLAP) and name not in _INTERNAL_OVERLAP_ALLOWED
+    if not (inputs or internal):
         return handler
     mutated = _mutated(schema)
     if not mutated:
@@ -1211,7 +1223,7 @@ def _checking_overlap(func, handler):
     read = [
         (i, a.name, isinstance(a.type, torch.ListType))
         for i, a in enumerate(schema.arguments)
-        if i not in mutated and "Tensor" in str(a.type)
+        if inputs and i not in mutated and "Tensor" in str(a.type)
     ]
 
     def checked(func, args, kwargs):
@@ -1222,7 +1234,7 @@ def _checking_overlap(func, handler):
             if storage is None:
                 continue
             # a base tensor is dense; only a view can repeat elements (expand, as_strided)
-            if w._t2j_view and any(st == 0 and sz > 1 for sz, st in zip(w.shape, w.stride())):
+            if internal and w._t2j_view and any(st == 0 and sz > 1 for sz, st in zip(w.shape, w.stride())):
                 raise TorchRuntimeError(INTERNAL_OVERLAP_MESSAGE)
             for j, rname, is_list in read:
                 a = args[j] if j < n else kwargs.get(rname)

@@ -734,19 +734,13 @@ def _module_slot_name(module, prefix, name):
 # ---------------------------------------------------------------------------
 
 
-_VALUE_VIEWS = frozenset({
-    torch.ops.aten._conj.default, torch.ops.aten._neg_view.default, torch.ops.aten.view.dtype,
-    torch.ops.aten.view_as_real.default, torch.ops.aten.view_as_complex.default,
-})
-
-
 def _view_of_slot(t, tensors, storages):
     """(slot, size, stride, offset, requires_grad) where output ``t`` is a view of an input's
     storage that the slot's tensor can give again with ``as_strided`` (as torch returns a
     view of the input, writes through it reaching the input); None otherwise."""
     if not t._t2j_view or not any(t._t2j_storage is st for st in storages):
         return None
-    if not all(isinstance(step.name, torch._ops.OpOverload) and step.name not in _VALUE_VIEWS for step in t._t2j_view):
+    if not all(map(_tensor.moves_elements, t._t2j_view)):
         return None  # a view that changes values (conj, dtype views): as_strided cannot give it again
     for k, s in enumerate(tensors):
         if s is not None and s._t2j_storage is t._t2j_storage and s.dtype == t.dtype:

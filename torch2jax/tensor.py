@@ -107,14 +107,63 @@ class ViewStep:
     otherwise.
     """
 
-    __slots__ = ("forward", "inverse", "name", "key", "trace")
+    __slots__ = ("forward", "inverse", "name", "key", "trace", "repeats")
 
-    def __init__(self, forward, inverse, name, key=None, trace=None):
+    def __init__(self, forward, inverse, name, key=None, trace=None, repeats=False):
         self.forward = forward
         self.inverse = inverse
         self.name = name
         self.key = key
         self.trace = trace
+        # some of the view's elements are one element of the input (as_strided with overlapping
+        # strides, unfold with a step below the size); a view with more elements than its
+        # input (expand) repeats elements without saying so
+        self.repeats = repeats
+
+
+# View ops whose result's elements are not elements of their input (a dtype reinterpretation, a
+# lazy conjugation or negation): their steps cannot be replayed on element positions
+VALUE_VIEWS = frozenset({
+    torch.ops.aten._conj.default, torch.ops.aten._neg_view.default, torch.ops.aten.view.dtype,
+    torch.ops.aten.view_as_real.default, torch.ops.aten.view_as_complex.default,
+})
+
+
+def moves_elements(step) -> bool:
+    """Whether a view step's result is made of elements of its input, moved (not a `VALUE_VIEWS` step)."""
+    return isinstance(step.name, torch._ops.OpOverload) and step.name not in VALUE_VIEWS
+
+
+def _repeats_elements(chain, arrays) -> bool:
+    """Whether a view reached by ``chain`` (``arrays``: the input of each step, then the view)
+    passes through a view that shows one element in several places, so that writing back
+    through each step would also write the stale copies of what the view changed."""
+    return any(step.repeats or arrays[i + 1].size > arrays[i].size for i, step in enumerate(chain)) and all(
+        map(moves_elements, chain))
+
+
+def _write_positions(array, chain, old, value):
+    """``array`` with the elements of a view (``chain`` applied to ``array``, now ``old``) that
+    ``value`` changes set to their new values. The chain is replayed on the elements' positions.
+    Only changed elements are written, as torch's kernel writes only what it computes: a
+    stale copy of an element the view shows twice must not overwrite the new one."""
+    positions = jnp.arange(array.size).reshape(array.shape)
+    for step in chain:
+        positions = step.forward(positions)
+    changed = _bits(old) != _bits(value)
+    if changed.ndim > value.ndim:  # complex: either part
+        changed = changed.any(-1)
+    positions = jnp.where(changed, positions, array.size).reshape(-1)
+    return array.reshape(-1).at[positions].set(value.reshape(-1), mode="drop").reshape(array.shape)
+
+
+def _bits(a):
+    """``a``'s bit patterns, so that a comparison sees NaN == NaN and -0.0 != 0.0."""
+    if a.dtype == jnp.bool_:
+        return a
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):
+        return jnp.stack([_bits(a.real), _bits(a.imag)], -1)
+    return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{a.dtype.itemsize * 8}"))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -197,9 +246,12 @@ class Tensor(torch.Tensor):
         bases = [st.array]
         for step in chain[:-1]:
             bases.append(step.forward(bases[-1]))
-        new = value
-        for step, base in zip(reversed(chain), reversed(bases)):
-            new = step.inverse(base, new)
+        if _repeats_elements(chain, bases + [value]):
+            new = _write_positions(st.array, chain, chain[-1].forward(bases[-1]), value)
+        else:
+            new = value
+            for step, base in zip(reversed(chain), reversed(bases)):
+                new = step.inverse(base, new)
         st.array = new
         st.version += 1
         self._t2j_cache = value
