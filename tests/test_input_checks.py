@@ -314,6 +314,51 @@ _VALUE_CASES = [
                 lambda x, m: x.masked_scatter(m, _t([1.0, 2.0, 3.0], x.device)), RuntimeError,
                 "Number of elements of source < number of ones in mask"),
 ]
+def _i8(d):
+    return _t([1, -1, 100], d, dtype=torch.int8)
+
+
+def _overflow(name, call, ctype="int8_t"):
+    return _case(name, call, RuntimeError, f"value cannot be converted to type {ctype} without overflow")
+
+
+# A Python number a kernel takes as a Scalar must fit the tensor's dtype (c10::checked_convert);
+# binary arithmetic (i8 + 1000) wraps instead, as torch does
+_SCALAR_CASES = [
+    _overflow("fill_", lambda d: _i8(d).fill_(1000)),
+    _overflow("full", lambda d: torch.full((2,), 1000, dtype=torch.int8, device=d)),
+    _overflow("full_like", lambda d: torch.full_like(_i8(d), 300)),
+    _overflow("masked_fill", lambda d: _i8(d).masked_fill(_t([True, False, True], d), 1000)),
+    _overflow("clamp", lambda d: _i8(d).clamp(max=1000)),
+    _overflow("where", lambda d: torch.where(_t([True, False, True], d), _i8(d), 1000)),
+    _overflow("setitem", lambda d: _i8(d).__setitem__(0, 1000)),
+    _overflow("setitem mask", lambda d: _i8(d).__setitem__(_t([True, False, True], d), -129)),
+    _overflow("add alpha", lambda d: torch.add(_i8(d), _i8(d), alpha=1000)),
+    _overflow("index_fill", lambda d: _i8(d).index_fill(0, _t([0], d), 1000)),
+    _overflow("scatter value", lambda d: _i8(d).scatter(0, _t([0], d), 1000)),
+    _overflow("pow", lambda d: _i8(d) ** 1000),
+    _overflow("threshold", lambda d: F.threshold(_i8(d), 1000, 0)),
+    _overflow("addcmul value", lambda d: torch.addcmul(_i8(d), _i8(d), _i8(d), value=1000)),
+    _overflow("pad value", lambda d: F.pad(_i8(d), (1, 1), value=1000)),
+    _overflow("uint8 below minus max", lambda d: torch.zeros(2, dtype=torch.uint8, device=d).fill_(-256), "uint8_t"),
+    _overflow("nan into int32", lambda d: torch.zeros(2, dtype=torch.int32, device=d).fill_(float("nan")), "int"),
+    _overflow("complex into float", lambda d: torch.zeros(2, device=d).__setitem__(0, 1 + 2j), "float"),
+    _overflow("float32 range", lambda d: torch.zeros(2, device=d).fill_(1e300), "float"),
+    _overflow("half range", lambda d: torch.zeros(2, dtype=torch.float16, device=d).fill_(1e5), "c10::Half"),
+    _case("index_put dtypes", lambda d: torch.zeros(3, device=d).index_put_((_t([0], d),), _t(1, d)), RuntimeError,
+          "Index put requires the source and destination dtypes match, got Float for the destination and Long for "
+          "the source."),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scalars_that_fit_are_accepted_as_torch_does(device):
+    u8 = torch.zeros(2, dtype=torch.uint8, device=device).fill_(-255)  # wraps to 1
+    i16 = torch.zeros(2, dtype=torch.int16, device=device).fill_(300.5)  # truncates
+    wrapped = _i8(device) + 1000
+    assert (u8.tolist(), i16.tolist(), wrapped.tolist()) == ([1, 1], [300, 300], [-23, -25, 76])
+
+
 _EAGER_VALUE_CASES = [_case(p.id, lambda d, inputs=p.values[0], op=p.values[1]: op(*inputs(d)), *p.values[2:])
                       for p in _VALUE_CASES]
 
@@ -322,7 +367,7 @@ _EAGER_VALUE_CASES = [_case(p.id, lambda d, inputs=p.values[0], op=p.values[1]: 
 @pytest.mark.parametrize(
     "call,error,message",
     _NLL_CASES + _ONE_HOT_CASES + _MASK_CASES + _BCE_CASES + _CONV_CASES + _CTC_CASES + _PIXEL_SHUFFLE_CASES
-    + _EAGER_VALUE_CASES,
+    + _EAGER_VALUE_CASES + _SCALAR_CASES,
 )
 def test_rejects_like_torch(call, error, message, device):
     with pytest.raises(error, match=re.escape(message)) as info:

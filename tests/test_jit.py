@@ -613,3 +613,95 @@ def test_grads_set_between_calls_are_what_the_next_call_reads():
     ref_step(x)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_captured_cpu_tensor_changed_in_place_is_read_again():
+    scale = torch.tensor(1.0)
+    f = t2j.jit(lambda x: x * scale)
+    x = torch.ones(2, device="jax")
+    for k in range(3):
+        assert f(x).tolist() == [k + 1.0] * 2
+        scale.fill_(k + 2.0)
+    assert "captured CPU tensor #0" in t2j.explain_recompiles()[-1]
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1), momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=torch.tensor(0.01), betas=(torch.tensor(0.9), torch.tensor(0.99))),
+], ids=["sgd", "adam"])
+def test_tensor_learning_rate_on_the_cpu_follows_the_scheduler(make_opt):
+    """torch.compile's advice, lr=torch.tensor(...): the scheduler's in-place update is an input
+    of the program (no retrace), as a float lr is."""
+    results = {}
+    for device in ("cpu", "jax"):
+        model = _model().to(device)
+        opt = make_opt(model.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        step = _classifier_step(model, opt)
+        if device == "jax":
+            step = t2j.jit(step)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+            step(x.to(device), y.to(device))
+            sched.step()
+        results[device] = [p.detach().cpu() for p in model.parameters()]
+    assert step.stats["traces"] == 2  # the first call creates .grad and the optimizer state
+    for a, e in zip(results["jax"], results["cpu"]):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_optimizer_step_alone_carries_the_parameters():
+    model, ref = _model().to("jax"), _model()
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=0.1), torch.optim.Adam(ref.parameters(), lr=0.1)
+    step = t2j.jit(opt.step)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        model(x.to("jax")).sum().backward()
+        step()
+        opt.zero_grad()
+        ref(x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
+
+
+def test_write_to_a_tensor_found_only_while_tracing():
+    """A tensor too deep for the search of roots is found when the trace reads it; the
+    tracer the first trace wrote into it is taken out again before the retrace."""
+
+    class Holder:
+        pass
+
+    a = Holder()
+    a.b = Holder()
+    a.b.c = Holder()
+    a.b.c.t = torch.zeros(3, device="jax")
+
+    @t2j.jit
+    def f(x):
+        a.b.c.t.add_(x)
+        return x * 2
+
+    for _ in range(3):
+        f(torch.ones(3, device="jax"))
+    assert a.b.c.t.tolist() == [3.0] * 3
+
+
+def test_optimizer_state_holding_lists_runs_eagerly():
+    model = _model().to("jax")
+    x = torch.randn(4, 8, device="jax")
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    step = t2j.jit(lambda: opt.step(closure))
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        losses = [step().item() for _ in range(3)]
+    assert losses[2] < losses[0]
+    assert step.stats["eager_calls"] == 3

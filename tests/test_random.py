@@ -89,6 +89,19 @@ def test_rand(dtype):
     assert_moments(x, 0.5, math.sqrt(1 / 12), n_se=6 if dtype != torch.float16 else 20)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("low,high", [(0.0, 1.0), (2.0, 3.0)])
+def test_half_precision_uniform_stays_below_high(dtype, low, high):
+    """float32 samples round to ``high`` in half precision; torch gives ``low`` instead, so the
+    mean sits below the midpoint by about that mass (e.g. 0.498 for bfloat16 rand)."""
+    n = 1_000_000
+    x = torch.empty(n, device="jax", dtype=dtype).uniform_(low, high)
+    ref = torch.empty(n, dtype=dtype).uniform_(low, high)
+    v = host(x).astype(np.float64)
+    assert v.min() >= low and v.max() < high
+    assert abs(v.mean() - ref.double().mean().item()) < 6 * (high - low) / math.sqrt(12 * n)
+
+
 def test_uniform_range():
     x = torch.empty(N, device="jax").uniform_(-2.0, 5.0)
     v = host(x)

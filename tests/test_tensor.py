@@ -274,3 +274,23 @@ def test_dlpack_refuses_like_torch():
 
     with pytest.raises(BufferError, match="traced inside jit"):
         export(torch.ones(2, device="jax"))
+
+
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_storage_level_writes_reach_every_view(device):
+    results = []
+    a = torch.zeros(4, device=device)
+    view = a[1:]
+    a.untyped_storage().copy_(torch.arange(1.0, 5.0, device=device).untyped_storage())
+    results.append(view.tolist())
+    a.untyped_storage().copy_(torch.arange(5.0, 9.0).untyped_storage())
+    results.append(a.tolist())
+    a.untyped_storage().fill_(1)
+    results.append(a.tolist())
+    ints = torch.zeros(2, dtype=torch.int32, device=device)
+    ints.untyped_storage().copy_(torch.tensor([1.5, 2.0]).untyped_storage())
+    results.append(ints.tolist())
+    assert results == [[2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0], [2.3694278276172396e-38] * 4, [1069547520, 1073741824]]
+    assert len(a.untyped_storage()) == a.untyped_storage().size() == 16
+    with pytest.raises(RuntimeError, match="size does not match, self was 16 bytes but src was 12 bytes"):
+        a.untyped_storage().copy_(torch.zeros(3).untyped_storage())

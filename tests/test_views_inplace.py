@@ -238,7 +238,17 @@ def p_conj_is_a_view(z):
     return z, c, z.conj().resolve_conj()
 
 
+def p_set_to_nothing(x):
+    # x.set_() leaves an empty tensor on a storage of its own; its old views keep the values
+    y = x.clone()
+    v = y[1:]
+    y.set_()
+    y.resize_(2).fill_(1)
+    return y, v
+
+
 CASES = [
+    (p_set_to_nothing, [(3, 4)]),
     (p_select_add, [(3, 4)]),
     (p_view_setitem, [(3, 4)]),
     (p_t_mul, [(3, 4)]),

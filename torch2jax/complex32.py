@@ -30,7 +30,7 @@ import torch
 from jax import lax
 
 from . import dtypes as _dt
-from .tensor import Tensor, ViewStep, _mark_saved, _rebuild, kernel_error, torch_cpu
+from .tensor import Tensor, ViewStep, _mark_saved, kernel_error, reduce_as_cpu, torch_cpu
 
 
 class Complex32Tensor(Tensor):
@@ -56,7 +56,7 @@ class Complex32Tensor(Tensor):
         # jax device (or the CPU with map_location), without sharing with other views
         base = _mark_saved(torch_cpu(self._value()).to(torch.complex32))
         meta = (tuple(self.shape), base.stride(), 0)
-        return _rebuild, (base, *meta, self.requires_grad, bool(getattr(self, "_is_param", False)))
+        return reduce_as_cpu(self, base, meta, protocol)
 
 
 @jax.jit

@@ -161,6 +161,7 @@ class _BodyCapture(_Capture):
         st = t._t2j_storage
         if id(st) not in self.inputs and st not in self.new:
             self.unknown[id(st)] = t
+            self.originals.setdefault(id(st), (st, st.array))
 
 
 class _Installed:
@@ -188,6 +189,7 @@ class _Installed:
         for st, a in self.saved:
             st.array = a
             st.version += 1
+        self.capture.restore()
         if exc[0] is None and self.capture.unknown:
             raise _Retrace(list(self.capture.unknown.values()))
 

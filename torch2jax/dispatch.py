@@ -405,7 +405,7 @@ def _choose(func):
         return _resize_handler, "lowering"
     if func is aten.resize_as_.default:
         return _resize_as_handler, "lowering"
-    if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset):
+    if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset, aten.set_.default):
         return _set_handler, "lowering"
     if func in (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset):
         return _set_storage_handler, "lowering"
@@ -1401,6 +1401,10 @@ def _set_handler(func, args, kwargs):
     """``x.set_(source)``: ``x`` becomes another tensor on ``source``'s storage (torch's
     parametrizations re-point a parameter at a new value this way); with an offset, size
     and stride, the view of that storage they describe."""
+    if func is aten.set_.default:  # no source: an empty tensor on a storage of its own
+        target = args[0]
+        target._rebind(new_tensor(jax.numpy.zeros((0,), _dt.to_jax(target.dtype))))
+        return target
     target, source, *layout = args
     if not isinstance(source, Tensor):
         raise OpError(f"torch2jax: {func} needs a jax-device source tensor, got {type(source).__name__} on "

@@ -104,6 +104,7 @@ class _Roots:
 
     def __init__(self):
         self.modules, self.optimizers, self.tensors = [], [], []
+        self.cpu_tensors = []  # read at trace time: guarded by `_guard`, not carried
         self.objects = []  # other objects whose attributes were searched (see _python_state)
         self._seen = set()
 
@@ -121,6 +122,9 @@ class _Roots:
         elif isinstance(obj, Tensor):
             self._seen.add(id(obj))
             self.tensors.append(obj)
+        elif isinstance(obj, torch.Tensor):
+            self._seen.add(id(obj))
+            self.cpu_tensors.append(obj)
         elif isinstance(obj, (list, tuple)):
             self._seen.add(id(obj))
             if isinstance(obj, list) and not summarized:
@@ -428,6 +432,31 @@ class _Hyperparameters:
         return [ti for ti in floats if where + (ti,) in self.lifted]
 
 
+def _is_cpu_scalar(v) -> bool:
+    """A 0-d floating-point CPU tensor: a learning rate as torch.compile users give it."""
+    return isinstance(v, torch.Tensor) and not isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point()
+
+
+class _CPUTensor(tuple):
+    """A CPU tensor in the cache key: the trace reads its value, so it is keyed by identity,
+    shape, dtype and version (an in-place change, a ``fill_`` of a scheduler, retraces)."""
+
+    def __repr__(self):
+        return f"<CPU tensor, version {self[-1]}>"
+
+
+def _guard(v):
+    """``v`` (a hyperparameter, optimizer state that is not a tensor, a captured CPU tensor)
+    as the cache key holds it: hashable (a list, as LBFGS keeps, by its `_python_value`)."""
+    if isinstance(v, torch.Tensor) and not isinstance(v, Tensor):
+        return _CPUTensor((id(v), tuple(v.shape), v.dtype, v._version))
+    if type(v) is tuple and any(isinstance(x, torch.Tensor) for x in v):
+        return tuple(map(_guard, v))
+    if isinstance(v, (list, dict, set)):
+        return _python_value(v)
+    return v
+
+
 def _new_grad_slot(p, seen: set) -> bool:
     """Whether ``p.grad`` is a slot not listed yet (then it is marked as seen). A non-leaf's
     ``.grad`` stays None (and reading it warns) unless it retains grad."""
@@ -489,6 +518,8 @@ class _Walk:
     def roots(self, roots: _Roots):
         for i, t in enumerate(roots.tensors):
             self.add(t, ("captured", i))
+        for i, t in enumerate(roots.cpu_tensors):
+            self.static.append((("cpu", i, "tensor"), _guard(t)))
         # the loops below run on every call, over every parameter: origins are built only when full
         full, tensors, grads_seen = self.full, self.tensors, self.grads_seen
         for k, m in enumerate(roots.modules):
@@ -520,7 +551,7 @@ class _Walk:
             for hk, hv in sorted(group.items()):
                 if hk == "params":
                     continue
-                if hk == "lr" and type(hv) is float:
+                if hk == "lr" and (type(hv) is float or _is_cpu_scalar(hv)):
                     self.lift(group, k, gi, hk, None)
                 elif isinstance(hv, Tensor):
                     self.add(hv, ("hyper", opt, k, gi, hk))
@@ -530,12 +561,14 @@ class _Walk:
                     hyper.append((hk, _LIFTED if parts == [None] else
                                   tuple(_LIFTED if i in parts else v for i, v in enumerate(hv))))
                 else:
-                    hyper.append((hk, hv))
+                    hyper.append((hk, _guard(hv)))
             static.append((("optimizer", k, "param_groups", gi), tuple(hyper)))
             state = opt.state
             # per parameter: the names of its state in sorted order, the tensors' names alone
             layouts = []
             for pi, p in enumerate(group["params"]):
+                if id(p) not in grads_seen:  # a parameter no module showed (t2j.jit(opt.step)) is state too
+                    self.add(p, ("opt_param", opt, k, gi, pi))
                 if full:
                     self.add_grad(p, ("opt_param", opt, k, gi, pi))
                 elif _new_grad_slot(p, grads_seen):
@@ -549,7 +582,7 @@ class _Walk:
                     sv = st[sk]
                     if not isinstance(sv, Tensor):  # (the cheaper test first: torch.Tensor's is slow)
                         if not isinstance(sv, torch.Tensor):
-                            values.append((sk, sv))
+                            values.append((sk, _guard(sv)))
                             continue
                         # capturable: a step counter on the CPU would count traces, not calls
                         sv = st[sk] = sv.to(_tensor.DEVICE)
@@ -755,6 +788,9 @@ class _Capture:
         self.inputs = {id(st) for st in inputs}
         self.new = weakref.WeakSet()
         self.unknown = {}
+        # (storage, array) of each unknown storage as it was before the trace: an in-place write
+        # to one stores a tracer in it, which `restore` takes out again
+        self.originals = {}
 
     def created(self, storage):
         self.new.add(storage)
@@ -764,6 +800,13 @@ class _Capture:
         if id(st) in self.inputs or isinstance(st.array, jax.core.Tracer) or st in self.new:
             return
         self.unknown[id(st)] = t
+        self.originals.setdefault(id(st), (st, st.array))
+
+    def restore(self):
+        for st, a in self.originals.values():
+            if st.array is not a:
+                st.array = a
+                st.version += 1
 
 
 class _Retrace(Exception):
@@ -1179,6 +1222,7 @@ class JitFunction:
             for st, a in saved:
                 st.array = a
                 st.version += 1
+            capture.restore()
             for g, hk, v in saved_hypers.values():
                 g[hk] = v
             if not ok:
@@ -1451,6 +1495,8 @@ def _static_change(key, old, new) -> str:
     kind, k, what, *where = key
     if kind == "module":
         label = f"module #{k} {what} flags"
+    elif kind == "cpu":
+        label = f"captured CPU tensor #{k} (the trace reads its value)"
     elif what == "state":
         label = f"optimizer #{k} state of param_groups[{where[0]}]"
         if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):

@@ -93,9 +93,59 @@ class _StorageHandle(torch.UntypedStorage):
         array = self._t2j_storage.array
         return math.prod(array.shape) * array.dtype.itemsize
 
+    def size(self):
+        return self.nbytes()
+
+    def __len__(self):
+        return self.nbytes()
+
     @property
     def device(self):
         return DEVICE
+
+    def copy_(self, source, non_blocking=None):
+        """Overwrite the bytes of this storage with those of ``source`` (a storage of the same
+        size, jax or CPU): every tensor on it sees them, reinterpreted in its dtype."""
+        source_bytes = _storage_bytes(source)
+        if source_bytes.size != self.nbytes():
+            raise RuntimeError(f"size does not match, self was {self.nbytes()} bytes but src was "
+                               f"{source_bytes.size} bytes")
+        self._write_bytes(source_bytes)
+        return self
+
+    def fill_(self, value):
+        """Set every byte of this storage to ``value``, as torch's ``UntypedStorage.fill_``."""
+        self._write_bytes(np.full(self.nbytes(), value, dtype=np.uint8))
+        return self
+
+    def resize_(self, size):
+        if size != self.nbytes():
+            raise RuntimeError(
+                f"torch2jax: untyped_storage().resize_({size}) of a jax tensor: its storage is a jax.Array of "
+                f"{self.nbytes()} bytes, which cannot grow or shrink in place; resize the tensor instead "
+                "(t.resize_(...)), or drop the tensor to free its memory")
+        return self
+
+    def _write_bytes(self, data):
+        st = self._t2j_storage
+        array = st.array
+        if isinstance(array, jax.core.Tracer):
+            raise RuntimeError("torch2jax: writing the bytes of a storage inside a traced function is not "
+                               "supported; write through the tensor (t.copy_(src))")
+        values = np.ascontiguousarray(data).view(np.dtype(array.dtype)).reshape(array.shape)
+        st.array = jax.device_put(values, array.sharding)
+        st.version += 1
+
+
+def _storage_bytes(storage) -> np.ndarray:
+    """The bytes of a storage (of a jax tensor, or on the CPU) as a uint8 NumPy array."""
+    storage = getattr(storage, "_untyped_storage", storage)
+    if isinstance(storage, _StorageHandle):
+        array = np.asarray(jax.device_get(storage._t2j_storage.array))
+        return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    if storage.device.type != "cpu":
+        raise RuntimeError(f"torch2jax: cannot copy a storage on {storage.device} into a jax tensor's storage")
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
 
 
 class ViewStep:
@@ -359,12 +409,21 @@ class Tensor(torch.Tensor):
         if not _is_view_of(self, base, meta):
             base = _mark_saved(torch_cpu(self._value()))
             meta = (tuple(self.shape), _contiguous_strides(tuple(self.shape)), 0)
-        return _rebuild, (base, *meta, self.requires_grad, bool(getattr(self, "_is_param", False)))
+        return reduce_as_cpu(self, base, meta, protocol)
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        out = new_tensor(self._value().copy())  # its own buffer: t2j.jit may donate the original's
+        # one copy per storage, so that copied views share it as the originals do; its own
+        # buffer, as t2j.jit may donate the original's
+        st = self._t2j_storage
+        copied = memo.get(id(st))
+        if copied is None:
+            copied = memo[id(st)] = Storage(st.array.copy())
+        if self._t2j_view:
+            out = lazy_view(copied, self._t2j_view, self.shape, self.stride(), self.storage_offset(), self.dtype)
+        else:
+            out = Tensor(copied)
         out.requires_grad_(self.requires_grad)
         if getattr(self, "_is_param", False):
             out._is_param = True
@@ -480,30 +539,42 @@ def from_torch_cpu(t: torch.Tensor) -> Tensor:
 # tagged "jax:0" like a device storage: torch.load without map_location gives jax
 # tensors, torch.load(map_location="cpu") gives CPU tensors, as for CUDA checkpoints.
 
-# data_ptr of each CPU copy being saved (tagged "jax:0" while the copy lives)
-_SAVING: dict = {}
 # data_ptr of each storage torch.load is restoring -> the device type it restores to
 _RESTORING: dict = {}
 
 
 def _mark_saved(cpu: torch.Tensor) -> torch.Tensor:
-    ptr = cpu.untyped_storage().data_ptr()
-    _SAVING[ptr] = True
-    weakref.finalize(cpu, _SAVING.pop, ptr, None)
+    """Tag the storage of ``cpu``, a copy made for saving, for the jax device (`_tag`). The mark
+    is an attribute of the storage's Python object, which torch keeps while the storage lives
+    (the copy itself is gone once pickled: only its storage is in the pickler's hands)."""
+    cpu.untyped_storage()._t2j_saving = True
     return cpu
 
 
 def _saved_base(storage: Storage) -> torch.Tensor:
-    """The CPU copy of ``storage``'s base for the pickling session under way (the
-    pickler's memo keeps it alive while the session lasts)."""
+    """The CPU copy of ``storage``'s base for the pickling session under way. The copy's
+    storage lives while the session does (torch.save holds it until it is written), so the
+    copy is found again through a weak reference to that storage."""
     if storage.saved is not None:
         ref, version = storage.saved
-        base = ref()
-        if base is not None and version == storage.version:
-            return base
+        cpu_storage = ref()
+        if cpu_storage is not None and version == storage.version:
+            return torch.empty(0, dtype=_dt.to_torch(storage.array.dtype)).set_(
+                cpu_storage, 0, tuple(storage.array.shape))
     base = _mark_saved(torch_cpu(storage.array))
-    storage.saved = (weakref.ref(base), storage.version)
+    storage.saved = (weakref.ref(base.untyped_storage()), storage.version)
     return base
+
+
+def reduce_as_cpu(t: Tensor, base: torch.Tensor, meta, protocol):
+    """Pickle ``t`` as torch pickles ``base.as_strided(*meta)``, a CPU tensor on a storage
+    tagged for the jax device (`_mark_saved`, `_tag`): torch alone loads it (weights_only
+    too) with ``map_location="cpu"``; with torch2jax it comes back on the jax device
+    (`_rebuild_tensor_v2`), sharing its storage with the other views saved with it."""
+    cpu = base.as_strided(*meta)
+    if getattr(t, "_is_param", False):
+        return torch.nn.Parameter(cpu, t.requires_grad).__reduce_ex__(protocol)
+    return cpu.requires_grad_(t.requires_grad).__reduce_ex__(protocol)
 
 
 def _is_view_of(t: Tensor, base: torch.Tensor, meta) -> bool:
@@ -521,31 +592,18 @@ def _is_view_of(t: Tensor, base: torch.Tensor, meta) -> bool:
 
 
 def _tag(storage):
-    if storage.device.type == "cpu" and storage.data_ptr() in _SAVING:
+    if storage.device.type == "cpu" and getattr(storage, "_t2j_saving", False):
         return f"{_device.NAME}:0"
     return None
 
 
 def _restore(storage, location):
     # Called for every storage torch.load restores, with the location it maps to:
-    # the mark tells `_rebuild` where the tensors on this storage go.
+    # the mark tells `_rebuild_tensor_v2` where the tensors on this storage go.
     ptr = storage.data_ptr()
     _RESTORING[ptr] = location.split(":")[0]
     weakref.finalize(storage, _RESTORING.pop, ptr, None)
     return storage if location.startswith(_device.NAME) else None
-
-
-def _rebuild(base, size, stride, offset, requires_grad, is_param):
-    # ``base`` is on the jax device unless map_location sent it elsewhere (it was
-    # saved as a CPU tensor on a storage tagged for the jax device: see _rebuild_tensor_v2)
-    if not isinstance(base, Tensor):
-        t = base.as_strided(size, stride, offset)
-    else:
-        whole = size == tuple(base.shape) and stride == _contiguous_strides(size) and offset == 0
-        t = (base if whole else base.as_strided(size, stride, offset)).detach()
-    if is_param:
-        return torch.nn.Parameter(t, requires_grad)
-    return t.requires_grad_(requires_grad) if requires_grad else t
 
 
 _torch_rebuild_tensor_v2 = torch._utils._rebuild_tensor_v2
@@ -595,4 +653,3 @@ torch._weights_only_unpickler._get_allowed_globals.cache_clear()
 
 # before torch's own CPU tagger (priority 10)
 torch.serialization.register_package(9, _tag, _restore)
-torch.serialization.add_safe_globals([_rebuild])

@@ -9,7 +9,7 @@ import torch
 
 from .. import dtypes as _dt
 from ..symbolic import traced_number
-from .registry import _HALF, as_dtype, cast, register, true_divide
+from .registry import _HALF, as_dtype, cast, checked_scalar, register, true_divide
 
 aten = torch.ops.aten
 
@@ -71,19 +71,19 @@ def _fill_dtype(value, dtype):
 @register(aten.full.default)
 def full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
     dt = _fill_dtype(fill_value, dtype)
-    return jnp.full(_shape(size), as_dtype(fill_value, dt), dt)
+    return jnp.full(_shape(size), as_dtype(checked_scalar(fill_value, dt), dt), dt)
 
 
 @register(aten.new_full)
 def new_full(x, size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):
     dt = jax_dtype(dtype, x.dtype)
-    return jnp.full(_shape(size), as_dtype(fill_value, dt), dt)
+    return jnp.full(_shape(size), as_dtype(checked_scalar(fill_value, dt), dt), dt)
 
 
 @register(aten.scalar_tensor)
 def scalar_tensor(value, *, dtype=None, layout=None, device=None, pin_memory=None):
     dt = jax_dtype(dtype)
-    return jnp.asarray(as_dtype(value, dt))
+    return jnp.asarray(as_dtype(checked_scalar(value, dt), dt))
 
 
 @register(aten.empty_like, aten.zeros_like)
@@ -99,12 +99,13 @@ def ones_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memor
 @register(aten.full_like)
 def full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     dt = jax_dtype(dtype, x.dtype)
-    return jnp.full(x.shape, as_dtype(fill_value, dt), dt)
+    return jnp.full(x.shape, as_dtype(checked_scalar(fill_value, dt), dt), dt)
 
 
 @register(aten.fill.Scalar, aten.fill.Tensor)
 def fill(x, value):
-    return jnp.full(x.shape, as_dtype(value, x.dtype) if not hasattr(value, "dtype") else value.astype(x.dtype), x.dtype)
+    value = as_dtype(checked_scalar(value, x.dtype), x.dtype) if not hasattr(value, "dtype") else value.astype(x.dtype)
+    return jnp.full(x.shape, value, x.dtype)
 
 
 @register(aten.zero)

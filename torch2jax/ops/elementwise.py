@@ -19,7 +19,7 @@ from jax import lax
 from .. import dtypes as _dt
 from ..dispatch import OpError
 from .indexing import raise_as_torch, stand_in
-from .registry import as_dtype, cast, elementwise, promote, register, true_divide, view
+from .registry import as_dtype, cast, checked_scalar, elementwise, promote, register, true_divide, view
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -49,6 +49,11 @@ def _check_divisor(b):
     with jax.ensure_compile_time_eval():  # a constant divisor inside a trace is still concrete
         if bool(jnp.any(b == 0)):
             raise OpError("torch2jax: ZeroDivisionError (integer division by zero)")
+
+
+def _result_of(*operands):
+    """torch's result dtype of ``operands`` (None left out)."""
+    return _dt.result_type(*[a for a in operands if a is not None])
 
 
 def _promoted(kind, *operands):
@@ -220,7 +225,7 @@ def _alpha(alpha, x, y, name):
         )
     if _is_bool(x) and not isinstance(alpha, bool):
         raise OpError(f"torch2jax: {name}: Boolean alpha only supported for Boolean results.")
-    return as_dtype(alpha, x.dtype) * y
+    return as_dtype(checked_scalar(alpha, x.dtype), x.dtype) * y
 
 
 @elementwise(aten.add, prims.add)
@@ -336,7 +341,7 @@ def _int_pow(x, e):
     return jnp.where(e < 0, inverse, positive)
 
 
-@elementwise(aten.pow, prims.pow)
+@elementwise(aten.pow, prims.pow, checked=(1,))
 def power(x, e):
     if isinstance(e, np.ndarray) and e.ndim == 0 and not _is_bool(x):  # a Python-number exponent
         v = e.item()
@@ -408,7 +413,7 @@ def lerp(start, end, weight):
 
 @elementwise(aten.addcmul)
 def addcmul(x, t1, t2, *, value=1):
-    return x + as_dtype(value, x.dtype) * t1 * t2
+    return x + as_dtype(checked_scalar(value, x.dtype), x.dtype) * t1 * t2
 
 
 @elementwise(aten.addcdiv)
@@ -418,7 +423,7 @@ def addcdiv(x, t1, t2, *, value=1):
             "torch2jax: Integer division with addcdiv is no longer supported, and in a future release addcdiv will "
             "perform a true division of tensor1 and tensor2. Use (input + value * tensor1 / tensor2) instead."
         )
-    return x + as_dtype(value, x.dtype) * t1 / t2
+    return x + as_dtype(checked_scalar(value, x.dtype), x.dtype) * t1 / t2
 
 
 @register(aten.heaviside)
@@ -453,7 +458,8 @@ def frexp(x):
 def clamp(x, min=None, max=None):  # noqa: A002 - torch's argument names
     if min is None and max is None:
         raise OpError("torch2jax: clamp: At least one of 'min' or 'max' must not be None")
-    (x, lo, hi), result = _promoted("default", x, min, max)
+    (x, lo, hi), result = _promoted("default", x, checked_scalar(min, _result_of(x, min, max)),
+                                    checked_scalar(max, _result_of(x, min, max)))
     _reject_complex("clamp", x)
     if lo is not None:
         x = jnp.maximum(x, lo)  # jnp.maximum / minimum propagate NaN, as torch's clamp
@@ -613,7 +619,7 @@ def where(condition, x, y):
     if condition.dtype != np.bool_:  # torch rejects other dtypes (uint8 with a warning only)
         raise_as_torch(torch.where, stand_in(condition.dtype), 0, 0)
     dtype = _dt.result_type(x, y)
-    return jnp.where(condition, as_dtype(x, dtype), as_dtype(y, dtype))
+    return jnp.where(condition, as_dtype(checked_scalar(x, dtype), dtype), as_dtype(checked_scalar(y, dtype), dtype))
 
 
 # -- floating-point classification ---------------------------------------------

@@ -20,7 +20,8 @@ import torch
 
 from .. import dtypes as _dt
 from ..dispatch import TorchRuntimeError
-from .registry import _HALF, as_dtype, canonical_dim, canonical_dims, check_values, register, true_divide
+from .registry import (_HALF, as_dtype, canonical_dim, canonical_dims, check_values, checked_scalar, register,
+                       scalar_type_name, true_divide)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -85,7 +86,7 @@ def _flat_out_of_range(n):
 
 def _value(v, dtype):
     """A scalar argument (Python number or 0-d array) as a 0-d array of ``dtype``."""
-    return v.astype(dtype) if hasattr(v, "dtype") else jnp.asarray(as_dtype(v, dtype))
+    return v.astype(dtype) if hasattr(v, "dtype") else jnp.asarray(as_dtype(checked_scalar(v, dtype), dtype))
 
 
 def _is_mask(i):
@@ -175,8 +176,16 @@ def _index_put(x, indices, values, accumulate, check):
     return _accumulate(ref, values, x.dtype) if accumulate else ref.set(values)
 
 
+def _check_same_dtype(x, values):
+    if values.dtype != x.dtype:
+        raise TorchRuntimeError(
+            f"Index put requires the source and destination dtypes match, got {scalar_type_name(x.dtype)} for the "
+            f"destination and {scalar_type_name(values.dtype)} for the source.")
+
+
 @register(aten.index_put.default)
 def index_put(x, indices, values, accumulate=False):
+    _check_same_dtype(x, values)
     return _index_put(x, indices, values, accumulate, True)
 
 
@@ -187,6 +196,7 @@ def _unsafe_index_put(x, indices, values, accumulate=False):
 
 @register(aten._index_put_impl.default)
 def _index_put_impl(x, indices, values, accumulate=False, unsafe=False):
+    _check_same_dtype(x, values)
     return _index_put(x, indices, values, accumulate, not unsafe)
 
 

@@ -23,7 +23,8 @@ from .. import env as _env
 from ..dispatch import OpError, TorchRuntimeError, TorchValueError
 from .indexing import raise_as_torch, stand_in
 from .linalg import _acc_dtype, _precision
-from .registry import canonical_dim, check_values, decomposition, register, scalar_type_name, true_divide
+from .registry import (canonical_dim, check_values, checked_scalar, decomposition, register, scalar_type_name,
+                       true_divide)
 from .shape import is_traced
 from .sparse import _warn_dense
 
@@ -492,7 +493,8 @@ def _prelu_kernel_backward(grad, x, weight):
 
 @register(aten.threshold.default)
 def threshold(x, threshold, value):
-    return jnp.where(x <= threshold, np.asarray(value).astype(x.dtype), x)
+    checked_scalar(threshold, x.dtype)
+    return jnp.where(x <= threshold, np.asarray(checked_scalar(value, x.dtype)).astype(x.dtype), x)
 
 
 @register(aten.threshold_backward.default)

@@ -62,6 +62,15 @@ def _uniform(generator, shape, dtype, low=0.0, high=1.0):
     return jax.random.uniform(next_key(generator), shape, dt, jnp.asarray(low, dt), jnp.asarray(high, dt))
 
 
+def _uniform_result(generator, shape, dtype, low=0.0, high=1.0):
+    """rand / uniform_: samples of ``dtype`` in [low, high). A sample that rounds to ``high`` in
+    ``dtype`` (float16 and bfloat16 often do) is ``low``, as torch's CPU kernel makes it."""
+    real = _dt.real_of(dtype)
+    u = _uniform(generator, _real_shape(shape, dtype), dtype, low, high).astype(real)
+    u = jnp.where(u == jnp.asarray(high, real), jnp.asarray(low, real), u)
+    return _as_result(u, dtype)
+
+
 def _normal(generator, shape, dtype):
     return jax.random.normal(next_key(generator), shape, _sample_dtype(dtype))
 
@@ -134,7 +143,7 @@ def _complex_scale(dtype):
 def rand(size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, names=None):
     dt = jax_dtype(dtype)
     _require_float("check_uniform_bounds", dt)
-    return _as_result(_uniform(generator, _real_shape(_size(size), dt), dt), dt)
+    return _uniform_result(generator, _size(size), dt)
 
 
 @register(aten.rand_like)
@@ -147,7 +156,7 @@ def uniform(x, low=0.0, high=1.0, *, generator=None):
     _require_float("check_uniform_bounds", x.dtype)
     if low > high:
         raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={low} > to={high}")
-    return _as_result(_uniform(generator, _real_shape(x.shape, x.dtype), x.dtype, low, high), x.dtype)
+    return _uniform_result(generator, x.shape, x.dtype, low, high)
 
 
 @register(aten.exponential.default)

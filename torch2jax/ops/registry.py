@@ -17,6 +17,7 @@ registered with `view`, which pairs the forward function with its inverse
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +160,62 @@ def as_dtype(a, dtype):
     return np.array(a, dtype=dtype)
 
 
+_C_TYPE_NAMES = {
+    "int8": "int8_t", "uint8": "uint8_t", "int16": "int16_t", "int32": "int", "int64": "int64_t",
+    "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
+    "float16": "c10::Half", "bfloat16": "c10::BFloat16", "float32": "float", "float64": "double",
+    "complex64": "c10::complex<float>", "complex128": "c10::complex<double>",
+}
+
+
+def checked_scalar(value, dtype):
+    """``value`` itself, after torch's check (c10::checked_convert) that the Python number
+    fits ``dtype``, which the kernels taking a Scalar make (fill_, full, masked_fill, clamp,
+    scalar_tensor behind ``x[i] = v``...): a float NaN or infinity never fits an integer
+    type, an imaginary part never fits a real type, a finite value must be in range (an
+    unsigned type also takes negatives down to minus its maximum, wrapping them).
+
+    >>> checked_scalar(1000, np.dtype(np.int8))
+    RuntimeError: value cannot be converted to type int8_t without overflow
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, complex)):
+        return value
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return value
+    real = value
+    if isinstance(value, complex):
+        if not _dt.is_complex(dtype):
+            if value.imag != 0:
+                _overflow(dtype)
+            real = value.real
+        else:
+            _check_range(value.real, _dt.real_of(dtype), dtype)
+            _check_range(value.imag, _dt.real_of(dtype), dtype)
+            return value
+    _check_range(real, dtype, dtype)
+    return value
+
+
+def _check_range(v, dtype, named):
+    if _dt.is_integral(dtype):
+        if isinstance(v, float) and not math.isfinite(v):
+            _overflow(named)
+        info = np.iinfo(dtype)
+        lowest = -int(info.max) if info.min == 0 else int(info.min)
+        if v < lowest or v > info.max:
+            _overflow(named)
+    elif math.isfinite(v) and abs(v) > float(jnp.finfo(dtype).max):
+        _overflow(named)
+
+
+def _overflow(dtype):
+    from ..dispatch import TorchRuntimeError  # (dispatch imports this module)
+
+    raise TorchRuntimeError(f"value cannot be converted to type {_C_TYPE_NAMES.get(np.dtype(dtype).name, dtype)} "
+                       "without overflow")
+
+
 def promote(kind: str, operands):
     """(compute dtype, result dtype) of an elementwise op under torch's promotion ``kind``.
 
@@ -178,12 +235,14 @@ def promote(kind: str, operands):
     return dtype, result
 
 
-def elementwise(*ops, promote_kind: str = "default", opmath: bool = True):
+def elementwise(*ops, promote_kind: str = "default", opmath: bool = True, checked: tuple = ()):
     """Register an elementwise lowering with torch's type promotion.
 
     The leading positional array / number arguments are the operands: they are
     promoted to one dtype (float32 for bf16/fp16 when ``opmath``), the function
-    runs, and its result is cast to torch's result dtype.
+    runs, and its result is cast to torch's result dtype. The operands at the
+    positions ``checked`` must fit the result dtype when they are Python numbers
+    (`checked_scalar`), as the kernels taking them as a Scalar require.
     """
 
     def deco(fn):
@@ -193,6 +252,9 @@ def elementwise(*ops, promote_kind: str = "default", opmath: bool = True):
             while n < len(args) and _is_operand(args[n]):
                 n += 1
             compute, result = promote(promote_kind, args[:n])
+            for i in checked:
+                if i < n:
+                    checked_scalar(args[i], result)
             if opmath and compute in _HALF:
                 compute = np.dtype(np.float32)
             operands = [as_dtype(a, compute) for a in args[:n]]
