@@ -272,6 +272,8 @@ _VALUE_CASES = [
                 RuntimeError, "INDICES element is out of DATA bounds, id=3 axis_dim=3"),  # torch's dim-1 kernel
     _value_case("index_select empty", lambda d: (_t(_X, d)[:0], _t([4], d)), lambda x, i: x.index_select(-1, i),
                 RuntimeError, "INDICES element is out of DATA bounds, id=4 axis_dim=3"),
+    _value_case("bernoulli probabilities", lambda d: (_t([0.5, 1.5], d),), torch.bernoulli, RuntimeError,
+                "Expected p_in >= 0 && p_in <= 1 to be true, but got false."),
     _value_case("gather", lambda d: (_t(_X, d), _t([[0, 3]], d)), lambda x, i: x.gather(1, i), RuntimeError,
                 "index 3 is out of bounds for dimension 1 with size 3"),
     _value_case("scatter_add", lambda d: (_t(_X, d), _t([[0, 3]], d)),
@@ -595,3 +597,24 @@ def test_index_select_from_an_empty_axis(device):
     assert x.index_select(1, _t([], device).long()).shape == (2, 0)
     with pytest.raises(RuntimeError, match=re.escape("index_select(): self indexing axis dim should be positive")):
         x.index_select(1, _t([0], device))
+
+
+_COMPLEX_ORDERINGS = {
+    "max": torch.max, "amax": torch.amax, "argmax": torch.argmax, "max dim": lambda z: torch.max(z, 0),
+    "sort": torch.sort, "topk": lambda z: torch.topk(z, 1), "cummax": lambda z: torch.cummax(z, 0),
+    "median": torch.median, "mode": torch.mode, "kthvalue": lambda z: torch.kthvalue(z, 1),
+    "clamp": lambda z: torch.clamp(z, 0), "maximum": lambda z: torch.maximum(z, z), "lt": lambda z: z < z,
+    "isposinf": torch.isposinf, "softmax": lambda z: torch.softmax(z, 0),
+    "softmax of integers": lambda z: torch.softmax(z.real.long(), 0),
+    "log_softmax of bools": lambda z: torch.log_softmax(z.real.bool(), 0),
+}
+
+
+@pytest.mark.parametrize("name", list(_COMPLEX_ORDERINGS))
+def test_dtypes_torch_has_no_kernel_for_raise_its_error(name):
+    op = _COMPLEX_ORDERINGS[name]
+    z = torch.tensor([1j, 2.0])
+    with pytest.raises((RuntimeError, NotImplementedError)) as expected:
+        op(z)
+    with pytest.raises(type(expected.value), match=re.escape(str(expected.value))):
+        op(z.to("jax"))

@@ -173,6 +173,13 @@ def _run(handler, func, args, kwargs):
     except (OpError, TorchRuntimeError, TorchValueError, IndexError, NotImplementedError,
             jax.errors.ConcretizationTypeError):
         raise
+    except RuntimeError as e:
+        # exactly RuntimeError: a lowering's check in torch's words, or torch's own CPU kernel
+        # (JAX's failures are subclasses of it, or other types)
+        if type(e) is RuntimeError:
+            raise
+        _reraise_with_torch_message(func, args, kwargs, e)
+        raise
     except Exception as e:
         _reraise_with_torch_message(func, args, kwargs, e)
         raise

@@ -38,7 +38,18 @@ def _is_complex(x) -> bool:
 
 
 def _reject_complex(name, *xs):
-    if any(_is_complex(x) for x in xs):
+    """torch's own error for a complex operand of ``torch.<name>`` (an ordering, which complex
+    numbers lack), from its CPU kernel run on one-element stand-ins."""
+    complex_ = [x for x in xs if _is_complex(x)]
+    if complex_:
+        z = torch.zeros(1, dtype=_dt.to_torch(complex_[0].dtype))
+        if name == "clamp":
+            args = (z, 0)
+        elif name.startswith("is"):  # isposinf, isneginf
+            args = (z,)
+        else:
+            args = (z, z)
+        raise_as_torch(getattr(torch, name), *args)
         raise OpError(f'torch2jax: "{name}" is not implemented for complex tensors')
 
 

@@ -102,13 +102,21 @@ def _over_dim(fn, x, dim, *arrays):
     return fn(x.reshape(1), *(a.reshape(1) for a in arrays), axis=0).reshape(())
 
 
+def _floating_only(call, x):
+    """torch's CPU softmax kernels have no integer, bool or complex version: their error."""
+    if not _dt.is_floating(x.dtype):
+        raise_as_torch(call, torch.zeros(1, dtype=_dt.to_torch(x.dtype)), 0)
+
+
 @register(aten._softmax.default)
 def _softmax(x, dim, half_to_float):
+    _floating_only(torch.softmax, x)
     return _over_dim(jax.nn.softmax, upcast(x), dim).astype(_softmax_dtype(x, half_to_float))
 
 
 @register(aten._log_softmax.default)
 def _log_softmax(x, dim, half_to_float):
+    _floating_only(torch.log_softmax, x)
     return _over_dim(jax.nn.log_softmax, upcast(x), dim).astype(_softmax_dtype(x, half_to_float))
 
 

@@ -19,7 +19,7 @@ import torch
 from .. import dtypes as _dt
 from ..env import next_key
 from .creation import jax_dtype
-from .registry import decomposition, register
+from .registry import check_values, decomposition, register
 
 aten = torch.ops.aten
 
@@ -215,8 +215,16 @@ def _probability(p, name="p"):
         raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got {name}={p}")
 
 
+def _probabilities(p):
+    """torch's check of a tensor of probabilities (NaN fails it too), as `check_values` makes it."""
+    check_values(p, lambda v: ~((v >= 0) & (v <= 1)), lambda v: RuntimeError(
+        "Expected p_in >= 0 && p_in <= 1 to be true, but got false.  (Could this error message be improved?  "
+        "If so, please report an enhancement request to PyTorch.)"))
+
+
 @register(aten.bernoulli.default)
 def bernoulli(p, *, generator=None):
+    _probabilities(p)
     u = _uniform(generator, p.shape, p.dtype)
     return (u < p.astype(u.dtype)).astype(p.dtype)
 
@@ -230,6 +238,7 @@ def bernoulli_p(x, p, *, generator=None):
 @register(aten.bernoulli.Tensor)
 def bernoulli_tensor(x, p, *, generator=None):
     dt = _sample_dtype(p.dtype) if _dt.is_floating(p.dtype) else np.dtype(np.float32)
+    _probabilities(p)
     u = _uniform(generator, x.shape, dt)
     return (u < jnp.broadcast_to(p, x.shape).astype(dt)).astype(x.dtype)
 

@@ -7,6 +7,7 @@ extremum on ties); sorting puts NaN after every number, as torch does.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,6 +17,7 @@ import torch
 
 from .. import dtypes as _dt
 from ..dispatch import OpError
+from .indexing import raise_as_torch
 from .registry import _HALF, canonical_dim, canonical_dims, register, true_divide
 from .shape import is_traced
 
@@ -147,12 +149,30 @@ def _extreme(name, reduce, x, dim, keepdim):
     return reduce(x, axis=axes, keepdims=keepdim)
 
 
+def _real_only(call):
+    """For the lowering below: a complex input gets the error of torch's CPU kernel ``call``
+    (orderings have none for complex numbers), run on a one-element stand-in."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def checked(x, *args, **kwargs):
+            if _dt.is_complex(x.dtype):
+                raise_as_torch(call, torch.zeros(1, dtype=_dt.to_torch(x.dtype)))
+            return fn(x, *args, **kwargs)
+
+        return checked
+
+    return deco
+
+
 @register(aten.amax.default)
+@_real_only(torch.amax)
 def amax(x, dim=(), keepdim=False):
     return _extreme("amax", jnp.max, x, dim, keepdim)
 
 
 @register(aten.amin.default)
+@_real_only(torch.amin)
 def amin(x, dim=(), keepdim=False):
     return _extreme("amin", jnp.min, x, dim, keepdim)
 
@@ -188,12 +208,14 @@ def _require_numel(name, x):
 
 
 @register(aten.max.default)
+@_real_only(torch.max)
 def max_(x):
     _require_numel("max", x)
     return jnp.max(x)
 
 
 @register(aten.min.default)
+@_real_only(torch.min)
 def min_(x):
     _require_numel("min", x)
     return jnp.min(x)
@@ -211,26 +233,31 @@ def _arg_extreme(name, arg, x, dim, keepdim):
 
 
 @register(aten.argmax.default)
+@_real_only(torch.argmax)
 def argmax(x, dim=None, keepdim=False):
     return _arg_extreme("argmax", jnp.argmax, x, dim, keepdim)
 
 
 @register(aten.argmin.default)
+@_real_only(torch.argmin)
 def argmin(x, dim=None, keepdim=False):
     return _arg_extreme("argmin", jnp.argmin, x, dim, keepdim)
 
 
 @register(aten.max.dim)
+@_real_only(lambda t: torch.max(t, 0))
 def max_dim(x, dim, keepdim=False):
     return _extreme("max", jnp.max, x, [dim], keepdim), _arg_extreme("max", jnp.argmax, x, dim, keepdim)
 
 
 @register(aten.min.dim)
+@_real_only(lambda t: torch.min(t, 0))
 def min_dim(x, dim, keepdim=False):
     return _extreme("min", jnp.min, x, [dim], keepdim), _arg_extreme("min", jnp.argmin, x, dim, keepdim)
 
 
 @register(aten.aminmax.default)
+@_real_only(torch.aminmax)
 def aminmax(x, *, dim=None, keepdim=False):
     axes = _axes(dim if dim is None else [dim], x.ndim)
     if _size(x, axes) == 0 and x.ndim:
@@ -514,11 +541,13 @@ def _cum_extreme(x, dim, better):
 
 
 @register(aten.cummax.default)
+@_real_only(lambda t: torch.cummax(t, 0))
 def cummax(x, dim):
     return _cum_extreme(x, dim, jnp.greater)
 
 
 @register(aten.cummin.default)
+@_real_only(lambda t: torch.cummin(t, 0))
 def cummin(x, dim):
     return _cum_extreme(x, dim, jnp.less)
 
@@ -626,6 +655,7 @@ def _sort(x, d, descending):
 
 
 @register(aten.sort.default)
+@_real_only(torch.sort)
 def sort(x, dim=-1, descending=False):
     d, x1 = _dim_axis(x, dim)
     values, indices = _sort(x1, d, descending)
@@ -633,11 +663,13 @@ def sort(x, dim=-1, descending=False):
 
 
 @register(aten.sort.stable)
+@_real_only(torch.sort)
 def sort_stable(x, *, stable=None, dim=-1, descending=False):
     return sort(x, dim, descending)
 
 
 @register(aten.topk.default)
+@_real_only(lambda t: torch.topk(t, 1))
 def topk(x, k, dim=-1, largest=True, sorted=True):
     d, x1 = _dim_axis(x, dim)
     if not 0 <= k <= x1.shape[d]:
@@ -662,6 +694,7 @@ def _pick(values, indices, pos, x, d, keepdim):
 
 
 @register(aten.kthvalue.default)
+@_real_only(lambda t: torch.kthvalue(t, 1))
 def kthvalue(x, k, dim=-1, keepdim=False):
     d, x1 = _dim_axis(x, dim)
     if not 1 <= k <= x1.shape[d]:
@@ -688,16 +721,19 @@ def _median(x, dim, keepdim, ignore_nan):
 
 
 @register(aten.median.dim)
+@_real_only(lambda t: torch.median(t, 0))
 def median_dim(x, dim, keepdim=False):
     return _median(x, dim, keepdim, False)
 
 
 @register(aten.nanmedian.dim)
+@_real_only(lambda t: torch.nanmedian(t, 0))
 def nanmedian_dim(x, dim, keepdim=False):
     return _median(x, dim, keepdim, True)
 
 
 @register(aten.median.default)
+@_real_only(torch.median)
 def median(x):
     if x.size == 0:
         return jnp.full((), jnp.nan, x.dtype)
@@ -705,6 +741,7 @@ def median(x):
 
 
 @register(aten.nanmedian.default)
+@_real_only(torch.nanmedian)
 def nanmedian(x):
     if x.size == 0:
         return jnp.full((), jnp.nan, x.dtype)
@@ -712,6 +749,7 @@ def nanmedian(x):
 
 
 @register(aten.mode.default)
+@_real_only(torch.mode)
 def mode(x, dim=-1, keepdim=False):
     """The smallest most frequent value, and the last index holding it (torch's CPU kernel)."""
     d, x1 = _dim_axis(x, dim)
