@@ -618,3 +618,19 @@ def test_dtypes_torch_has_no_kernel_for_raise_its_error(name):
         op(z)
     with pytest.raises(type(expected.value), match=re.escape(str(expected.value))):
         op(z.to("jax"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_variance_without_degrees_of_freedom_warns(device):
+    with pytest.warns(UserWarning, match=re.escape("std_mean(): degrees of freedom is <= 0")):
+        torch.std_mean(torch.zeros(1, device=device))
+    with pytest.warns(UserWarning, match=re.escape("var(): degrees of freedom is <= 0")):
+        torch.zeros(2, device=device).var(correction=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_integer_division_and_power_errors(device):
+    with pytest.raises(RuntimeError, match="^ZeroDivisionError$"):
+        _t([1, 2], device) // 0
+    with pytest.raises(RuntimeError, match=r"^Integers to negative integer powers are not allowed\.$"):
+        _t([1, 2], device) ** -1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -253,9 +255,23 @@ def clone(x, *, memory_format=None):
     return jnp.array(x, copy=True) if not isinstance(x, jax.core.Tracer) else x + jnp.zeros((), x.dtype)
 
 
+_warned_complex_to_real = False
+
+
+def _warn_if_complex_to_real(src_dtype, dtype):
+    """torch's one-time warning (TORCH_WARN_ONCE) for a copy that drops imaginary parts."""
+    global _warned_complex_to_real
+    if not _warned_complex_to_real and _dt.is_complex(src_dtype) and not _dt.is_complex(dtype):
+        _warned_complex_to_real = True
+        warnings.warn("Casting complex values to real discards the imaginary part", UserWarning, stacklevel=2)
+
+
 @register(aten._to_copy)
 def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    return x if dtype is None else cast(x, _dt.to_jax(dtype))
+    if dtype is None:
+        return x
+    _warn_if_complex_to_real(x.dtype, _dt.to_jax(dtype))
+    return cast(x, _dt.to_jax(dtype))
 
 
 @register(aten.lift_fresh_copy, aten._unsafe_view)
@@ -265,6 +281,7 @@ def lift_fresh_copy(x, *size):
 
 @register(aten.copy)
 def copy(x, src, non_blocking=False):
+    _warn_if_complex_to_real(src.dtype, x.dtype)
     out = jnp.broadcast_to(cast(src, x.dtype), x.shape)
     # An eager copy_ of the same dtype and shape would hand the destination the source's own
     # jax.Array; t2j.jit donates the buffers of the state it overwrites, so the copy (an

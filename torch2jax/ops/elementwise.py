@@ -59,7 +59,7 @@ def _check_divisor(b):
         return
     with jax.ensure_compile_time_eval():  # a constant divisor inside a trace is still concrete
         if bool(jnp.any(b == 0)):
-            raise OpError("torch2jax: ZeroDivisionError (integer division by zero)")
+            raise RuntimeError("ZeroDivisionError")  # torch's message for an integer division by zero
 
 
 def _result_of(*operands):
@@ -358,7 +358,7 @@ def power(x, e):
         v = e.item()
         if _is_int(x):
             if v < 0:
-                raise OpError("torch2jax: Integers to negative integer powers are not allowed.")
+                raise RuntimeError("Integers to negative integer powers are not allowed.")
             return lax.integer_pow(x, v) if v < 2**31 else jnp.power(x, e)
         if v == 0.5 and not _is_complex(x):
             return jnp.sqrt(x)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -287,29 +288,33 @@ def _real_out(x):
     return _dt.real_of(x.dtype)
 
 
-def _var_std(x, dim, correction, keepdim, sqrt):
-    v, m = _var_mean(x, _axes(dim, x.ndim), correction, keepdim)
+def _var_std(name, x, dim, correction, keepdim, sqrt):
+    axes = _axes(dim, x.ndim)
+    if _size(x, axes) - (1 if correction is None else correction) <= 0:
+        warnings.warn(f"{name}(): degrees of freedom is <= 0. Correction should be strictly less than the reduction "
+                      "factor (input numel divided by output numel).", UserWarning, stacklevel=2)
+    v, m = _var_mean(x, axes, correction, keepdim)
     return (jnp.sqrt(v) if sqrt else v).astype(_real_out(x)), m.astype(x.dtype)
 
 
 @register(aten.var.correction)
 def var(x, dim=None, *, correction=None, keepdim=False):
-    return _var_std(x, dim, correction, keepdim, False)[0]
+    return _var_std("var", x, dim, correction, keepdim, False)[0]
 
 
 @register(aten.std.correction)
 def std(x, dim=None, *, correction=None, keepdim=False):
-    return _var_std(x, dim, correction, keepdim, True)[0]
+    return _var_std("std", x, dim, correction, keepdim, True)[0]
 
 
 @register(aten.var_mean.correction)
 def var_mean(x, dim=None, *, correction=None, keepdim=False):
-    return _var_std(x, dim, correction, keepdim, False)
+    return _var_std("var_mean", x, dim, correction, keepdim, False)
 
 
 @register(aten.std_mean.correction)
 def std_mean(x, dim=None, *, correction=None, keepdim=False):
-    return _var_std(x, dim, correction, keepdim, True)
+    return _var_std("std_mean", x, dim, correction, keepdim, True)
 
 
 # -- logical -----------------------------------------------------------------
