@@ -634,3 +634,29 @@ def test_integer_division_and_power_errors(device):
         _t([1, 2], device) // 0
     with pytest.raises(RuntimeError, match=r"^Integers to negative integer powers are not allowed\.$"):
         _t([1, 2], device) ** -1
+
+
+# Common mistakes: the message must be the CPU kernel's, word for word (torch's meta kernels
+# word several of them differently)
+_MISTAKES = {
+    "cat sizes": lambda d: torch.cat([torch.zeros(2, 3, device=d), torch.zeros(2, 4, device=d)]),
+    "cat ranks": lambda d: torch.cat([torch.zeros(2, 3, device=d), torch.zeros(3, device=d)]),
+    "stack sizes": lambda d: torch.stack([torch.zeros(2, device=d), torch.zeros(2, device=d), torch.zeros(3, device=d)]),
+    "broadcast": lambda d: torch.zeros(2, 3, device=d) + torch.zeros(4, device=d),
+    "broadcast in place": lambda d: torch.zeros(2, 3, device=d).mul_(torch.zeros(4, 3, device=d)),
+    "broadcast three operands": lambda d: torch.where(torch.ones(2, 1, dtype=torch.bool, device=d),
+                                                      torch.zeros(3, device=d), torch.zeros(4, device=d)),
+    "embedding float indices": lambda d: F.embedding(torch.zeros(2, device=d), torch.zeros(4, 3, device=d)),
+    "layer_norm shape": lambda d: F.layer_norm(torch.zeros(2, 3, device=d), (4,)),
+    "layer_norm weight": lambda d: F.layer_norm(torch.zeros(2, 3, device=d), (3,), weight=torch.zeros(4, device=d)),
+    "gather ranks": lambda d: torch.zeros(2, 3, device=d).gather(1, torch.zeros(2, dtype=torch.long, device=d)),
+}
+
+
+@pytest.mark.parametrize("name", list(_MISTAKES))
+def test_common_mistakes_get_the_cpu_message(name):
+    with pytest.raises(RuntimeError) as expected:
+        _MISTAKES[name]("cpu")
+    with pytest.raises(RuntimeError, match=re.escape(str(expected.value).split(" (Triggered")[0])) as got:
+        _MISTAKES[name]("jax")
+    assert not isinstance(got.value, t2j.OpError)

@@ -193,6 +193,11 @@ def _reraise_with_torch_message(func, args, kwargs, error):
     """
     if isinstance(error, RuntimeError) and "torch2jax" in str(error):
         return
+    if isinstance(func, torch._ops.OpOverload) and torch.Tag.pointwise in func.tags:
+        shapes = [tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        message = _broadcast_error(shapes)
+        if message:
+            raise TorchRuntimeError(message) from None
     try:
         margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
         if "device" in mkwargs:
@@ -204,6 +209,23 @@ def _reraise_with_torch_message(func, args, kwargs, error):
     raise OpError(
         f"torch2jax: {func} failed on inputs {_describe(args, kwargs)}: {type(error).__name__}: {error}"
     ) from error
+
+
+def _broadcast_error(shapes):
+    """TensorIterator's message for operand shapes that do not broadcast (folded left to
+    right, as it infers the shape), or None."""
+    if not shapes:
+        return None
+    out = list(shapes[0])
+    for shape in shapes[1:]:
+        n = max(len(out), len(shape))
+        a, b = [1] * (n - len(out)) + out, [1] * (n - len(shape)) + list(shape)
+        for d in range(n - 1, -1, -1):
+            if a[d] != b[d] and a[d] != 1 and b[d] != 1:
+                return (f"The size of tensor a ({a[d]}) must match the size of tensor b ({b[d]}) at non-singleton "
+                        f"dimension {d}")
+        out = [x if y == 1 else y for x, y in zip(a, b)]
+    return None
 
 
 def _repr(a):

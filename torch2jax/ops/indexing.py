@@ -239,6 +239,8 @@ def _crop(a, shape):
 
 @register(aten.gather.default)
 def gather(x, dim, index, *, sparse_grad=False):
+    if max(index.ndim, 1) != max(x.ndim, 1):
+        raise TorchRuntimeError("Index tensor must have the same number of dimensions as input tensor")
     d, x1 = _as_1d(x, dim)
     index1 = index.reshape(-1) if index.ndim == 0 else index
     _check_range(index1, x1.shape[d], _out_of_bounds(dim, x1.shape[d], TorchRuntimeError), negative=False)
@@ -404,6 +406,11 @@ def put(x, index, source, accumulate=False):
 
 @register(aten.embedding.default)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if indices.dtype not in (np.dtype(np.int64), np.dtype(np.int32)):
+        legacy = torch.empty(0, dtype=_dt.to_torch(indices.dtype)).type()  # "torch.FloatTensor"
+        raise TorchRuntimeError(
+            "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got "
+            f"{legacy} instead (while checking arguments for embedding)")
     _check_range(indices, weight.shape[0], _index_out_of_range_in_self, negative=False)
     return jnp.take(weight, indices, axis=0)
 
@@ -498,11 +505,25 @@ def cat(tensors, dim=0):
     for i, t in enumerate(parts):
         if t.ndim == 0:
             raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
+    d = canonical_dim(dim, parts[0].ndim)
+    for i, t in enumerate(tensors):
+        if t.ndim == 1 and t.shape[0] == 0:  # (a legacy empty tensor)
+            continue
+        if t.ndim != parts[0].ndim:
+            raise RuntimeError(f"Tensors must have same number of dimensions: got {parts[0].ndim} and {t.ndim}")
+        for k, (a, b) in enumerate(zip(parts[0].shape, t.shape)):
+            if k != d and a != b:
+                raise RuntimeError(f"Sizes of tensors must match except in dimension {d}. Expected size {a} but got "
+                                   f"size {b} for tensor number {i} in the list.")
     return jnp.concatenate([t.astype(dtype) for t in parts], axis=canonical_dim(dim, parts[0].ndim))
 
 
 @register(aten.stack.default)
 def stack(tensors, dim=0):
+    for i, t in enumerate(tensors[1:], 1):
+        if t.shape != tensors[0].shape:
+            raise RuntimeError(f"stack expects each tensor to be equal size, but got {list(tensors[0].shape)} at entry "
+                               f"0 and {list(t.shape)} at entry {i}")
     dtype = _dt.result_type(*[t.reshape(1) if t.ndim == 0 else t for t in tensors])
     return jnp.stack([t.astype(dtype) for t in tensors], axis=canonical_dim(dim, tensors[0].ndim + 1))
 

@@ -180,8 +180,20 @@ def _layer_norm(x, normalized_shape, weight, bias, eps):
     return out.astype(x.dtype), mean, rstd
 
 
+def _check_layer_norm(x, normalized_shape, weight, bias):
+    shape = [int(n) for n in normalized_shape]
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and list(p.shape) != shape:
+            raise RuntimeError(f"Expected {name} to be of same shape as normalized_shape, but got {name} of shape "
+                               f"{list(p.shape)} and normalized_shape = {shape}")
+    if x.ndim < len(shape) or list(x.shape[x.ndim - len(shape):]) != shape:
+        raise RuntimeError(f"Given normalized_shape={shape}, expected input with shape [*, {', '.join(map(str, shape))}], "
+                           f"but got input of size{list(x.shape)}")
+
+
 @register(aten.native_layer_norm.default)
 def native_layer_norm(x, normalized_shape, weight, bias, eps):
+    _check_layer_norm(x, normalized_shape, weight, bias)
     out, mean, rstd = _layer_norm(x, normalized_shape, weight, bias, eps)
     stat = _stat_dtype(x, weight)
     return out, mean.astype(stat), rstd.astype(stat)
