@@ -660,3 +660,14 @@ def test_common_mistakes_get_the_cpu_message(name):
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value).split(" (Triggered")[0])) as got:
         _MISTAKES[name]("jax")
     assert not isinstance(got.value, t2j.OpError)
+
+
+def test_complex_to_real_copy_warns_once(monkeypatch):
+    from torch2jax.ops import creation
+
+    monkeypatch.setattr(creation, "_warned_complex_to_real", False)
+    z = torch.tensor([1 + 1j], device="jax")
+    with pytest.warns(UserWarning, match="Casting complex values to real discards the imaginary part") as record:
+        z.float()
+        torch.zeros(1, device="jax").copy_(z)
+    assert sum("Casting complex" in str(w.message) for w in record) == 1

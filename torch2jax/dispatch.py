@@ -409,10 +409,20 @@ def _is_foreign_device(kwargs):
 def _resolve(func):
     handler, path = _choose(func)
     handler = _checking_overlap(func, handler)
+    if func in _reg.WARNINGS:
+        handler = _warning_first(_reg.WARNINGS[func], handler)
     _HANDLERS[func] = handler
     _BY_ID[id(func)] = (func, handler)
     _PATHS[func] = path
     return handler
+
+
+def _warning_first(check, handler):
+    def warned(func, args, kwargs):
+        check(func, args, kwargs)
+        return handler(func, args, kwargs)
+
+    return warned
 
 
 def _choose(func):

@@ -11,7 +11,7 @@ import torch
 
 from .. import dtypes as _dt
 from ..symbolic import traced_number
-from .registry import _HALF, as_dtype, cast, checked_scalar, register, true_divide
+from .registry import _HALF, as_dtype, cast, checked_scalar, register, true_divide, warning
 
 aten = torch.ops.aten
 
@@ -258,20 +258,23 @@ def clone(x, *, memory_format=None):
 _warned_complex_to_real = False
 
 
-def _warn_if_complex_to_real(src_dtype, dtype):
+@warning(aten._to_copy, aten.copy, aten.copy_.default)
+def _warn_complex_to_real(func, args, kwargs):
     """torch's one-time warning (TORCH_WARN_ONCE) for a copy that drops imaginary parts."""
     global _warned_complex_to_real
-    if not _warned_complex_to_real and _dt.is_complex(src_dtype) and not _dt.is_complex(dtype):
+    if func is aten._to_copy.default:
+        src, dtype = args[0], kwargs.get("dtype")
+    else:
+        src, dtype = args[1], args[0].dtype
+    if (not _warned_complex_to_real and isinstance(src, torch.Tensor) and src.is_complex() and dtype is not None
+            and not dtype.is_complex):
         _warned_complex_to_real = True
-        warnings.warn("Casting complex values to real discards the imaginary part", UserWarning, stacklevel=2)
+        warnings.warn("Casting complex values to real discards the imaginary part", UserWarning, stacklevel=3)
 
 
 @register(aten._to_copy)
 def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    if dtype is None:
-        return x
-    _warn_if_complex_to_real(x.dtype, _dt.to_jax(dtype))
-    return cast(x, _dt.to_jax(dtype))
+    return x if dtype is None else cast(x, _dt.to_jax(dtype))
 
 
 @register(aten.lift_fresh_copy, aten._unsafe_view)
@@ -281,7 +284,6 @@ def lift_fresh_copy(x, *size):
 
 @register(aten.copy)
 def copy(x, src, non_blocking=False):
-    _warn_if_complex_to_real(src.dtype, x.dtype)
     out = jnp.broadcast_to(cast(src, x.dtype), x.shape)
     # An eager copy_ of the same dtype and shape would hand the destination the source's own
     # jax.Array; t2j.jit donates the buffers of the state it overwrites, so the copy (an

@@ -22,10 +22,11 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 
 @register(aten._weight_int8pack_mm)
 def _weight_int8pack_mm(x, w, scales):
-    # Shapes and the dtypes of x and w are checked by torch's meta kernel when this raises;
-    # the scales' dtype only by the CPU kernel, so it is checked here.
+    # Shapes and the dtypes of x and w are checked by torch's meta kernel when this raises (a
+    # ValueError: the dispatcher then asks the meta kernel for torch's message); the scales'
+    # dtype only by the CPU kernel, so it is checked here.
     if x.ndim != 2 or x.dtype not in _FLOATS or w.ndim != 2 or w.dtype != np.int8 or scales.ndim != 1:
-        raise RuntimeError("_weight_int8pack_mm: expected x 2-D f32/f16/bf16, w 2-D int8, scales 1-D")
+        raise ValueError("_weight_int8pack_mm: expected x 2-D f32/f16/bf16, w 2-D int8, scales 1-D")
     if scales.dtype != x.dtype:
         raise RuntimeError(f"_weight_int8pack_mm: expected scales to have x's dtype {x.dtype}, got {scales.dtype}")
     acc = lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), precision=_precision(),

@@ -19,7 +19,7 @@ import torch
 from .. import dtypes as _dt
 from ..dispatch import OpError
 from .indexing import raise_as_torch
-from .registry import _HALF, canonical_dim, canonical_dims, register, true_divide
+from .registry import _HALF, canonical_dim, canonical_dims, register, true_divide, warning
 from .shape import is_traced
 
 aten = torch.ops.aten
@@ -288,33 +288,40 @@ def _real_out(x):
     return _dt.real_of(x.dtype)
 
 
-def _var_std(name, x, dim, correction, keepdim, sqrt):
-    axes = _axes(dim, x.ndim)
-    if _size(x, axes) - (1 if correction is None else correction) <= 0:
-        warnings.warn(f"{name}(): degrees of freedom is <= 0. Correction should be strictly less than the reduction "
-                      "factor (input numel divided by output numel).", UserWarning, stacklevel=2)
-    v, m = _var_mean(x, axes, correction, keepdim)
+def _var_std(x, dim, correction, keepdim, sqrt):
+    v, m = _var_mean(x, _axes(dim, x.ndim), correction, keepdim)
     return (jnp.sqrt(v) if sqrt else v).astype(_real_out(x)), m.astype(x.dtype)
+
+
+@warning(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction)
+def _warn_no_degrees_of_freedom(func, args, kwargs):
+    x, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim"))
+    correction = kwargs.get("correction")
+    n = math.prod(x.shape[d] for d in _axes(dim, x.dim()))
+    if n - (1 if correction is None else correction) <= 0:
+        warnings.warn(f"{func._schema.name.split('::')[1]}(): degrees of freedom is <= 0. Correction should be "
+                      "strictly less than the reduction factor (input numel divided by output numel).", UserWarning,
+                      stacklevel=3)
 
 
 @register(aten.var.correction)
 def var(x, dim=None, *, correction=None, keepdim=False):
-    return _var_std("var", x, dim, correction, keepdim, False)[0]
+    return _var_std(x, dim, correction, keepdim, False)[0]
 
 
 @register(aten.std.correction)
 def std(x, dim=None, *, correction=None, keepdim=False):
-    return _var_std("std", x, dim, correction, keepdim, True)[0]
+    return _var_std(x, dim, correction, keepdim, True)[0]
 
 
 @register(aten.var_mean.correction)
 def var_mean(x, dim=None, *, correction=None, keepdim=False):
-    return _var_std("var_mean", x, dim, correction, keepdim, False)
+    return _var_std(x, dim, correction, keepdim, False)
 
 
 @register(aten.std_mean.correction)
 def std_mean(x, dim=None, *, correction=None, keepdim=False):
-    return _var_std("std_mean", x, dim, correction, keepdim, True)
+    return _var_std(x, dim, correction, keepdim, True)
 
 
 # -- logical -----------------------------------------------------------------

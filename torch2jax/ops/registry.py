@@ -31,6 +31,7 @@ from .. import symbolic as _sym
 LOWERINGS: dict = {}
 VIEWS: dict = {}
 DECOMPOSITIONS: dict = {}
+WARNINGS: dict = {}
 
 
 def _overloads(op):
@@ -51,6 +52,20 @@ def register(*ops):
         for op in ops:
             for overload in _overloads(op):
                 LOWERINGS[overload] = fn
+        return fn
+
+    return deco
+
+
+def warning(*ops):
+    """Register the decorated ``fn(func, args, kwargs)`` to run before every call of ``ops``,
+    on torch's arguments (tensors, not arrays): for torch's warnings, which a lowering would
+    give only when a compiled call of it is traced."""
+
+    def deco(fn):
+        for op in ops:
+            for overload in _overloads(op):
+                WARNINGS[overload] = fn
         return fn
 
     return deco
@@ -210,9 +225,7 @@ def _check_range(v, dtype, named):
 
 
 def _overflow(dtype):
-    from ..dispatch import TorchRuntimeError  # (dispatch imports this module)
-
-    raise TorchRuntimeError(f"value cannot be converted to type {_C_TYPE_NAMES.get(np.dtype(dtype).name, dtype)} "
+    raise RuntimeError(f"value cannot be converted to type {_C_TYPE_NAMES.get(np.dtype(dtype).name, dtype)} "
                        "without overflow")
 
 
