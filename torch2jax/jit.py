@@ -1114,7 +1114,7 @@ class JitFunction:
         # state the program never reads (e.g. the .grad arrays a zero_grad inside drops) is not passed:
         # every argument costs dispatch time on each call
         used = _used_inputs(closed.jaxpr)
-        kept = [i for i in range(n_in) if i not in set(donate) and i in used]
+        kept = [i for i in sorted(used - set(donate)) if i < n_in]
 
         def arguments(inputs, lrs, key):
             # written state first, so that one argument (donated) covers exactly it

@@ -262,12 +262,13 @@ _warned_complex_to_real = False
 def _warn_complex_to_real(func, args, kwargs):
     """torch's one-time warning (TORCH_WARN_ONCE) for a copy that drops imaginary parts."""
     global _warned_complex_to_real
+    if _warned_complex_to_real:
+        return
     if func is aten._to_copy.default:
         src, dtype = args[0], kwargs.get("dtype")
     else:
         src, dtype = args[1], args[0].dtype
-    if (not _warned_complex_to_real and isinstance(src, torch.Tensor) and src.is_complex() and dtype is not None
-            and not dtype.is_complex):
+    if isinstance(src, torch.Tensor) and src.is_complex() and dtype is not None and not dtype.is_complex:
         _warned_complex_to_real = True
         warnings.warn("Casting complex values to real discards the imaginary part", UserWarning, stacklevel=3)
 

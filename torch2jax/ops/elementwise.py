@@ -42,7 +42,7 @@ def _reject_complex(name, *xs):
     numbers lack), from its CPU kernel run on one-element stand-ins."""
     complex_ = [x for x in xs if _is_complex(x)]
     if complex_:
-        z = torch.zeros(1, dtype=_dt.to_torch(complex_[0].dtype))
+        z = stand_in(complex_[0].dtype, 1)
         if name == "clamp":
             args = (z, 0)
         elif name.startswith("is"):  # isposinf, isneginf
@@ -469,8 +469,8 @@ def frexp(x):
 def clamp(x, min=None, max=None):  # noqa: A002 - torch's argument names
     if min is None and max is None:
         raise OpError("torch2jax: clamp: At least one of 'min' or 'max' must not be None")
-    (x, lo, hi), result = _promoted("default", x, checked_scalar(min, _result_of(x, min, max)),
-                                    checked_scalar(max, _result_of(x, min, max)))
+    bound_dtype = _result_of(x, min, max)
+    (x, lo, hi), result = _promoted("default", x, checked_scalar(min, bound_dtype), checked_scalar(max, bound_dtype))
     _reject_complex("clamp", x)
     if lo is not None:
         x = jnp.maximum(x, lo)  # jnp.maximum / minimum propagate NaN, as torch's clamp

@@ -61,9 +61,10 @@ def raise_as_torch(fn, *args):
         raise TorchRuntimeError(str(e)) from None
 
 
-def stand_in(dtype):
-    """An empty CPU tensor of ``dtype`` for `raise_as_torch`."""
-    return torch.empty(0, dtype=_dt.to_torch(dtype))
+def stand_in(dtype, numel=0):
+    """A CPU tensor of ``dtype`` (empty, or ``numel`` zeros: some kernels check the dtype only when
+    there is an element to compute) for `raise_as_torch`."""
+    return torch.zeros(numel, dtype=_dt.to_torch(dtype))
 
 
 def _check_range(index, size, error, negative=True):

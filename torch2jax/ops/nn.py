@@ -105,7 +105,7 @@ def _over_dim(fn, x, dim, *arrays):
 def _floating_only(call, x):
     """torch's CPU softmax kernels have no integer, bool or complex version: their error."""
     if not _dt.is_floating(x.dtype):
-        raise_as_torch(call, torch.zeros(1, dtype=_dt.to_torch(x.dtype)), 0)
+        raise_as_torch(call, stand_in(x.dtype, 1), 0)
 
 
 @register(aten._softmax.default)

@@ -18,7 +18,7 @@ import torch
 
 from .. import dtypes as _dt
 from ..dispatch import OpError
-from .indexing import raise_as_torch
+from .indexing import raise_as_torch, stand_in
 from .registry import _HALF, canonical_dim, canonical_dims, register, true_divide, warning
 from .shape import is_traced
 
@@ -158,7 +158,7 @@ def _real_only(call):
         @functools.wraps(fn)
         def checked(x, *args, **kwargs):
             if _dt.is_complex(x.dtype):
-                raise_as_torch(call, torch.zeros(1, dtype=_dt.to_torch(x.dtype)))
+                raise_as_torch(call, stand_in(x.dtype, 1))
             return fn(x, *args, **kwargs)
 
         return checked
