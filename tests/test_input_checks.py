@@ -650,6 +650,9 @@ _MISTAKES = {
     "layer_norm shape": lambda d: F.layer_norm(torch.zeros(2, 3, device=d), (4,)),
     "layer_norm weight": lambda d: F.layer_norm(torch.zeros(2, 3, device=d), (3,), weight=torch.zeros(4, device=d)),
     "gather ranks": lambda d: torch.zeros(2, 3, device=d).gather(1, torch.zeros(2, dtype=torch.long, device=d)),
+    "dropout of integers": lambda d: F.dropout(torch.ones(4, dtype=torch.int32, device=d), 0.5),
+    "out= of a narrower dtype": lambda d: torch.add(torch.ones(2, device=d), 1,
+                                                    out=torch.empty(2, dtype=torch.long, device=d)),
 }
 
 

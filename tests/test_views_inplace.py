@@ -247,7 +247,22 @@ def p_set_to_nothing(x):
     return y, v
 
 
+def p_resize_within_the_storage(x):
+    # resize_ (and an out= that must be resized) re-lays a tensor out over its own storage:
+    # the base and the other views keep seeing it
+    y = x.clone().flatten()
+    tail = y[1:]
+    torch.add(x[0, :3], 1, out=y[2:4])  # a view resized to three elements writes y[2:5]
+    y.resize_(3).mul_(10)
+    mid = y.view(3)[1:]
+    mid.resize_(4).zero_()  # from offset 1: y's storage elements 1..4
+    t = x.clone().t()
+    t.resize_(5)  # contiguous from the storage's start, not t's elements in order
+    return y, tail, mid, t, y.untyped_storage().nbytes()
+
+
 CASES = [
+    (p_resize_within_the_storage, [(3, 4)]),
     (p_set_to_nothing, [(3, 4)]),
     (p_select_add, [(3, 4)]),
     (p_view_setitem, [(3, 4)]),

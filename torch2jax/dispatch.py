@@ -1414,9 +1414,24 @@ def _inplace_view_handler(view_op):
 
 
 def _resize_handler(func, args, kwargs):
+    """``x.resize_(size)``: ``x`` becomes the contiguous ``size`` tensor at its storage offset.
+
+    Within the storage this is a view of it, so the base and every other view of the
+    storage keep seeing its elements. Beyond it, torch grows the storage in place; here
+    ``x`` moves to a new storage holding the old elements from its offset on, then zeros
+    (torch leaves them uninitialized), and other views of the old storage no longer see
+    its writes."""
     x, size = args[0], tuple(args[1])
-    if tuple(x.shape) != size:
-        x._rebind(dispatch(aten.resize.default, (x, size), {}))
+    if tuple(x.shape) == size:
+        return x
+    offset, numel = x.storage_offset(), math.prod(size)
+    capacity = x.untyped_storage().nbytes() // x.element_size()
+    strides = _tensor._contiguous_strides(size)
+    if offset + numel <= capacity:
+        x._rebind(dispatch(aten.as_strided.default, (x, size, strides, offset), {}))
+    else:
+        rest = dispatch(aten.as_strided.default, (x, (capacity - offset,), (1,), offset), {})
+        x._rebind(dispatch(aten.resize.default, (rest, size), {}))
     return x
 
 
@@ -1518,7 +1533,8 @@ def write(target, value, func, resize=False):
                     f"which does not match the required output shape {list(value.shape)}.",
                     stacklevel=5,
                 )
-            target._rebind(new_tensor(value.astype(_dt.to_jax(target.dtype))))
+            _resize_handler(aten.resize_.default, (target, value.shape), {})
+            target._assign(value.astype(_dt.to_jax(target.dtype)))
             return
         raise TorchRuntimeError(
             f"output with shape {list(target.shape)} doesn't match the broadcast shape {list(value.shape)}"
@@ -1527,7 +1543,8 @@ def write(target, value, func, resize=False):
     if value.dtype != dtype:
         if not _dt.can_cast(value.dtype, dtype):
             raise TorchRuntimeError(
-                f"result type {_dt.to_torch(value.dtype)} can't be cast to the desired output type {target.dtype}"
+                f"result type {_reg.scalar_type_name(value.dtype)} can't be cast to the desired output type "
+                f"{_reg.scalar_type_name(target.dtype)}"
             )
         value = value.astype(dtype)
     target._assign(value)

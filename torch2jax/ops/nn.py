@@ -1042,6 +1042,9 @@ def native_dropout(x, p, train):
         return x, jnp.ones(x.shape, np.bool_)
     if p == 1:
         return jnp.zeros_like(x), jnp.zeros(x.shape, np.bool_)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        # torch's CPU kernel scales an integer tensor in place by 1 / (1 - p)
+        raise RuntimeError(f"result type Float can't be cast to the desired output type {scalar_type_name(x.dtype)}")
     mask = jax.random.bernoulli(_env.next_key(), np.float32(1 - p), x.shape)
     return (upcast(x) * mask * (1 / (1 - p))).astype(x.dtype), mask
 
