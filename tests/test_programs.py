@@ -1130,6 +1130,18 @@ def test_torch_save_load_preserves_storage_sharing():
     assert loaded["row"].tolist() == [5.0, 6.0, 7.0, 8.0]
 
 
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_torch_save_load_of_dtype_views_like_torch(device):
+    x = torch.arange(4.0, device=device)
+    with pytest.raises(RuntimeError, match="view the same data as different types"):
+        torch.save({"x": x, "bits": x.view(torch.int32)}, io.BytesIO())
+    z = torch.tensor([1 + 2j, 3 - 4j], device=device)
+    loaded = _save_load({"bits": x.view(torch.int32), "tail": x[1:].view(torch.int32), "re": torch.view_as_real(z)})
+    loaded["bits"][1] = 5  # the two int32 views still share their storage
+    assert loaded["tail"].tolist() == [5, 1073741824, 1077936128] and loaded["tail"].device == x.device
+    assert loaded["re"].tolist() == [[1.0, 2.0], [3.0, -4.0]] and loaded["re"].stride() == (2, 1)
+
+
 def test_pickle_and_deepcopy_of_a_jax_model_train_like_the_original():
     model = _model().to("jax")
     opt = O.Adam(model.parameters(), lr=1e-2)

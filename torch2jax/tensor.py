@@ -405,6 +405,11 @@ class Tensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         base = _saved_base(self._t2j_storage)
+        if self.dtype != base.dtype:
+            # a dtype view is saved on its storage's bytes, as torch does (which refuses to
+            # save it together with a view of another dtype)
+            base = torch.empty(0, dtype=self.dtype).set_(
+                base.untyped_storage(), 0, (base.untyped_storage().nbytes() // self.element_size(),))
         meta = (tuple(self.shape), tuple(self.stride()), self.storage_offset())
         if not _is_view_of(self, base, meta):
             base = _mark_saved(torch_cpu(self._value()))
@@ -583,8 +588,6 @@ def _is_view_of(t: Tensor, base: torch.Tensor, meta) -> bool:
     size, stride, offset = meta
     if not t._t2j_view:
         return size == tuple(base.shape) and stride == _contiguous_strides(size) and offset == 0
-    if t.dtype != base.dtype:
-        return False
     try:
         return torch.equal(base.as_strided(size, stride, offset), torch_cpu(t._value()))
     except RuntimeError:
