@@ -599,6 +599,15 @@ def test_index_select_from_an_empty_axis(device):
         x.index_select(1, _t([0], device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_index_of_another_rank_gathers_and_scatters_nothing(device):
+    x, index = torch.ones(5, device=device), torch.zeros(2, 0, dtype=torch.long, device=device)
+    assert x.gather(0, index).shape == (2, 0)
+    assert x.scatter(0, index, 2.0).tolist() == [1.0] * 5
+    with pytest.raises(RuntimeError, match="Index tensor must have the same number of dimensions"):
+        x.gather(0, torch.zeros(2, 1, dtype=torch.long, device=device))
+
+
 _COMPLEX_ORDERINGS = {
     "max": torch.max, "amax": torch.amax, "argmax": torch.argmax, "max dim": lambda z: torch.max(z, 0),
     "sort": torch.sort, "topk": lambda z: torch.topk(z, 1), "cummax": lambda z: torch.cummax(z, 0),

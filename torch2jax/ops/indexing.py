@@ -240,7 +240,7 @@ def _crop(a, shape):
 
 @register(aten.gather.default)
 def gather(x, dim, index, *, sparse_grad=False):
-    if max(index.ndim, 1) != max(x.ndim, 1):
+    if max(index.ndim, 1) != max(x.ndim, 1) and index.size:  # torch checks no shapes of an empty index
         raise TorchRuntimeError("Index tensor must have the same number of dimensions as input tensor")
     d, x1 = _as_1d(x, dim)
     index1 = index.reshape(-1) if index.ndim == 0 else index
