@@ -294,3 +294,36 @@ def test_storage_level_writes_reach_every_view(device):
     assert len(a.untyped_storage()) == a.untyped_storage().size() == 16
     with pytest.raises(RuntimeError, match="size does not match, self was 16 bytes but src was 12 bytes"):
         a.untyped_storage().copy_(torch.zeros(3).untyped_storage())
+
+
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_torch_tensor_of_a_list_of_jax_scalars_reads_their_values(device):
+    losses = [torch.tensor(1.5, device=device), torch.tensor(2.5, device=device)]
+    counts = [torch.tensor(3, device=device), torch.tensor(4, device=device)]
+    half = torch.tensor(2, dtype=torch.bfloat16, device=device)
+    for built, values, dtype, on in [
+        (torch.tensor(losses), [1.5, 2.5], torch.float32, "cpu"),
+        (torch.tensor(counts), [3, 4], torch.int64, "cpu"),
+        (torch.tensor([1.0, losses[0]]), [1.0, 1.5], torch.float32, "cpu"),
+        (torch.as_tensor(losses), [1.5, 2.5], torch.float32, "cpu"),
+        (torch.tensor([half, half]), [2.0, 2.0], torch.bfloat16, "cpu"),
+        (torch.tensor(losses, device="jax"), [1.5, 2.5], torch.float32, "jax"),
+    ]:
+        assert (built.tolist(), built.dtype, built.device.type) == (values, dtype, on)
+    with pytest.raises(ValueError, match="only one element tensors"):
+        torch.tensor([torch.ones(2, device=device)])
+
+
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_views_under_inference_mode_are_normal_tensors(device):
+    x = torch.arange(6.0, device=device)
+    w = torch.nn.Parameter(torch.ones(3, 2, device=device))
+    with torch.inference_mode():
+        v = x.view(2, 3)
+        y = v @ w.t().t()
+        views = (x[1:], x.detach(), x.unsqueeze(0), x.expand(2, 6))
+        x[:2].add_(1)
+        flags = [v.is_inference(), y.is_inference(), y.view(-1).is_inference()] + [t.is_inference() for t in views]
+    assert flags == [False, True, True, False, False, False, False]
+    assert x.tolist() == [1.0, 2.0, 2.0, 3.0, 4.0, 5.0] and x._version == 1
+    assert y.tolist() == [[3.0, 3.0], [12.0, 12.0]]

@@ -238,6 +238,27 @@ def p_conj_is_a_view(z):
     return z, c, z.conj().resolve_conj()
 
 
+def p_conj_and_neg_bits(z):
+    # the conjugate (and, from z.conj().imag, negative) bits are torch's: is_conj(), what
+    # views of such a view read, in place writes through them, and what torch refuses
+    c = z.conj()
+    imag = c.imag  # torch: a negative view of z's imaginary parts
+    strided = c.as_strided((2,), (1,), 1)  # storage elements, conjugated
+    flags = (c.is_conj(), c[1:].is_conj(), c.detach().is_conj(), c.conj().is_conj(), c.resolve_conj().is_conj(),
+             (c * 2).is_conj(), imag.is_neg(), z.conj_physical().is_conj(), c.view(2, 2).mH.is_conj())
+    refused = []
+    for attempt in (lambda: torch.view_as_real(c), lambda: c.view(torch.float32), lambda: c.numpy(),
+                    lambda: imag.numpy()):
+        try:
+            attempt()
+            refused.append(None)
+        except RuntimeError as e:
+            refused.append(str(e)[:40])
+    imag.mul_(2)
+    strided.add_(1j)
+    return z, c, imag, strided, c @ z, torch.view_as_real(c.resolve_conj()), flags, tuple(refused)
+
+
 def p_set_to_nothing(x):
     # x.set_() leaves an empty tensor on a storage of its own; its old views keep the values
     y = x.clone()
@@ -292,6 +313,7 @@ CASES = [
     (p_view_as_real, [((3, 2), torch.complex64)]),
     (p_complex_dtype_views, [((3, 2), torch.complex64), (3, 4)]),
     (p_conj_is_a_view, [((3, 2), torch.complex64)]),
+    (p_conj_and_neg_bits, [((4,), torch.complex64)]),
     (p_inplace_unary_on_view, [(3, 4)]),
     (p_transpose_reshape, [(3, 4)]),
     (p_int_inplace, [((3, 4), torch.int64)]),

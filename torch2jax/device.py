@@ -155,6 +155,12 @@ def _copy(dst, src, non_blocking=False):
     return dispatch(torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
 
 
+def _local_scalar_dense(x):
+    from .dispatch import dispatch
+
+    return dispatch(torch.ops.aten._local_scalar_dense.default, (x,), {})
+
+
 def _set_to_tensor(target, source, storage_offset, size, stride=()):
     from .dispatch import dispatch
 
@@ -303,10 +309,13 @@ def register() -> None:
         cls.__deepcopy__ = _deepcopy_keeps_device(cls.__deepcopy__)
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
-    # The boxed fallback cannot serve copy_ when torch.tensor(..., device="jax")
-    # copies with the Python key excluded, so copy_ gets a kernel of its own.
+    # The boxed fallback cannot serve ops called with the Python key excluded (torch's
+    # trampoline finds no Python kernel under the op's own name): torch.tensor(...,
+    # device="jax") copies its data in with copy_, torch.tensor([jax scalars]) reads each
+    # one with _local_scalar_dense, so these get kernels of their own.
     impl = torch.library.Library("aten", "IMPL")
     impl.impl("copy_", _copy, "PrivateUse1")
+    impl.impl("_local_scalar_dense", _local_scalar_dense, "PrivateUse1")
     impl.impl("_pin_memory", _pin_memory, "CPU")
     # torch's composite kernel turns x.set_(tensor, offset, size, stride) into a set_ to
     # the tensor's C++ storage, which a jax tensor's values are not in: kept whole here

@@ -431,7 +431,7 @@ def _choose(func):
 
         _ops.load_namespace(func.namespace)
     if func in _reg.VIEWS:
-        return _view_handler(func, *_reg.VIEWS[func]), "lowering"
+        return _lazy_bits(_view_handler(func, *_reg.VIEWS[func])), "lowering"
     if func in (aten.empty_strided.default, aten.new_empty_strided.default):
         return _strided_factory(_lowering_handler(func, _reg.LOWERINGS[func])), "lowering"
     if func in _reg.LOWERINGS:
@@ -439,7 +439,7 @@ def _choose(func):
     if isinstance(func, torch._ops.OpOverload) and func.is_view:
         if _has_composite(func):
             return _composite_handler, "decomposition"
-        return _generic_view_handler, "lowering"
+        return _lazy_bits(_generic_view_handler), "lowering"
     if func is aten.resize_.default:
         return _resize_handler, "lowering"
     if func is aten.resize_as_.default:
@@ -1051,6 +1051,45 @@ def _alias(x):
     )
 
 
+def _lazy_bits(run):
+    """``run``, a view op's handler, giving its views torch's conjugate and negative bits.
+
+    A torch2jax tensor's value is always what it reads as: ``z.conj()`` holds the
+    conjugated values (a write through it reaches ``z`` conjugated back), ``_neg_view``
+    the negated ones. The bits only tell torch and the user what kind of view it is:
+    ``is_conj()``, ``resolve_conj()`` (a copy), torch's refusal of ``view_as_real`` and
+    dtype views of a conjugate view. ``_conj`` and ``_neg_view`` toggle theirs; every
+    other view keeps its input's. Ops that do not take such views get a copy from torch
+    first (its conjugate and negative fallbacks), which reads the same values."""
+
+    def run_with_bits(func, args, kwargs):
+        x = args[0]
+        conj, neg = x.is_conj(), x.is_neg()
+        if conj and func in _CONJ_REFUSED:
+            meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+            torch._C._set_conj(meta, True)
+            func(meta, *args[1:], **kwargs)  # torch's error
+        if torch.is_inference_mode_enabled() and not x.is_inference():
+            # torch's view of a normal tensor is a normal tensor (autograd then shares its
+            # version counter), also under inference_mode
+            with torch.inference_mode(False):
+                out = run(func, args, kwargs)
+        else:
+            out = run(func, args, kwargs)
+        conj ^= func is aten._conj.default
+        neg ^= func is aten._neg_view.default
+        if conj or neg:
+            for o in (out if isinstance(out, (list, tuple)) else (out,)):
+                torch._C._set_conj(o, conj)
+                torch._C._set_neg(o, neg)
+        return out
+
+    return run_with_bits
+
+
+_CONJ_REFUSED = frozenset({aten.view_as_real.default, aten.view.dtype})
+
+
 def _view_handler(func, forward, inverse):
     # An alias's forward returns its input: nothing to compile.
     jittable = inverse is not None and _jittable(func, forward) and _jittable(func, inverse)
@@ -1159,15 +1198,18 @@ def _generic_view_handler(func, args, kwargs):
     metas = meta if isinstance(meta, list) else [meta]
     if any(m[3] != x.dtype for m in metas) or any(s.forward is None for s in x._t2j_view):
         raise OpError(f"torch2jax: view op {func} has no lowering for this input")
-    if any(step.name is aten.view.dtype for step in x._t2j_view):
+    if any(step.name in _REINTERPRETING for step in x._t2j_view):
         raise OpError(f"torch2jax: view op {func} on a dtype view is not supported")
+    # a view of the storage's elements, conjugated or negated as the views ``x`` comes through are
+    conj = sum(step.name is aten._conj.default for step in x._t2j_view) % 2
+    neg = sum(step.name is aten._neg_view.default for step in x._t2j_view) % 2
     outs = []
     for size, stride, offset, dtype in metas:
         _check_in_storage(x, size, stride, offset, dtype)
         idx = strided_indices(size, stride, offset)
         step = ViewStep(
-            functools.partial(_gather_flat, idx),
-            functools.partial(_scatter_flat, idx),
+            functools.partial(_gather_flat, idx, conj=conj, neg=neg),
+            functools.partial(_scatter_flat, idx, conj=conj, neg=neg),
             func,
             repeats=np.unique(idx).size < idx.size,
         )
@@ -1191,11 +1233,20 @@ def _check_in_storage(x, size, stride, offset, dtype):
         )
 
 
-def _gather_flat(idx, base):
-    return base.reshape(-1)[idx]
+_REINTERPRETING = frozenset({aten.view.dtype, aten.view_as_real.default, aten.view_as_complex.default})
 
 
-def _scatter_flat(idx, base, value):
+def _lazy_values(a, conj, neg):
+    a = a.conj() if conj else a
+    return -a if neg else a
+
+
+def _gather_flat(idx, base, conj=False, neg=False):
+    return _lazy_values(base.reshape(-1)[idx], conj, neg)
+
+
+def _scatter_flat(idx, base, value, conj=False, neg=False):
+    value = _lazy_values(value, conj, neg)
     return base.reshape(-1).at[idx.reshape(-1)].set(value.reshape(-1)).reshape(base.shape)
 
 

@@ -318,6 +318,10 @@ class Tensor(torch.Tensor):
     def numpy(self, *, force: bool = False) -> np.ndarray:
         if self.requires_grad and not force:
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        for bit, resolve in (("conjugate", "conj"), ("negative", "neg")):
+            if getattr(self, f"is_{resolve}")() and not force:
+                raise RuntimeError(f"Can't call numpy() on Tensor that has {bit} bit set. Use "
+                                   f"tensor.resolve_{resolve}().numpy() instead.")
         return self.detach().cpu().numpy()
 
     @property

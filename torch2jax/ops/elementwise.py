@@ -699,6 +699,13 @@ def _conj(x):
     return conj_physical(x)
 
 
+@view(aten._neg_view, inverse=lambda base, value: jnp.negative(value))
+def _neg_view(x):
+    """The negated view torch makes in its complex formulas (``z.conj().imag``); its values are
+    computed negated, as `_conj`'s are conjugated."""
+    return jnp.negative(x)
+
+
 @register(aten.angle)
 def angle(x):
     if _is_complex(x):
