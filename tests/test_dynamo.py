@@ -229,6 +229,23 @@ def test_other_backends_run_jax_tensors_eagerly():
     assert counters["stats"]["unique_graphs"] == 0
 
 
+def test_other_backends_run_jax_tensors_eagerly_in_a_fresh_process():
+    # without this test file's `import torch._dynamo` before torch2jax: Dynamo must still
+    # stay out of torch2jax's dispatcher
+    code = (
+        "import sys, torch, torch2jax\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "m = torch.nn.Linear(3, 2)\n"
+        "x = torch.randn(4, 3)\n"
+        "expected = m(x)\n"
+        "m.to('jax')\n"
+        "for backend in ('inductor', 'eager', 'aot_eager'):\n"
+        "    out = torch.compile(m, backend=backend)(x.to('jax'))\n"
+        "    torch.testing.assert_close(out.cpu(), expected)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
 def test_plain_torch_compile_still_works_after_import():
     # renaming PrivateUse1 to "jax" must not break torch's own compiler (DESIGN.md)
     model = _mlp()

@@ -12,6 +12,7 @@ import contextlib
 
 import functools
 import inspect
+import sys
 
 import torch
 import torch.utils.backend_registration as _backend
@@ -170,6 +171,34 @@ def _set_to_tensor(target, source, storage_offset, size, stride=()):
 _libs = []
 
 
+_dynamo_kept_out = False
+
+
+def keep_dynamo_out_of_jax() -> None:
+    """Keep Dynamo out of JAX's and torch2jax's frames (once): a jax tensor under a
+    backend other than torch2jax's then runs eagerly instead of Dynamo tracing the
+    dispatcher (and breaking JAX)."""
+    global _dynamo_kept_out
+    if not _dynamo_kept_out:
+        import torch._dynamo
+
+        for package in ("jax", "jaxlib", "torch2jax"):
+            torch._dynamo.trace_rules.add(package)
+        _dynamo_kept_out = True
+
+
+def _keeping_dynamo_out_of_jax(compile):
+    """``torch.compile`` that first calls `keep_dynamo_out_of_jax` (on importing torch2jax,
+    every user would pay for importing Dynamo)."""
+
+    @functools.wraps(compile)
+    def compile_(*args, **kwargs):
+        keep_dynamo_out_of_jax()
+        return compile(*args, **kwargs)
+
+    return compile_
+
+
 def _swapping(method):
     """Wrap an ``nn.Module`` conversion so that moving to or from the jax device swaps
     each parameter in place (``torch.utils.swap_tensors``) instead of creating a new
@@ -300,6 +329,9 @@ def register() -> None:
     torch._C._acc.register_python_privateuseone_device_guard(_backend._DummyDeviceGuard())
     torch.autograd.graph._engine_run_backward = _on_calling_thread(torch.autograd.graph._engine_run_backward)
     torch.autograd._engine_run_backward = torch.autograd.graph._engine_run_backward
+    torch.compile = _keeping_dynamo_out_of_jax(torch.compile)
+    if "torch._dynamo" in sys.modules:
+        keep_dynamo_out_of_jax()
     torch.nn.Module.to = _swapping(torch.nn.Module.to)
     torch.nn.Module.cpu = _swapping(torch.nn.Module.cpu)
     mixin = torch.nn.parameter.UninitializedTensorMixin

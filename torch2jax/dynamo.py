@@ -35,6 +35,7 @@ import torch._dynamo
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
+from . import device as _device
 from . import fx
 from .env import _trace_state_clean, default_rng
 from .tensor import Tensor, jax_array, new_tensor, torch_cpu
@@ -156,8 +157,7 @@ def skip_jax_frames() -> None:
     ``__torch_dispatch__`` in Python frames that Dynamo would otherwise try to
     compile, and break JAX.
     """
-    for package in ("jax", "jaxlib", "torch2jax"):
-        torch._dynamo.trace_rules.add(package)
+    _device.keep_dynamo_out_of_jax()
 
 
 def register() -> None:
