@@ -183,6 +183,18 @@ def test_deepcopy_keeps_parameters():
     assert m.weight.abs().sum().item() > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_deepcopy_of_a_parameter_leaves_its_grad_a_tensors_keeps_it(device):
+    import copy
+
+    m = torch.nn.Linear(2, 1).to(device)
+    t = torch.ones(2, device=device, requires_grad=True)
+    (m(t[None]).sum() + t.sum()).backward()
+    ema, t2 = copy.deepcopy(m), copy.deepcopy(t)
+    assert ema.weight.grad is None and ema.bias.grad is None
+    assert t2.grad.tolist() == t.grad.tolist() and t2.grad is not t.grad
+
+
 def test_module_to_jax_keeps_shared_weights_and_optimizer_references():
     class Tied(torch.nn.Module):
         def __init__(self):

@@ -435,8 +435,8 @@ class Tensor(torch.Tensor):
             out = Tensor(copied)
         out.requires_grad_(self.requires_grad)
         if getattr(self, "_is_param", False):
-            out._is_param = True
-        if self.grad is not None:
+            out._is_param = True  # torch's Parameter.__deepcopy__ leaves .grad behind
+        elif self.grad is not None:
             out.grad = self.grad.__deepcopy__(memo)
         memo[id(self)] = out
         return out
