@@ -608,6 +608,16 @@ def test_empty_index_of_another_rank_gathers_and_scatters_nothing(device):
         x.gather(0, torch.zeros(2, 1, dtype=torch.long, device=device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_index_tensors_of_other_dtypes_raise_index_error(device):
+    x = torch.arange(4.0, device=device)
+    for bad in (torch.tensor([0.5], device=device), torch.tensor([1], dtype=torch.int16, device=device)):
+        for attempt in (lambda: x[bad], lambda: x.__setitem__(bad, 1.0), lambda: x.index_put_((bad,), x[:1].clone())):
+            with pytest.raises(IndexError, match="tensors used as indices must be long, int, byte or bool tensors"):
+                attempt()
+    assert x[torch.tensor([1], dtype=torch.int32, device=device)].tolist() == [1.0]
+
+
 _COMPLEX_ORDERINGS = {
     "max": torch.max, "amax": torch.amax, "argmax": torch.argmax, "max dim": lambda z: torch.max(z, 0),
     "sort": torch.sort, "topk": lambda z: torch.topk(z, 1), "cummax": lambda z: torch.cummax(z, 0),

@@ -97,8 +97,13 @@ def _is_mask(i):
 # -- advanced indexing ---------------------------------------------------------
 
 
+_INDEX_DTYPES = frozenset(map(np.dtype, (np.int64, np.int32, np.uint8, np.bool_)))
+
+
 def _expand_masks(x, indices, name):
     """(x, indices) with boolean masks replaced by the coordinates of their True entries."""
+    if any(i is not None and np.dtype(i.dtype) not in _INDEX_DTYPES for i in indices):
+        raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
     out = []
     for i in indices:
         if not _is_mask(i):
