@@ -75,6 +75,20 @@ def _conv(x, weight, bias, stride, padding, dilation, transposed, output_padding
     return out.astype(x.dtype)
 
 
+@functools.cache
+def _onednn_bfloat16() -> bool:
+    """Whether torch CPU runs bfloat16 convolutions through oneDNN on this machine (a CPU
+    with AVX-512 or native bfloat16), which sums in float32 and rounds once."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _rounds_per_tap(dtype) -> bool:
+    """Whether torch CPU's transposed convolution in ``dtype`` is its slow kernel, which
+    rounds after each kernel tap (`_conv_transpose_half`): float16 always, bfloat16 where
+    oneDNN does not take it."""
+    return dtype == np.dtype(jnp.float16) or (dtype == np.dtype(jnp.bfloat16) and not _onednn_bfloat16())
+
+
 def _conv_transpose_half(x, weight, bias, stride, padding, dilation, output_padding, groups):
     """A float16 / bfloat16 transposed convolution rounded where torch CPU's kernel rounds.
 
@@ -230,7 +244,7 @@ def _check_conv_dtypes(x, weight, bias, transposed):
 def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     _check_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
     _check_conv_dtypes(x, weight, bias, transposed)
-    if transposed and x.dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)) and 0 not in x.shape:
+    if transposed and _rounds_per_tap(x.dtype) and 0 not in x.shape:
         return _conv_transpose_half(x, weight, bias, stride, padding, dilation, output_padding, groups)
     return _conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
