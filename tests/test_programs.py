@@ -1130,6 +1130,20 @@ def test_torch_save_load_preserves_storage_sharing():
     assert loaded["row"].tolist() == [5.0, 6.0, 7.0, 8.0]
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"weights_only": True}, {"map_location": "cpu"}])
+def test_torch_legacy_format_loads_values_and_sharing(kwargs):
+    x = torch.arange(4.0, device="jax")
+    buf = io.BytesIO()
+    torch.save({"x": x, "tail": x[1:], "n": torch.arange(3, device="jax")}, buf,
+               _use_new_zipfile_serialization=False)
+    buf.seek(0)
+    loaded = torch.load(buf, **kwargs)
+    assert loaded["x"].tolist() == [0.0, 1.0, 2.0, 3.0] and loaded["n"].tolist() == [0, 1, 2]
+    assert loaded["x"].device.type == kwargs.get("map_location", "jax")
+    loaded["x"][1] = 9.0
+    assert loaded["tail"].tolist() == [9.0, 2.0, 3.0]
+
+
 @pytest.mark.parametrize("device", ["cpu", "jax"])
 def test_torch_save_load_of_dtype_views_like_torch(device):
     x = torch.arange(4.0, device=device)

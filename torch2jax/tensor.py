@@ -642,6 +642,8 @@ def _loaded_onto_jax(t, storage, storage_offset, size, stride, requires_grad):
             t = torch.empty(0, dtype=t.dtype).set_(untyped, 0, (untyped.nbytes() // t.element_size(),))
         with jax.enable_x64(True):
             base = storage._t2j_loaded = from_torch_cpu(t)
+        if getattr(untyped, "_torch_load_uninitialized", False):
+            _FILLED_LATER.append((base, t))
         if whole:
             return base.requires_grad_(requires_grad) if requires_grad else base
     meta = (tuple(size), tuple(stride), storage_offset)
@@ -649,6 +651,29 @@ def _loaded_onto_jax(t, storage, storage_offset, size, stride, requires_grad):
     out = (base if same else base.as_strided(*meta)).detach()
     return out.requires_grad_(requires_grad) if requires_grad else out
 
+
+# (jax base, CPU tensor on its storage) for each storage torch's legacy (non-zip) format
+# reads only after unpickling, when the tensors on it are already made
+_FILLED_LATER: list = []
+_torch_legacy_load = torch.serialization._legacy_load
+
+
+def _legacy_load(*args, **kwargs):
+    """torch's load of its legacy format, then the values of jax tensors made before their
+    storages were read (``torch.save(..., _use_new_zipfile_serialization=False)``)."""
+    start = len(_FILLED_LATER)
+    try:
+        return _torch_legacy_load(*args, **kwargs)
+    finally:
+        filled = _FILLED_LATER[start:]
+        del _FILLED_LATER[start:]
+        for base, cpu in filled:
+            with jax.enable_x64(True):
+                base._t2j_storage.array = from_torch_cpu(cpu)._t2j_storage.array
+            base._t2j_storage.version += 1
+
+
+torch.serialization._legacy_load = _legacy_load
 
 # Pickles name the functions by module and qualified name, and torch.load's
 # weights-only unpickler allows them by that name: they keep torch's.
