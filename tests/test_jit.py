@@ -705,3 +705,19 @@ def test_optimizer_state_holding_lists_runs_eagerly():
         losses = [step().item() for _ in range(3)]
     assert losses[2] < losses[0]
     assert step.stats["eager_calls"] == 3
+
+
+def test_a_traced_item_kept_outside_is_a_clear_error():
+    model = torch.nn.Linear(3, 1).to("jax")
+    x = torch.ones(4, 3, device="jax")
+    kept = []
+
+    @t2j.jit
+    def step(scale):
+        loss = model(x).sum() * scale
+        kept.append(loss.item() if not kept else kept[0] + loss.item())  # a traced number leaves the trace
+        return loss
+
+    step(1.0)
+    with pytest.raises(t2j.JitError, match="used a value traced by an earlier trace"):
+        step(2)  # an int: a new trace, which reads the first one's number

@@ -850,6 +850,16 @@ class _Entry:
 _GRAPH_BREAKS = (OpError, jax.errors.JAXTypeError, jax.errors.JAXIndexError)
 
 
+def _leaked(fn) -> JitError:
+    """The error for a trace that used a tracer of an earlier one."""
+    return JitError(
+        f"t2j.jit: {getattr(fn, '__qualname__', fn)} used a value traced by an earlier trace: something computed "
+        "inside a jitted function was kept outside it (in a global, an attribute, a list), often a `t.item()`, "
+        "which is a traced number under t2j.jit, as in `total += loss.item()`. Return it from the function and "
+        "read it after the call: `loss = step(...); total += loss.item()`"
+    )
+
+
 @dataclasses.dataclass
 class _Eager:
     """A cache key whose calls run the function eagerly, and why."""
@@ -990,6 +1000,8 @@ class JitFunction:
                 _RECOMPILES.append(msg)
                 log.info(msg)
                 continue
+            except jax.errors.UnexpectedTracerError as e:
+                raise _leaked(self.fn) from e
             except Exception as e:
                 if not new:
                     if self.fullgraph or not isinstance(e, _GRAPH_BREAKS) or isinstance(e, JitError):
@@ -1054,6 +1066,8 @@ class JitFunction:
             except BaseException as e:
                 if entry.undo is not None:
                     _restore(entry.undo)
+                if isinstance(e, jax.errors.UnexpectedTracerError):
+                    raise _leaked(self.fn) from e
                 failed = _sym.failed_check() if isinstance(e, jax.errors.JaxRuntimeError) else None
                 if failed is None:
                     raise
