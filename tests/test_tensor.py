@@ -339,3 +339,18 @@ def test_views_under_inference_mode_are_normal_tensors(device):
     assert flags == [False, True, True, False, False, False, False]
     assert x.tolist() == [1.0, 2.0, 2.0, 3.0, 4.0, 5.0] and x._version == 1
     assert y.tolist() == [[3.0, 3.0], [12.0, 12.0]]
+
+
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_copy_copy_shares_the_storage_as_torch(device):
+    import copy
+
+    x = torch.arange(3.0, device=device)
+    shallow, tail = copy.copy(x), copy.copy(x[1:])
+    shallow[0] = 100.0
+    tail[0] = 7.0
+    p = torch.nn.Parameter(torch.ones(2, device=device))
+    q = copy.copy(p)
+    q.data.mul_(3)
+    assert x.tolist() == [100.0, 7.0, 2.0] and tail.shape == (2,) and shallow.is_leaf
+    assert isinstance(q, torch.nn.Parameter) and q.requires_grad and p.tolist() == [3.0, 3.0]

@@ -420,6 +420,15 @@ class Tensor(torch.Tensor):
             meta = (tuple(self.shape), _contiguous_strides(tuple(self.shape)), 0)
         return reduce_as_cpu(self, base, meta, protocol)
 
+    def __copy__(self):
+        """A new leaf on the same storage, as torch's copy.copy of a tensor (through its pickle)."""
+        with torch.no_grad():
+            out = self.detach()
+        out.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            out._is_param = True
+        return out
+
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
