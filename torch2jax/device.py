@@ -156,12 +156,6 @@ def _copy(dst, src, non_blocking=False):
     return dispatch(torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
 
 
-def _local_scalar_dense(x):
-    from .dispatch import dispatch
-
-    return dispatch(torch.ops.aten._local_scalar_dense.default, (x,), {})
-
-
 def _set_to_tensor(target, source, storage_offset, size, stride=()):
     from .dispatch import dispatch
 
@@ -347,7 +341,8 @@ def register() -> None:
     # one with _local_scalar_dense, so these get kernels of their own.
     impl = torch.library.Library("aten", "IMPL")
     impl.impl("copy_", _copy, "PrivateUse1")
-    impl.impl("_local_scalar_dense", _local_scalar_dense, "PrivateUse1")
+    impl.impl("_local_scalar_dense", functools.partial(_fallback, torch.ops.aten._local_scalar_dense.default),
+              "PrivateUse1")
     impl.impl("_pin_memory", _pin_memory, "CPU")
     # torch's composite kernel turns x.set_(tensor, offset, size, stride) into a set_ to
     # the tensor's C++ storage, which a jax tensor's values are not in: kept whole here

@@ -431,7 +431,7 @@ def _choose(func):
 
         _ops.load_namespace(func.namespace)
     if func in _reg.VIEWS:
-        return _lazy_bits(_view_handler(func, *_reg.VIEWS[func])), "lowering"
+        return _lazy_bits(func, _view_handler(func, *_reg.VIEWS[func])), "lowering"
     if func in (aten.empty_strided.default, aten.new_empty_strided.default):
         return _strided_factory(_lowering_handler(func, _reg.LOWERINGS[func])), "lowering"
     if func in _reg.LOWERINGS:
@@ -439,7 +439,7 @@ def _choose(func):
     if isinstance(func, torch._ops.OpOverload) and func.is_view:
         if _has_composite(func):
             return _composite_handler, "decomposition"
-        return _lazy_bits(_generic_view_handler), "lowering"
+        return _lazy_bits(func, _generic_view_handler), "lowering"
     if func is aten.resize_.default:
         return _resize_handler, "lowering"
     if func is aten.resize_as_.default:
@@ -1051,8 +1051,8 @@ def _alias(x):
     )
 
 
-def _lazy_bits(run):
-    """``run``, a view op's handler, giving its views torch's conjugate and negative bits.
+def _lazy_bits(view_op, run):
+    """``run``, the handler of ``view_op``, giving its views torch's conjugate and negative bits.
 
     A torch2jax tensor's value is always what it reads as: ``z.conj()`` holds the
     conjugated values (a write through it reaches ``z`` conjugated back), ``_neg_view``
@@ -1062,10 +1062,13 @@ def _lazy_bits(run):
     other view keeps its input's. Ops that do not take such views get a copy from torch
     first (its conjugate and negative fallbacks), which reads the same values."""
 
+    toggles_conj, toggles_neg = view_op is aten._conj.default, view_op is aten._neg_view.default
+    refused_on_conj = view_op in _CONJ_REFUSED
+
     def run_with_bits(func, args, kwargs):
         x = args[0]
         conj, neg = x.is_conj(), x.is_neg()
-        if conj and func in _CONJ_REFUSED:
+        if conj and refused_on_conj:
             meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
             torch._C._set_conj(meta, True)
             func(meta, *args[1:], **kwargs)  # torch's error
@@ -1076,8 +1079,8 @@ def _lazy_bits(run):
                 out = run(func, args, kwargs)
         else:
             out = run(func, args, kwargs)
-        conj ^= func is aten._conj.default
-        neg ^= func is aten._neg_view.default
+        conj ^= toggles_conj
+        neg ^= toggles_neg
         if conj or neg:
             for o in (out if isinstance(out, (list, tuple)) else (out,)):
                 torch._C._set_conj(o, conj)

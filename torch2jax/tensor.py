@@ -316,12 +316,16 @@ class Tensor(torch.Tensor):
         return self._value()
 
     def numpy(self, *, force: bool = False) -> np.ndarray:
-        if self.requires_grad and not force:
-            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
-        for bit, resolve in (("conjugate", "conj"), ("negative", "neg")):
-            if getattr(self, f"is_{resolve}")() and not force:
-                raise RuntimeError(f"Can't call numpy() on Tensor that has {bit} bit set. Use "
-                                   f"tensor.resolve_{resolve}().numpy() instead.")
+        if not force:
+            if self.requires_grad:
+                raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() "
+                                   "instead.")
+            if self.is_conj():
+                raise RuntimeError("Can't call numpy() on Tensor that has conjugate bit set. Use "
+                                   "tensor.resolve_conj().numpy() instead.")
+            if self.is_neg():
+                raise RuntimeError("Can't call numpy() on Tensor that has negative bit set. Use "
+                                   "tensor.resolve_neg().numpy() instead.")
         return self.detach().cpu().numpy()
 
     @property
@@ -422,8 +426,7 @@ class Tensor(torch.Tensor):
 
     def __copy__(self):
         """A new leaf on the same storage, as torch's copy.copy of a tensor (through its pickle)."""
-        with torch.no_grad():
-            out = self.detach()
+        out = self.detach()
         out.requires_grad_(self.requires_grad)
         if getattr(self, "_is_param", False):
             out._is_param = True
