@@ -246,6 +246,34 @@ def test_pin_memory_and_dataloader_pinning():
     assert batches[1][1].dtype == torch.int64
 
 
+def test_dataloader_workers_with_jax_tensors():
+    """Forked workers cannot use JAX (a segfault before): a clear error naming the fix.
+    Spawned workers get the dataset by value and send batches back by value."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(8.0, device="jax"), torch.arange(8, device="jax"))
+    with pytest.raises(t2j.tensor.ForkedProcessError, match="multiprocessing_context='spawn'"):
+        list(DataLoader(data, batch_size=4, num_workers=1, multiprocessing_context="fork"))
+    batches = list(DataLoader(data, batch_size=4, num_workers=1, multiprocessing_context="spawn"))
+    assert [b[0].device.type for b in batches] == ["jax", "jax"]
+    assert batches[1][0].tolist() == [4.0, 5.0, 6.0, 7.0] and batches[1][1].dtype == torch.int64
+
+
+def test_multiprocessing_queue_sends_jax_tensors_by_value():
+    import multiprocessing.reduction
+
+    x = torch.arange(6.0, device="jax").reshape(2, 3).bfloat16().requires_grad_()
+    y = multiprocessing.reduction.ForkingPickler.loads(multiprocessing.reduction.ForkingPickler.dumps(x))
+    assert isinstance(y, t2j.Tensor) and y.dtype == torch.bfloat16 and y.requires_grad
+    assert torch.equal(y.cpu(), x.detach().cpu())
+
+
+def test_storage_on_the_jax_device_is_refused():
+    with pytest.raises(RuntimeError, match="cannot be allocated on the jax device"):
+        torch.UntypedStorage(10, device="jax")
+    assert torch.UntypedStorage(3).nbytes() == 3
+
+
 def test_accelerator_apis_answer_for_the_jax_device():
     """Device-agnostic code times with torch.accelerator.synchronize() and logs memory."""
     assert torch.accelerator.current_accelerator().type == "jax"

@@ -35,10 +35,14 @@ class _Forward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program, n_params, *tensors):
         arrays = [_array(t) for t in tensors]
+        # the backward recomputes the forward from the buffers it read, not the ones it wrote
+        buffers = program.buffers()
         with jax.enable_x64(True):
-            outs, new_buffers, ctx.key_out = program.forward(arrays[:n_params], arrays[n_params:])
-        program.write_buffers(new_buffers)
-        ctx.program, ctx.n_params, ctx.arrays, ctx.key = program, n_params, arrays, program.last_key
+            outs, new_params, new_buffers, ctx.key_out = program.forward(arrays[:n_params], arrays[n_params:],
+                                                                         buffers)
+        program.write_state(new_params, new_buffers)
+        ctx.program, ctx.n_params, ctx.arrays, ctx.buffers, ctx.key = program, n_params, arrays, buffers, \
+            program.last_key
         return tuple(new_tensor(o) for o in outs)
 
     @staticmethod
@@ -46,7 +50,7 @@ class _Forward(torch.autograd.Function):
         cotangents = [_array(g) if g is not None else None for g in grads]
         with jax.enable_x64(True):
             g_params, g_inputs = ctx.program.backward(ctx.arrays[:ctx.n_params], ctx.arrays[ctx.n_params:],
-                                                      cotangents, ctx.key)
+                                                      ctx.buffers, cotangents, ctx.key)
         return (None, None, *(new_tensor(g) if g is not None else None for g in [*g_params, *g_inputs]))
 
 
@@ -59,6 +63,7 @@ class _Program:
         # the program is traced lazily, outside the caller's autocast region: keep its state
         amp_enabled, amp_dtype = torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax")
         self.param_names, self.buffer_names = param_names, buffer_names
+        self.written_params = []
         self.last_key = None
         self.out_spec = None
         n_tensors = len(tensor_positions)
@@ -74,7 +79,10 @@ class _Program:
             flat, self.out_spec = torch_pytree.tree_flatten(out)
             self.out_leaves = [None if isinstance(o, (jax.Array, jax.core.Tracer)) else o for o in flat]
             arrays = [o for o in flat if isinstance(o, (jax.Array, jax.core.Tracer))]
-            return arrays, [new_state["buffers"][n] for n in buffer_names], r.key
+            # parameters the forward writes (weight clipping) are written back, the others not passed
+            self.written_params = [n for n, p in zip(param_names, params) if new_state["params"][n] is not p]
+            return (arrays, [new_state["params"][n] for n in self.written_params],
+                    [new_state["buffers"][n] for n in buffer_names], r.key)
 
         def forward(params, inputs, buffers, key):
             return call(params, inputs, buffers, key)
@@ -95,23 +103,25 @@ class _Program:
         self._backward = jax.jit(backward)
         self.n_tensors = n_tensors
 
-    def _buffers(self):
+    def buffers(self):
         bufs = dict(self.module.named_buffers())
         return [_array(bufs[n]) for n in self.buffer_names]
 
-    def forward(self, params, inputs):
+    def forward(self, params, inputs, buffers):
         self.last_key = _rng.key
-        outs, new_buffers, key = self._forward(params, inputs, self._buffers(), self.last_key)
+        outs, new_params, new_buffers, key = self._forward(params, inputs, buffers, self.last_key)
         _rng.key = key
-        return outs, new_buffers, key
+        return outs, new_params, new_buffers, key
 
-    def backward(self, params, inputs, cotangents, key):
-        return self._backward(params, inputs, self._buffers(), key, cotangents)
+    def backward(self, params, inputs, buffers, cotangents, key):
+        return self._backward(params, inputs, buffers, key, cotangents)
 
-    def write_buffers(self, arrays):
-        bufs = dict(self.module.named_buffers())
-        for name, a in zip(self.buffer_names, arrays):
-            st = bufs[name]._t2j_storage
+    def write_state(self, params, buffers):
+        """Write the forward's new parameter values (`written_params`) and buffers into the module."""
+        tensors = dict(self.module.named_parameters())
+        tensors.update(self.module.named_buffers())
+        for name, a in zip([*self.written_params, *self.buffer_names], [*params, *buffers]):
+            st = tensors[name]._t2j_storage
             st.array = a
             st.version += 1
 

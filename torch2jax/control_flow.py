@@ -506,6 +506,9 @@ def _eval_folding_transposes(jaxpr, consts, args):
         outs = out if eqn.primitive.multiple_results else [out]
         if eqn.primitive is _prims.transpose_p and params["permutation"] == (1, 0):
             sources[id(outs[0])] = invals[0]
+        elif eqn.primitive is _prims.stop_gradient_p and id(invals[0]) in sources:
+            # a transposed weight read under no_grad (torch2jax/gradcut.py)
+            sources[id(outs[0])] = jax.lax.stop_gradient(sources[id(invals[0])])
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]

@@ -324,6 +324,7 @@ def register() -> None:
     torch.autograd.graph._engine_run_backward = _on_calling_thread(torch.autograd.graph._engine_run_backward)
     torch.autograd._engine_run_backward = torch.autograd.graph._engine_run_backward
     torch.compile = _keeping_dynamo_out_of_jax(torch.compile)
+    torch.UntypedStorage.__new__ = _refusing_jax_storages(torch._C.StorageBase.__new__)
     if "torch._dynamo" in sys.modules:
         keep_dynamo_out_of_jax()
     torch.nn.Module.to = _swapping(torch.nn.Module.to)
@@ -350,9 +351,33 @@ def register() -> None:
     _libs.extend([fallback, impl])
     _linear_cross_entropy_defaults()
     # torch.autocast("jax") turns on AutocastPrivateUse1, whose kernels the backend must provide.
-    from . import amp
+    from . import amp, gradcut
 
     amp.install()
+    gradcut.install()
+
+
+# How many backward passes (``backward()``, ``autograd.grad``) without ``create_graph`` have
+# started in this process: `t2j.jit` tells a training step from a differentiable forward by it.
+backward_passes = 0
+
+
+def _refusing_jax_storages(new):
+    """``torch.UntypedStorage(n, device="jax")`` raising a clear error: a jax tensor's
+    values are a jax.Array, not a storage torch allocates, and torch's allocator lookup
+    for a device with none registered crashes the process."""
+
+    @functools.wraps(new)
+    def __new__(cls, *args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == NAME:
+            raise RuntimeError(
+                "torch2jax: a storage cannot be allocated on the jax device (its tensors hold jax.Arrays); "
+                "create a tensor instead, e.g. torch.empty(n, dtype=torch.uint8, device='jax')"
+            )
+        return new(cls, *args, **kwargs)
+
+    return staticmethod(__new__)
 
 
 def _on_calling_thread(engine_run_backward):
@@ -367,6 +392,9 @@ def _on_calling_thread(engine_run_backward):
     def run(*args, **kwargs):
         from .dispatch import raise_backward_error
 
+        global backward_passes
+        if not (args[2] if len(args) > 2 else kwargs.get("create_graph", False)):
+            backward_passes += 1
         threaded = torch._C._is_multithreading_enabled()
         torch._C._set_multithreading_enabled(False)
         try:

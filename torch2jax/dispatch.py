@@ -38,6 +38,7 @@ from torch import _prims_common
 from . import complex32 as _complex32
 from . import dtypes as _dt
 from . import env as _env
+from . import gradcut as _gradcut
 from . import symbolic as _sym
 from . import tensor as _tensor
 from .ops import registry as _reg
@@ -119,9 +120,12 @@ def dispatch(func, args, kwargs):
     # than the rest of this function.
     previous = _X64.swap_local(True)
     try:
-        return _run(handler, func, args, kwargs)
+        out = _run(handler, func, args, kwargs)
     finally:
         _X64.set_local(previous)
+    if not _grad_enabled() and _gradcut.cutting():
+        _cut(out, args, kwargs)
+    return out
 
 
 def _run_logged(handler, func, args, kwargs):
@@ -131,9 +135,42 @@ def _run_logged(handler, func, args, kwargs):
     _log_depth += 1
     try:
         with jax.enable_x64(True):
-            return _run(handler, func, args, kwargs)
+            out = _run(handler, func, args, kwargs)
     finally:
         _log_depth -= 1
+    if _gradcut.cutting():
+        _cut(out, args, kwargs)
+    return out
+
+
+def _cut(out, args, kwargs):
+    """Cut the results of an op that autograd does not record (torch2jax/gradcut.py): a
+    new tensor's value stops the gradient, a view of an operand reads through
+    ``DETACHED``. Operands returned as results (in-place ops, ``out=``) are left alone:
+    their writes were cut as they were made."""
+    operands = [a for a in _flat_tensors((args, kwargs)) if isinstance(a, Tensor)]
+    ids = {id(a) for a in operands}
+    storages = {id(a._t2j_storage) for a in operands}
+    for t in _flat_tensors(out):
+        if not isinstance(t, Tensor) or id(t) in ids:
+            continue
+        if t._t2j_view or id(t._t2j_storage) in storages:
+            if _tensor.DETACHED not in t._t2j_view:
+                t._t2j_view += (_tensor.DETACHED,)
+                t._t2j_version = -1  # read again through the new chain
+        else:
+            t._t2j_storage.array = _gradcut.stop(t._t2j_storage.array)
+
+
+def _flat_tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for t in tree:
+            yield from _flat_tensors(t)
+    elif isinstance(tree, dict):
+        for t in tree.values():
+            yield from _flat_tensors(t)
 
 
 def _brief(args, kwargs):
@@ -908,6 +945,9 @@ _EvalTrace = _jax_core.EvalTrace
 _matmul_precision = torch._C._get_float32_matmul_precision
 
 
+_grad_enabled = torch.is_grad_enabled
+
+
 def _eager():
     """Whether JAX is running eagerly (no jit, grad or vmap trace is active)."""
     return isinstance(_TRACE.value, _EvalTrace)
@@ -1043,10 +1083,14 @@ def _make_view(x, step, value, meta):
     return Tensor(x._t2j_storage, chain, value=value, size=size, stride=stride, offset=offset, dtype=dtype)
 
 
-def _alias(x):
+def _alias(x, step=None):
+    """A tensor of ``x``'s storage, chain and metadata, through one more ``step`` if given."""
     # autograd detaches every output it saves for backward: no meta kernel on this path
+    value, chain = x._value(), x._t2j_view
+    if step is not None:
+        value, chain = step.forward(value), chain + (step,)
     return Tensor(
-        x._t2j_storage, x._t2j_view, value=x._value(),
+        x._t2j_storage, chain, value=value,
         size=x.shape, stride=x.stride(), offset=x.storage_offset(), dtype=x.dtype,
     )
 
@@ -1103,6 +1147,8 @@ def _view_handler(func, forward, inverse):
     def run(func, args, kwargs):
         x, rest = args[0], args[1:]
         if inverse is None:  # an alias (detach, alias, lift_fresh): x's value, chain and metadata
+            if func is aten.detach.default and _gradcut.user_detach(x._t2j_storage.array):
+                return _alias(x, _tensor.DETACHED)
             return _alias(x)
         meta = _view_meta(func, x, rest, kwargs)
         urest = _unwrap(rest)
@@ -1217,8 +1263,11 @@ def _generic_view_handler(func, args, kwargs):
             repeats=np.unique(idx).size < idx.size,
         )
         storage = x._t2j_storage
-        value = step.forward(storage.array)
-        outs.append(Tensor(storage, (step,), value=value, size=size, stride=stride, offset=offset, dtype=dtype))
+        chain = (_tensor.DETACHED, step) if _tensor.DETACHED in x._t2j_view else (step,)
+        value = storage.array
+        for s in chain:
+            value = s.forward(value)
+        outs.append(Tensor(storage, chain, value=value, size=size, stride=stride, offset=offset, dtype=dtype))
     return outs if isinstance(meta, list) else outs[0]
 
 

@@ -38,6 +38,14 @@ def _torch_context():
         yield
 
 
+@contextlib.contextmanager
+def _jax_differentiated():
+    """`_torch_context` for torch code that JAX differentiates: grad mode on whatever the
+    caller's, so that only the code's own ``no_grad`` blocks cut gradients (gradcut.py)."""
+    with _torch_context(), torch.enable_grad():
+        yield
+
+
 def _to_jax(x):
     if isinstance(x, Tensor):
         if _tensor.CAPTURE is not None:
@@ -95,7 +103,7 @@ class _JaxCallable:
 
     def __call__(self, *args, **kwargs):
         args, kwargs = torch_view((args, kwargs))
-        with _torch_context():
+        with _jax_differentiated():
             out = self.fn(*args, **kwargs)
         return jax_view(out)
 
@@ -199,7 +207,8 @@ class Functional:
 
     def apply(self, state, *args, rng=None, **kwargs):
         """Like calling the function, and also return the new state: buffers the
-        forward updated in place (BatchNorm running statistics, counters, caches).
+        forward updated in place (BatchNorm running statistics, counters, caches)
+        and parameters it wrote (weight clipping).
 
         >>> out, state = fn.apply(state, x)
         """
@@ -208,9 +217,10 @@ class Functional:
         tensors.update(buffers)
         args, kwargs = torch_view((args, kwargs))
         rng_scope = _rng.traced_key(rng) if rng is not None else contextlib.nullcontext()
-        with _torch_context(), rng_scope:
+        with _jax_differentiated(), rng_scope:
             out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=True, strict=False)
-        new_state = {"params": dict(state.get("params", {})), "buffers": {n: b._value() for n, b in buffers.items()}}
+        new_state = {"params": {n: tensors[n]._value() for n in state.get("params", {})},
+                     "buffers": {n: b._value() for n, b in buffers.items()}}
         return jax_view(out), new_state
 
 

@@ -68,6 +68,7 @@ import torch.utils._pytree as torch_pytree
 from jax.extend.core import jaxpr_as_fun
 
 from . import complex32 as _complex32
+from . import device as _device
 from .env import config as _config
 from .env import default_rng as _rng
 from . import debug as _debug
@@ -1171,9 +1172,11 @@ class JitFunction:
             args, kwargs = torch_pytree.tree_unflatten(leaves, spec)
             _tensor.CAPTURE = capture
             _sym.GUARDS = guards
+            backward_passes = _device.backward_passes
             with _rng.traced_key(key) as rng, torch.autograd.set_multithreading_enabled(False), \
                     _no_distribution_validation(), _scaler_steps_in_program():
                 out = self.fn(*args, **kwargs)
+            backward = _device.backward_passes != backward_passes
             _tensor.CAPTURE = _sym.GUARDS = None
             for (g, hk, ti), v, a in zip(slots.lifted, values, arrays):
                 now = g[hk] if ti is None else g[hk][ti]
@@ -1224,7 +1227,7 @@ class JitFunction:
             info.update(undo=saved_slots if post else None,
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
-                diff=_differentiable_inputs(slots, storages, written, post) if grad_outs else [],
+                diff=_differentiable_inputs(slots, storages, written, post, backward) if grad_outs else [],
             )
             result = outs + [storages[i].array for i in written] + [st.array for st in new_storages]
             if rng.key is not key:
@@ -1261,15 +1264,17 @@ class JitFunction:
 # ---------------------------------------------------------------------------
 
 
-def _differentiable_inputs(slots, storages, written, post) -> list:
+def _differentiable_inputs(slots, storages, written, post, backward) -> list:
     """(storage index, slot index) for each storage of a slot tensor that requires
     grad: what a call's outputs are differentiated with respect to.
 
-    Empty when the trace ran a backward pass or an optimizer step (it set a ``.grad``
-    or wrote a tensor that requires grad): the graph its outputs hang on was consumed
-    inside the function, so they come back as plain values, as a training step's loss.
+    Empty when the trace ran a ``backward`` pass or set or wrote a ``.grad``: the
+    graph its outputs hang on was consumed inside the function (a training step), so
+    they come back as plain values. A write made with grad mode off (weight clipping
+    in a forward) keeps the tensor's place in the graph (torch2jax/gradcut.py).
     """
-    if any(getattr(setter, "func", None) is _set_grad and target is not None for setter, target, _ in post):
+    if backward or any(getattr(setter, "func", None) is _set_grad and target is not None
+                       for setter, target, _ in post):
         return []
     index = {id(st): i for i, st in enumerate(storages)}
     written = set(written)
@@ -1278,7 +1283,7 @@ def _differentiable_inputs(slots, storages, written, post) -> list:
         if t is None:
             continue
         i = index[id(t._t2j_storage)]
-        if i in written and (t.requires_grad or getattr(setter, "func", None) is _set_grad):
+        if i in written and getattr(setter, "func", None) is _set_grad:
             return []
         if t.requires_grad and i not in seen:
             seen.add(i)

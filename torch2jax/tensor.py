@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing.reduction
+import os
 import weakref
 
 import jax
@@ -27,9 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.fx.experimental.proxy_tensor as _proxy_tensor
+import torch.utils.data._utils.collate as _collate_module
+from jax._src.array import ArrayImpl as _ArrayImpl
 
 from . import device as _device
 from . import dtypes as _dt
+from . import gradcut as _gradcut
 
 _device.register()
 DEVICE = torch.device(_device.NAME, 0)
@@ -171,6 +176,15 @@ class ViewStep:
         self.repeats = repeats
 
 
+def _unchanged(base, value):
+    return value
+
+
+# The view step of ``detach()`` while JAX traces (torch2jax/gradcut.py): reads stop the
+# gradient; a write through it changes the storage `straight_through` (see `Tensor._assign`).
+DETACHED = ViewStep(_gradcut.stop, _unchanged, torch.ops.aten.detach.default)
+
+
 # View ops whose result's elements are not elements of their input (a dtype reinterpretation, a
 # lazy conjugation or negation): their steps cannot be replayed on element positions
 VALUE_VIEWS = frozenset({
@@ -289,20 +303,21 @@ class Tensor(torch.Tensor):
         st = self._t2j_storage
         st.check_write(value)
         chain = self._t2j_view
+        old = st.array
         if not chain:
-            st.array = value
+            st.array = value if type(old) is _ArrayImpl else _gradcut.written(old, value, False)
             st.version += 1
             return
-        bases = [st.array]
+        bases = [old]
         for step in chain[:-1]:
             bases.append(step.forward(bases[-1]))
         if _repeats_elements(chain, bases + [value]):
-            new = _write_positions(st.array, chain, chain[-1].forward(bases[-1]), value)
+            new = _write_positions(old, chain, chain[-1].forward(bases[-1]), value)
         else:
             new = value
             for step, base in zip(reversed(chain), reversed(bases)):
                 new = step.inverse(base, new)
-        st.array = new
+        st.array = new if type(old) is _ArrayImpl else _gradcut.written(old, new, DETACHED in chain)
         st.version += 1
         self._t2j_cache = value
         self._t2j_version = st.version
@@ -465,6 +480,60 @@ class Tensor(torch.Tensor):
 # tensor the traced function closes over became a constant with the ops on it folded away.
 # A jax tensor is a dense tensor on a device, traced like a CPU or CUDA one.
 _proxy_tensor.HANDLED_TYPES = (*_proxy_tensor.HANDLED_TYPES, Tensor)
+
+
+class ForkedProcessError(RuntimeError):
+    """A jax-device tensor was used in a process forked from the one that made it."""
+
+
+def _unusable_after_fork():
+    """In a forked child (a DataLoader worker with the default start method), ops on jax
+    tensors raise `ForkedProcessError`: JAX's runtime and its device buffers do not
+    survive ``fork``, and using them crashes the worker with a segmentation fault."""
+
+    def refuse(cls, func, types, args=(), kwargs=None):
+        raise ForkedProcessError(
+            f"torch2jax: {func} on a jax-device tensor in a forked process (a DataLoader worker?): JAX's "
+            "runtime does not survive fork. Keep the dataset's tensors on the CPU and move each batch with "
+            ".to('jax') in the loop, or give the DataLoader multiprocessing_context='spawn'"
+        )
+
+    Tensor.__torch_dispatch__ = classmethod(refuse)
+
+
+os.register_at_fork(after_in_child=_unusable_after_fork)
+
+
+def _reduce_for_another_process(t: Tensor):
+    """How multiprocessing sends a jax tensor to another process (a queue, a DataLoader
+    worker started with "spawn"): its values, copied. torch's own reduction shares a CPU
+    tensor's memory through a file descriptor, which the temporary CPU copy of a jax
+    tensor would close before the other process opens it."""
+    return _rebuild_from_another_process, (
+        np.asarray(jax.device_get(t._value())), t.dtype, t.requires_grad, getattr(t, "_is_param", False))
+
+
+def _rebuild_from_another_process(values, dtype, requires_grad, is_param):
+    t = new_tensor(jnp.asarray(values))
+    if t.dtype != dtype:  # complex32, held as complex64
+        t = t.to(dtype)
+    t.requires_grad_(requires_grad)
+    if is_param:
+        t._is_param = True
+    return t
+
+
+multiprocessing.reduction.ForkingPickler.register(Tensor, _reduce_for_another_process)
+
+
+def _collate(batch, *, collate_fn_map=None):
+    """DataLoader's collation of jax tensors: stacked on the jax device. torch's own,
+    in a worker process, stacks into a new shared-memory storage on the tensors'
+    device, which the jax device has no allocator for."""
+    return torch.stack(batch, 0)
+
+
+_collate_module.default_collate_fn_map[Tensor] = _collate
 
 
 def kernel_error(func, args, kwargs, error):

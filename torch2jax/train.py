@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from .env import default_rng as _rng
-from .interop import _torch_context, _to_jax
+from .interop import _jax_differentiated, _to_jax
 from .tensor import Tensor, new_tensor
 
 
@@ -57,7 +57,7 @@ class TrainStep:
         def call(*a, **k):
             return torch.func.functional_call(model, {**tensors, **buf}, a, k, tie_weights=True, strict=False)
 
-        with _torch_context():
+        with _jax_differentiated():
             loss = self.loss_fn(_Bound(model, call), *args, **kwargs)
         return loss._value(), {n: b._value() for n, b in buf.items()}
 

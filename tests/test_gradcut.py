@@ -1,0 +1,190 @@
+"""Where torch's autograd graph is cut (no_grad, detach, .data, writes with grad mode
+off), JAX's differentiation of the traced program is cut the same way: the outputs
+of `t2j.jit` and `t2j.compile` going into ``backward()``, `functionalize` under
+`jax.grad`, `call_torch`. torch CPU's gradients are the oracle."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as checkpoint
+
+import torch2jax as t2j
+from torch2jax.gradcut import straight_through
+
+
+class Cuts(nn.Module):
+    """A forward with every kind of cut: a straight-through estimator, a scale computed
+    under no_grad, a detached view, a view made under no_grad and a buffer written under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("center", torch.zeros(4))
+
+    def forward(self, x):
+        h = self.lin(x)
+        q = torch.round(h * 2) / 2
+        ste = h + (q - h).detach()
+        with torch.no_grad():
+            scale = h.abs().max() + 1
+            first = h[:, :2]
+            self.center.mul_(0.5).add_(h.mean(0), alpha=0.5)
+        target = h.detach()[:, 1:3] * 2
+        return (ste * h / scale).sum() + (first * h[:, 2:]).sum() + ((h[:, :2] - target) ** 2).sum() \
+            + (h * self.center).sum()
+
+
+class Clipped(nn.Module):
+    """WGAN-style weight clipping inside the forward: torch's gradient reaches the weight
+    as if the clipping had not happened (the write is not recorded), at the clipped value."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.2, 0.2)
+        self.lin.bias.detach().clamp_(-0.1, 0.1)
+        return (self.lin(x) ** 2).sum()
+
+
+def _run(module_cls, device, mode):
+    torch.manual_seed(0)
+    model = module_cls()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
+    model = model.to(device)
+    call = {"eager": model, "jit": t2j.jit(model), "compile": t2j.compile(model)}[mode]
+    call(x).backward()
+    return [x.grad] + [p.grad for p in model.parameters()] + [t.detach() for t in model.state_dict().values()]
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "compile"])
+@pytest.mark.parametrize("module_cls", [Cuts, Clipped])
+def test_torch_facing_gradients_follow_the_cuts(module_cls, mode):
+    want = _run(module_cls, "cpu", "eager")
+    got = _run(module_cls, "jax", mode)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
+
+
+def _functional_grads(module_cls, jit):
+    torch.manual_seed(0)
+    model = module_cls().to("jax")
+    fn, state = t2j.functionalize(model)
+    x = jnp.asarray(torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).numpy())
+    grad = jax.grad(lambda s, x: fn(s, x), argnums=(0, 1))
+    return (jax.jit(grad) if jit else grad)(state, x)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_jax_grad_of_functionalized_module_follows_the_cuts(jit):
+    want = _run(Cuts, "cpu", "eager")
+    g_state, g_x = _functional_grads(Cuts, jit)
+    np.testing.assert_allclose(g_x, want[0].numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g_state["params"]["lin.weight"], want[1].numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g_state["params"]["lin.bias"], want[2].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_writes_with_grad_off_keep_the_old_value_s_gradient_under_jax_grad():
+    def f(w):
+        y = w * 3
+        y.detach().mul_(2)  # y's values double; its place in the graph stays
+        with torch.no_grad():
+            w.clamp_(max=1.5)
+        return (y * y).sum() + (w * w).sum()
+
+    w0 = torch.tensor([0.5, 1.0, 2.0, -3.0])
+    w_cpu = w0.clone().requires_grad_()
+    f(w_cpu * 1).backward()  # through a non-leaf, which torch lets no_grad write
+    got = jax.grad(t2j.jax_view(f))(jnp.asarray(w0.numpy()))
+    np.testing.assert_allclose(got, w_cpu.grad.numpy(), rtol=1e-6)
+
+
+def test_caller_s_no_grad_does_not_reach_jax_differentiated_torch_code():
+    f = t2j.jax_view(lambda x: (x.sin() ** 2).sum())
+    with torch.no_grad():
+        got = jax.grad(f)(jnp.arange(3.0))
+    np.testing.assert_allclose(got, np.sin(2 * np.arange(3.0)), rtol=1e-6)
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+def test_custom_function_forward_is_differentiated_not_cut():
+    got = jax.grad(t2j.jax_view(lambda x: _Square.apply(x).sum()))(jnp.arange(3.0))
+    np.testing.assert_allclose(got, [0.0, 2.0, 4.0])
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_reentrant_checkpoint_under_jax_grad():
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).to("jax")
+    fn, state = t2j.functionalize(lin)
+
+    def loss(s, x):
+        return t2j.jax_view(lambda x: checkpoint.checkpoint(lambda h: torch.tanh(h), x, use_reentrant=True).sum())(
+            fn(s, x))
+
+    x = jnp.ones((2, 3))
+    got = jax.grad(loss)(state, x)
+    want = jax.grad(lambda s, x: jnp.tanh(fn(s, x)).sum())(state, x)
+    np.testing.assert_allclose(got["params"]["weight"], want["params"]["weight"], rtol=1e-6)
+
+
+def test_training_step_in_jit_still_returns_plain_values():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to("jax")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @t2j.jit
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    loss = step(torch.randn(5, 4, device="jax"))
+    assert loss.grad_fn is None and not loss.requires_grad
+
+
+def test_straight_through_value_is_exact_and_gradient_is_the_old_one():
+    old = jnp.array([1.0, 2.0, 3.0, 4.0])
+    new = jnp.array([-0.0, jnp.inf, jnp.nan, 1e30])
+    out = jax.jit(straight_through)(old, new)
+    np.testing.assert_array_equal(np.signbit(out), np.signbit(new))
+    np.testing.assert_array_equal(out, new)
+    g = jax.grad(lambda o: (straight_through(o, o ** 3) * 2).sum())(old)
+    np.testing.assert_allclose(g, [2.0] * 4)
+    batched = jax.vmap(jax.grad(lambda o: (straight_through(o, o ** 2) * o).sum()))(jnp.stack([old, old]))
+    np.testing.assert_allclose(batched, np.stack([old ** 2 + old] * 2))
+    np.testing.assert_allclose(jax.vmap(straight_through, in_axes=(None, 0))(old, jnp.stack([new, new]))[:, 3], 1e30)
+
+
+def test_eager_detach_and_no_grad_are_unchanged():
+    x = torch.randn(3, device="jax", requires_grad=True)
+    d = x.detach()
+    assert d._t2j_view == () and d._t2j_storage is x._t2j_storage
+    with torch.no_grad():
+        y = x * 2
+    assert not y.requires_grad
+    d.add_(1)  # writes through, as in torch
+    torch.testing.assert_close(x.detach().cpu(), (y / 2 + 1).cpu())
+    assert copy.copy(d)._t2j_storage is x._t2j_storage
