@@ -52,15 +52,15 @@ _grad_enabled = torch.is_grad_enabled
 
 
 class _State(threading.local):
-    functions = 0  # how many custom autograd.Function forwards run on this thread
+    functions = 0  # how many autograd.Function.apply calls are running on this thread
 
 
 _state = _State()
 
 
 def cutting() -> bool:
-    """Whether an op running now must cut its results: JAX is tracing, grad mode is
-    off, and not because a custom autograd.Function's forward is running."""
+    """Whether an op running now must cut its results: JAX is tracing and grad mode
+    is off, and no autograd.Function's forward (which turns grad mode off) is running."""
     return not _grad_enabled() and not isinstance(_TRACE.value, _EvalTrace) and not _state.functions
 
 
