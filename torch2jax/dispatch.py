@@ -30,6 +30,7 @@ import warnings
 import jax
 import numpy as np
 import torch
+import torch.utils._pytree as _pytree
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 from jax._src.array import ArrayImpl as _ArrayImpl
@@ -148,10 +149,10 @@ def _cut(out, args, kwargs):
     new tensor's value stops the gradient, a view of an operand reads through
     ``DETACHED``. Operands returned as results (in-place ops, ``out=``) are left alone:
     their writes were cut as they were made."""
-    operands = [a for a in _flat_tensors((args, kwargs)) if isinstance(a, Tensor)]
+    operands = [a for a in _pytree.tree_leaves((args, kwargs)) if isinstance(a, Tensor)]
     ids = {id(a) for a in operands}
     storages = {id(a._t2j_storage) for a in operands}
-    for t in _flat_tensors(out):
+    for t in _pytree.tree_leaves(out):
         if not isinstance(t, Tensor) or id(t) in ids:
             continue
         if t._t2j_view or id(t._t2j_storage) in storages:
@@ -161,16 +162,6 @@ def _cut(out, args, kwargs):
         else:
             t._t2j_storage.array = _gradcut.stop(t._t2j_storage.array)
 
-
-def _flat_tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for t in tree:
-            yield from _flat_tensors(t)
-    elif isinstance(tree, dict):
-        for t in tree.values():
-            yield from _flat_tensors(t)
 
 
 def _brief(args, kwargs):

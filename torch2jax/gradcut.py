@@ -4,8 +4,7 @@ When JAX differentiates a traced torch program (the outputs of a `t2j.jit`
 function or of `t2j.compile` going into ``loss.backward()``, `functionalize`
 under `jax.grad`, `call_torch`), it follows the data. torch follows its
 autograd graph, which the data does not show: a value computed under
-``torch.no_grad()`` or read through ``detach()`` / ``.data`` carries no
-gradient, and a write made with grad mode off (weight clipping, an optimizer
+``torch.no_grad()`` or read through ``detach()`` carries no gradient, and a write made with grad mode off (weight clipping, an optimizer
 step) leaves the tensor where it was in the graph: later reads send their
 gradient to the tensor as it was before the write.
 
