@@ -132,6 +132,115 @@ def test_custom_function_forward_is_differentiated_not_cut():
     np.testing.assert_allclose(got, [0.0, 2.0, 4.0])
 
 
+class _ReverseGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, lam):
+        ctx.lam = lam
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.lam * g, None
+
+
+class _RoundStraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Adversarial(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return _RoundStraightThrough.apply(self.lin(_ReverseGradient.apply(x, 2.0)) * 3).pow(2).sum()
+
+
+@pytest.mark.parametrize("mode", ["jax.grad", "jit(jax.grad)", "t2j.jit", "t2j.compile"])
+def test_custom_function_backward_is_used_where_jax_differentiates(mode):
+    """A gradient reversal layer and a straight-through rounding: JAX's derivative of
+    their forwards is not torch's gradient; theirs is."""
+    torch.manual_seed(0)
+    ref = _Adversarial()
+    model = copy.deepcopy(ref).to("jax")
+    x = torch.tensor([[0.2, 1.7, -2.0], [0.4, -0.3, 0.9]])
+    xc = x.clone().requires_grad_()
+    ref(xc).backward()
+    if mode.startswith("t2j"):
+        xj = x.to("jax").requires_grad_()
+        (t2j.jit(model) if mode == "t2j.jit" else t2j.compile(model))(xj).backward()
+        got_x, got_w = xj.grad.cpu(), model.lin.weight.grad.cpu()
+    else:
+        fn, state = t2j.functionalize(model)
+        grad = jax.grad(fn, argnums=(0, 1))
+        g_state, g_x = (jax.jit(grad) if mode.startswith("jit") else grad)(state, jnp.asarray(x.numpy()))
+        got_x, got_w = torch.from_numpy(np.asarray(g_x)), torch.from_numpy(np.asarray(g_state["params"]["lin.weight"]))
+    torch.testing.assert_close(got_x, xc.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_w, ref.lin.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+class _ClosedOver(torch.autograd.Function):
+    """Reads a parameter it is not given (no gradient reaches it through the Function, as
+    in torch), counts its calls in a buffer, returns an input as it is and a second,
+    non-differentiable output."""
+
+    scale = None
+    calls = None
+
+    @staticmethod
+    def forward(ctx, x, y):
+        _ClosedOver.calls.add_(1)
+        ctx.save_for_backward(x)
+        idx = torch.argsort(x, dim=-1)
+        ctx.mark_non_differentiable(idx)
+        return x * _ClosedOver.scale, y, idx
+
+    @staticmethod
+    def backward(ctx, g, gy, gidx):
+        (x,) = ctx.saved_tensors
+        return g * _ClosedOver.scale * 3 + x, gy * -1
+
+
+class _UsesClosedOver(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        _ClosedOver.scale, _ClosedOver.calls = self.lin.weight[0], self.calls
+        a, b, idx = _ClosedOver.apply(self.lin(x), x * 2)
+        return (a * self.lin.weight[1]).sum() + (b * b).sum() + idx.float().sum()
+
+
+@pytest.mark.parametrize("mode", ["jax.grad", "t2j.jit", "t2j.compile"])
+def test_custom_function_closing_over_a_parameter(mode):
+    torch.manual_seed(0)
+    ref = _UsesClosedOver()
+    model = copy.deepcopy(ref).to("jax")
+    x = torch.tensor([[0.2, 1.7, -2.0], [0.4, -0.3, 0.9]])
+    xc = x.clone().requires_grad_()
+    ref(xc).backward()
+    if mode.startswith("t2j"):
+        xj = x.to("jax").requires_grad_()
+        (t2j.jit(model) if mode == "t2j.jit" else t2j.compile(model))(xj).backward()
+        got_x, got_w = xj.grad.cpu(), model.lin.weight.grad.cpu()
+    else:
+        fn, state = t2j.functionalize(model)
+        g_state, g_x = jax.grad(fn, argnums=(0, 1))(state, jnp.asarray(x.numpy()))
+        got_x, got_w = torch.from_numpy(np.asarray(g_x)), torch.from_numpy(np.asarray(g_state["params"]["lin.weight"]))
+    torch.testing.assert_close(got_x, xc.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_w, ref.lin.weight.grad, rtol=1e-5, atol=1e-5)
+    if mode != "jax.grad":  # functionalize returns the buffer's new value instead of writing it
+        assert model.calls.item() == ref.calls.item() == 1
+
+
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 def test_reentrant_checkpoint_under_jax_grad():
     torch.manual_seed(0)

@@ -20,7 +20,9 @@ dispatcher marks the cuts in the program:
   the new value with the old value's tangent.
 
 A custom `torch.autograd.Function` runs its forward with grad mode off; its
-forward is not cut, so JAX differentiates the ops it runs.
+forward is not cut. One defined outside torch differentiates with its own
+``backward`` (`_with_own_backward`); JAX differentiates the ops of torch's own
+(reentrant checkpointing, collectives), whose backward is their derivative.
 
 Example::
 
@@ -149,9 +151,128 @@ def _apply(cls, *args, **kwargs):
     # counted even when called eagerly: the forward may trace (torch2jax's own Functions do)
     _state.functions += 1
     try:
-        return _function_apply(cls, *args, **kwargs)
+        if isinstance(_TRACE.value, _EvalTrace) or cls.__module__.split(".")[0] in ("torch", "torch2jax"):
+            return _function_apply(cls, *args, **kwargs)
+        return _with_own_backward(cls, args, kwargs)
     finally:
         _state.functions -= 1
+
+
+class _Reads:
+    """While a Function's forward first runs: the storages it reads that are neither its
+    inputs nor made by it (closed-over tensors), each with its value before the run."""
+
+    def __init__(self, inputs):
+        from . import tensor as _tensor
+
+        self.tensor, self.inputs, self.new, self.found = _tensor, inputs, set(), {}
+
+    def __enter__(self):
+        self.outer, self.tensor.CAPTURE = self.tensor.CAPTURE, self
+        return self
+
+    def __exit__(self, *exc):
+        self.tensor.CAPTURE = self.outer
+
+    def created(self, storage):
+        self.new.add(id(storage))
+        if self.outer is not None:
+            self.outer.created(storage)
+
+    def read(self, t):
+        st = t._t2j_storage
+        if id(st) not in self.inputs and id(st) not in self.new:
+            self.found.setdefault(id(st), (st, st.array))
+        if self.outer is not None:
+            self.outer.read(t)
+
+
+def _rebindable(o, inputs) -> bool:
+    """Whether Function output ``o`` can take a value of its own: a floating tensor that
+    is not an input, and, where it is a view of one (``x.view_as(x)``), a contiguous
+    one from its storage's start (its value is then its whole storage)."""
+    if not (o.is_floating_point() or o.is_complex()) or any(o is t for t in inputs):
+        return False
+    return not o._t2j_view or (o.is_contiguous() and o.storage_offset() == 0)
+
+
+def _with_own_backward(cls, args, kwargs):
+    """``cls.apply(*args, **kwargs)`` while JAX traces, its results differentiated by JAX
+    with ``cls.backward``: a `jax.custom_vjp` whose forward and backward rerun the
+    Function on fresh tensors (torch's autograd then calls ``backward``). Tensors the
+    forward closes over are inputs of the `jax.custom_vjp` with no gradient, as in torch,
+    where the forward runs with grad mode off; writes the reruns make are undone."""
+    import torch.utils._pytree as pytree
+
+    from .tensor import Storage, Tensor, new_tensor
+
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    pos = [i for i, a in enumerate(leaves) if isinstance(a, Tensor)]
+    inputs = [leaves[i] for i in pos]
+    with _Reads({id(t._t2j_storage) for t in inputs}) as reads:
+        out = _function_apply(cls, *args, **kwargs)  # autograd's node, for a backward() inside the trace
+    closure = list(reads.found.values())
+    traced = [k for k, (_, a) in enumerate(closure) if isinstance(a, jax.core.Tracer)]
+    if not any(differentiable(t._value()) for t in inputs) and not any(differentiable(closure[k][1]) for k in traced):
+        return out
+    flat_out = pytree.tree_leaves(out)
+    fresh = [k for k, o in enumerate(flat_out) if isinstance(o, Tensor) and _rebindable(o, inputs)]
+    if not fresh:
+        return out
+    diff = [differentiable(t._value()) for t in inputs]
+    n = len(inputs)
+
+    def run(arrays, grad, then):
+        """Rerun the Function on tensors holding ``arrays`` (its inputs, then the traced
+        closed-over values), and return ``then(fresh outputs, input tensors)``."""
+        filled = list(leaves)
+        tensors = [new_tensor(a).requires_grad_(grad and d) for a, d in zip(arrays[:n], diff)]
+        for i, t in zip(pos, tensors):
+            filled[i] = t
+        a, k = pytree.tree_unflatten(filled, spec)
+        values = [a for _, a in closure]
+        for k_, a_ in zip(traced, arrays[n:]):
+            values[k_] = a_
+        now = [st.array for st, _ in closure]
+        for (st, _), v in zip(closure, values):
+            st.array, st.version = v, st.version + 1
+        try:
+            with torch.enable_grad():
+                res = pytree.tree_leaves(_function_apply(cls, *a, **k))
+            return then([res[j] for j in fresh], tensors)
+        finally:
+            for (st, _), v in zip(closure, now):
+                st.array, st.version = v, st.version + 1
+
+    @jax.custom_vjp
+    def call(*arrays):
+        return run(arrays, False, lambda outs, _: [o._value() for o in outs])
+
+    def fwd(*arrays):
+        return call(*arrays), arrays
+
+    def backward(cotangents, outs, tensors):
+        pairs = [(o, new_tensor(c)) for o, c in zip(outs, cotangents) if o.requires_grad]
+        wrt = [t for t in tensors if t.requires_grad]
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True)
+                     if pairs and wrt else [None] * len(wrt))
+        result = [next(grads) if t.requires_grad else None for t in tensors]
+        return [None if g is None else g._value() for g in result]
+
+    def bwd(arrays, cotangents):
+        grads = run(arrays, True, lambda outs, tensors: backward(cotangents, outs, tensors))
+        return (*grads, *[None] * len(traced))
+
+    call.defvjp(fwd, bwd)
+    arrays = [t._value() for t in inputs] + [closure[k][1] for k in traced]
+    for k, a in zip(fresh, call(*arrays)):
+        o = flat_out[k]
+        if o._t2j_view:  # a view of an input: its own value from now on, as torch's custom backward gives it
+            o._t2j_storage, o._t2j_view = Storage(a), ()
+        else:
+            o._t2j_storage.array = a
+            o._t2j_storage.version += 1
+    return out
 
 
 _apply.__doc__ = _function_apply.__doc__
