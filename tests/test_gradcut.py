@@ -1,5 +1,5 @@
 """Where torch's autograd graph is cut (no_grad, detach, .data, writes with grad mode
-off), JAX's differentiation of the traced program is cut the same way: the outputs
+off, custom Functions' own backward), JAX's differentiation of the traced program is cut the same way: the outputs
 of `t2j.jit` and `t2j.compile` going into ``backward()``, `functionalize` under
 `jax.grad`, `call_torch`. torch CPU's gradients are the oracle."""
 
@@ -239,6 +239,44 @@ def test_custom_function_closing_over_a_parameter(mode):
     torch.testing.assert_close(got_w, ref.lin.weight.grad, rtol=1e-5, atol=1e-5)
     if mode != "jax.grad":  # functionalize returns the buffer's new value instead of writing it
         assert model.calls.item() == ref.calls.item() == 1
+
+
+class _ThroughData(nn.Module):
+    """Weight clipping, an EMA and a target made through ``.data``: autograd sees none of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("ema", torch.zeros(3, 3))
+
+    def forward(self, x):
+        self.lin.weight.data.clamp_(-0.3, 0.3)
+        self.ema.data.mul_(0.9).add_(0.1 * self.lin.weight.data)
+        h = self.lin(x)
+        target = h.data * 2
+        return ((h - target) ** 2).sum() + (h * self.lin.weight.data.sum()).sum()
+
+
+@pytest.mark.parametrize("mode", ["jax.grad", "t2j.jit", "t2j.compile"])
+def test_data_is_a_cut(mode):
+    torch.manual_seed(0)
+    ref = _ThroughData()
+    model = copy.deepcopy(ref).to("jax")
+    x = torch.tensor([[0.2, 1.7, -2.0], [0.4, -0.3, 0.9]])
+    xc = x.clone().requires_grad_()
+    ref(xc).backward()
+    if mode.startswith("t2j"):
+        xj = x.to("jax").requires_grad_()
+        (t2j.jit(model) if mode == "t2j.jit" else t2j.compile(model))(xj).backward()
+        got_x, got_w = xj.grad.cpu(), model.lin.weight.grad.cpu()
+        torch.testing.assert_close(model.lin.weight.detach().cpu(), ref.lin.weight.detach())
+        torch.testing.assert_close(model.ema.cpu(), ref.ema)
+    else:
+        fn, state = t2j.functionalize(model)
+        g_state, g_x = jax.grad(fn, argnums=(0, 1))(state, jnp.asarray(x.numpy()))
+        got_x, got_w = torch.from_numpy(np.asarray(g_x)), torch.from_numpy(np.asarray(g_state["params"]["lin.weight"]))
+    torch.testing.assert_close(got_x, xc.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_w, ref.lin.weight.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")

@@ -625,6 +625,23 @@ def test_captured_cpu_tensor_changed_in_place_is_read_again():
     assert "captured CPU tensor #0" in t2j.explain_recompiles()[-1]
 
 
+def test_modules_left_on_the_cpu():
+    """A CPU copy the function can reach but does not use is not its state; one it uses
+    gets torch's device error from the op; a submodule added after ``.to('jax')`` is named."""
+    torch.manual_seed(0)
+    ref = nn.Linear(3, 3)
+    model = copy.deepcopy(ref).to("jax")
+    x = torch.randn(2, 3)
+    f = t2j.jit(lambda x: (model if x.device.type == "jax" else ref)(x))
+    torch.testing.assert_close(f(x.to("jax")).cpu(), ref(x))
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        t2j.jit(lambda x: ref(x))(x.to("jax"))
+    seq = nn.Sequential(nn.Linear(3, 3)).to("jax")
+    seq.append(nn.Linear(3, 2))
+    with pytest.raises(t2j.JitError, match=r"Sequential\.1\.weight is a tensor on cpu, not on the jax device"):
+        t2j.jit(lambda x: seq(x))(x.to("jax"))
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1), momentum=0.9),
     lambda p: torch.optim.Adam(p, lr=torch.tensor(0.01), betas=(torch.tensor(0.9), torch.tensor(0.99))),

@@ -1112,13 +1112,9 @@ JITTABLE = {
     "interpolate_and_pad", "channels_last_convnet",
 }
 TOL = {"half_precision_model": dict(atol=1e-3, rtol=1e-2)}  # float16 sums in another order
-XFAIL = {}
-# not run: it aborts the interpreter, which no xfail can catch
-SKIP = {
-    "sparse_embedding_sparse_adam": "sparse layouts are not supported on the jax device: nn.Embedding(sparse=True)'s "
-    "backward builds its gradient with aten._sparse_coo_tensor_with_dims_and_tensors, which has no lowering (a "
-    "t2j.Tensor is always strided); the OpError raised inside the autograd engine surfaces as a SystemError or "
-    "aborts the process (Fatal Python error)",
+XFAIL = {
+    "sparse_embedding_sparse_adam": "the jax device has no sparse layouts: nn.Embedding(sparse=True)'s weight "
+    "gradient arrives dense, which SparseAdam refuses with torch's RuntimeError",
 }
 # the default run keeps the cheap programs (a few seconds each on 2 cores); `-m slow` runs all
 FAST = {
@@ -1136,8 +1132,6 @@ def _cases():
             marks = [] if (name, jit) in FAST else [pytest.mark.slow]
             if name in XFAIL:
                 marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[name]))
-            if name in SKIP:
-                marks.append(pytest.mark.skip(reason=SKIP[name]))
             yield pytest.param(name, jit, id=f"{name}-{'jit' if jit else 'eager'}", marks=marks)
 
 

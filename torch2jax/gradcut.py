@@ -4,7 +4,8 @@ When JAX differentiates a traced torch program (the outputs of a `t2j.jit`
 function or of `t2j.compile` going into ``loss.backward()``, `functionalize`
 under `jax.grad`, `call_torch`), it follows the data. torch follows its
 autograd graph, which the data does not show: a value computed under
-``torch.no_grad()`` or read through ``detach()`` carries no gradient, and a write made with grad mode off (weight clipping, an optimizer
+``torch.no_grad()`` or read through ``detach()`` or ``.data`` carries no gradient,
+and a write made with grad mode off or through ``.data`` (weight clipping, an optimizer
 step) leaves the tensor where it was in the graph: later reads send their
 gradient to the tensor as it was before the write.
 
@@ -13,9 +14,9 @@ dispatcher marks the cuts in the program:
 
 * an op run with grad mode off returns `stop` (`jax.lax.stop_gradient`) values,
   and its views read through ``tensor.DETACHED``;
-* ``detach()`` is a view through ``tensor.DETACHED``, which stops the gradient on
-  read (``.data`` is not: torch makes it as it makes the tensors autograd saves,
-  which differentiate again under ``create_graph``);
+* ``detach()`` and ``.data`` are views through ``tensor.DETACHED``, which stops the
+  gradient on read (autograd's own detaches, of the tensors it saves, are not: they
+  differentiate again under ``create_graph``);
 * a write with grad mode off, or through a detached view, is `straight_through`:
   the new value with the old value's tangent.
 

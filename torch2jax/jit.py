@@ -54,6 +54,7 @@ import dataclasses
 import enum
 import functools
 import gc
+import itertools
 import logging
 import math
 import operator
@@ -115,7 +116,7 @@ class _Roots:
             return
         if isinstance(obj, torch.nn.Module):
             self._seen.add(id(obj))
-            if not _on_meta(obj):  # a template holds no state (torch.func.functional_call's base)
+            if _on_jax(obj):
                 self.modules.append(obj)
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
@@ -175,9 +176,13 @@ class _Roots:
                 self.add(g[name], depth)
 
 
-def _on_meta(module) -> bool:
-    p = next(module.parameters(), None)
-    return p is not None and p.is_meta
+def _on_jax(module) -> bool:
+    """Whether ``module``'s state is on the jax device, judged by its first tensor. One
+    elsewhere is not the function's state: a template on the meta device
+    (torch.func.functional_call's base), a CPU copy kept for reference. Used in the
+    trace after all, its ops refuse the CPU tensors."""
+    t = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return t is None or isinstance(t, Tensor)
 
 
 def _python_value(v, depth=0):
@@ -639,14 +644,19 @@ def _slot_setter(origin):
     return None
 
 
-def _check_on_device(walk: _Walk, prefixes):
+def _off_device(walk: _Walk) -> int | None:
+    """The first slot whose tensor is not on the jax device, if any."""
     for i, t in enumerate(walk.tensors):
         if t is not None and not isinstance(t, Tensor):
-            name = _slot_name(walk.origins[i], prefixes) if walk.full else f"a state tensor (slot {i})"
-            raise JitError(
-                f"t2j.jit: {name} is a tensor on {t.device}, not on the jax device; move it first "
-                "(module.to('jax'), tensor.to('jax'))"
-            )
+            return i
+    return None
+
+
+def _refuse_off_device(walk: _Walk, i: int, prefixes):
+    raise JitError(
+        f"t2j.jit: {_slot_name(walk.origins[i], prefixes)} is a tensor on {walk.tensors[i].device}, not on the "
+        "jax device; move it first (module.to('jax'), tensor.to('jax'))"
+    )
 
 
 class _RootState:
@@ -740,12 +750,18 @@ def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None =
     prefixes = {id(m): {id(sub): prefix for prefix, sub in m.named_modules()} for m in roots.modules} if full else {}
     state = memo[0] if memo else None
     if state is None or not state.matches(walk):  # (the remembered state was checked)
-        _check_on_device(walk, prefixes)
+        if (i := _off_device(walk)) is not None:
+            if not full:  # the full walk names the slot
+                return _collect(args_leaves, roots, full=True, hypers=hypers)
+            _refuse_off_device(walk, i, prefixes)
         state = _RootState(walk)
         if memo is not None:
             memo[:] = [state]
     args = _Walk(full, state.grads_seen).args(args_leaves)
-    _check_on_device(args, prefixes)
+    if (i := _off_device(args)) is not None:
+        if not full:
+            return _collect(args_leaves, roots, full=True, hypers=hypers)
+        _refuse_off_device(args, i, prefixes)
     storages, index = list(state.storages), dict(state.index)
     sig = tuple(_signature(t, storages, index) for t in args.tensors)
     avals = tuple((st.array.shape, st.array.dtype) for st in storages[len(state.storages):])

@@ -345,7 +345,12 @@ class Tensor(torch.Tensor):
 
     @property
     def data(self):
-        return torch.Tensor.data.__get__(self)
+        d = torch.Tensor.data.__get__(self)
+        # While JAX traces, `.data` is a cut as `detach()` is: autograd does not see it
+        # (autograd's own detaches, of the tensors it saves, do not come through here)
+        if _gradcut.differentiable(d._t2j_storage.array):
+            d._t2j_view, d._t2j_version = d._t2j_view + (DETACHED,), -1
+        return d
 
     @data.setter
     def data(self, value):
