@@ -625,6 +625,23 @@ def test_captured_cpu_tensor_changed_in_place_is_read_again():
     assert "captured CPU tensor #0" in t2j.explain_recompiles()[-1]
 
 
+def test_outputs_keep_torchs_strides():
+    """A channels_last network's output is channels_last, as in eager (and differentiable)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()).to(memory_format=torch.channels_last)
+    model = copy.deepcopy(ref).to("jax")
+    x = torch.randn(2, 3, 5, 5).contiguous(memory_format=torch.channels_last)
+    want = ref(x)
+    got = t2j.jit(model)(x.to("jax"))
+    assert got.stride() == want.stride() != want.contiguous().stride()
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(model[0].weight.grad.cpu(), ref[0].weight.grad, rtol=1e-4, atol=1e-4)
+    transposed = t2j.jit(lambda a: (a * 2).t())(torch.ones(2, 3, device="jax"))
+    assert transposed.stride() == (1, 3)
+
+
 def test_modules_left_on_the_cpu():
     """A CPU copy the function can reach but does not use is not its state; one it uses
     gets torch's device error from the op; a submodule added after ``.to('jax')`` is named."""

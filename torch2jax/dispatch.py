@@ -679,13 +679,9 @@ def _channels_last_of(operands, res):
 def _laid_out(t, strides):
     if not isinstance(t, Tensor) or strides is None or t.dim() < 2 or tuple(strides) == t.stride():
         return t
-    shape = tuple(t.shape)
-    perm = sorted(range(len(shape)), key=lambda d: -strides[d])
-    dense = 1
-    for d in reversed(perm):
-        if shape[d] != 1 and strides[d] != dense:
-            return t  # not a permutation of a dense layout (torch's result has gaps)
-        dense *= shape[d]
+    perm = _tensor.dense_order(tuple(t.shape), strides)
+    if perm is None:
+        return t  # not a permutation of a dense layout (torch's result has gaps)
     base = new_tensor(jax.numpy.transpose(t._value(), perm), requires_grad=False)
     return dispatch(aten.permute.default, (base, list(np.argsort(perm))), {})
 

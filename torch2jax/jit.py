@@ -64,6 +64,7 @@ import warnings
 import weakref
 
 import jax
+import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 from jax.extend.core import jaxpr_as_fun
@@ -798,6 +799,20 @@ def _view_of_slot(t, tensors, storages):
     return None
 
 
+def _dense_order(t) -> tuple | None:
+    """The dimensions of ``t`` from outermost to innermost in memory, where its strides
+    are a permutation of a dense layout other than the contiguous one (channels_last)."""
+    if t.is_contiguous() or t.dim() < 2:
+        return None
+    return _tensor.dense_order(tuple(t.shape), t.stride())
+
+
+def _laid_out_as(t, order):
+    """``t``'s values with the strides the traced output had: a view of a copy stored in
+    ``order`` (differentiable, where ``t`` is)."""
+    return t.permute(order).contiguous().permute(*np.argsort(order).tolist())
+
+
 class _Capture:
     """Watches a trace: storages created, and tensors read that are not inputs."""
 
@@ -843,7 +858,8 @@ class _Entry:
     new_storages: list  # storages created by the trace whose value is an output
     post: list  # (setter, slot index | tensor | None, slot index | None): slots to re-point after a call
     out_def: object  # torch pytree spec of the outputs
-    # per output leaf: ("array" | "array32", k) | ("pre", slot) | ("arg", k) | ("view", `_view_of_slot`) | ("const", value)
+    # per output leaf: ("array" | "array32", k) | ("laid_out", (k, order)) | ("pre", slot) | ("arg", k)
+    # | ("view", `_view_of_slot`) | ("const", value)
     out_leaves: list
     uses_rng: bool
     names: list  # slot names, to explain a later cache miss
@@ -1046,6 +1062,7 @@ class JitFunction:
                 entry.differentiable = _Differentiable(entry)
             call = _Call(self, entry, slots, storages)
             tensors = [_grad_input(slots.tensors[k], storages[i], slots, k) for i, k in entry.diff]
+            call.chains = [t._t2j_view if t is slots.tensors[k] else () for t, (_, k) in zip(tensors, entry.diff)]
             arrays = _DifferentiableCall.apply(call, *tensors)
         else:
             arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, donated=True)]
@@ -1055,6 +1072,8 @@ class JitFunction:
                 result.append(arrays[v])
             elif kind == "array32":  # held as complex64 (torch2jax/complex32.py)
                 result.append(_complex32.retag(arrays[v]))
+            elif kind == "laid_out":
+                result.append(_laid_out_as(arrays[v[0]], v[1]))
             elif kind == "view":
                 slot, size, stride, offset, grad = v
                 with torch.set_grad_enabled(grad):
@@ -1218,7 +1237,9 @@ class JitFunction:
                 elif isinstance(leaf, Tensor) and (view := _view_of_slot(leaf, slots.tensors, storages)) is not None:
                     kinds.append(("view", view))
                 elif isinstance(leaf, Tensor):
-                    kinds.append(("array32" if leaf.dtype is torch.complex32 else "array", len(outs)))
+                    order = _dense_order(leaf)
+                    kinds.append(("array32", len(outs)) if leaf.dtype is torch.complex32
+                                 else ("array", len(outs)) if order is None else ("laid_out", (len(outs), order)))
                     if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
                         grad_outs.append(len(outs))
                     outs.append(leaf._value())
@@ -1334,13 +1355,18 @@ def _inputs_reaching(jaxpr, outputs) -> set:
 
 def _grad_input(t, storage, slots, k):
     """The tensor whose gradient is the gradient with respect to ``storage``: ``t``
-    itself, or the base it is a view of."""
+    itself, the base it is a view of, or ``t`` where it is a permutation of its whole
+    storage (a channels_last parameter: its gradient is the storage's through ``t``'s
+    view chain, see `_Call.chains`)."""
     if not t._t2j_view:
         return t
     base = t._base
     if (isinstance(base, Tensor) and base._t2j_storage is storage and not base._t2j_view
             and base.requires_grad):
         return base
+    if (t.storage_offset() == 0 and t.numel() == storage.array.size and all(map(_tensor.moves_elements, t._t2j_view))
+            and _tensor.dense_order(tuple(t.shape), t.stride()) is not None):
+        return t
     name = slots.names[k] if slots.names else f"state tensor {k}"
     raise JitError(
         f"t2j.jit: {name} requires grad and is a view whose base the function cannot see, so the gradient "
@@ -1383,6 +1409,8 @@ class _Call:
 
     def __init__(self, fn: JitFunction, entry: _Entry, slots, storages):
         self.fn, self.entry, self.slots, self.storages = fn, entry, slots, storages
+        # per differentiable input, the view chain taking its storage's gradient to its own
+        self.chains: list = []
 
     def forward(self):
         self.inputs = [st.array for st in self.storages]
@@ -1415,7 +1443,8 @@ class _DifferentiableCall(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # the VJP runs in JAX: a second derivative must not pass through
     def backward(ctx, *grads):
-        return (None, *(new_tensor(g) for g in ctx.call.backward(grads)))
+        return (None, *(new_tensor(functools.reduce(lambda a, step: step.forward(a), chain, g))
+                        for g, chain in zip(ctx.call.backward(grads), ctx.call.chains)))
 
 
 def _guarded(entries, slots):

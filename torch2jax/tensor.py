@@ -239,6 +239,19 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
+def dense_order(shape, strides) -> tuple | None:
+    """The dimensions from outermost to innermost in memory, where ``strides`` lay out
+    ``shape`` densely in some order (contiguous, channels_last, a transpose); None
+    where they leave gaps or overlap."""
+    order = sorted(range(len(shape)), key=lambda d: -strides[d])
+    dense = 1
+    for d in reversed(order):
+        if shape[d] != 1 and strides[d] != dense:
+            return None
+        dense *= shape[d]
+    return tuple(order)
+
+
 class Tensor(torch.Tensor):
     """A torch tensor on the "jax" device whose value is a jax.Array.
 
