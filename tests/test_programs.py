@@ -131,6 +131,40 @@ def test_optimizer_foreach_matches_torch(name, jit):
     _check_optimizer(name, jit, 3, foreach=True)
 
 
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.Adam(p, lr=1e-2), lambda p: torch.optim.AdamW(p, lr=1e-2),
+    lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True), lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+], ids=["adam", "adamw", "adam_amsgrad", "adamw_foreach"])
+def test_warmup_from_zero_lr_with_untouched_rows(make):
+    """A linear warmup's first step has lr=0, and the embedding rows the batch does not
+    use have zero second moments: torch's step leaves them as they are (no 0/0)."""
+    results = []
+    for device in ("cpu", "jax"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3)).to(device)
+        opt = make(model.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 2))
+        ids = torch.tensor([[1, 2], [3, 1]]).to(device)
+
+        def step(ids):
+            opt.zero_grad()
+            loss = model(ids).pow(2).sum()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        run = t2j.jit(step) if device == "jax" else step
+        losses = []
+        for _ in range(4):
+            losses.append(run(ids).cpu())
+            sched.step()
+        results.append((torch.stack(losses), [p.detach().cpu() for p in model.parameters()]))
+    (want, ref), (got, params) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name, jit", [("adam", False), ("adamw_amsgrad", False), ("adam", True)])
 def test_fused_adam_matches_torch(name, jit):
     # _fused_adam_ / _fused_adamw_ decomposed in torch2jax/ops/foreach.py

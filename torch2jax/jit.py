@@ -30,8 +30,8 @@ How state is found and carried:
 * A tensor read during the trace that was not found as a slot is added to the
   function's inputs and the function is traced again, so nothing the program
   reads is silently frozen into it.
-* Optimizers are switched to their ``capturable`` form (step counters live on the
-  device) and each param group's ``lr`` is an input of the program, so an LR
+* Optimizers are switched to their ``capturable`` form, Adam and AdamW to their
+  fused one (step counters live on the device), and each param group's ``lr`` is an input of the program, so an LR
   scheduler stepping outside the function never causes a retrace. Any other float
   hyperparameter (``momentum``, ``betas``, ``weight_decay``...) becomes an input
   once it changes between calls (OneCycleLR and CyclicLR cycle the momentum): the
@@ -298,19 +298,40 @@ def _set_opt_state(opt, p, key, t):
 
 
 @contextlib.contextmanager
-def _capturable(optimizers):
-    """While tracing, the optimizers' ``capturable`` form: step counters are device
-    tensors that the program increments, with no host sync. The flag is put back after
-    the trace, so it never reaches ``state_dict()`` (a checkpoint saved from a jitted
-    run loads into an optimizer on the CPU)."""
+def _capturable(optimizers, lifted=()):
+    """While tracing, the optimizers' ``capturable`` form (Adam and AdamW: their fused
+    one, see `_fusable_adam`, unless a float other than the ``lr`` of the group is
+    among the ``lifted`` hyperparameters): step counters are device tensors that the program
+    increments, with no host sync. The flags are put back after the trace, so they
+    never reach ``state_dict()`` (a checkpoint saved from a jitted run loads into an
+    optimizer on the CPU)."""
     flipped = [g for opt in optimizers for g in opt.param_groups if g.get("capturable") is False]
+    traced = {id(g) for g, hk, _ in lifted if hk != "lr"}
+    fused = [(g, g.get("fused")) for opt in optimizers if isinstance(opt, torch.optim.Adam)
+             for g in opt.param_groups if id(g) not in traced and _fusable_adam(g)]
     for g in flipped:
         g["capturable"] = True
+    for g, _ in fused:
+        g["fused"] = True
     try:
         yield
     finally:
         for g in flipped:
             g["capturable"] = False
+        for g, was in fused:
+            g["fused"] = was
+
+
+def _fusable_adam(group) -> bool:
+    """Whether an Adam / AdamW param group that would take torch's single-tensor path
+    takes its fused one in a trace instead. Both do torch's eager arithmetic with the
+    step counters on the device (torch2jax/ops/foreach.py lowers the fused op), where
+    the single-tensor capturable form divides by the learning rate: NaN wherever a
+    second moment is zero at ``lr=0``, a warmup schedule's first step. (A group whose
+    betas or other floats are program inputs, as OneCycleLR's cycling betas, stays
+    capturable: the fused op takes them as Python floats.)"""
+    return (not group.get("fused") and not group.get("foreach") and not group.get("differentiable")
+            and all(p.is_floating_point() for p in group["params"]))
 
 
 @contextlib.contextmanager
@@ -1144,7 +1165,7 @@ class JitFunction:
         pure = functools.partial(self._pure, leaves, spec, roots, slots, storages, info, hints)
         inputs = [st.array for st in storages]
         checks = _sym.RUNTIME_CHECKS
-        with jax.enable_x64(True), _capturable(roots.optimizers):
+        with jax.enable_x64(True), _capturable(roots.optimizers, slots.lifted):
             closed = jax.make_jaxpr(pure)(inputs, hints, _rng.key)
         written = info["written"]
         n_in = len(inputs)
