@@ -131,13 +131,15 @@ def test_optimizer_foreach_matches_torch(name, jit):
     _check_optimizer(name, jit, 3, foreach=True)
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.Adam(p, lr=1e-2), lambda p: torch.optim.AdamW(p, lr=1e-2),
-    lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True), lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
-], ids=["adam", "adamw", "adam_amsgrad", "adamw_foreach"])
-def test_warmup_from_zero_lr_with_untouched_rows(make):
+@pytest.mark.parametrize("make, cycle_betas", [
+    (lambda p: torch.optim.Adam(p, lr=1e-2), False), (lambda p: torch.optim.AdamW(p, lr=1e-2), False),
+    (lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True), False),
+    (lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True), False), (lambda p: torch.optim.AdamW(p, lr=1e-2), True),
+], ids=["adam", "adamw", "adam_amsgrad", "adamw_foreach", "adamw_cycling_betas"])
+def test_warmup_from_zero_lr_with_untouched_rows(make, cycle_betas):
     """A linear warmup's first step has lr=0, and the embedding rows the batch does not
-    use have zero second moments: torch's step leaves them as they are (no 0/0)."""
+    use have zero second moments: torch's step leaves them as they are (no 0/0), also
+    where the betas change between steps (program inputs)."""
     results = []
     for device in ("cpu", "jax"):
         torch.manual_seed(0)
@@ -155,9 +157,11 @@ def test_warmup_from_zero_lr_with_untouched_rows(make):
 
         run = t2j.jit(step) if device == "jax" else step
         losses = []
-        for _ in range(4):
+        for k in range(4):
             losses.append(run(ids).cpu())
             sched.step()
+            if cycle_betas:
+                opt.param_groups[0]["betas"] = (0.9 - 0.01 * k, 0.999)
         results.append((torch.stack(losses), [p.detach().cpu() for p in model.parameters()]))
     (want, ref), (got, params) = results
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

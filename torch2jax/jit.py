@@ -299,39 +299,42 @@ def _set_opt_state(opt, p, key, t):
 
 @contextlib.contextmanager
 def _capturable(optimizers, lifted=()):
-    """While tracing, the optimizers' ``capturable`` form (Adam and AdamW: their fused
-    one, see `_fusable_adam`, unless a float other than the ``lr`` of the group is
-    among the ``lifted`` hyperparameters): step counters are device tensors that the program
-    increments, with no host sync. The flags are put back after the trace, so they
-    never reach ``state_dict()`` (a checkpoint saved from a jitted run loads into an
-    optimizer on the CPU)."""
+    """While tracing, the optimizers' ``capturable`` form: step counters are device
+    tensors that the program increments, with no host sync. Adam and AdamW groups on
+    torch's single-tensor path, whose capturable form divides by the learning rate (NaN
+    wherever a second moment is zero at ``lr=0``, a warmup schedule's first step), take
+    another path (`_adam_path`; ``lifted`` are the hyperparameters that are program
+    inputs). The flags are put back after the trace, so they never reach
+    ``state_dict()`` (a checkpoint saved from a jitted run loads into an optimizer on
+    the CPU)."""
     flipped = [g for opt in optimizers for g in opt.param_groups if g.get("capturable") is False]
     traced = {id(g) for g, hk, _ in lifted if hk != "lr"}
-    fused = [(g, g.get("fused")) for opt in optimizers if isinstance(opt, torch.optim.Adam)
-             for g in opt.param_groups if id(g) not in traced and _fusable_adam(g)]
+    switched = [(g, key, g.get(key)) for opt in optimizers if isinstance(opt, torch.optim.Adam)
+                for g in opt.param_groups if (key := _adam_path(g, id(g) in traced))]
     for g in flipped:
         g["capturable"] = True
-    for g, _ in fused:
-        g["fused"] = True
+    for g, key, _ in switched:
+        g[key] = True
     try:
         yield
     finally:
         for g in flipped:
             g["capturable"] = False
-        for g, was in fused:
-            g["fused"] = was
+        for g, key, was in switched:
+            g[key] = was
 
 
-def _fusable_adam(group) -> bool:
-    """Whether an Adam / AdamW param group that would take torch's single-tensor path
-    takes its fused one in a trace instead. Both do torch's eager arithmetic with the
-    step counters on the device (torch2jax/ops/foreach.py lowers the fused op), where
-    the single-tensor capturable form divides by the learning rate: NaN wherever a
-    second moment is zero at ``lr=0``, a warmup schedule's first step. (A group whose
-    betas or other floats are program inputs, as OneCycleLR's cycling betas, stays
-    capturable: the fused op takes them as Python floats.)"""
-    return (not group.get("fused") and not group.get("foreach") and not group.get("differentiable")
-            and all(p.is_floating_point() for p in group["params"]))
+def _adam_path(group, traced_floats: bool) -> str | None:
+    """The flag that moves an Adam / AdamW param group off torch's single-tensor path,
+    None where it is not on it: ``fused`` (torch's eager arithmetic, lowered in
+    torch2jax/ops/foreach.py), or ``foreach`` for complex parameters and where floats
+    other than ``lr`` are program inputs (OneCycleLR's cycling betas), which the fused
+    op would take as Python floats."""
+    if group.get("fused") or group.get("foreach") or group.get("differentiable"):
+        return None
+    if traced_floats or not all(p.is_floating_point() for p in group["params"]):
+        return "foreach"
+    return "fused"
 
 
 @contextlib.contextmanager
