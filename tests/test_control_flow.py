@@ -50,6 +50,36 @@ def test_scan_values_and_gradients_match_unrolled():
     torch.testing.assert_close(h0j.grad.cpu(), h0.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_scan_body_runs_in_the_callers_grad_mode_and_its_no_grad_blocks_cut():
+    def run(w, xs, scan):
+        modes = []
+
+        def body(h, x):
+            modes.append(torch.is_grad_enabled())
+            with torch.no_grad():
+                scale = (h * w).abs().sum() + 1  # a constant for the gradient, as in torch
+            h = h * w / scale + x
+            return h, h
+
+        h, _ = scan(body, torch.zeros(3, device=xs.device), xs)
+        h.sum().backward()
+        return h, modes
+
+    def unrolled(body, h, xs):
+        for x in xs:
+            h, _ = body(h, x)
+        return h, None
+
+    g = torch.Generator().manual_seed(0)
+    w, xs = torch.randn(3, generator=g).requires_grad_(), torch.randn(4, 3, generator=g)
+    wj = w.detach().to("jax").requires_grad_()
+    expected, _ = run(w, xs, unrolled)
+    got, modes = run(wj, xs.to("jax"), t2j.scan)
+    torch.testing.assert_close(got.detach().cpu(), expected.detach())
+    torch.testing.assert_close(wj.grad.cpu(), w.grad)
+    assert modes and all(modes)
+
+
 def test_scan_inside_jitted_training_step_matches_torch():
     cell, cj = _rnn_pair()
     xs = torch.randn(5, 2, 4)

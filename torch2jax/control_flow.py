@@ -38,6 +38,7 @@ import torch.utils._pytree as torch_pytree
 from jax.extend.core import primitives as _prims
 
 from . import dispatch as _dispatch
+from . import gradcut as _gradcut
 from . import tensor as _tensor
 from .env import default_rng as _rng
 from .interop import _torch_context
@@ -284,9 +285,19 @@ class _Program(torch.autograd.Function):
 def _apply(run, tensors):
     """``run(arrays) -> list of arrays`` as one torch autograd node over ``tensors``."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return list(_Program.apply(run, *tensors))
+        return list(_Program.apply(_as_caller(run), *tensors))
     with jax.enable_x64(True):
         return [new_tensor(o) for o in run([_value(t) for t in tensors])]
+
+
+def _as_caller(run):
+    """``run`` as the caller would run it, not as a Function's forward (`gradcut.as_caller`)."""
+
+    def run_as_caller(arrays):
+        with _gradcut.as_caller():
+            return run(arrays)
+
+    return run_as_caller
 
 
 def _check_carry(what, before, after):
@@ -691,9 +702,10 @@ class _ScanAll:
         self.layers, self.remat, self.stacked = layers, remat, stacked
 
     def __call__(self, hidden, *args, **kwargs):
-        cache = kwargs.get("past_key_values", kwargs.get("past_key_value", kwargs.get("layer_past")))
+        # transformers names the layers' cache argument past_key_value(s), layer_past or (from 5.x) cache
+        cache = any(kwargs.get(k) is not None for k in _CACHE_ARGUMENTS)
         off_device = self.stacked and not isinstance(hidden, Tensor)
-        if cache is not None or any(_is_cache(a) for a in args) or off_device:
+        if cache or any(_is_cache(a) for a in (*args, *kwargs.values())) or off_device:
             # per-layer caches are Python objects indexed by layer, and stacked layers off the
             # jax device read their slices: run the layers one by one
             out = None
@@ -703,6 +715,9 @@ class _ScanAll:
             return out
         h, as_tuple = _scan_layers(self.layers, hidden, args, kwargs, self.remat, self.stacked)
         return (h,) if as_tuple else h
+
+
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
 
 def _is_cache(x):

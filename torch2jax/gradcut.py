@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import jax
@@ -144,6 +145,21 @@ def written(old, new, detached: bool):
 # ---------------------------------------------------------------------------
 # custom autograd.Function forwards are not cut
 # ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def as_caller():
+    """For user code that one of torch2jax's Functions runs in its forward for JAX to
+    differentiate (the body of `t2j.scan`, `cond`, `scan_layers`, `checkpoint`): grad mode
+    on, as at the call, and not counted as a Function's forward. The code's own
+    ``no_grad`` blocks then cut its gradients, and code that asks ``torch.is_grad_enabled()``
+    (transformers' gradient checkpointing) sees the caller's mode."""
+    functions, _state.functions = _state.functions, 0
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        _state.functions = functions
 
 _function_apply = torch.autograd.Function.apply.__func__
 
