@@ -1122,7 +1122,7 @@ class JitFunction:
             start = time.perf_counter()
             _sym.failed_check()  # one left by a program run outside t2j.jit is not this call's
             try:
-                outs, written, new, key = jitted(*arguments(inputs, _hyper_values(slots), _rng.key))
+                written, outs, new, key = jitted(*arguments(inputs, _hyper_values(slots), _rng.key))
             except BaseException as e:
                 if entry.undo is not None:
                     _restore(entry.undo)
@@ -1183,7 +1183,10 @@ class JitFunction:
             outs = res[:n_out]
             w = res[n_out:n_out + n_written]
             new = res[n_out + n_written:n_out + n_written + n_new]
-            return outs, w, new, (res[-1] if uses_rng else None)
+            # the written state first, in the donated arguments' order: JAX gives each donated buffer to
+            # the first output of its shape and dtype, so an output ahead of them (a 0-d loss) would take
+            # the first step counter's buffer and shift every later one by one, a copy each
+            return w, outs, new, (res[-1] if uses_rng else None)
 
         # state the program never reads (e.g. the .grad arrays a zero_grad inside drops) is not passed:
         # every argument costs dispatch time on each call
@@ -1417,7 +1420,7 @@ class _Differentiable:
                 xs = list(inputs)
                 for i, a in zip(diff, wrt):
                     xs[i] = a
-                outs = program(xs, lrs, key)[0]
+                outs = program(xs, lrs, key)[1]
                 return [outs[k] for k in grad_outs]
 
             _, pull = jax.vjp(outputs, [inputs[i] for i in diff])
