@@ -4,7 +4,8 @@
                                     [--steps 20] [--no-torch-compile] [--matmul-precision highest|high]
 
 Rows: torch eager CPU, torch.compile CPU, torch2jax `t2j.jit` with torch.optim.AdamW,
-torch2jax with optax (`t2j.train.make_train_step`), torchax (where it imports), and
+torch2jax with optax (`t2j.train.make_train_step`), torchax (where it imports; its own
+process, see torchax_rows.py), and
 the same model hand-written in flax.nnx + optax — the reference every ratio is
 taken against. Columns: median step time, trace time, compile time and the
 compiled program's memory (XLA's memory analysis: arguments + temporaries +
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 import statistics
 import sys
 import time
@@ -31,6 +33,7 @@ sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "examples"), os.pa
 
 import gpt  # noqa: E402
 import jax_gpt  # noqa: E402
+import torchax_rows  # noqa: E402
 
 import torch2jax as t2j  # noqa: E402
 
@@ -38,12 +41,29 @@ LR, WD = 3e-4, 0.1
 
 
 def _timed(step, batches, sync):
-    times = []
+    """(median ms per step, synced after each as a loop printing its loss is; median main-thread CPU ms
+    of the call alone: the host's work to launch the step, which the device waits for when synced)."""
+    times, host = [], []
     for x, y in batches:
-        t = time.perf_counter()
-        sync(step(x, y))
+        t, c = time.perf_counter(), time.thread_time()
+        out = step(x, y)
+        host.append(time.thread_time() - c)
+        sync(out)
         times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, statistics.median(host) * 1e3
+
+
+_NOT_RUN = ("parameter", "constant", "bitcast", "tuple", "get-tuple-element")
+
+
+def _ops(compiled) -> int:
+    """Instructions the compiled program runs at its top level (fusions, copies, library calls: about
+    one kernel each on a GPU, where a step synced every call is often bound by launching them)."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    ops = (re.search(r"= \S+ ([a-z][\w-]*)\(", line) for line in entry.splitlines()[1:])
+    return sum(1 for m in ops if m and m.group(1) not in _NOT_RUN)
 
 
 def _mem(compiled):
@@ -64,7 +84,7 @@ def torch_eager(model, batches, compile_=False):
         row["compile_s"] = time.perf_counter() - t
     else:
         step(*batches[0])
-    row["ms"] = _timed(step, batches[2:], lambda loss: loss.item())
+    row["ms"], row["host_ms"] = _timed(step, batches[2:], lambda loss: loss.item())
     return row
 
 
@@ -80,9 +100,10 @@ def t2j_jit(model, batches):
     trace = entries[-1].trace_s
     compile_s = first - sum(e.trace_s for e in entries)
     lowered = step.lower(*jb[2])
-    row = {"ms": _timed(step, jb[2:], lambda loss: loss.jax().block_until_ready()), "trace_s": trace,
-           "compile_s": compile_s / 2, "first_two_steps_s": first, "mem": _mem(lowered.compile())}
-    return row
+    compiled = lowered.compile()
+    ms, host = _timed(step, jb[2:], lambda loss: loss.jax().block_until_ready())
+    return {"ms": ms, "host_ms": host, "trace_s": trace, "compile_s": compile_s / 2, "first_two_steps_s": first,
+            "mem": _mem(compiled), "ops": _ops(compiled)}
 
 
 def t2j_optax(model, batches):
@@ -92,15 +113,16 @@ def t2j_optax(model, batches):
     t = time.perf_counter()
     step(*jb[0])
     first = time.perf_counter() - t
-    return {"ms": _timed(step, jb[1:], lambda loss: loss.jax().block_until_ready()), "first_two_steps_s": first}
+    ms, host = _timed(step, jb[1:], lambda loss: loss.jax().block_until_ready())
+    return {"ms": ms, "host_ms": host, "first_two_steps_s": first}
 
 
-def torchax_row(model, batches):
-    try:
-        import torchax  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - report why and skip
-        return {"note": f"does not import: {type(e).__name__}: {str(e).splitlines()[0][:90]}"}
-    return {"note": "imported, but not wired into this benchmark"}
+def torchax_row(args):
+    """torchax's own way to train the same model (optax AdamW), in a process of its own: it cannot share
+    one with torch2jax (torchax_rows.py)."""
+    return torchax_rows.run("train", layers=args.layers, embd=args.embd, heads=args.heads, seq=args.seq,
+                            batch=args.batch, steps=args.steps, lr=LR, weight_decay=WD,
+                            matmul_precision=args.matmul_precision)
 
 
 def pure_jax(model, batches, cfg):
@@ -136,8 +158,9 @@ def pure_jax(model, batches, cfg):
         return loss
 
     run(*jb[0])
-    ms = _timed(run, jb[1:], lambda loss: loss.block_until_ready())
-    return {"ms": ms, "trace_s": trace, "compile_s": compile_s, "mem": _mem(compiled)}
+    ms, host = _timed(run, jb[1:], lambda loss: loss.block_until_ready())
+    return {"ms": ms, "host_ms": host, "trace_s": trace, "compile_s": compile_s, "mem": _mem(compiled),
+            "ops": _ops(compiled)}
 
 
 def main():
@@ -170,7 +193,7 @@ def main():
     rows["torch eager CPU"] = torch_eager(model, batches)
     if not args.no_torch_compile:
         rows["torch.compile CPU"] = torch_eager(model, batches, compile_=True)
-    rows["torchax"] = torchax_row(model, batches)
+    rows["torchax (make_train_step + optax)"] = torchax_row(args)
 
     ref = rows["pure JAX (flax.nnx + optax)"]
     tokens = args.batch * args.seq
@@ -179,20 +202,23 @@ def main():
     print(f"jax {jax.__version__} ({jax.devices()[0].device_kind}), torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"float32 matmul precision {args.matmul_precision!r}")
     print()
-    print("| implementation | ms/step | vs JAX | tokens/s | trace s | vs JAX | compile s | memory MiB | vs JAX |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| implementation | ms/step | vs JAX | host ms/call | tokens/s | trace s | vs JAX | compile s | memory MiB "
+          "| vs JAX | program ops |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def fmt(v, spec):
         return "" if v is None else format(v, spec)
 
     for name, r in rows.items():
         if "note" in r:
-            print(f"| {name} | {r['note']} | | | | | | | |")
+            print(f"| {name} | {r['note']} | | | | | | | | | |")
             continue
         ms, tr, mem = r.get("ms"), r.get("trace_s"), r.get("mem")
-        print(f"| {name} | {ms:.1f} | {ms / ref['ms']:.2f}x | {tokens / ms * 1e3:,.0f} | {fmt(tr, '.2f')} | "
+        print(f"| {name} | {ms:.1f} | {ms / ref['ms']:.2f}x | {fmt(r.get('host_ms'), '.2f')} | "
+              f"{tokens / ms * 1e3:,.0f} | {fmt(tr, '.2f')} | "
               f"{fmt(tr and tr / ref['trace_s'], '.2f')}{'x' if tr else ''} | {fmt(r.get('compile_s'), '.2f')} | "
-              f"{fmt(mem, '.1f')} | {fmt(mem and mem / ref['mem'], '.2f')}{'x' if mem else ''} |")
+              f"{fmt(mem, '.1f')} | {fmt(mem and mem / ref['mem'], '.2f')}{'x' if mem else ''} | "
+              f"{fmt(r.get('ops'), 'd')} |")
 
 
 if __name__ == "__main__":
