@@ -615,6 +615,74 @@ def test_grads_set_between_calls_are_what_the_next_call_reads():
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-5)
 
 
+def _replace_parameter(model, opt):
+    model[3].bias = nn.Parameter(torch.full_like(model[3].bias, 0.5))
+    opt.param_groups[0]["params"][-1] = model[3].bias
+
+
+def _add_submodule(model, opt):
+    model.append(nn.Identity())  # a new submodule (no state) changes the module tree only
+
+
+def _add_buffer(model, opt):
+    model[2].register_buffer("seen", torch.zeros(32, device=model[2].weight.device))
+
+
+def _clear_state(model, opt):
+    opt.state.clear()
+
+
+# between two cached calls, what a user may change: every change must reach the next call
+BETWEEN_CALLS = {
+    "eval": lambda model, opt: model.eval(),
+    "weight_decay": lambda model, opt: opt.param_groups[0].update(weight_decay=0.5),
+    "betas": lambda model, opt: opt.param_groups[0].update(betas=(0.5, 0.9)),
+    "lr_as_new_float": lambda model, opt: opt.param_groups[0].update(lr=float("0.02")),
+    "freeze": lambda model, opt: model[0].weight.requires_grad_(False),
+    "grad_to_none": lambda model, opt: setattr(model[0].weight, "grad", None),
+    "replace_parameter": _replace_parameter,
+    "add_submodule": _add_submodule,
+    "add_buffer": _add_buffer,
+    "clear_optimizer_state": _clear_state,
+    "add_param_group": lambda model, opt: opt.add_param_group(
+        {"params": [nn.Parameter(torch.ones(3, device=model[0].weight.device))], "lr": 0.1}),
+}
+
+
+@pytest.mark.parametrize("change", list(BETWEEN_CALLS))
+def test_state_changed_between_cached_calls_is_seen(change):
+    def make(device):
+        model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.0), nn.LayerNorm(32), nn.Linear(32, 4))
+        torch.manual_seed(0)
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.3)
+        model = model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y) + sum(b.sum() for b in model.buffers())
+            loss.backward()
+            opt.step()
+            return loss
+
+        return model, opt, step
+
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)) for _ in range(6)]
+    ref, ref_opt, ref_step = make("cpu")
+    model, opt, step = make("jax")
+    step = t2j.jit(step)
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            BETWEEN_CALLS[change](ref, ref_opt)
+            BETWEEN_CALLS[change](model, opt)
+        torch.testing.assert_close(step(x.to("jax"), y.to("jax")).cpu(), ref_step(x, y).detach(),
+                                   rtol=1e-5, atol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-5, msg=n)
+
+
 def test_captured_cpu_tensor_changed_in_place_is_read_again():
     scale = torch.tensor(1.0)
     f = t2j.jit(lambda x: x * scale)

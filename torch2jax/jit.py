@@ -684,38 +684,141 @@ def _refuse_off_device(walk: _Walk, i: int, prefixes):
     )
 
 
+def _same(a, b) -> bool:
+    """Whether sequences ``a`` and ``b`` hold the same objects (identity, not ``==``)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+_grad_of = operator.attrgetter("grad")
+_dict_values = operator.methodcaller("values")
+_array_of = operator.attrgetter("array")
+_storage_of = operator.attrgetter("_t2j_storage")
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+class _Unchanged:
+    """What a walk over the roots found, checked on later calls without walking again:
+    the same roots, the same objects in every container the walk read (modules'
+    parameter, buffer and submodule dicts, ``.grad``, optimizer groups and state), the
+    same module modes, CPU tensor versions and optimizer hyperparameters (``lr`` aside:
+    it is a program input). Where any of it differs, the call walks as before.
+    Optimizers whose other hyperparameters are program inputs are always walked."""
+
+    def __init__(self, roots: _Roots, hypers: _Hyperparameters | None):
+        self.roots = (*roots.modules, *roots.optimizers, *roots.tensors, *roots.cpu_tensors)
+        self.counts = (len(roots.modules), len(roots.optimizers), len(roots.tensors), len(roots.cpu_tensors))
+        self.cpu = [_guard(t) for t in roots.cpu_tensors]
+        self.hypers = hypers
+        self.hyper_sets = self._hyper_sets()
+        self.subs = [sub for m in roots.modules for sub in _submodules(m)]
+        self.training = [sub.training for sub in self.subs]
+        # (container, its values then): identity of the values says nothing was replaced or added;
+        # most modules have no buffers or submodules: those dicts need only stay empty
+        containers = [d for sub in self.subs for d in (sub._modules, sub._parameters, sub._buffers)]
+        params = [p for sub in self.subs for p in sub._parameters.values() if p is not None]
+        self.groups, self.usable = [], True
+        for opt in roots.optimizers:
+            containers += [opt.state, *opt.state.values(), opt.param_groups]
+            # state that is not a tensor (LBFGS's lists) can change in place: the walk summarizes it
+            self.usable &= all(isinstance(v, Tensor) for st in opt.state.values() for v in st.values())
+            for group in opt.param_groups:
+                params.extend(group["params"])
+                hyper = tuple((k, _LIFTED if _is_input_lr(k, v) else v) for k, v in group.items() if k != "params")
+                # so can a tensor or container hyperparameter: the walk guards its version or contents
+                self.usable &= not any(isinstance(v, (torch.Tensor, list, dict, set)) for _, v in hyper)
+                self.groups.append((group, group["params"], tuple(group["params"]), len(group), hyper))
+        self.empty = [c for c in containers if not c]
+        self.dicts = [c for c in containers if c and isinstance(c, dict)]
+        self.lists = [c for c in containers if c and not isinstance(c, dict)]
+        self.lens = list(map(len, self.dicts + self.lists))
+        self.values = self._values()
+        self.params = params
+        self.grads = list(map(_grad_of, params))
+
+    def _values(self) -> list:
+        return [*itertools.chain.from_iterable(map(_dict_values, self.dicts)), *itertools.chain(*self.lists)]
+
+    def _hyper_sets(self):
+        h = self.hypers
+        return None if h is None else (len(h.lifted), len(h.blocked))
+
+    def hold(self, roots: _Roots) -> bool:
+        if not self.usable or self.counts != (len(roots.modules), len(roots.optimizers), len(roots.tensors),
+                                              len(roots.cpu_tensors)):
+            return False
+        if not _same((*roots.modules, *roots.optimizers, *roots.tensors, *roots.cpu_tensors), self.roots):
+            return False
+        if self._hyper_sets() != self.hyper_sets or [_guard(t) for t in roots.cpu_tensors] != self.cpu:
+            return False
+        if any(map(len, self.empty)) or list(map(len, self.dicts + self.lists)) != self.lens:
+            return False
+        if not _same(self._values(), self.values):
+            return False
+        if [sub.training for sub in self.subs] != self.training or not _same(list(map(_grad_of, self.params)), self.grads):
+            return False
+        for group, plist, params, n, hyper in self.groups:
+            if group["params"] is not plist or len(group) != n or not _same(plist, params):
+                return False
+            for k, v in hyper:
+                now = group.get(k, hyper)  # (hyper: a value no group holds)
+                if v is _LIFTED:
+                    if not _is_input_lr(k, now):
+                        return False
+                elif now is not v and (type(now) is not type(v) or now != v):
+                    return False
+        return True
+
+
+def _is_input_lr(k, v) -> bool:
+    """Whether param group entry ``k`` is the learning rate that every trace takes as a program input."""
+    return k == "lr" and (type(v) is float or _is_cpu_scalar(v))
+
+
 class _RootState:
     """The roots' part of the slots, kept from call to call: when the same tensors
     with the same storages, shapes and flags come back, the signature is reused
     instead of being rebuilt (the per-call cost of a step with many parameters)."""
 
-    def __init__(self, walk: _Walk):
+    def __init__(self, walk: _Walk, roots: _Roots | None = None):
         self.tensors = walk.tensors
         self.static = walk.static
+        self.lifted = walk.lifted
         self.lifted_ids = walk.lifted_ids
         self.grads_seen = walk.grads_seen
         self.storages, self.index, self.sig = [], {}, []
         for t in walk.tensors:
             self.sig.append(_signature(t, self.storages, self.index))
-        self.storage_of = [t._t2j_storage if t is not None else None for t in walk.tensors]
-        self.flags = _flags(walk.tensors)
+        self.present = [t for t in walk.tensors if t is not None]
+        self.storage_of = list(map(_storage_of, self.present))
+        self.flags = list(map(_requires_grad, self.present))
         self.avals = _avals(self.storages)
         self.remember_arrays()
         self.key = _Key((tuple(self.sig), tuple(self.avals), tuple(walk.static), tuple(walk.lifted_ids)))
+        # other hyperparameters as program inputs change the walk's own bookkeeping: walk those calls
+        plain = all(hk == "lr" and ti is None for _, hk, ti in walk.lifted)
+        self.unchanged = _Unchanged(roots, walk.hypers) if roots is not None and plain and not walk.full else None
 
     def matches(self, walk: _Walk) -> bool:
         ts = walk.tensors
-        if len(ts) != len(self.tensors) or not all(map(operator.is_, ts, self.tensors)):
+        if not _same(ts, self.tensors):
             return False
         if walk.static != self.static or walk.lifted_ids != self.lifted_ids:
             return False
-        storages = [t._t2j_storage if t is not None else None for t in ts]
-        if not all(map(operator.is_, storages, self.storage_of)):
+        return self.same_contents()
+
+    def holds_for(self, roots: _Roots) -> bool:
+        """Whether a walk over ``roots`` would find this state again (`_Unchanged`), checked without walking."""
+        return self.unchanged is not None and self.unchanged.hold(roots) and self.same_contents()
+
+    def same_contents(self) -> bool:
+        """The slot tensors, known to be the same objects, still have the same storages and flags."""
+        present = self.present
+        if not _same(list(map(_storage_of, present)), self.storage_of):
             return False
-        if _flags(ts) != self.flags:
+        if list(map(_requires_grad, present)) != self.flags:
             return False
         # an array this state has seen has the shape and dtype it had then
-        arrays = [st.array for st in self.storages]
+        arrays = list(map(_array_of, self.storages))
         if not all(map(operator.is_, arrays, self.arrays)):
             if _avals(self.storages) != self.avals:
                 return False
@@ -724,7 +827,7 @@ class _RootState:
 
     def remember_arrays(self):
         """Record the storages' arrays as known to have the recorded shapes and dtypes."""
-        self.arrays = [st.array for st in self.storages]
+        self.arrays = list(map(_array_of, self.storages))
 
 
 def _same_aval(a, b) -> bool:
@@ -771,17 +874,18 @@ def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None =
     matches and replaced when not. ``hypers`` says which optimizer hyperparameters
     besides ``lr`` are program inputs.
     """
-    walk = _Walk(full, hypers=hypers).roots(roots)
     prefixes = {id(m): {id(sub): prefix for prefix, sub in m.named_modules()} for m in roots.modules} if full else {}
     state = memo[0] if memo else None
-    if state is None or not state.matches(walk):  # (the remembered state was checked)
-        if (i := _off_device(walk)) is not None:
-            if not full:  # the full walk names the slot
-                return _collect(args_leaves, roots, full=True, hypers=hypers)
-            _refuse_off_device(walk, i, prefixes)
-        state = _RootState(walk)
-        if memo is not None:
-            memo[:] = [state]
+    if full or state is None or not state.holds_for(roots):
+        walk = _Walk(full, hypers=hypers).roots(roots)
+        if state is None or not state.matches(walk):  # (the remembered state was checked)
+            if (i := _off_device(walk)) is not None:
+                if not full:  # the full walk names the slot
+                    return _collect(args_leaves, roots, full=True, hypers=hypers)
+                _refuse_off_device(walk, i, prefixes)
+            state = _RootState(walk, roots)
+            if memo is not None:
+                memo[:] = [state]
     args = _Walk(full, state.grads_seen).args(args_leaves)
     if (i := _off_device(args)) is not None:
         if not full:
@@ -791,13 +895,14 @@ def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None =
     sig = tuple(_signature(t, storages, index) for t in args.tensors)
     avals = tuple((st.array.shape, st.array.dtype) for st in storages[len(state.storages):])
     key = (state.key, sig, avals)
-    tensors = walk.tensors + args.tensors
+    tensors = state.tensors + args.tensors
     setters, names = [], []
     if full:
         origins = walk.origins + args.origins
         setters = [_slot_setter(o) for o in origins]
         names = [_slot_name(o, prefixes) for o in origins]
-    return _Slots(tensors, setters, names, storages, key, walk.static, walk.lifted)
+        return _Slots(walk.tensors + args.tensors, setters, names, storages, key, walk.static, walk.lifted)
+    return _Slots(tensors, setters, names, storages, key, state.static, state.lifted)
 
 
 def _module_slot_name(module, prefix, name):
@@ -1112,7 +1217,7 @@ class JitFunction:
 
     def _execute(self, entry, slots, storages, jitted, donated):
         """Run one compiled program and write its state back; its outputs as arrays."""
-        inputs = [st.array for st in storages]
+        inputs = list(map(_array_of, storages))
         arguments = entry.arguments if donated else _plain_arguments
         # JAX warns of unusable donations when it compiles, on the first run
         first = not entry.compile_s
