@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch2jax  # noqa: E402, F401
 import torchax_rows  # noqa: E402
-from timing import bench, jax_cases  # noqa: E402
+from common import bench, jax_cases  # noqa: E402
 
 
 def cases(device):

@@ -25,8 +25,6 @@ import os
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import optax
 import torch
 
@@ -51,19 +49,11 @@ def train(args) -> dict:
 
     from torchax import interop
 
-    import gpt
+    from common import gpt_problem, set_matmul_precision
 
-    torch.set_float32_matmul_precision(args.matmul_precision)
-    cfg = gpt.GPTConfig(vocab_size=96, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
-    torch.manual_seed(0)
-    model = gpt.GPT(cfg)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
-                torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)) for _ in range(args.steps + 2)]
+    _, model, batches = gpt_problem(args)
     env = torchax.default_env()
-    # torchax switches JAX's matmul precision when it is set up: set ours after it
-    jax.config.update("jax_default_matmul_precision",
-                      "highest" if args.matmul_precision == "highest" else "tensorfloat32")
+    set_matmul_precision(args.matmul_precision)  # after torchax's set-up, which switches JAX's
     tx = optax.adamw(args.lr, weight_decay=args.weight_decay)
     with env:
         model.to("jax")
@@ -96,7 +86,7 @@ def eager(args) -> dict:
     torchax, why = _import_torchax()
     if torchax is None:
         return {"note": why}
-    from timing import bench, jax_cases
+    from common import bench, jax_cases
 
     env = torchax.default_env()
     g = torch.Generator().manual_seed(0)

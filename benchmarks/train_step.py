@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
-import torch.nn.functional as F
 
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "examples"), os.path.dirname(__file__)]
 
 import gpt  # noqa: E402
+import common  # noqa: E402
 import jax_gpt  # noqa: E402
 import torchax_rows  # noqa: E402
 
@@ -177,15 +177,8 @@ def main():
                          "(TF32 passes on GPUs that have them); sets torch.set_float32_matmul_precision and "
                          "JAX's jax_default_matmul_precision alike")
     args = ap.parse_args()
-    torch.set_float32_matmul_precision(args.matmul_precision)
-    jax.config.update("jax_default_matmul_precision", "highest" if args.matmul_precision == "highest" else "tensorfloat32")
-
-    cfg = gpt.GPTConfig(vocab_size=96, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
-    torch.manual_seed(0)
-    model = gpt.GPT(cfg)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
-                torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)) for _ in range(args.steps + 2)]
+    common.set_matmul_precision(args.matmul_precision)
+    cfg, model, batches = common.gpt_problem(args)
 
     rows = {"pure JAX (flax.nnx + optax)": pure_jax(model, batches, cfg)}
     rows["torch2jax t2j.jit + torch.optim.AdamW"] = t2j_jit(model, batches)

@@ -1,4 +1,5 @@
-"""Timing helpers shared by the eager benchmarks (no torch2jax import: torchax's process uses them too)."""
+"""What the benchmarks share: timing helpers, the GPT problem of the training-step rows. No torch2jax import:
+torchax's process (torchax_rows.py) uses it too."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import torch
 
 
 def _time(fn, n):
@@ -47,3 +49,24 @@ def jax_cases():
         "matmul 8x8": lambda: jnp.matmul(a, b),
         "MLP forward (8-32-8)": lambda: jnp.maximum(a @ w1 + b1, 0) @ w2 + b2,
     }
+
+
+def set_matmul_precision(precision: str):
+    """The same float32 matmul precision for torch and JAX: "highest" (full float32, torch's default)
+    or "high" (TF32 passes on GPUs that have them)."""
+    torch.set_float32_matmul_precision(precision)
+    jax.config.update("jax_default_matmul_precision", "highest" if precision == "highest" else "tensorfloat32")
+
+
+def gpt_problem(args):
+    """The GPT of examples/gpt.py sized by ``args`` (layers, embd, heads, seq), seeded weights and
+    ``args.steps + 2`` batches of (batch, seq) token ids: the same in every process."""
+    import gpt
+
+    cfg = gpt.GPTConfig(vocab_size=96, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
+                torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)) for _ in range(args.steps + 2)]
+    return cfg, model, batches
