@@ -70,3 +70,17 @@ def gpt_problem(args):
     batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
                 torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)) for _ in range(args.steps + 2)]
     return cfg, model, batches
+
+
+def add_gpt_arguments(ap):
+    """The command-line options of `gpt_problem` and `set_matmul_precision` on parser ``ap``."""
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--embd", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
+                    help="float32 matmuls in every row: 'highest' (torch's default: full float32) or 'high' "
+                         "(TF32 passes on GPUs that have them); sets torch.set_float32_matmul_precision and "
+                         "JAX's jax_default_matmul_precision alike")

@@ -31,6 +31,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", "examples"), HERE]
 
+from common import add_gpt_arguments  # noqa: E402
+
 
 def _import_torchax():
     try:
@@ -124,15 +126,9 @@ def run(mode: str, **options) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=("train", "eager"))
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--embd", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=20)
+    add_gpt_arguments(ap)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--matmul-precision", choices=("highest", "high"), default="highest")
     args = ap.parse_args()
     print(json.dumps(train(args) if args.mode == "train" else eager(args)))
 

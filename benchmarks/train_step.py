@@ -165,17 +165,8 @@ def pure_jax(model, batches, cfg):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--embd", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=20)
+    common.add_gpt_arguments(ap)
     ap.add_argument("--no-torch-compile", action="store_true")
-    ap.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
-                    help="float32 matmuls in every row: 'highest' (torch's default: full float32) or 'high' "
-                         "(TF32 passes on GPUs that have them); sets torch.set_float32_matmul_precision and "
-                         "JAX's jax_default_matmul_precision alike")
     args = ap.parse_args()
     common.set_matmul_precision(args.matmul_precision)
     cfg, model, batches = common.gpt_problem(args)
