@@ -88,3 +88,21 @@ def test_requires_grad_flag(requires_grad):
     x = torch.ones(2, device="jax", requires_grad=requires_grad)
     assert x.requires_grad == requires_grad
     assert (x * 2).requires_grad == requires_grad
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shape", [(2, 3), (2, 3, 4)])
+def test_cross_entropy_gradient_with_every_target_ignored(reduction, shape):
+    """An all-padding batch: torch's loss is nan (mean) but its gradient is zero, not nan."""
+
+    def run(device):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
+        target = torch.full((shape[0], *shape[2:]), -100).to(device)
+        loss = F.cross_entropy(x, target, reduction=reduction)
+        loss.sum().backward()
+        return loss.detach().cpu(), x.grad.cpu()
+
+    (loss, grad), (expected_loss, expected_grad) = run("jax"), run("cpu")
+    torch.testing.assert_close(loss, expected_loss, equal_nan=True)
+    assert grad.tolist() == expected_grad.tolist()
+    assert not torch.signbit(grad).any()

@@ -836,6 +836,8 @@ def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_we
     scale = -w * grad
     if reduction == _MEAN:
         scale = scale / total_weight
+    # torch writes no gradient for an ignored target: 0 (not -0, nor 0 / 0 where every target is ignored)
+    scale = jnp.where(target != ignore_index, scale, 0)
     onehot = jax.nn.one_hot(jnp.where(target != ignore_index, target, 0), x.shape[cdim], dtype=x.dtype, axis=cdim)
     return onehot * jnp.expand_dims(jnp.broadcast_to(scale, target.shape), cdim)
 
