@@ -286,3 +286,46 @@ def test_dropout_mask_differs_between_calls():
     assert not torch.equal(a, b)
     assert set(np.unique(a.numpy())) <= {0.0, 2.0}
     assert abs((a == 0).double().mean().item() - 0.5) < 0.1
+
+
+def _fork_rng_draws(x):
+    with torch.random.fork_rng(device_type="jax"):
+        inside = torch.rand(3, device="jax")
+    return inside, torch.rand(3, device="jax")
+
+
+def _get_set_rng_state_draws(x):
+    state = torch.jax.get_rng_state()
+    first = torch.rand(3, device="jax")
+    torch.jax.set_rng_state(state)
+    return first, torch.rand(3, device="jax")
+
+
+@pytest.mark.parametrize("fn", [_fork_rng_draws, _get_set_rng_state_draws])
+@pytest.mark.parametrize("jit", [False, True])
+def test_rng_state_restored_inside_a_function_repeats_its_draws(fn, jit):
+    import torch2jax as t2j
+
+    f = t2j.jit(fn) if jit else fn
+    torch.manual_seed(0)
+    a, b = f(torch.zeros(1, device="jax"))
+    assert a.tolist() == b.tolist()
+    c, _ = f(torch.zeros(1, device="jax"))
+    assert c.tolist() != a.tolist()  # the stream outside goes on from call to call
+
+
+def test_reentrant_checkpoint_replays_dropout_masks_under_jit():
+    """torch's reentrant checkpoint stashes the RNG state and restores it for the recompute:
+    the recomputed dropout mask must be the forward's, or the gradient is wrong."""
+    import torch.nn.functional as F
+
+    import torch2jax as t2j
+
+    def step(x):
+        y = torch.utils.checkpoint.checkpoint(lambda v: F.dropout(v, 0.5, True) * v, x, use_reentrant=True)
+        y.sum().backward()
+        return y, x.grad
+
+    x = (torch.rand(64) + 1).to("jax").requires_grad_()
+    y, grad = t2j.jit(step)(x)
+    torch.testing.assert_close(grad.cpu(), (2 * y / x).detach().cpu())

@@ -301,12 +301,30 @@ def manual_seed(seed: int) -> None:
 
 
 def rng_state_bytes() -> torch.Tensor:
+    """``torch.jax.get_rng_state()``: the default stream's key as bytes (a CPU uint8 tensor, as
+    torch's generators give theirs). Inside a traced function the stream is the program's
+    traced key, so the state is a jax tensor holding its traced bytes: what
+    `set_rng_state_bytes` takes back (``fork_rng``, reentrant checkpointing's replay)."""
+    if default_rng._traced is not None:
+        from .tensor import new_tensor
+
+        data = jax.random.key_data(default_rng._traced).astype(jax.numpy.uint32)
+        return new_tensor(jax.lax.bitcast_convert_type(data, jax.numpy.uint8).reshape(-1))
     with jax.ensure_compile_time_eval():
         data = np.asarray(jax.random.key_data(default_rng.key)).astype(np.uint32)
     return torch.from_numpy(data.view(np.uint8).copy())
 
 
 def set_rng_state_bytes(state: torch.Tensor) -> None:
+    """``torch.jax.set_rng_state(state)``; inside a traced function it restarts the program's
+    stream from ``state`` (on every call, as the eager function does), not the stored key."""
+    if default_rng._traced is not None:
+        from .tensor import Tensor
+
+        data = state._value() if isinstance(state, Tensor) else jax.numpy.asarray(state.cpu().numpy())
+        data = jax.lax.bitcast_convert_type(data.astype(jax.numpy.uint8).reshape(-1, 4), jax.numpy.uint32)
+        default_rng._traced = jax.random.wrap_key_data(data)
+        return
     data = state.cpu().numpy().astype(np.uint8).view(np.uint32)
     with jax.ensure_compile_time_eval():
         default_rng.key = jax.random.wrap_key_data(jax.numpy.asarray(data))
