@@ -279,6 +279,38 @@ def test_data_is_a_cut(mode):
     torch.testing.assert_close(got_w, ref.lin.weight.grad, rtol=1e-5, atol=1e-5)
 
 
+class _RebindsData(nn.Module):
+    """A forward that replaces a parameter's value through ``.data`` (a rescaling step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        self.lin.weight.data = (self.lin.weight * 0.5).data
+        return (self.lin(x) ** 2).sum()
+
+
+@pytest.mark.parametrize("mode", ["jax.grad", "t2j.jit", "t2j.compile"])
+def test_data_rebound_in_a_forward_is_a_leaf_for_the_gradient(mode):
+    """``p.data = v.data``: the parameter holds the new value, and its gradient is taken at the
+    new value, as for any leaf (torch's autograd never sees the rebinding)."""
+    torch.manual_seed(0)
+    ref = _RebindsData()
+    model = copy.deepcopy(ref).to("jax")
+    x = torch.tensor([[0.2, 1.7, -2.0], [0.4, -0.3, 0.9]])
+    ref(x).backward()
+    if mode.startswith("t2j"):
+        (t2j.jit(model) if mode == "t2j.jit" else t2j.compile(model))(x.to("jax")).backward()
+        got_w = model.lin.weight.grad.cpu()
+        torch.testing.assert_close(model.lin.weight.detach().cpu(), ref.lin.weight.detach())
+    else:
+        fn, state = t2j.functionalize(model)
+        g_state = jax.grad(fn)(state, jnp.asarray(x.numpy()))
+        got_w = torch.from_numpy(np.asarray(g_state["params"]["lin.weight"]))
+    torch.testing.assert_close(got_w, ref.lin.weight.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 def test_reentrant_checkpoint_under_jax_grad():
     torch.manual_seed(0)

@@ -1322,6 +1322,9 @@ class JitFunction:
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, key):
         saved = [(st, st.array) for st in storages]
+        # each slot's storage before the call (``.data =`` inside the function re-points a slot to another)
+        index = {id(st): i for i, st in enumerate(storages)}
+        slot_storage = [None if t is None else index[id(t._t2j_storage)] for t in slots.tensors]
         saved_slots = _snapshot(slots, roots)
         saved_hypers = {(id(g), hk): (g, hk, g[hk]) for g, hk, _ in slots.lifted}
         python_state = _python_state(roots.objects)
@@ -1396,7 +1399,7 @@ class JitFunction:
             info.update(undo=saved_slots if post else None,
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
-                diff=_differentiable_inputs(slots, storages, written, post, backward) if grad_outs else [],
+                diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs else [],
             )
             result = outs + [storages[i].array for i in written] + [st.array for st in new_storages]
             if rng.key is not key:
@@ -1433,9 +1436,10 @@ class JitFunction:
 # ---------------------------------------------------------------------------
 
 
-def _differentiable_inputs(slots, storages, written, post, backward) -> list:
+def _differentiable_inputs(slots, slot_storage, written, post, backward) -> list:
     """(storage index, slot index) for each storage of a slot tensor that requires
-    grad: what a call's outputs are differentiated with respect to.
+    grad: what a call's outputs are differentiated with respect to. ``slot_storage``
+    is each slot's storage index as the call found it.
 
     Empty when the trace ran a ``backward`` pass or set or wrote a ``.grad``: the
     graph its outputs hang on was consumed inside the function (a training step), so
@@ -1445,13 +1449,11 @@ def _differentiable_inputs(slots, storages, written, post, backward) -> list:
     if backward or any(getattr(setter, "func", None) is _set_grad and target is not None
                        for setter, target, _ in post):
         return []
-    index = {id(st): i for i, st in enumerate(storages)}
     written = set(written)
     diff, seen = [], set()
-    for k, (t, setter) in enumerate(zip(slots.tensors, slots.setters)):
+    for k, (t, setter, i) in enumerate(zip(slots.tensors, slots.setters, slot_storage)):
         if t is None:
             continue
-        i = index[id(t._t2j_storage)]
         if i in written and getattr(setter, "func", None) is _set_grad:
             return []
         if t.requires_grad and i not in seen:

@@ -369,7 +369,18 @@ class Tensor(torch.Tensor):
     def data(self, value):
         # torch's setter copies only the C++ metadata (shape, dtype); the value lives
         # on the Python side, so it is re-pointed here too.
+        old = self._value()
         self._rebind(value)
+        # While JAX traces, autograd does not see the new value either: later reads send their
+        # gradient to this tensor as it was (a straight-through write, as through `.data`), not
+        # to what computed the value. Where the value is a view of a larger storage (as in
+        # vector_to_parameters) the reads stay cut instead, as ``value.data`` was.
+        st = value._t2j_storage
+        detached = self._t2j_view and all(step is DETACHED for step in self._t2j_view)  # ``p.data = y.data``
+        if detached and _gradcut.differentiable(old) and st.array.shape == old.shape and st.array.dtype == old.dtype:
+            st.array = _gradcut.straight_through(old, st.array)
+            st.version += 1
+            self._t2j_view, self._t2j_version = (), -1
 
     def _rebind(self, other: "Tensor") -> None:
         """Make this tensor another view of ``other``'s value, with ``other``'s shape,
