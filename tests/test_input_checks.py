@@ -353,6 +353,50 @@ _SCALAR_CASES = [
 ]
 
 
+def _bools(d):
+    return _t([True, False], d)
+
+
+def _f64(d):
+    return torch.ones(1, dtype=torch.float64, device=d)
+
+
+_BOOL_SUB = "Subtraction, the `-` operator, with a bool tensor is not supported"
+
+# operand dtypes a kernel rejects before any promotion, with torch's exception type
+_DTYPE_CASES = [
+    _case("sub of a bool", lambda d: _ones(2, device=d) - _bools(d), RuntimeError, _BOOL_SUB),
+    _case("rsub of a bool", lambda d: 1 - _bools(d), RuntimeError, _BOOL_SUB),
+    _case("sub of a Python bool", lambda d: _ones(2, device=d) - True, RuntimeError, _BOOL_SUB),
+    _case("sub_ of a bool", lambda d: _ones(2, device=d).sub_(_bools(d)), RuntimeError, _BOOL_SUB),
+    _case("sub of two bools", lambda d: _bools(d) - _bools(d), RuntimeError,
+          "Subtraction, the `-` operator, with two bool tensors is not supported"),
+    _case("argmax of bools", lambda d: _bools(d).argmax(), RuntimeError, "argmax(): does not support bool input"),
+    _case("argmin of bools", lambda d: _bools(d).argmin(0), RuntimeError, "argmin(): does not support bool input"),
+    _case("scatter src dtype", lambda d: torch.zeros(3, device=d).scatter(0, _t([0], d), _f64(d)), RuntimeError,
+          "scatter(): Expected self.dtype to be equal to src.dtype"),
+    _case("scatter_add src dtype", lambda d: torch.zeros(3, device=d).scatter_add_(0, _t([0], d), _f64(d)),
+          RuntimeError, "scatter(): Expected self.dtype to be equal to src.dtype"),
+    _case("index_add source dtype", lambda d: torch.zeros(3, device=d).index_add(0, _t([0], d), _t([1], d)),
+          RuntimeError, "index_add_(): self (Float) and source (Long) must have the same scalar type"),
+    _case("index_copy source dtype", lambda d: torch.zeros(3, device=d).index_copy(0, _t([0], d), _t([1], d)),
+          RuntimeError, "index_copy_(): self and source expected to have the same dtype, but got (self) Float and "
+                        "(source) Long"),
+    _case("lerp end dtype", lambda d: torch.zeros(1, device=d).lerp(_f64(d), 0.5), RuntimeError,
+          "expected dtype float for `end` but got dtype double"),
+    _case("lerp weight dtype", lambda d: torch.zeros(1, device=d).lerp(_ones(1, device=d), _f64(d)), RuntimeError,
+          "expected dtype float for `weight` but got dtype double"),
+    _case("bitwise_and of floats", lambda d: _ones(2, device=d) & _ones(2, device=d), NotImplementedError,
+          "\"bitwise_and_cpu\" not implemented for 'Float'"),
+    _case("shift of floats", lambda d: _ones(2, device=d) << 1, NotImplementedError,
+          "\"lshift_cpu\" not implemented for 'Float'"),
+    _case("floor of complex", lambda d: torch.ones(2, dtype=torch.complex64, device=d).floor(), NotImplementedError,
+          "floor is not supported for complex inputs"),
+    _case("remainder of complex", lambda d: torch.ones(2, dtype=torch.complex64, device=d) % 2, NotImplementedError,
+          "\"remainder_cpu\" not implemented for 'ComplexFloat'"),
+]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_scalars_that_fit_are_accepted_as_torch_does(device):
     u8 = torch.zeros(2, dtype=torch.uint8, device=device).fill_(-255)  # wraps to 1
@@ -369,7 +413,7 @@ _EAGER_VALUE_CASES = [_case(p.id, lambda d, inputs=p.values[0], op=p.values[1]: 
 @pytest.mark.parametrize(
     "call,error,message",
     _NLL_CASES + _ONE_HOT_CASES + _MASK_CASES + _BCE_CASES + _CONV_CASES + _CTC_CASES + _PIXEL_SHUFFLE_CASES
-    + _EAGER_VALUE_CASES + _SCALAR_CASES,
+    + _EAGER_VALUE_CASES + _SCALAR_CASES + _DTYPE_CASES,
 )
 def test_rejects_like_torch(call, error, message, device):
     with pytest.raises(error, match=re.escape(message)) as info:

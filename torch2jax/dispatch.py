@@ -234,9 +234,39 @@ def _reraise_with_torch_message(func, args, kwargs, error):
     except Exception as torch_error:  # noqa: BLE001 - torch's own verdict on the input
         if type(torch_error) is not NotImplementedError and "meta" not in str(torch_error).lower():
             raise torch_error from None
+    _raise_cpu_dtype_error(func, args, kwargs)
     raise OpError(
         f"torch2jax: {func} failed on inputs {_describe(args, kwargs)}: {type(error).__name__}: {error}"
     ) from error
+
+
+_DTYPE_WORDS = ("not implemented for", "not supported for", "dtype", "Bool", "Float", "Half", "Long", "Int",
+                "Complex", "Double", "Byte", "Char", "Short")
+
+
+def _raise_cpu_dtype_error(func, args, kwargs):
+    """torch's CPU kernel's error where it rejects the operands' dtypes and its meta kernel does not
+    (``floor`` of a complex tensor, ``&`` of floats: NotImplementedError), found by running it on
+    one-element stand-ins of the same dtypes and ranks. An error that does not speak of dtypes is
+    the stand-ins' own, and is not raised."""
+    if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten":
+        return
+    tensors = [a for a in _pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if not tensors:
+        return
+
+    def stand_in(t):
+        return torch.zeros((1,) * t.dim(), dtype=t.dtype)
+
+    try:
+        func(*_tree_map_tensors(stand_in, args), **_tree_map_tensors(stand_in, kwargs))
+    except (NotImplementedError, RuntimeError) as torch_error:
+        if type(torch_error) in (NotImplementedError, RuntimeError) and \
+                any(w in str(torch_error) for w in _DTYPE_WORDS):
+            raise (NotImplementedError if type(torch_error) is NotImplementedError else TorchRuntimeError)(
+                str(torch_error)) from None
+    except Exception:  # noqa: BLE001 - the stand-ins' own failure says nothing of the input
+        pass
 
 
 def _broadcast_error(shapes):

@@ -19,7 +19,7 @@ from jax import lax
 from .. import dtypes as _dt
 from ..dispatch import OpError
 from .indexing import raise_as_torch, stand_in
-from .registry import as_dtype, cast, checked_scalar, elementwise, promote, register, true_divide, view
+from .registry import as_dtype, cast, checked_scalar, elementwise, promote, register, true_divide, view, warning
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -254,6 +254,19 @@ def _check_sub(x, name):
         )
 
 
+def _cpu_operand(a):
+    """``a`` for a run of torch's CPU kernel that only checks dtypes: a tensor's one-element stand-in."""
+    return torch.zeros(1, dtype=a.dtype) if isinstance(a, torch.Tensor) else a
+
+
+@warning(aten.sub, aten.sub_, aten.rsub)
+def _no_bool_subtraction(func, args, kwargs):
+    """torch's check that no operand of a subtraction is a bool (a mask is inverted with ``~``), made
+    on torch's operands: the lowering sees them promoted."""
+    if any(a.dtype == torch.bool if isinstance(a, torch.Tensor) else type(a) is bool for a in args[:2]):
+        raise_as_torch(torch.rsub if func.overloadpacket is aten.rsub else torch.sub, *map(_cpu_operand, args[:2]))
+
+
 @elementwise(aten.sub, prims.sub)
 def sub(x, y, alpha=1):
     _check_sub(x, "sub")
@@ -416,6 +429,13 @@ def logaddexp2(a, b):
     return jnp.logaddexp2(a, b)
 
 
+@warning(aten.lerp, aten.lerp_)
+def _lerp_dtypes(func, args, kwargs):
+    """torch's check that ``end`` (and a tensor ``weight``) have ``start``'s dtype: lerp does not promote."""
+    if any(isinstance(a, torch.Tensor) and a.dtype != args[0].dtype for a in args[1:3]):
+        raise_as_torch(torch.lerp, *map(_cpu_operand, args[:3]))
+
+
 @elementwise(aten.lerp)
 def lerp(start, end, weight):
     diff = end - start
@@ -565,7 +585,10 @@ def logical_not(x):
 
 
 def _reject_float(name, x):
+    """torch's own error (NotImplementedError, from its CPU kernel) for a floating operand of a bitwise op."""
     if not _is_int(x):
+        z = stand_in(x.dtype, 1)
+        raise_as_torch(getattr(torch, name), *((z,) if name == "bitwise_not" else (z, z)))
         raise OpError(
             f'torch2jax: "{name}" is only implemented for integer and bool tensors, got {_dt.to_torch(x.dtype)}'
         )

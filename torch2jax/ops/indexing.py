@@ -256,6 +256,8 @@ def gather(x, dim, index, *, sparse_grad=False):
 
 
 def _scatter_args(x, dim, index, src):
+    if hasattr(src, "dtype") and src.dtype != x.dtype:  # (a Python number takes x's dtype)
+        raise TorchRuntimeError("scatter(): Expected self.dtype to be equal to src.dtype")
     d, x1 = _as_1d(x, dim)
     index1 = index.reshape(-1) if index.ndim == 0 else index
     if index1.size == 0:  # writes nothing, whatever the index's rank (torch checks no shapes then)
@@ -368,6 +370,9 @@ def index_select(x, dim, index):
 
 @register(aten.index_add.default)
 def index_add(x, dim, index, source, *, alpha=1):
+    if source.dtype != x.dtype:
+        raise TorchRuntimeError(f"index_add_(): self ({scalar_type_name(x.dtype)}) and source "
+                                f"({scalar_type_name(source.dtype)}) must have the same scalar type")
     x1, idx, src = _dim_index(x, dim, index, lambda d, n: _out_of_bounds(d, n, TorchRuntimeError), source)
     if alpha != 1:
         src = src * _value(alpha, x.dtype)
@@ -376,6 +381,9 @@ def index_add(x, dim, index, source, *, alpha=1):
 
 @register(aten.index_copy.default)
 def index_copy(x, dim, index, source):
+    if source.dtype != x.dtype:
+        raise TorchRuntimeError("index_copy_(): self and source expected to have the same dtype, but got (self) "
+                                f"{scalar_type_name(x.dtype)} and (source) {scalar_type_name(source.dtype)}")
     x1, idx, src = _dim_index(x, dim, index, lambda d, n: _out_of_bounds(d, n, prefix="index_copy_(): "), source)
     return x1.at[idx].set(src).reshape(x.shape)
 

@@ -19,6 +19,7 @@ import torch
 from .. import dtypes as _dt
 from ..dispatch import OpError
 from .indexing import raise_as_torch, stand_in
+from ..dispatch import TorchRuntimeError
 from .registry import _HALF, canonical_dim, canonical_dims, register, true_divide, warning
 from .shape import is_traced
 
@@ -224,6 +225,8 @@ def min_(x):
 
 def _arg_extreme(name, arg, x, dim, keepdim):
     """jnp.argmax / argmin give the first NaN, else the first extremum, as torch does."""
+    if x.dtype == np.bool_:
+        raise TorchRuntimeError(f"{name}(): does not support bool input")
     if dim is None:
         if x.size == 0:
             raise IndexError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0.")

@@ -60,15 +60,25 @@ def register(*ops):
 def warning(*ops):
     """Register the decorated ``fn(func, args, kwargs)`` to run before every call of ``ops``,
     on torch's arguments (tensors, not arrays): for torch's warnings, which a lowering would
-    give only when a compiled call of it is traced."""
+    give only when a compiled call of it is traced, and for its checks of the operands'
+    dtypes before promotion."""
 
     def deco(fn):
         for op in ops:
             for overload in _overloads(op):
-                WARNINGS[overload] = fn
+                earlier = WARNINGS.get(overload)
+                WARNINGS[overload] = fn if earlier is None else _both(earlier, fn)
         return fn
 
     return deco
+
+
+def _both(first, second):
+    def both(func, args, kwargs):
+        first(func, args, kwargs)
+        second(func, args, kwargs)
+
+    return both
 
 
 def view(*ops, inverse):
