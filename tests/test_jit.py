@@ -632,6 +632,17 @@ def _clear_state(model, opt):
     opt.state.clear()
 
 
+def _reload_with_new_lr(model, opt):
+    state = copy.deepcopy(opt.state_dict())  # load_state_dict replaces state and param_groups whole
+    state["param_groups"][0]["lr"] = 0.05
+    opt.load_state_dict(state)
+
+
+def _replace_parameter_dict(model, opt):
+    weight, bias = model[3].weight, model[3].bias  # a container replaced whole, not changed in place
+    model[3]._parameters = {"weight": nn.Parameter(weight.detach() * 2), "bias": nn.Parameter(bias.detach() + 1)}
+
+
 # between two cached calls, what a user may change: every change must reach the next call
 BETWEEN_CALLS = {
     "eval": lambda model, opt: model.eval(),
@@ -644,6 +655,8 @@ BETWEEN_CALLS = {
     "add_submodule": _add_submodule,
     "add_buffer": _add_buffer,
     "clear_optimizer_state": _clear_state,
+    "load_optimizer_state_dict": _reload_with_new_lr,
+    "replace_parameter_dict": _replace_parameter_dict,
     "add_param_group": lambda model, opt: opt.add_param_group(
         {"params": [nn.Parameter(torch.ones(3, device=model[0].weight.device))], "lr": 0.1}),
 }

@@ -712,6 +712,11 @@ class _Unchanged:
         self.hyper_sets = self._hyper_sets()
         self.subs = [sub for m in roots.modules for sub in _submodules(m)]
         self.training = [sub.training for sub in self.subs]
+        # the containers themselves, which may be replaced whole (Optimizer.load_state_dict replaces
+        # state and param_groups)
+        self.holders = [*((sub.__dict__, ("_modules", "_parameters", "_buffers")) for sub in self.subs),
+                        *((opt.__dict__, ("state", "param_groups")) for opt in roots.optimizers)]
+        self.held = [d[k] for d, keys in self.holders for k in keys]
         # (container, its values then): identity of the values says nothing was replaced or added;
         # most modules have no buffers or submodules: those dicts need only stay empty
         containers = [d for sub in self.subs for d in (sub._modules, sub._parameters, sub._buffers)]
@@ -749,6 +754,8 @@ class _Unchanged:
         if not _same((*roots.modules, *roots.optimizers, *roots.tensors, *roots.cpu_tensors), self.roots):
             return False
         if self._hyper_sets() != self.hyper_sets or [_guard(t) for t in roots.cpu_tensors] != self.cpu:
+            return False
+        if not _same([d.get(k) for d, keys in self.holders for k in keys], self.held):
             return False
         if any(map(len, self.empty)) or list(map(len, self.dicts + self.lists)) != self.lens:
             return False
