@@ -258,6 +258,10 @@ def _value_case(name, inputs, op, error, message):
 
 
 _VALUE_CASES = [
+    _value_case("integer division by zero", lambda d: (_t([4, 5], d), _t([2, 0], d)), lambda a, b: a // b,
+                RuntimeError, "ZeroDivisionError"),
+    _value_case("integer remainder by zero", lambda d: (_t([4, 5], d), _t([2, 0], d)), torch.remainder,
+                RuntimeError, "ZeroDivisionError"),
     _value_case("index", lambda d: (_t(_X, d), _t([0, 2], d)), lambda x, i: x[i], IndexError,
                 "index 2 is out of bounds for dimension 0 with size 2"),
     _value_case("index negative", lambda d: (_t(_X, d), _t([0, -4], d)), lambda x, i: x[:, i], IndexError,

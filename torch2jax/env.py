@@ -33,7 +33,7 @@ class Config:
     check_indices: ``True`` (the default): in eager mode, raise torch's error for
         out-of-range indices and for the values torch's kernels check (one_hot
         classes, nll_loss targets, binary cross-entropy probabilities, CTC
-        lengths); costs a device sync per such op. Inside a traced program
+        lengths, integer divisors); costs a device sync per such op. Inside a traced program
         (`t2j.jit`, ``jax.jit``) values are unknown when it is traced, so nothing
         is checked there: JAX clamps out-of-range gather indices and drops
         out-of-range scatter updates. ``"always"``: also check inside traced

@@ -19,7 +19,8 @@ from jax import lax
 from .. import dtypes as _dt
 from ..dispatch import OpError
 from .indexing import raise_as_torch, stand_in
-from .registry import as_dtype, cast, checked_scalar, elementwise, promote, register, true_divide, view, warning
+from .registry import (as_dtype, cast, check_values, checked_scalar, elementwise, promote, register, true_divide,
+                       view, warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -54,12 +55,14 @@ def _reject_complex(name, *xs):
 
 
 def _check_divisor(b):
-    """torch raises on integer division by zero (on CPU); XLA would return garbage. Eager only."""
-    if not _is_int(b) or isinstance(b, jax.core.Tracer):
+    """torch raises on integer division by zero (on CPU); XLA would return garbage. A value
+    check (`check_values`): in eager mode, and inside compiled programs when they run under
+    ``check_indices="always"``."""
+    if not _is_int(b):
         return
     with jax.ensure_compile_time_eval():  # a constant divisor inside a trace is still concrete
-        if bool(jnp.any(b == 0)):
-            raise RuntimeError("ZeroDivisionError")  # torch's message for an integer division by zero
+        # torch's message for an integer division by zero
+        check_values(b, lambda v: v == 0, lambda _: RuntimeError("ZeroDivisionError"))
 
 
 def _result_of(*operands):
