@@ -234,7 +234,8 @@ def _reraise_with_torch_message(func, args, kwargs, error):
     except Exception as torch_error:  # noqa: BLE001 - torch's own verdict on the input
         if type(torch_error) is not NotImplementedError and "meta" not in str(torch_error).lower():
             raise torch_error from None
-    _raise_cpu_dtype_error(func, args, kwargs)
+    if isinstance(error, TypeError):  # (how JAX refuses a dtype)
+        _raise_cpu_dtype_error(func, args, kwargs)
     raise OpError(
         f"torch2jax: {func} failed on inputs {_describe(args, kwargs)}: {type(error).__name__}: {error}"
     ) from error
