@@ -225,8 +225,6 @@ def min_(x):
 
 def _arg_extreme(name, arg, x, dim, keepdim):
     """jnp.argmax / argmin give the first NaN, else the first extremum, as torch does."""
-    if x.dtype == np.bool_:
-        raise TorchRuntimeError(f"{name}(): does not support bool input")
     if dim is None:
         if x.size == 0:
             raise IndexError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0.")
@@ -236,15 +234,23 @@ def _arg_extreme(name, arg, x, dim, keepdim):
     return _keep(arg(x1, axis=d), x, d, keepdim).astype(_LONG)
 
 
+def _no_bools(name, x):
+    """argmax / argmin refuse bools (max.dim / min.dim, which give the same index, take them)."""
+    if x.dtype == np.bool_:
+        raise TorchRuntimeError(f"{name}(): does not support bool input")
+
+
 @register(aten.argmax.default)
 @_real_only(torch.argmax)
 def argmax(x, dim=None, keepdim=False):
+    _no_bools("argmax", x)
     return _arg_extreme("argmax", jnp.argmax, x, dim, keepdim)
 
 
 @register(aten.argmin.default)
 @_real_only(torch.argmin)
 def argmin(x, dim=None, keepdim=False):
+    _no_bools("argmin", x)
     return _arg_extreme("argmin", jnp.argmin, x, dim, keepdim)
 
 
