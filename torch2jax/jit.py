@@ -706,7 +706,6 @@ class _Unchanged:
 
     def __init__(self, roots: _Roots, hypers: _Hyperparameters | None):
         self.roots = (*roots.modules, *roots.optimizers, *roots.tensors, *roots.cpu_tensors)
-        self.counts = (len(roots.modules), len(roots.optimizers), len(roots.tensors), len(roots.cpu_tensors))
         self.cpu = [_guard(t) for t in roots.cpu_tensors]
         self.hypers = hypers
         self.hyper_sets = self._hyper_sets()
@@ -748,10 +747,8 @@ class _Unchanged:
         return None if h is None else (len(h.lifted), len(h.blocked))
 
     def hold(self, roots: _Roots) -> bool:
-        if not self.usable or self.counts != (len(roots.modules), len(roots.optimizers), len(roots.tensors),
-                                              len(roots.cpu_tensors)):
-            return False
-        if not _same((*roots.modules, *roots.optimizers, *roots.tensors, *roots.cpu_tensors), self.roots):
+        if not self.usable or not _same((*roots.modules, *roots.optimizers, *roots.tensors, *roots.cpu_tensors),
+                                        self.roots):
             return False
         if self._hyper_sets() != self.hyper_sets or [_guard(t) for t in roots.cpu_tensors] != self.cpu:
             return False
