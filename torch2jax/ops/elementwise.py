@@ -248,15 +248,6 @@ def add(x, y, alpha=1):
     return jnp.logical_or(x, y) if _is_bool(x) else x + y
 
 
-
-def _check_sub(x, name):
-    if _is_bool(x):
-        raise OpError(
-            f"torch2jax: {name}: Subtraction, the `-` operator, with two bool tensors is not supported. Use the `^` "
-            "or `logical_xor()` operator instead."
-        )
-
-
 def _cpu_operand(a):
     """``a`` for a run of torch's CPU kernel that only checks dtypes: a tensor's one-element stand-in."""
     return torch.zeros(1, dtype=a.dtype) if isinstance(a, torch.Tensor) else a
@@ -272,13 +263,11 @@ def _no_bool_subtraction(func, args, kwargs):
 
 @elementwise(aten.sub, prims.sub)
 def sub(x, y, alpha=1):
-    _check_sub(x, "sub")
     return x - _alpha(alpha, x, y, "sub")
 
 
 @elementwise(aten.rsub)
 def rsub(x, y, alpha=1):
-    _check_sub(x, "rsub")
     return y - _alpha(alpha, x, x, "rsub")
 
 

@@ -17,9 +17,8 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dt
-from ..dispatch import OpError
+from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from ..dispatch import TorchRuntimeError
 from .registry import _HALF, canonical_dim, canonical_dims, register, true_divide, warning
 from .shape import is_traced
 
