@@ -458,7 +458,22 @@ OVERLAP_PROGRAMS = {
     "expand_normal_": lambda x: x[:4].expand(3, 4).normal_(),
     "expand_masked_scatter": lambda x: x[:4].expand(3, 4).masked_scatter_(
         torch.ones(3, 4, dtype=torch.bool, device=x.device), torch.ones(12, device=x.device)),
+    # an elementwise op on a view that shows an element k times applies k times, in the
+    # order torch's kernel visits the view (its strides and the other operands' decide),
+    # and copy_ leaves the value visited last
+    "unfold_overlapping_scaled": lambda x: x.unfold(0, 3, 1).mul_(2),
+    "unfold_step_2_exp": lambda x: x.unfold(0, 3, 2).exp_(),
+    "unfold_overlapping_add_tensor": lambda x: x.unfold(0, 4, 2).add_(torch.arange(16.0, device=x.device).view(4, 4)),
+    "unfold_transposed_lerp": lambda x: x.unfold(0, 3, 1).t().lerp_(_W.to(x.device).t(), 0.5),
+    "unfold_lerp": lambda x: x.unfold(0, 3, 1).lerp_(_W.to(x.device), 0.5),
+    "unfold_copy": lambda x: x.unfold(0, 3, 1).copy_(_W.to(x.device)),
+    "unfold_transposed_copy": lambda x: x.unfold(0, 3, 1).t().copy_(_W.to(x.device).t()),
+    "as_strided_rows_sub_self": lambda x: x.as_strided((3, 4), (2, 1)).sub_(x.as_strided((3, 4), (2, 1))),
+    "as_strided_rows_addcmul": lambda x: x.as_strided((4, 4), (2, 1)).addcmul_(_W[:4, :1].to(x.device), _W[0, :].repeat(2)[:4].to(x.device)),
+    "unfold_out_add": lambda x: torch.add(_W.to(x.device), 1, out=x.unfold(0, 3, 1)),
+    "unfold_view_read_back": lambda x: x.copy_(x.unfold(0, 3, 1).copy_(_W.to(x.device)).sum(1).repeat(2)[:10]),
 }
+_W = torch.arange(24.0).view(8, 3).mul(0.5).sin()
 
 
 @pytest.mark.parametrize("name", sorted(OVERLAP_PROGRAMS))
@@ -477,7 +492,8 @@ def test_overlapping_writes_match_torch(name):
     torch.testing.assert_close(jx.cpu(), cpu)
 
 
-@pytest.mark.parametrize("name", ["unfold_overlapping_row_zeroed", "expand_index_put", "expand_masked_fill_one"])
+@pytest.mark.parametrize("name", ["unfold_overlapping_row_zeroed", "expand_index_put", "expand_masked_fill_one",
+                                  "unfold_transposed_lerp", "unfold_out_add"])
 def test_writes_through_repeating_views_under_jit(name):
     program = OVERLAP_PROGRAMS[name]
 

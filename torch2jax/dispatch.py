@@ -1500,6 +1500,7 @@ def _mutation_handler(func, functional):
     names = [schema.arguments[i].name for i in mutated]
     is_out = schema.arguments[mutated[0]].kwarg_only
     positional, by_name = _omitted_defaults(func, functional)
+    pointwise = torch.Tag.pointwise in func.tags or func is aten.copy_.default
 
     def run(func, args, kwargs):
         if len(args) < len(positional):
@@ -1515,13 +1516,121 @@ def _mutation_handler(func, functional):
             values = _compute(functional, args, kwargs)
         if not isinstance(values, (list, tuple)):
             values = (values,)
-        for target, value in zip(targets, values):
-            write(target, value, func, resize=is_out)
+        rounds = _write_rounds(func, args, kwargs, targets, values) if pointwise else None
+        if rounds is None:
+            for target, value in zip(targets, values):
+                write(target, value, func, resize=is_out)
+        else:
+            _write_in_rounds(functional, args, kwargs, is_out, names, targets, values, rounds, func)
         if is_out:
             return targets[0] if len(targets) == 1 else tuple(targets)
         return args[0]
 
     return run
+
+
+def _write_rounds(func, args, kwargs, targets, values):
+    """The rounds in which torch's elementwise kernel writes an output view that shows
+    one storage element in several places (an ``unfold`` with a step below its size, an
+    overlapping ``as_strided``), or None for any other output.
+
+    torch's CPU kernel visits such a view's elements one after another, each reading the
+    memory the previous ones wrote: ``x.unfold(0, 3, 1).mul_(2)`` doubles an element once
+    per window showing it, and ``copy_`` leaves the last value in its visiting order. Round
+    ``k`` (a boolean mask over the view) holds the ``k``-th visit of every element, so
+    applying the op round by round, each on the memory the earlier rounds left, is the
+    same as visiting one by one."""
+    target = targets[0]
+    if len(targets) != 1 or not target._t2j_view or tuple(values[0].shape) != tuple(target.shape):
+        return None
+    shape, stride = tuple(target.shape), tuple(target.stride())
+    if not _self_overlapping(shape, stride):
+        return None
+    operands = [stride]
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a is not target:
+            operands.append(_broadcast_strides(tuple(a.shape), tuple(a.stride()), shape))
+    return _visit_rounds(shape, stride, target.storage_offset(), tuple(operands))
+
+
+@functools.lru_cache(maxsize=1024)
+def _self_overlapping(shape, stride) -> bool:
+    """Whether a tensor of ``shape`` and ``stride`` shows some element more than once."""
+    reach = 0
+    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size > 1):
+        if st <= reach:
+            return True
+        reach += st * (size - 1)
+    return False
+
+
+def _broadcast_strides(shape, stride, out_shape):
+    """Strides of a tensor of ``shape`` broadcast to ``out_shape`` (0 along broadcast dimensions)."""
+    lead = len(out_shape) - len(shape)
+    return tuple(
+        0 if d < lead or shape[d - lead] != size else stride[d - lead] for d, size in enumerate(out_shape)
+    )
+
+
+def _iteration_order(shape, operands):
+    """The dimensions from innermost to outermost as torch's TensorIterator orders them
+    (reorder_dimensions): by the operands' strides, output first, where one decides, ties
+    broken by the smaller size going inside."""
+
+    def should_swap(d0, d1):
+        for strides in operands:
+            s0, s1 = strides[d0], strides[d1]
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 != s1:
+                return -1 if s0 < s1 else 1
+            if shape[d0] > shape[d1]:
+                return 1
+        return 0
+
+    perm = list(reversed(range(len(shape))))
+    for i in range(1, len(shape)):
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            verdict = should_swap(perm[d0], perm[d1])
+            if verdict > 0:
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+                d1 = d0
+            elif verdict < 0:
+                break
+    return perm
+
+
+@functools.lru_cache(maxsize=256)
+def _visit_rounds(shape, stride, offset, operands):
+    outer_first = list(reversed(_iteration_order(shape, operands)))
+    visit = np.arange(math.prod(shape)).reshape([shape[d] for d in outer_first]).transpose(np.argsort(outer_first))
+    position = offset + sum(np.arange(size).reshape([-1 if d == i else 1 for d in range(len(shape))]) * st
+                            for i, (size, st) in enumerate(zip(shape, stride)))
+    position = np.broadcast_to(position, shape).reshape(-1)
+    by_visit = np.lexsort((visit.reshape(-1), position))
+    sorted_position = position[by_visit]
+    first = np.r_[True, sorted_position[1:] != sorted_position[:-1]]
+    start = np.maximum.accumulate(np.where(first, np.arange(first.size), 0))
+    rank = np.empty_like(by_visit)
+    rank[by_visit] = np.arange(by_visit.size) - start
+    rank = rank.reshape(shape)
+    return tuple(rank == k for k in range(int(rank.max()) + 1))
+
+
+def _write_in_rounds(functional, args, kwargs, is_out, names, targets, values, rounds, func):
+    """Write ``values`` (the op's result on the memory as it was) into the single target
+    round by round (`_write_rounds`), computing the op again on the memory each round left."""
+    (target,) = targets
+    for k, mask in enumerate(rounds):
+        if k:
+            if is_out:
+                values = _compute(functional, args, {n: v for n, v in kwargs.items() if n not in names})
+            else:
+                values = _compute(functional, args, kwargs)
+            values = values if isinstance(values, (list, tuple)) else (values,)
+        value = _checked_value(target, values[0], func)
+        target._assign(jax.numpy.where(mask, value, target._value()))
 
 
 def _inplace_view_handler(view_op):
@@ -1660,6 +1769,11 @@ def write(target, value, func, resize=False):
         raise TorchRuntimeError(
             f"output with shape {list(target.shape)} doesn't match the broadcast shape {list(value.shape)}"
         )
+    target._assign(_checked_value(target, value, func))
+
+
+def _checked_value(target, value, func):
+    """``value`` cast to ``target``'s dtype, where torch's in-place / ``out=`` casting allows it."""
     dtype = _dt.to_jax(target.dtype)
     if value.dtype != dtype:
         if not _dt.can_cast(value.dtype, dtype):
@@ -1668,7 +1782,7 @@ def write(target, value, func, resize=False):
                 f"{_reg.scalar_type_name(target.dtype)}"
             )
         value = value.astype(dtype)
-    target._assign(value)
+    return value
 
 
 # ---------------------------------------------------------------------------

@@ -324,7 +324,8 @@ class Tensor(torch.Tensor):
         bases = [old]
         for step in chain[:-1]:
             bases.append(step.forward(bases[-1]))
-        if _repeats_elements(chain, bases + [value]):
+        repeats = _repeats_elements(chain, bases + [value])
+        if repeats:
             new = _write_positions(old, chain, chain[-1].forward(bases[-1]), value)
         else:
             new = value
@@ -332,8 +333,9 @@ class Tensor(torch.Tensor):
                 new = step.inverse(base, new)
         st.array = new if type(old) is _ArrayImpl else _gradcut.written(old, new, DETACHED in chain)
         st.version += 1
-        self._t2j_cache = value
-        self._t2j_version = st.version
+        if not repeats:  # else two places of ``value`` may name one element: read it back
+            self._t2j_cache = value
+            self._t2j_version = st.version
 
     def jax(self) -> jax.Array:
         """The jax.Array holding this tensor's value.
