@@ -1541,7 +1541,8 @@ def _write_rounds(func, args, kwargs, targets, values):
     applying the op round by round, each on the memory the earlier rounds left, is the
     same as visiting one by one."""
     target = targets[0]
-    if len(targets) != 1 or not target._t2j_view or tuple(values[0].shape) != tuple(target.shape):
+    if len(targets) != 1 or not isinstance(target, Tensor) or not target._t2j_view or (
+            tuple(values[0].shape) != tuple(target.shape)):
         return None
     shape, stride = tuple(target.shape), tuple(target.stride())
     if not _self_overlapping(shape, stride):

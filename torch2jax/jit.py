@@ -1282,7 +1282,7 @@ class JitFunction:
         written = info["written"]
         n_in = len(inputs)
         # a validation failing at run time must leave the state as it was, as torch's raise does
-        donate = tuple(written) if self.donate and _sym.RUNTIME_CHECKS == checks else ()
+        donate = tuple(i for i in written if _donated(inputs[i])) if self.donate and _sym.RUNTIME_CHECKS == checks else ()
         flat = jaxpr_as_fun(closed)
         n_out, n_written, n_new = info["n_out"], len(written), len(info["new_storages"])
         uses_rng = info["uses_rng"]
@@ -1510,6 +1510,17 @@ def _grad_input(t, storage, slots, k):
         f"t2j.jit: {name} requires grad and is a view whose base the function cannot see, so the gradient "
         "of the jitted function's outputs cannot reach it; pass the base tensor (or a .clone() of the view)"
     )
+
+
+# Written state smaller than this is not donated. XLA copies a donated input that is read after
+# the program starts overwriting it (a step counter read by the bias corrections after its
+# increment), one kernel per array; an undonated one gets a new buffer instead, which for a
+# small array costs nothing worth saving (torch's Adam: one copy per parameter, 52 in a GPT).
+_DONATE_MIN_BYTES = 4096
+
+
+def _donated(array) -> bool:
+    return array.size * array.dtype.itemsize >= _DONATE_MIN_BYTES
 
 
 def _plain_arguments(inputs, lrs, key):

@@ -60,21 +60,57 @@ def _per_element(foreach_op):
                 f"{foreach_op}: the tensor and scalar lists must all have the same length, got "
                 f"{[len(v) for v in lists]}"
             )
-        results = []
-        for i in range(n):
+
+        def call(pick, inplace):
             positional, keywords = [], {}
             for a, v in zip(arguments, bound):
-                value = v[i] if _is_list(a) or (a.name == "scalars" and isinstance(v, torch.Tensor)) else v
+                value = pick(a, v)
                 if a.name == "scalars" and name in _POINTWISE:
                     keywords["value"] = value
                 elif a.kwarg_only or a.name in by_keyword:
                     keywords[a.name] = value
                 else:
                     positional.append(value)
-            results.append(_apply(name, functional, in_place, scalar_clamp, positional, keywords, inplace))
+            return _apply(name, functional, in_place, scalar_clamp, positional, keywords, inplace)
+
+        if inplace and n > 1 and _scalars_only(arguments, bound):
+            # one op over the stacked 0-d targets, then each takes its element (a result of another
+            # dtype goes the per-element way, whose in-place op raises torch's casting error)
+            out = call(lambda a, v: torch.stack(list(v)) if _is_list(a) else v, inplace=False)
+            if out.dtype == lists[0][0].dtype:
+                for t, value in zip(lists[0], out.unbind()):
+                    t.copy_(value)
+                return None
+        results = [
+            call(lambda a, v: v[i] if _is_list(a) or (a.name == "scalars" and isinstance(v, torch.Tensor)) else v,
+                 inplace)
+            for i in range(n)
+        ]
         return None if inplace else results
 
     return decomposed
+
+
+def _scalars_only(arguments, bound) -> bool:
+    """Whether an in-place foreach call works on 0-d jax tensors of one dtype only (torch.optim's
+    step counters), each target a tensor of its own that no other list shows elsewhere: then
+    one op over them stacked computes what the op on each in turn would (with one dtype, no
+    promotion of a 0-d operand against a 1-d one differs)."""
+    lists = [v for a, v in zip(arguments, bound) if _is_list(a)]
+    tensors = [v for a, v in zip(arguments, bound) if not _is_list(a) and isinstance(v, torch.Tensor)]
+    items = [t for v in lists for t in v] + tensors
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 0 and t.device.type == "jax" for t in items):
+        return False
+    if len({t.dtype for t in items}) != 1 or items[0].dtype == torch.bool:
+        return False
+    targets = lists[0]
+    if any(t._t2j_view for t in targets):
+        return False
+    where = {id(t._t2j_storage): i for i, t in enumerate(targets)}
+    if len(where) != len(targets):
+        return False
+    return all(where.get(id(t._t2j_storage), i) == i for v in lists[1:] for i, t in enumerate(v)) and not any(
+        id(t._t2j_storage) in where for t in tensors)
 
 
 def _apply(name, functional, in_place, scalar_clamp, positional, keywords, inplace):
@@ -125,6 +161,11 @@ def _fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
     def write(t, new):
         t.copy_(new if skip is None else torch.where(skip, t, new))
 
+    # the bias corrections of every parameter at once: one op over the stacked step counters
+    # instead of a handful of scalar ops (a kernel each on an accelerator) per parameter
+    steps = torch.stack([s.reshape(()) for s in state_steps]) if params else None
+    step_sizes = lr / (1 - torch.pow(beta1, steps)) if params else None
+    bias_corrections2_sqrt = torch.sqrt(1 - torch.pow(beta2, steps)) if params else None
     for i, p in enumerate(params):
         g = grads[i]
         if grad_scale is not None:
@@ -140,15 +181,12 @@ def _fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
                 g = g + param * weight_decay
         exp_avg = torch.lerp(exp_avgs[i], g, 1 - beta1)
         exp_avg_sq = exp_avg_sqs[i] * beta2 + (1 - beta2) * g * g
-        step = state_steps[i]
-        bias_correction1 = 1 - torch.pow(beta1, step)
-        bias_correction2_sqrt = torch.sqrt(1 - torch.pow(beta2, step))
         second = exp_avg_sq
         if amsgrad:
             second = torch.maximum(max_exp_avg_sqs[i], exp_avg_sq)
             write(max_exp_avg_sqs[i], second)
-        denom = torch.sqrt(second) / bias_correction2_sqrt + eps
-        write(p, param - (lr / bias_correction1) * exp_avg / denom)
+        denom = torch.sqrt(second) / bias_corrections2_sqrt[i] + eps
+        write(p, param - step_sizes[i] * exp_avg / denom)
         write(exp_avgs[i], exp_avg)
         write(exp_avg_sqs[i], exp_avg_sq)
 
