@@ -106,3 +106,77 @@ def test_cross_entropy_gradient_with_every_target_ignored(reduction, shape):
     torch.testing.assert_close(loss, expected_loss, equal_nan=True)
     assert grad.tolist() == expected_grad.tolist()
     assert not torch.signbit(grad).any()
+
+
+def _raise(error):
+    raise error
+
+
+HOOK_ERRORS = {
+    "tensor_hook": lambda dev: _hooked_tensor(dev).sum().backward(),
+    "tensor_hook_autograd_grad": lambda dev: torch.autograd.grad(_hooked_tensor(dev).sum(), _LEAF[dev]),
+    "module_full_backward_hook": lambda dev: _hooked_module(dev, "register_full_backward_hook"),
+    "module_full_backward_pre_hook": lambda dev: _hooked_module(dev, "register_full_backward_pre_hook"),
+    "post_accumulate_grad_hook": lambda dev: _post_accumulate(dev),
+}
+_LEAF = {}
+
+
+def _hooked_tensor(dev):
+    x = _LEAF[dev] = torch.ones(3, device=dev, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: _raise(ValueError("bad gradient")))
+    return y
+
+
+def _hooked_module(dev, register):
+    m = torch.nn.Linear(3, 2).to(dev)
+    getattr(m, register)(lambda *args: _raise(KeyError("hook")))
+    m(torch.ones(4, 3, device=dev, requires_grad=True)).sum().backward()
+
+
+def _post_accumulate(dev):
+    p = torch.nn.Parameter(torch.ones(3, device=dev))
+    p.register_post_accumulate_grad_hook(lambda t: _raise(RuntimeError("after accumulation")))
+    (p * 2).sum().backward()
+
+
+@pytest.mark.parametrize("name", sorted(HOOK_ERRORS))
+def test_backward_hook_error_is_raised_like_torch(name):
+    # an exception in a Python hook on a jax-device graph used to abort the process
+    with pytest.raises(Exception) as expected:
+        HOOK_ERRORS[name]("cpu")
+    with pytest.raises(type(expected.value)) as caught:
+        HOOK_ERRORS[name]("jax")
+    assert str(caught.value) == str(expected.value)
+
+
+def test_hook_deciding_on_gradient_value_under_jit_runs_eagerly():
+    def clip(g):
+        return g / g.abs().max() if g.abs().max() > 1 else g
+
+    torch.manual_seed(0)
+    cpu = torch.nn.Linear(3, 3)
+    jx = torch.nn.Linear(3, 3).to("jax")
+    jx.load_state_dict(cpu.state_dict())
+    for m in (cpu, jx):
+        m.weight.register_hook(clip)
+
+    def make_step(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x):
+            opt.zero_grad()
+            loss = model(x).pow(2).sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    jitted, eager = t2j.jit(make_step(jx)), make_step(cpu)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1)) * 3
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        for _ in range(3):
+            torch.testing.assert_close(jitted(x.to("jax")).cpu(), eager(x).detach())
+    torch.testing.assert_close(jx.weight.detach().cpu(), cpu.weight.detach())

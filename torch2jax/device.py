@@ -323,6 +323,10 @@ def register() -> None:
     torch._C._acc.register_python_privateuseone_device_guard(_backend._DummyDeviceGuard())
     torch.autograd.graph._engine_run_backward = _on_calling_thread(torch.autograd.graph._engine_run_backward)
     torch.autograd._engine_run_backward = torch.autograd.graph._engine_run_backward
+    torch.Tensor.register_hook = _hook_errors_deferred(torch.Tensor.register_hook)
+    torch.Tensor.register_post_accumulate_grad_hook = _hook_errors_deferred(
+        torch.Tensor.register_post_accumulate_grad_hook)
+    torch.utils.hooks.BackwardHook.__init__ = _module_hook_errors_deferred(torch.utils.hooks.BackwardHook.__init__)
     torch.compile = _keeping_dynamo_out_of_jax(torch.compile)
     torch.UntypedStorage.__new__ = _refusing_jax_storages(torch._C.StorageBase.__new__)
     if "torch._dynamo" in sys.modules:
@@ -403,6 +407,33 @@ def _on_calling_thread(engine_run_backward):
             torch._C._set_multithreading_enabled(threaded)
             raise_backward_error()
         return out
+
+    return run
+
+
+def _hook_errors_deferred(register):
+    """``Tensor.register_hook`` (or ``register_post_accumulate_grad_hook``) that, for a jax
+    tensor, registers the hook through `torch2jax.dispatch.deferring_errors`."""
+
+    @functools.wraps(register)
+    def run(self, hook):
+        from .dispatch import deferring_errors
+        from .tensor import Tensor
+
+        return register(self, deferring_errors(hook) if isinstance(self, Tensor) else hook)
+
+    return run
+
+
+def _module_hook_errors_deferred(init):
+    """``BackwardHook.__init__`` (what runs a module's full backward hooks) with its user
+    hooks behind `torch2jax.dispatch.deferring_errors`."""
+
+    @functools.wraps(init)
+    def run(self, module, user_hooks, user_pre_hooks):
+        from .dispatch import deferring_errors
+
+        init(self, module, list(map(deferring_errors, user_hooks)), list(map(deferring_errors, user_pre_hooks)))
 
     return run
 

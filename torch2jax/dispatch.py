@@ -1828,11 +1828,9 @@ _BACKWARD_ERRORS = threading.local()
 def defer_backward_error(func, args, kwargs, error):
     """Keep ``error`` (raised by ``func`` inside the autograd engine) for
     `raise_backward_error` and give the engine zeros shaped as ``func``'s result."""
-    pending = getattr(_BACKWARD_ERRORS, "errors", None)
-    if pending is None:
-        pending = _BACKWARD_ERRORS.errors = []
     error.add_note(f"(raised by {func} in the backward pass)")
-    pending.append(error)
+    _keep_backward_error(error)
+    pending = _BACKWARD_ERRORS.errors
     try:
         margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
         out = func(*margs, **mkwargs)
@@ -1844,6 +1842,37 @@ def defer_backward_error(func, args, kwargs, error):
             raise error from None
         out = [first] * len(returns) if len(returns) > 1 else first
     return _tree_map_tensors(lambda t: new_tensor(jax.numpy.zeros(tuple(t.shape), _dt.to_jax(t.dtype))), out)
+
+
+def _keep_backward_error(error):
+    pending = getattr(_BACKWARD_ERRORS, "errors", None)
+    if pending is None:
+        pending = _BACKWARD_ERRORS.errors = []
+    pending.append(error)
+
+
+def deferring_errors(hook):
+    """``hook`` (a backward hook: tensor, post-accumulate-grad, module) with an exception it
+    raises on jax-device gradients kept for `raise_backward_error` instead of raised.
+
+    torch's engine unwinds a Python hook's exception past the stream guard of a
+    PrivateUse1 node, whose destructor calls back into Python with the error still set:
+    the process aborts. Kept here, the hook changes nothing, the pass runs to its end,
+    and ``backward()`` / ``autograd.grad`` raise the error as torch does on the CPU.
+    """
+
+    @functools.wraps(hook)
+    def run(*args, **kwargs):
+        try:
+            return hook(*args, **kwargs)
+        except Exception as error:
+            if not any(isinstance(a, Tensor) or (isinstance(a, tuple) and any(isinstance(t, Tensor) for t in a))
+                       for a in args):
+                raise
+            _keep_backward_error(error)
+            return None
+
+    return run
 
 
 def raise_backward_error():
