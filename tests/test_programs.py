@@ -249,6 +249,11 @@ CYCLING = {
                                lambda o: O.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=6)),
     "rmsprop_onecycle": (lambda p: O.RMSprop(p, lr=1e-3, momentum=0.5),
                          lambda o: O.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=6)),
+    # fused groups: traced as foreach (the fused ops take betas / momentum as Python floats)
+    "adam_fused_onecycle": (lambda p: O.Adam(p, lr=1e-2, fused=True),
+                            lambda o: O.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=6)),
+    "sgd_fused_onecycle": (lambda p: O.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, fused=True),
+                           lambda o: O.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=6)),
 }
 
 
@@ -265,6 +270,47 @@ def test_cycling_momentum_does_not_retrace(name):
     assert opt.param_groups[0] == {**ref_opt.param_groups[0], "params": opt.param_groups[0]["params"]}
     # the first call (no optimizer state yet), the second (its momentum changed once)
     assert run.stats["traces"] == 2, t2j.explain_recompiles()
+
+
+FUSED = {
+    "sgd_momentum": lambda p: O.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01, fused=True),
+    "sgd_nesterov_maximize": lambda p: O.SGD(p, lr=0.05, momentum=0.9, nesterov=True, maximize=True, fused=True),
+    "sgd_plain": lambda p: O.SGD(p, lr=0.05, fused=True),
+    "adagrad": lambda p: O.Adagrad(p, lr=0.05, fused=True),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_fused_optimizers_match_torch(name, jit):
+    # fused SGD is lowered (it ran on the host); fused Adagrad is traced as foreach
+    data = _data(4)
+    expected, ref, *_ = _train("cpu", FUSED[name], data)
+    actual, model, _, run = _train("jax", FUSED[name], data, jit=jit)
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=2e-5, rtol=2e-4)
+    _assert_params_close(model, ref)
+    if jit:
+        assert run.stats["traces"] == 2 and run.stats["eager_calls"] == 0, t2j.explain_recompiles()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_float64_adam_keeps_float64_digits(jit):
+    # the bias corrections in float64, as torch's kernels (1 - 0.999 in float32 is off by 1e-5)
+    def run(device):
+        w = torch.ones(3, dtype=torch.float64, device=device, requires_grad=True)
+        opt = O.Adam([w], lr=0.1, fused=device == "jax" and not jit)
+
+        def step():
+            opt.zero_grad()
+            (w * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, device=device)).sum().backward()
+            opt.step()
+
+        stepper = t2j.jit(step) if device == "jax" and jit else step
+        for _ in range(3):
+            stepper()
+        return w.detach().cpu()
+
+    torch.testing.assert_close(run("jax"), run("cpu"), atol=1e-14, rtol=1e-14)
 
 
 class _Schedule:

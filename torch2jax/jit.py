@@ -300,41 +300,50 @@ def _set_opt_state(opt, p, key, t):
 @contextlib.contextmanager
 def _capturable(optimizers, lifted=()):
     """While tracing, the optimizers' ``capturable`` form: step counters are device
-    tensors that the program increments, with no host sync. Adam and AdamW groups on
-    torch's single-tensor path, whose capturable form divides by the learning rate (NaN
-    wherever a second moment is zero at ``lr=0``, a warmup schedule's first step), take
-    another path (`_adam_path`; ``lifted`` are the hyperparameters that are program
+    tensors that the program increments, with no host sync. Some groups take another of
+    torch's paths (`_path_flags`; ``lifted`` are the hyperparameters that are program
     inputs). The flags are put back after the trace, so they never reach
     ``state_dict()`` (a checkpoint saved from a jitted run loads into an optimizer on
     the CPU)."""
     flipped = [g for opt in optimizers for g in opt.param_groups if g.get("capturable") is False]
     traced = {id(g) for g, hk, _ in lifted if hk != "lr"}
-    switched = [(g, key, g.get(key)) for opt in optimizers if isinstance(opt, torch.optim.Adam)
-                for g in opt.param_groups if (key := _adam_path(g, id(g) in traced))]
+    switched = [(g, key, value, g.get(key)) for opt in optimizers
+                for g in opt.param_groups for key, value in _path_flags(opt, g, id(g) in traced).items()]
     for g in flipped:
         g["capturable"] = True
-    for g, key, _ in switched:
-        g[key] = True
+    for g, key, value, _ in switched:
+        g[key] = value
     try:
         yield
     finally:
         for g in flipped:
             g["capturable"] = False
-        for g, key, was in switched:
+        for g, key, _, was in switched:
             g[key] = was
 
 
-def _adam_path(group, traced_floats: bool) -> str | None:
-    """The flag that moves an Adam / AdamW param group off torch's single-tensor path,
-    None where it is not on it: ``fused`` (torch's eager arithmetic, lowered in
-    torch2jax/ops/foreach.py), or ``foreach`` for complex parameters and where floats
-    other than ``lr`` are program inputs (OneCycleLR's cycling betas), which the fused
-    op would take as Python floats."""
-    if group.get("fused") or group.get("foreach") or group.get("differentiable"):
-        return None
+# optimizers whose fused step (aten._fused_adam_, ...) torch2jax lowers (torch2jax/ops/foreach.py)
+_LOWERED_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _path_flags(opt, group, traced_floats: bool) -> dict:
+    """The flags that put a param group on another of torch's paths while it is traced
+    (empty: none). A fused group goes the foreach way where the fused op has no lowering
+    (Adagrad) or where floats other than ``lr`` are program inputs (OneCycleLR's cycling
+    betas or momentum), which the fused op takes as Python floats: each new value would
+    trace again. Adam / AdamW groups on torch's single-tensor path, whose capturable form
+    divides by the learning rate (NaN wherever a second moment is zero at ``lr=0``, a
+    warmup schedule's first step), go the ``fused`` way (torch's eager arithmetic), or the
+    ``foreach`` way for complex parameters and traced floats."""
+    if group.get("fused"):
+        if traced_floats or not isinstance(opt, _LOWERED_FUSED):
+            return {"fused": False, "foreach": True}
+        return {}
+    if not isinstance(opt, torch.optim.Adam) or group.get("foreach") or group.get("differentiable"):
+        return {}
     if traced_floats or not all(p.is_floating_point() for p in group["params"]):
-        return "foreach"
-    return "fused"
+        return {"foreach": True}
+    return {"fused": True}
 
 
 @contextlib.contextmanager

@@ -162,8 +162,9 @@ def _fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
         t.copy_(new if skip is None else torch.where(skip, t, new))
 
     # the bias corrections of every parameter at once: one op over the stacked step counters
-    # instead of a handful of scalar ops (a kernel each on an accelerator) per parameter
-    steps = torch.stack([s.reshape(()) for s in state_steps]) if params else None
+    # instead of a handful of scalar ops (a kernel each on an accelerator) per parameter; in
+    # float64 as torch's kernel (1 - 0.999 in float32 is off by 1e-5)
+    steps = torch.stack([s.reshape(()) for s in state_steps]).double() if params else None
     step_sizes = lr / (1 - torch.pow(beta1, steps)) if params else None
     bias_corrections2_sqrt = torch.sqrt(1 - torch.pow(beta2, steps)) if params else None
     for i, p in enumerate(params):
@@ -203,6 +204,32 @@ def _fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_s
                      decoupled=True, **hyper)
 
 
-for _op, _fn in ((aten._fused_adam_, _fused_adam_), (aten._fused_adamw_, _fused_adamw_)):
+def _fused_sgd_(params, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov, maximize,
+                is_first_step, grad_scale=None, found_inf=None):
+    """One SGD step over the lists, as torch's fused kernel computes it: the gradient
+    unscaled (and written back) by ``grad_scale``, then weight decay, momentum (the
+    first step's buffer is the gradient), Nesterov; nothing changes where ``found_inf``."""
+    skip = None if found_inf is None else found_inf.reshape(()).bool()
+
+    def write(t, new):
+        t.copy_(new if skip is None else torch.where(skip, t, new))
+
+    for i, p in enumerate(params):
+        g = grads[i]
+        if grad_scale is not None:
+            g = g / grad_scale
+            write(grads[i], g)
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            g = g + p * weight_decay
+        if momentum != 0:
+            buf = g if is_first_step else momentum_buffer_list[i] * momentum + (1 - dampening) * g
+            write(momentum_buffer_list[i], buf)
+            g = g + buf * momentum if nesterov else buf
+        write(p, p - lr * g)
+
+
+for _op, _fn in ((aten._fused_adam_, _fused_adam_), (aten._fused_adamw_, _fused_adamw_), (aten._fused_sgd_, _fused_sgd_)):
     for _overload in _op.overloads():
         DECOMPOSITIONS[getattr(_op, _overload)] = _fn
