@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import jax
 import pytest
 import torch
 import torch.nn as nn
@@ -188,8 +189,32 @@ def test_second_derivative_through_a_jitted_call_is_refused():
     x = torch.randn(3, device="jax", requires_grad=True)
     y = t2j.jit(torch.sin)(x)
     (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)  # the cotangent 2y requires grad
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
         g.sum().backward()
+
+
+GRADIENT_PENALTY_FORWARDS = {
+    "jit": lambda m: t2j.jit(lambda x: m(x)),
+    "compile": lambda m: t2j.compile(m),
+    "call_jax": lambda m: (lambda x: t2j.call_jax(jax.numpy.tanh, m(x))),
+    "checkpoint": lambda m: t2j.checkpoint(m),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRADIENT_PENALTY_FORWARDS))
+def test_gradient_penalty_through_a_jax_computed_backward_is_refused(name):
+    # the penalty's gradient reaches the weights through the first backward, which ran in
+    # JAX: torch sees no graph there, so it would silently add nothing; torch.compile raises too
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).to("jax")
+    fwd = GRADIENT_PENALTY_FORWARDS[name](m)
+    x = torch.randn(5, 3, device="jax", requires_grad=True)
+    y = fwd(x)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert g.requires_grad
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+        (y.mean() + g.pow(2).sum()).backward()
+    fwd(x).sum().backward()  # a first derivative alone is as before
+    assert x.grad is not None
 
 
 def test_float64_outputs_one_unused_get_float64_gradients():

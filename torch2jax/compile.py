@@ -21,6 +21,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from . import debug as _debug
+from . import gradcut as _gradcut
 from .env import default_rng as _rng
 from .interop import functionalize
 from .jit import JitFunction, _static_key
@@ -34,6 +35,7 @@ def _array(t):
 class _Forward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program, n_params, *tensors):
+        ctx.inputs = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
         arrays = [_array(t) for t in tensors]
         # the backward recomputes the forward from the buffers it read, not the ones it wrote
         buffers = program.buffers()
@@ -51,7 +53,8 @@ class _Forward(torch.autograd.Function):
         with jax.enable_x64(True):
             g_params, g_inputs = ctx.program.backward(ctx.arrays[:ctx.n_params], ctx.arrays[ctx.n_params:],
                                                       ctx.buffers, cotangents, ctx.key)
-        return (None, None, *(new_tensor(g) if g is not None else None for g in [*g_params, *g_inputs]))
+        out = [new_tensor(g) if g is not None else None for g in [*g_params, *g_inputs]]
+        return (None, None, *_gradcut.once_differentiable("t2j.compile", out, (*ctx.inputs, *grads)))
 
 
 class _Program:

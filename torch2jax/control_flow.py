@@ -264,6 +264,7 @@ class _Program(torch.autograd.Function):
         arrays = [_value(t) for t in tensors]
         diff = [t.requires_grad and (t.is_floating_point() or t.is_complex()) for t in tensors]
         ctx.diff = diff
+        ctx.inputs = [t for t, m in zip(tensors, diff) if m]
 
         def primal(*d):
             it = iter(d)
@@ -279,7 +280,9 @@ class _Program(torch.autograd.Function):
         cot = [jax.numpy.zeros(a.shape, a.dtype) if g is None else _value(g) for g, a in zip(grads, ctx.avals)]
         with jax.enable_x64(True):
             got = iter(ctx.vjp(cot))
-        return (None, *(new_tensor(next(got)) if m else None for m in ctx.diff))
+        out = [new_tensor(next(got)) if m else None for m in ctx.diff]
+        return (None, *_gradcut.once_differentiable("t2j's control flow (scan, cond, checkpoint)", out,
+                                                    (*ctx.inputs, *grads)))
 
 
 def _apply(run, tensors):

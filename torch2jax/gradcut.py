@@ -295,6 +295,44 @@ def _with_own_backward(cls, args, kwargs):
 _apply.__doc__ = _function_apply.__doc__
 
 
+
+class _Refusing(torch.autograd.Function):
+    """Gradients a backward computed in JAX, as the outputs of a node whose own backward
+    raises: torch records no graph of how they were computed."""
+
+    @staticmethod
+    def forward(ctx, name, n, *tensors):
+        ctx.name = name
+        return tuple(g.clone() for g in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{ctx.name} computes its gradients in JAX, so they cannot be differentiated again: a second "
+            "backward through them (create_graph=True, then a gradient of the gradients) would miss every "
+            "term that passes through it. Differentiate with jax.grad / jax.hessian on a functionalized "
+            "module (t2j.functionalize), or run this part eagerly."
+        )
+
+
+def once_differentiable(name, grads, inputs):
+    """``grads`` (the results of a backward that computed them in JAX) as they are, or, under
+    ``create_graph=True`` where they depend on ``inputs`` that require grad, as outputs of a
+    node that raises if a second backward reaches it (as torch.compile's compiled backward
+    does) instead of silently contributing nothing.
+
+    >>> return (None, *once_differentiable("t2j.jit", grads, (*ctx.inputs, *grad_outputs)))
+    """
+    if not torch.is_grad_enabled():
+        return grads
+    needs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    present = [g for g in grads if g is not None]
+    if not needs or not present:
+        return grads
+    refused = iter(_Refusing.apply(name, len(present), *present, *needs))
+    return tuple(None if g is None else next(refused) for g in grads)
+
+
 def install() -> None:
     """Route ``torch.autograd.Function.apply`` through `_apply` (idempotent)."""
     if torch.autograd.Function.apply.__func__ is not _apply:

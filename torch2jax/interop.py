@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 
+from . import gradcut as _gradcut
 from . import tensor as _tensor
 from .pytree import ensure_jax_pytree
 from .env import default_rng as _rng
@@ -131,6 +132,7 @@ class _JaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, *tensors):
         outs, ctx.vjp, ctx.out_avals = run(*tensors)
+        ctx.inputs = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
         return tuple(new_tensor(o) for o in outs)
 
     @staticmethod
@@ -141,7 +143,8 @@ class _JaxFunction(torch.autograd.Function):
         )
         with jax.enable_x64(True):
             in_grads = ctx.vjp(cotangents)
-        return (None, *(new_tensor(g) for g in in_grads))
+        return (None, *_gradcut.once_differentiable("call_jax", [new_tensor(g) for g in in_grads],
+                                                    (*ctx.inputs, *grads)))
 
 
 def call_jax(jax_fn, *args, **kwargs):

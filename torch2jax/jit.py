@@ -74,6 +74,7 @@ from . import device as _device
 from .env import config as _config
 from .env import default_rng as _rng
 from . import debug as _debug
+from . import gradcut as _gradcut
 from . import symbolic as _sym
 from . import tensor as _tensor
 from .dispatch import OpError
@@ -1593,16 +1594,18 @@ class _DifferentiableCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, *tensors):
         ctx.call = call
+        ctx.inputs = [t for t in tensors if t.requires_grad]
         outs = [new_tensor(o) for o in call.forward()]
         grad_outs = set(call.entry.grad_outs)
         ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if k not in grad_outs))
         return tuple(outs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the VJP runs in JAX: a second derivative must not pass through
     def backward(ctx, *grads):
-        return (None, *(new_tensor(functools.reduce(lambda a, step: step.forward(a), chain, g))
-                        for g, chain in zip(ctx.call.backward(grads), ctx.call.chains)))
+        with torch.no_grad():
+            out = [new_tensor(functools.reduce(lambda a, step: step.forward(a), chain, g))
+                   for g, chain in zip(ctx.call.backward(grads), ctx.call.chains)]
+        return (None, *_gradcut.once_differentiable("t2j.jit", out, (*ctx.inputs, *grads)))
 
 
 def _guarded(entries, slots):
