@@ -836,3 +836,92 @@ def test_a_traced_item_kept_outside_is_a_clear_error():
     step(1.0)
     with pytest.raises(t2j.JitError, match="used a value traced by an earlier trace"):
         step(2)  # an int: a new trace, which reads the first one's number
+
+
+def _losses_both(build, steps=4):
+    """Losses of ``build(device, jit)``'s step on the CPU and (jitted) on the jax device."""
+    out = {}
+    for device, jit in (("cpu", False), ("jax", True)):
+        torch.manual_seed(0)
+        step = build(device, jit)
+        x = torch.ones(3, 4, device=device)
+        out[device] = [round(float(step(x)), 5) for _ in range(steps)]
+    assert out["jax"] == out["cpu"]
+
+
+def test_optimizer_reached_through_nested_objects_and_scheduler_wrapper():
+    import types
+
+    def nested(device, jit):
+        model = torch.nn.Linear(4, 2).to(device)
+        cfg = types.SimpleNamespace(optim=types.SimpleNamespace(opt=torch.optim.Adam(model.parameters(), lr=0.1)))
+
+        def step(x):
+            opt = cfg.optim.opt
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return t2j.jit(step) if jit else step
+
+    def opt_step_after_scheduler(device, jit):
+        # the scheduler wraps opt.step, reaching the optimizer through a weak reference
+        model = torch.nn.Linear(4, 2).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        opt_step = t2j.jit(opt.step) if jit else opt.step
+
+        def step(x):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt_step()
+            sched.step()
+            return loss.detach()
+
+        return step
+
+    def optimizer_in_backward(device, jit):
+        # torch's "optimizer step in backward" recipe: one optimizer per parameter, stepped by its hook
+        model = torch.nn.Linear(4, 2).to(device)
+        opts = {p: torch.optim.Adam([p], lr=0.1) for p in model.parameters()}
+
+        def hook(p):
+            opts[p].step()
+            opts[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+
+        def step(x):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            return loss.detach()
+
+        return t2j.jit(step) if jit else step
+
+    for build in (nested, opt_step_after_scheduler, optimizer_in_backward):
+        _losses_both(build)
+
+
+def test_optimizer_of_cpu_parameters_is_not_the_functions_state():
+    # a reference run's CPU model and optimizer within reach are not refused (as CPU modules)
+    cpu_model = torch.nn.Linear(4, 2)
+    cpu_opt = torch.optim.SGD(cpu_model.parameters(), lr=0.1)
+    models = {"cpu": (cpu_model, cpu_opt)}
+    model = torch.nn.Linear(4, 2).to("jax")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @t2j.jit
+    def step(x):
+        assert models
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step(torch.ones(3, 4, device="jax"))
+    assert step.stats["eager_calls"] == 0

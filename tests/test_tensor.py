@@ -382,3 +382,15 @@ def test_copy_copy_shares_the_storage_as_torch(device):
     q.data.mul_(3)
     assert x.tolist() == [100.0, 7.0, 2.0] and tail.shape == (2,) and shallow.is_leaf
     assert isinstance(q, torch.nn.Parameter) and q.requires_grad and p.tolist() == [3.0, 3.0]
+
+
+def test_deepcopy_of_a_non_leaf_raises_like_torch():
+    import copy
+
+    messages = []
+    for device in ("cpu", "jax"):
+        x = torch.ones(2, device=device, requires_grad=True) * 2
+        with pytest.raises(RuntimeError, match="graph leaves") as caught:
+            copy.deepcopy(x)
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]

@@ -120,9 +120,15 @@ class _Roots:
             self._seen.add(id(obj))
             if _on_jax(obj):
                 self.modules.append(obj)
+                # an optimizer stepped by a parameter's hook ("optimizer step in backward")
+                for p in obj.parameters():
+                    for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
+                        for hook in (hooks or {}).values():
+                            self.add(getattr(hook, "__wrapped__", hook), depth)
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
-            self.optimizers.append(obj)
+            if _optimizer_on_jax(obj):
+                self.optimizers.append(obj)
         elif isinstance(obj, Tensor):
             self._seen.add(id(obj))
             self.tensors.append(obj)
@@ -143,6 +149,8 @@ class _Roots:
                 self.add(o, depth + 1, summarized)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             self.add(obj.optimizer, depth + 1)
+        elif isinstance(obj, weakref.ref):  # an LR scheduler's wrapper of opt.step holds the optimizer so
+            self.add(obj(), depth)
         elif isinstance(obj, functools.partial):
             self._seen.add(id(obj))
             self.add_function(obj.func, depth + 1)
@@ -154,7 +162,7 @@ class _Roots:
             self.add(obj.__self__, depth + 1)
         elif isinstance(obj, types.FunctionType):
             self.add_function(obj, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)) and depth < 2:
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)) and depth < 3:
             self._seen.add(id(obj))
             self.objects.append(obj)
             for o in list(vars(obj).values())[:256]:
@@ -185,6 +193,13 @@ def _on_jax(module) -> bool:
     trace after all, its ops refuse the CPU tensors."""
     t = next(itertools.chain(module.parameters(), module.buffers()), None)
     return t is None or isinstance(t, Tensor)
+
+
+def _optimizer_on_jax(opt) -> bool:
+    """Whether ``opt`` steps jax-device parameters, judged by its first one (as `_on_jax`:
+    one stepping CPU parameters, e.g. a reference run's, is not the function's state)."""
+    p = next((p for g in opt.param_groups for p in g["params"]), None)
+    return p is None or isinstance(p, Tensor)
 
 
 def _python_value(v, depth=0):
