@@ -925,3 +925,31 @@ def test_optimizer_of_cpu_parameters_is_not_the_functions_state():
 
     step(torch.ones(3, 4, device="jax"))
     assert step.stats["eager_calls"] == 0
+
+
+def test_closed_over_leaf_accumulates_its_grad_across_calls():
+    grads = {}
+    for device in ("cpu", "jax"):
+        w = torch.nn.Parameter(torch.ones(3, device=device))  # in no module: captured by the closure
+
+        def micro(x):
+            (w * x).sum().backward()
+
+        run = t2j.jit(micro) if device == "jax" else micro
+        for i in range(4):
+            run(torch.full((3,), i + 1.0, device=device))
+        grads[device] = w.grad.cpu()
+    torch.testing.assert_close(grads["jax"], grads["cpu"])
+
+
+def test_value_dependent_read_of_a_captured_grad_runs_eagerly():
+    v = torch.ones(3, device="jax", requires_grad=True)
+
+    @t2j.jit
+    def f(x):
+        (v * x).sum().backward()
+        return v.grad[v.grad > 1]
+
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        assert f(torch.ones(3, device="jax")).numel() == 0
+    assert f(torch.ones(3, device="jax")).tolist() == [2.0, 2.0, 2.0]

@@ -574,6 +574,7 @@ class _Walk:
     def roots(self, roots: _Roots):
         for i, t in enumerate(roots.tensors):
             self.add(t, ("captured", i))
+            self.add_grad(t, ("captured", i))  # a closed-over leaf's .grad accumulates across calls
         for i, t in enumerate(roots.cpu_tensors):
             self.static.append((("cpu", i, "tensor"), _guard(t)))
         # the loops below run on every call, over every parameter: origins are built only when full
@@ -745,6 +746,7 @@ class _Unchanged:
         # most modules have no buffers or submodules: those dicts need only stay empty
         containers = [d for sub in self.subs for d in (sub._modules, sub._parameters, sub._buffers)]
         params = [p for sub in self.subs for p in sub._parameters.values() if p is not None]
+        params += [t for t in roots.tensors if t.is_leaf or t.retains_grad]  # a closed-over leaf's .grad too
         self.groups, self.usable = [], True
         for opt in roots.optimizers:
             containers += [opt.state, *opt.state.values(), opt.param_groups]
