@@ -953,3 +953,21 @@ def test_value_dependent_read_of_a_captured_grad_runs_eagerly():
     with pytest.warns(UserWarning, match="runs eagerly"):
         assert f(torch.ones(3, device="jax")).numel() == 0
     assert f(torch.ones(3, device="jax")).tolist() == [2.0, 2.0, 2.0]
+
+
+def test_alias_of_state_written_in_place_is_returned_as_an_alias():
+    results = {}
+    for device in ("cpu", "jax"):
+        c = torch.zeros((), dtype=torch.long, device=device)
+        f = torch.zeros(2, device=device)
+
+        def h():
+            c.add_(1)
+            f.add_(1)
+            return c.detach(), f[...], f.detach()
+
+        run = t2j.jit(h) if device == "jax" else h
+        first = run()
+        run()
+        results[device] = [t.cpu().tolist() for t in first]  # aliases: they show the second call's writes
+    assert results["jax"] == results["cpu"] == [2, [2.0, 2.0], [2.0, 2.0]]

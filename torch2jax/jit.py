@@ -949,7 +949,8 @@ def _view_of_slot(t, tensors, storages):
     """(slot, size, stride, offset, requires_grad) where output ``t`` is a view of an input's
     storage that the slot's tensor can give again with ``as_strided`` (as torch returns a
     view of the input, writes through it reaching the input); None otherwise."""
-    if not t._t2j_view or not any(t._t2j_storage is st for st in storages):
+    # (a view with no steps is an alias of the whole storage: ``detach()`` of an integer tensor)
+    if not any(t._t2j_storage is st for st in storages):
         return None
     if not all(map(_tensor.moves_elements, t._t2j_view)):
         return None  # a view that changes values (conj, dtype views): as_strided cannot give it again
