@@ -971,3 +971,22 @@ def test_alias_of_state_written_in_place_is_returned_as_an_alias():
         run()
         results[device] = [t.cpu().tolist() for t in first]  # aliases: they show the second call's writes
     assert results["jax"] == results["cpu"] == [2, [2.0, 2.0], [2.0, 2.0]]
+
+
+def test_plain_module_attributes_are_guarded():
+    class TopK(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.k, self.temperature, self.mode = 1, 1.0, "plain"
+
+        def forward(self, x):
+            y = (x / self.temperature).topk(self.k).values
+            return y * 2 if self.mode == "double" else y
+
+    m = TopK()
+    run = t2j.jit(lambda x: m(x))
+    x = torch.tensor([1.0, 2.0, 3.0], device="jax")
+    for k, temperature, mode in [(1, 1.0, "plain"), (2, 2.0, "plain"), (2, 2.0, "double"), (1, 1.0, "plain")]:
+        m.k, m.temperature, m.mode = k, temperature, mode
+        assert run(x).tolist() == m(x).tolist()
+    assert run.stats["traces"] == 3  # the last settings come back: cached

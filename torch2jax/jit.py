@@ -523,6 +523,36 @@ def _new_grad_slot(p, seen: set) -> bool:
     return False
 
 
+# Bumped by every assignment of a plain attribute to a module (``m.k = 2``): the cache's fast
+# check compares its modules' attributes again only after one.
+_ATTRIBUTE_WRITES = [0]
+_SIMPLE = (bool, int, float, str, type(None), enum.Enum)
+
+
+def _attributes(subs) -> tuple:
+    """The plain Python attributes (numbers, strings, flags, tuples of them) of modules
+    ``subs``, which a forward reads as constants (``self.k`` in ``topk(x, self.k)``): each
+    new value traces again, as torch.compile guards on them."""
+    return tuple(
+        tuple((name, _python_value(v)) for name, v in sub.__dict__.items()
+              if name[0] != "_" and name != "training" and (isinstance(v, _SIMPLE) or (
+                  type(v) is tuple and all(isinstance(x, _SIMPLE) for x in v))))
+        for sub in subs)
+
+
+def _counting_attribute_writes(setattr_):
+    @functools.wraps(setattr_)
+    def run(self, name, value):
+        _ATTRIBUTE_WRITES[0] += 1
+        setattr_(self, name, value)
+
+    return run
+
+
+torch.nn.Module.__setattr__ = _counting_attribute_writes(torch.nn.Module.__setattr__)
+torch.nn.Module.__delattr__ = _counting_attribute_writes(torch.nn.Module.__delattr__)
+
+
 def _submodules(m) -> list:
     """``list(m.modules())``: ``m`` and every module under it, once each, in the same order,
     without the names that ``named_modules`` builds."""
@@ -582,6 +612,7 @@ class _Walk:
         for k, m in enumerate(roots.modules):
             subs = _submodules(m)
             self.static.append((("module", k, "training"), tuple([sub.training for sub in subs])))
+            self.static.append((("module", k, "attributes"), _attributes(subs)))
             for sub in subs:
                 for name, p in sub._parameters.items():
                     if full:
@@ -737,6 +768,7 @@ class _Unchanged:
         self.hyper_sets = self._hyper_sets()
         self.subs = [sub for m in roots.modules for sub in _submodules(m)]
         self.training = [sub.training for sub in self.subs]
+        self.writes, self.attributes = _ATTRIBUTE_WRITES[0], _attributes(self.subs)
         # the containers themselves, which may be replaced whole (Optimizer.load_state_dict replaces
         # state and param_groups)
         self.holders = [*((sub.__dict__, ("_modules", "_parameters", "_buffers")) for sub in self.subs),
@@ -787,6 +819,10 @@ class _Unchanged:
             return False
         if [sub.training for sub in self.subs] != self.training or not _same(list(map(_grad_of, self.params)), self.grads):
             return False
+        if _ATTRIBUTE_WRITES[0] != self.writes:
+            if _attributes(self.subs) != self.attributes:
+                return False
+            self.writes = _ATTRIBUTE_WRITES[0]
         for group, plist, params, n, hyper in self.groups:
             if group["params"] is not plist or len(group) != n or not _same(plist, params):
                 return False
