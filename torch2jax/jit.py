@@ -1090,6 +1090,10 @@ def _leaked(fn) -> JitError:
     )
 
 
+# Traces in a row that stop at a value-dependent op before a function's new keys run eagerly untraced
+_BREAKS_BEFORE_EAGER = 4
+
+
 @dataclasses.dataclass
 class _Eager:
     """A cache key whose calls run the function eagerly, and why."""
@@ -1127,6 +1131,7 @@ class JitFunction:
         self._extra: list = []  # weakrefs to storages read but not found as slots
         self._roots_memo: list = []  # the last call's _RootState
         self._hypers = _Hyperparameters()
+        self._breaks = 0  # traces in a row that stopped at a value-dependent op
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0, "eager_calls": 0}
         functools.update_wrapper(self, fn)
 
@@ -1213,6 +1218,9 @@ class JitFunction:
                 self.stats["hits"] += 1
                 _debug.count("cache_hits")
                 return entry, leaves, slots, storages
+            if self._breaks >= _BREAKS_BEFORE_EAGER:
+                # every new key stopped the trace (LBFGS's growing history): no more attempts
+                return _Eager(key, self._last_break), leaves, slots, storages
             slots = _collect(leaves, roots, full=True, hypers=self._hypers)
             if not entries:
                 self._explain(key, slots)
@@ -1237,8 +1245,13 @@ class JitFunction:
                     if self.fullgraph or not isinstance(e, _GRAPH_BREAKS) or isinstance(e, JitError):
                         raise
                     reason = f"{type(e).__name__}: {e}"
+                    self._breaks += 1
+                    self._last_break = reason
                     msg = (f"t2j.jit: {getattr(self.fn, '__qualname__', self.fn)} runs eagerly for these arguments: "
                            f"the trace stopped at {reason}")
+                    if self._breaks == _BREAKS_BEFORE_EAGER:
+                        msg += (f"; after {_BREAKS_BEFORE_EAGER} such traces in a row, arguments or state it has "
+                                "not compiled for run eagerly without a trace")
                     _RECOMPILES.append(msg)
                     log.info(msg)
                     return _Eager(key, reason), leaves, slots, storages
@@ -1250,6 +1263,7 @@ class JitFunction:
                 continue
             self._hypers.proven.update(new)
             self._cache.setdefault(key, []).append(entry)
+            self._breaks = 0
             return entry, leaves, slots, storages
         raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
 
