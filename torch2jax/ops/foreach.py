@@ -151,16 +151,32 @@ _register_all()
 # -- fused optimizer steps -------------------------------------------------------
 
 
-def _fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
-                     weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, decoupled):
-    """One Adam(W) step over the lists, as torch's fused kernel computes it (the step
-    counters are already incremented). With ``found_inf`` set (GradScaler saw an inf)
-    every tensor keeps its value; selected with ``where`` so it also traces."""
+def _fused_step_parts(grads, grad_scale, found_inf, maximize):
+    """What torch's fused optimizer kernels share: ``write(t, new)``, which leaves every tensor
+    as it was where ``found_inf`` is set (GradScaler saw an inf; a ``where``, so it also
+    traces), and ``gradient(i)``, the ``i``-th gradient unscaled by ``grad_scale`` (written
+    back, as the kernels do) and negated under ``maximize``."""
     skip = None if found_inf is None else found_inf.reshape(()).bool()
 
     def write(t, new):
         t.copy_(new if skip is None else torch.where(skip, t, new))
 
+    def gradient(i):
+        g = grads[i]
+        if grad_scale is not None:
+            g = g / grad_scale
+            write(grads[i], g)
+        return -g if maximize else g
+
+    return write, gradient
+
+
+def _fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
+                     weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, decoupled):
+    """One Adam(W) step over the lists, as torch's fused kernel computes it (the step
+    counters are already incremented). With ``found_inf`` set (GradScaler saw an inf)
+    every tensor keeps its value; selected with ``where`` so it also traces."""
+    write, gradient = _fused_step_parts(grads, grad_scale, found_inf, maximize)
     # the bias corrections of every parameter at once: one op over the stacked step counters
     # instead of a handful of scalar ops (a kernel each on an accelerator) per parameter; in
     # float64 as torch's kernel (1 - 0.999 in float32 is off by 1e-5)
@@ -168,12 +184,7 @@ def _fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
     step_sizes = lr / (1 - torch.pow(beta1, steps)) if params else None
     bias_corrections2_sqrt = torch.sqrt(1 - torch.pow(beta2, steps)) if params else None
     for i, p in enumerate(params):
-        g = grads[i]
-        if grad_scale is not None:
-            g = g / grad_scale
-            write(grads[i], g)
-        if maximize:
-            g = -g
+        g = gradient(i)
         param = p
         if weight_decay != 0:
             if decoupled:
@@ -209,18 +220,9 @@ def _fused_sgd_(params, grads, momentum_buffer_list, *, weight_decay, momentum, 
     """One SGD step over the lists, as torch's fused kernel computes it: the gradient
     unscaled (and written back) by ``grad_scale``, then weight decay, momentum (the
     first step's buffer is the gradient), Nesterov; nothing changes where ``found_inf``."""
-    skip = None if found_inf is None else found_inf.reshape(()).bool()
-
-    def write(t, new):
-        t.copy_(new if skip is None else torch.where(skip, t, new))
-
+    write, gradient = _fused_step_parts(grads, grad_scale, found_inf, maximize)
     for i, p in enumerate(params):
-        g = grads[i]
-        if grad_scale is not None:
-            g = g / grad_scale
-            write(grads[i], g)
-        if maximize:
-            g = -g
+        g = gradient(i)
         if weight_decay != 0:
             g = g + p * weight_decay
         if momentum != 0:
