@@ -80,6 +80,52 @@ def test_integer_overflow_wraps():
     assert (b.to("jax") + 10).cpu().item() == (b + 10).item()
 
 
+def _edge_ints(dtype, *rows):
+    return [torch.tensor(r, dtype=dtype) for r in rows]
+
+
+INTEGER_EDGES = {
+    # the most negative value, whose absolute value wraps to itself (jnp.gcd never returned)
+    "gcd_min": lambda d: torch.gcd(*_edge_ints(d, [torch.iinfo(d).min, torch.iinfo(d).min, 12, 0, 7],
+                                               [6, 0, -18, -5, torch.iinfo(d).min])),
+    "lcm_overflow": lambda d: torch.lcm(*_edge_ints(d, [torch.iinfo(d).max, 4, -4, 0], [6, 6, 6, 3])),
+    "pow_tensor_exponent_top_bit": lambda d: torch.pow(*_edge_ints(d, [3], [5, 7, torch.iinfo(d).max, 2])),
+    "scalar_base_pow": lambda d: 2 ** _edge_ints(d, [7, 8, 100, torch.iinfo(d).max])[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(INTEGER_EDGES))
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64], ids=str)
+def test_integer_edge_values_match_torch(name, dtype):
+    expected = INTEGER_EDGES[name](dtype)
+    actual = _on_jax(INTEGER_EDGES[name], dtype)
+    assert actual.dtype == expected.dtype
+    assert actual.cpu().tolist() == expected.tolist()
+
+
+def _on_jax(fn, dtype):
+    """``fn(dtype)`` with the tensors it makes on the jax device."""
+    original = torch.tensor
+
+    def on_jax(*args, **kwargs):
+        return original(*args, **kwargs).to("jax")
+
+    torch.tensor = on_jax
+    try:
+        return fn(dtype)
+    finally:
+        torch.tensor = original
+
+
+def test_integer_to_a_negative_python_power_raises_for_every_integer_dtype():
+    for dtype in (torch.uint8, torch.int8, torch.int64):
+        x = torch.tensor([1, 2, 3], dtype=dtype)
+        with pytest.raises(RuntimeError, match="negative integer powers"):
+            x ** -1
+        with pytest.raises(RuntimeError, match="negative integer powers"):
+            x.to("jax") ** -1
+
+
 def test_nan_and_inf():
     x = torch.tensor([float("nan"), 1.0, float("inf"), -float("inf")])
     jx = x.to("jax")

@@ -347,11 +347,33 @@ def fmod(a, b):
     return jnp.fmod(a, b)
 
 
+@warning(aten.pow, aten.pow_)
+def _no_negative_integer_exponent(func, args, kwargs):
+    """torch's refusal of an integer tensor to a negative Python-integer power, made on the Python
+    number: the lowering sees it converted to the tensor's dtype (-1 is 255 in uint8)."""
+    x, e = args[:2]
+    if isinstance(x, torch.Tensor) and not x.dtype.is_floating_point and not x.dtype.is_complex and (
+            x.dtype != torch.bool and type(e) is int and e < 0):
+        raise RuntimeError("Integers to negative integer powers are not allowed.")
+
+
+def _power_by_squaring(x, e):
+    """``x ** e`` for integer arrays, ``e >= 0``, wrapping in ``x``'s dtype as torch's kernel:
+    one square-and-multiply step per bit of ``e`` (jnp.power goes wrong from the exponent's top
+    bit on: 2 ** uint8(128) gives 1)."""
+    x, e = jnp.broadcast_arrays(x, e)
+    result, base = jnp.ones_like(x), x
+    for bit in range(e.dtype.itemsize * 8):
+        result = jnp.where((e >> bit) & 1 == 1, result * base, result)
+        base = base * base
+    return result
+
+
 def _int_pow(x, e):
     """Exact integer power; a negative exponent gives 1 / x**-e truncated toward zero, as torch."""
     if _is_bool(x):
         return x | (e == 0)
-    positive = jnp.power(x, jnp.maximum(e, 0))
+    positive = _power_by_squaring(x, jnp.maximum(e, 0))
     one = jnp.ones((), x.dtype)
     inverse = jnp.where(x == 1, one, jnp.where(x == -1, jnp.where(e % 2 == 0, one, -one), jnp.zeros((), x.dtype)))
     return jnp.where(e < 0, inverse, positive)
@@ -456,16 +478,33 @@ def heaviside(x, values):
     return jnp.where(x == 0, values, (x > 0).astype(x.dtype))
 
 
+def _gcd(a, b):
+    """torch's Euclid loop (calc_gcd): on |a| and |b| with C's remainder, so that the most
+    negative value, whose absolute value wraps to itself, ends as on the CPU (gcd(-128, 6) is
+    -2 in int8); jnp.gcd loops forever on it."""
+    a, b = jnp.broadcast_arrays(jnp.abs(a), jnp.abs(b))
+
+    def body(carry):
+        a, b = carry
+        nonzero = a != 0
+        return jnp.where(nonzero, lax.rem(b, jnp.where(nonzero, a, 1)), 0), jnp.where(nonzero, a, b)
+
+    return lax.while_loop(lambda carry: jnp.any(carry[0] != 0), body, (a, b))[1]
+
+
 @elementwise(aten.gcd, prims.gcd)
 def gcd(a, b):
-    return jnp.gcd(a, b)
+    return _gcd(a, b)
 
 
 @elementwise(aten.lcm)
 def lcm(a, b):
-    g = jnp.gcd(a, b)
+    # torch's kernel computes |a / g * b| in C's int for the narrow types, then narrows
+    wide = a.dtype if a.dtype.itemsize >= 4 else jnp.dtype(jnp.int32)
+    g = _gcd(a, b)
     quotient = lax.div(*jnp.broadcast_arrays(a, jnp.where(g == 0, 1, g)))
-    return jnp.where(g == 0, jnp.zeros((), a.dtype), jnp.abs(quotient * b))
+    out = jnp.abs(quotient.astype(wide) * b.astype(wide)).astype(a.dtype)
+    return jnp.where(g == 0, jnp.zeros((), a.dtype), out)
 
 
 @register(aten.frexp.Tensor, prims.frexp)
