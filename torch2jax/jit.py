@@ -121,10 +121,8 @@ class _Roots:
             if _on_jax(obj):
                 self.modules.append(obj)
                 # an optimizer stepped by a parameter's hook ("optimizer step in backward")
-                for p in obj.parameters():
-                    for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
-                        for hook in (hooks or {}).values():
-                            self.add(getattr(hook, "__wrapped__", hook), depth)
+                for hook in _parameter_hooks(obj):
+                    self.add(hook, depth)
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
             if _optimizer_on_jax(obj):
@@ -184,6 +182,21 @@ class _Roots:
         for name in _global_names(fn.__code__):
             if name in g:
                 self.add(g[name], depth)
+
+
+_HOOKS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (registrations, its hooks)
+
+
+def _parameter_hooks(module) -> list:
+    """The functions hooked on ``module``'s parameters, read again only after a hook was
+    registered somewhere (reading every parameter's hooks on each call would cost more than
+    the rest of finding the roots)."""
+    seen = _HOOKS_SEEN.get(module)
+    if seen is None or seen[0] != _device.hook_registrations:
+        hooks = [getattr(h, "__wrapped__", h) for p in module.parameters()
+                 for d in (p._backward_hooks, p._post_accumulate_grad_hooks) for h in (d or {}).values()]
+        seen = _HOOKS_SEEN[module] = (_device.hook_registrations, hooks)
+    return seen[1]
 
 
 def _on_jax(module) -> bool:
