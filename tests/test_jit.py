@@ -993,3 +993,14 @@ def test_plain_module_attributes_are_guarded():
         m.k, m.temperature, m.mode = k, temperature, mode
         assert run(x).tolist() == m(x).tolist()
     assert run.stats["traces"] == 3  # the last settings come back: cached
+
+
+def test_deleting_a_module_attribute_retraces():
+    m = torch.nn.Linear(3, 1).to("jax")
+    m.scale = 2.0
+    run = t2j.jit(lambda x: m(x) * getattr(m, "scale", 1.0))
+    x = torch.ones(2, 3, device="jax")
+    run(x)
+    del m.scale
+    torch.testing.assert_close(run(x).cpu(), m(x).cpu())
+    assert run.stats["traces"] == 2

@@ -553,11 +553,13 @@ def _attributes(subs) -> tuple:
         for sub in subs)
 
 
-def _counting_attribute_writes(setattr_):
-    @functools.wraps(setattr_)
-    def run(self, name, value):
+def _counting_attribute_writes(method):
+    """``Module.__setattr__`` / ``__delattr__`` counting in `_ATTRIBUTE_WRITES`."""
+
+    @functools.wraps(method)
+    def run(self, *args):
         _ATTRIBUTE_WRITES[0] += 1
-        setattr_(self, name, value)
+        method(self, *args)
 
     return run
 
