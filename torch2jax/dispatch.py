@@ -1510,18 +1510,20 @@ def _mutation_handler(func, functional):
         if is_out:
             targets = [kwargs[n] for n in names]
             fkwargs = {k: v for k, v in kwargs.items() if k not in names}
-            values = _compute(functional, args, fkwargs)
         else:
-            targets = [args[0]]
-            values = _compute(functional, args, kwargs)
-        if not isinstance(values, (list, tuple)):
-            values = (values,)
+            targets, fkwargs = [args[0]], kwargs
+
+        def compute():
+            values = _compute(functional, args, fkwargs)
+            return values if isinstance(values, (list, tuple)) else (values,)
+
+        values = compute()
         rounds = _write_rounds(func, args, kwargs, targets, values) if pointwise else None
         if rounds is None:
             for target, value in zip(targets, values):
                 write(target, value, func, resize=is_out)
         else:
-            _write_in_rounds(functional, args, kwargs, is_out, names, targets, values, rounds, func)
+            _write_in_rounds(compute, targets[0], values[0], rounds, func)
         if is_out:
             return targets[0] if len(targets) == 1 else tuple(targets)
         return args[0]
@@ -1619,19 +1621,14 @@ def _visit_rounds(shape, stride, offset, operands):
     return tuple(rank == k for k in range(int(rank.max()) + 1))
 
 
-def _write_in_rounds(functional, args, kwargs, is_out, names, targets, values, rounds, func):
-    """Write ``values`` (the op's result on the memory as it was) into the single target
-    round by round (`_write_rounds`), computing the op again on the memory each round left."""
-    (target,) = targets
+def _write_in_rounds(compute, target, value, rounds, func):
+    """Write ``value`` (the op's result on the memory as it was) into ``target`` round by
+    round (`_write_rounds`), ``compute()`` giving the op's results again on the memory each
+    round left."""
     for k, mask in enumerate(rounds):
         if k:
-            if is_out:
-                values = _compute(functional, args, {n: v for n, v in kwargs.items() if n not in names})
-            else:
-                values = _compute(functional, args, kwargs)
-            values = values if isinstance(values, (list, tuple)) else (values,)
-        value = _checked_value(target, values[0], func)
-        target._assign(jax.numpy.where(mask, value, target._value()))
+            value = compute()[0]
+        target._assign(jax.numpy.where(mask, _checked_value(target, value, func), target._value()))
 
 
 def _inplace_view_handler(view_op):
