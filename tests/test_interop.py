@@ -108,6 +108,27 @@ def test_call_jax_gradients_reach_torch():
     torch.testing.assert_close(w.grad.cpu(), wc.grad)
 
 
+def test_call_jax_complex_gradients_in_torch_convention():
+    # torch's gradient of a complex value is the conjugate of JAX's cotangent
+    z_cpu = torch.tensor([1 + 2j, 3 - 1j], requires_grad=True)
+    z = z_cpu.detach().to("jax").requires_grad_()
+    (z_cpu.abs() ** 2 * torch.tensor([1.0, 2.0]) + z_cpu.real).sum().backward()
+    t2j.call_jax(lambda v: (jnp.abs(v) ** 2 * jnp.array([1.0, 2.0]) + v.real).sum(), z).backward()
+    torch.testing.assert_close(z.grad.cpu(), z_cpu.grad)
+
+
+def test_call_jax_second_derivative_and_integer_outputs():
+    x_cpu = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    x = x_cpu.detach().to("jax").requires_grad_()
+    (g,) = torch.autograd.grad((x_cpu.sin() * x_cpu).sum(), x_cpu, create_graph=True)
+    (g ** 2).sum().backward()
+    y, idx = t2j.call_jax(lambda v: ((jnp.sin(v) * v).sum(), jnp.argmax(v)), x)
+    assert idx.dtype == torch.int64
+    (g,) = torch.autograd.grad(y, x, create_graph=True)  # the integer output gets a float0 cotangent
+    (g ** 2).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), x_cpu.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_call_jax_pytree_outputs_and_no_grad():
     x = torch.arange(4.0, device="jax")
     out = t2j.call_jax(lambda a: {"double": a * 2, "sum": a.sum()}, x)

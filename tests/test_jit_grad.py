@@ -185,12 +185,16 @@ def test_gradients_reach_a_cpu_argument():
     _close(x_cpu.grad, x_ref.grad)
 
 
-def test_second_derivative_through_a_jitted_call_is_refused():
-    x = torch.randn(3, device="jax", requires_grad=True)
-    y = t2j.jit(torch.sin)(x)
-    (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)  # the cotangent 2y requires grad
-    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
-        g.sum().backward()
+def test_third_derivative_through_a_jitted_call():
+    # each backward under create_graph is a call_jax of the previous one's VJP: any order works
+    x_cpu = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    x = x_cpu.detach().to("jax").requires_grad_()
+    fn = t2j.jit(lambda v: (v.sin() * v).sum())
+    for f, v in ((lambda v: (v.sin() * v).sum(), x_cpu), (fn, x)):
+        (g1,) = torch.autograd.grad(f(v), v, create_graph=True)
+        (g2,) = torch.autograd.grad(g1.sum(), v, create_graph=True)
+        (g2 * g1).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), x_cpu.grad, rtol=1e-12, atol=1e-12)
 
 
 GRADIENT_PENALTY_FORWARDS = {
@@ -202,19 +206,21 @@ GRADIENT_PENALTY_FORWARDS = {
 
 
 @pytest.mark.parametrize("name", sorted(GRADIENT_PENALTY_FORWARDS))
-def test_gradient_penalty_through_a_jax_computed_backward_is_refused(name):
-    # the penalty's gradient reaches the weights through the first backward, which ran in
-    # JAX: torch sees no graph there, so it would silently add nothing; torch.compile raises too
-    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).to("jax")
-    fwd = GRADIENT_PENALTY_FORWARDS[name](m)
-    x = torch.randn(5, 3, device="jax", requires_grad=True)
-    y = fwd(x)
-    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
-    assert g.requires_grad
-    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
-        (y.mean() + g.pow(2).sum()).backward()
-    fwd(x).sum().backward()  # a first derivative alone is as before
-    assert x.grad is not None
+def test_gradient_penalty_through_a_jax_computed_backward(name):
+    # the penalty's gradient reaches the weights through the first backward, which ran in JAX:
+    # under create_graph that backward is itself a differentiable JAX call (torch.compile raises)
+    torch.manual_seed(0)
+    m_cpu = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    m = copy.deepcopy(m_cpu).to("jax")
+    ref = (lambda x: m_cpu(x).tanh()) if name == "call_jax" else m_cpu  # the same function in torch
+    x_cpu = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    x = x_cpu.detach().to("jax").requires_grad_()
+    for f, v in ((ref, x_cpu), (GRADIENT_PENALTY_FORWARDS[name](m), x)):
+        y = f(v)
+        (g,) = torch.autograd.grad(y.sum(), v, create_graph=True)
+        (y.mean() + (g.norm(dim=1) - 1).pow(2).sum()).backward()
+    for p_cpu, p in zip([x_cpu, *m_cpu.parameters()], [x, *m.parameters()]):
+        torch.testing.assert_close(p.grad.cpu(), p_cpu.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_float64_outputs_one_unused_get_float64_gradients():

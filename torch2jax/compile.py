@@ -23,7 +23,7 @@ import torch.utils._pytree as torch_pytree
 from . import debug as _debug
 from . import gradcut as _gradcut
 from .env import default_rng as _rng
-from .interop import functionalize
+from .interop import differentiable_vjp, functionalize, torch_pullback, zero_cotangent
 from .jit import JitFunction, _static_key
 from .tensor import Tensor, jax_array, new_tensor
 
@@ -35,6 +35,7 @@ def _array(t):
 class _Forward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program, n_params, *tensors):
+        ctx.tensors = tensors
         ctx.inputs = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
         arrays = [_array(t) for t in tensors]
         # the backward recomputes the forward from the buffers it read, not the ones it wrote
@@ -45,16 +46,23 @@ class _Forward(torch.autograd.Function):
         program.write_state(new_params, new_buffers)
         ctx.program, ctx.n_params, ctx.arrays, ctx.buffers, ctx.key = program, n_params, arrays, buffers, \
             program.last_key
+        ctx.avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
         return tuple(new_tensor(o) for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
+        n = ctx.n_params
+
+        def pull(arrays, cotangents):
+            return ctx.program.pull(arrays[:n], arrays[n:], ctx.buffers, ctx.key, cotangents)
+
+        if _gradcut.creates_graph((*ctx.inputs, *grads)):
+            return (None, None, *differentiable_vjp(pull, ctx.tensors, grads, ctx.avals))
         cotangents = [_array(g) if g is not None else None for g in grads]
         with jax.enable_x64(True):
-            g_params, g_inputs = ctx.program.backward(ctx.arrays[:ctx.n_params], ctx.arrays[ctx.n_params:],
-                                                      ctx.buffers, cotangents, ctx.key)
-        out = [new_tensor(g) if g is not None else None for g in [*g_params, *g_inputs]]
-        return (None, None, *_gradcut.once_differentiable("t2j.compile", out, (*ctx.inputs, *grads)))
+            g_params, g_inputs = ctx.program.backward(ctx.arrays[:n], ctx.arrays[n:], ctx.buffers, cotangents,
+                                                      ctx.key)
+        return (None, None, *[new_tensor(g) if g is not None else None for g in [*g_params, *g_inputs]])
 
 
 class _Program:
@@ -90,7 +98,7 @@ class _Program:
         def forward(params, inputs, buffers, key):
             return call(params, inputs, buffers, key)
 
-        def backward(params, inputs, buffers, key, cotangents):
+        def pull(params, inputs, buffers, key, cotangents):
             # only floating inputs are differentiated: integer ids get no gradient
             def primal(p, x):
                 merged = [a if not f else b for a, b, f in zip(inputs, _fill(x, floating), floating)]
@@ -98,10 +106,15 @@ class _Program:
 
             diff_inputs = [x for x, f in zip(inputs, floating) if f]
             out, vjp = jax.vjp(primal, params, diff_inputs)
-            cotangents = [jax.numpy.zeros_like(o) if c is None else c for o, c in zip(out, cotangents)]
+            cotangents = [zero_cotangent(o) if c is None else c for o, c in zip(out, cotangents)]
             g_params, g_inputs = vjp(cotangents)
-            return g_params, _fill(g_inputs, floating)
+            return [*g_params, *_fill(g_inputs, floating)]
 
+        def backward(params, inputs, buffers, key, cotangents):
+            grads = torch_pullback(lambda _, c: pull(params, inputs, buffers, key, c), None, cotangents)
+            return grads[:len(params)], grads[len(params):]
+
+        self.pull = pull
         self._forward = jax.jit(forward)
         self._backward = jax.jit(backward)
         self.n_tensors = n_tensors

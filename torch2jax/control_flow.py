@@ -41,7 +41,7 @@ from . import dispatch as _dispatch
 from . import gradcut as _gradcut
 from . import tensor as _tensor
 from .env import default_rng as _rng
-from .interop import _torch_context
+from .interop import _torch_context, differentiable_vjp, torch_pullback, zero_cotangent
 from .jit import _Capture, _find_roots, _Retrace
 from .tensor import Tensor, jax_array, new_tensor
 
@@ -272,17 +272,20 @@ class _Program(torch.autograd.Function):
 
         with jax.enable_x64(True):
             outs, ctx.vjp = jax.vjp(primal, *[a for a, m in zip(arrays, diff) if m])
+        ctx.primal = primal
         ctx.avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
         return tuple(new_tensor(o) for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        cot = [jax.numpy.zeros(a.shape, a.dtype) if g is None else _value(g) for g, a in zip(grads, ctx.avals)]
-        with jax.enable_x64(True):
-            got = iter(ctx.vjp(cot))
-        out = [new_tensor(next(got)) if m else None for m in ctx.diff]
-        return (None, *_gradcut.once_differentiable("t2j's control flow (scan, cond, checkpoint)", out,
-                                                    (*ctx.inputs, *grads)))
+        if _gradcut.creates_graph((*ctx.inputs, *grads)):
+            got = iter(differentiable_vjp(lambda ps, cs: jax.vjp(ctx.primal, *ps)[1](cs), ctx.inputs, grads,
+                                          ctx.avals))
+        else:
+            cot = [zero_cotangent(a) if g is None else _value(g) for g, a in zip(grads, ctx.avals)]
+            with jax.enable_x64(True):
+                got = iter(new_tensor(g) for g in torch_pullback(lambda _, c: ctx.vjp(c), None, cot))
+        return (None, *[next(got) if m else None for m in ctx.diff])
 
 
 def _apply(run, tensors):

@@ -298,7 +298,8 @@ _apply.__doc__ = _function_apply.__doc__
 
 class _Refusing(torch.autograd.Function):
     """Gradients a backward computed in JAX, as the outputs of a node whose own backward
-    raises: torch records no graph of how they were computed."""
+    raises: torch records no graph of how they were computed. Used where the backward cannot
+    be one JAX function of the node's inputs (`interop.differentiable_vjp`)."""
 
     @staticmethod
     def forward(ctx, name, n, *tensors):
@@ -315,6 +316,12 @@ class _Refusing(torch.autograd.Function):
         )
 
 
+def creates_graph(inputs) -> bool:
+    """Whether the backward running now must record how its gradients depend on ``inputs``
+    (its saved inputs and incoming gradients): ``create_graph=True`` with one requiring grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+
+
 def once_differentiable(name, grads, inputs):
     """``grads`` (the results of a backward that computed them in JAX) as they are, or, under
     ``create_graph=True`` where they depend on ``inputs`` that require grad, as outputs of a
@@ -323,11 +330,9 @@ def once_differentiable(name, grads, inputs):
 
     >>> return (None, *once_differentiable("t2j.jit", grads, (*ctx.inputs, *grad_outputs)))
     """
-    if not torch.is_grad_enabled():
-        return grads
     needs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     present = [g for g in grads if g is not None]
-    if not needs or not present:
+    if not creates_graph(inputs) or not present:
         return grads
     refused = iter(_Refusing.apply(name, len(present), *present, *needs))
     return tuple(None if g is None else next(refused) for g in grads)

@@ -128,23 +128,56 @@ def _differentiable(x):
     return isinstance(x, torch.Tensor) and x.requires_grad and (x.is_floating_point() or x.is_complex())
 
 
+def _conj(arrays):
+    return [a.conj() if a is not None and jax.numpy.iscomplexobj(a) else a for a in arrays]
+
+
+def torch_pullback(pull, primals, cotangents):
+    """``pull(primals, cotangents)``, a VJP in JAX's convention, taking and giving gradients in
+    torch's: for a complex value, torch's gradient is the conjugate of JAX's cotangent."""
+    return _conj(pull(primals, _conj(cotangents)))
+
+
+def zero_cotangent(aval):
+    """The cotangent of an output no gradient reached: zeros, of JAX's ``float0`` for an integer one."""
+    if jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
+        return jax.numpy.zeros(aval.shape, aval.dtype)
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+def differentiable_vjp(pull, primals, grads, avals):
+    """The gradients a torch2jax Function's backward returns for ``primals``, computed as
+    `call_jax` of its VJP ``pull(primal_arrays, cotangent_arrays)`` (JAX's convention), so that
+    a second backward differentiates them again in JAX, and a third, to any order.
+
+    A backward under ``create_graph=True`` (`gradcut.creates_graph`) uses it in place of
+    its first-order VJP, e.g. a gradient penalty through a compiled forward::
+
+        if _gradcut.creates_graph((*ctx.inputs, *grads)):
+            return (None, *differentiable_vjp(lambda ps, cs: jax.vjp(f, *ps)[1](cs), ctx.inputs, grads,
+                                              ctx.avals))
+    """
+    cotangents = [zero_cotangent(a) if g is None else g for g, a in zip(grads, avals)]
+    return list(call_jax(lambda ps, cs: torch_pullback(pull, ps, cs), list(primals), cotangents))
+
+
 class _JaxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, *tensors):
-        outs, ctx.vjp, ctx.out_avals = run(*tensors)
-        ctx.inputs = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    def forward(ctx, call, *tensors):
+        with jax.enable_x64(True):
+            outs, ctx.vjp = jax.vjp(call, *[_to_jax(t) for t in tensors])
+        ctx.call, ctx.inputs = call, tensors
+        ctx.out_avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
         return tuple(new_tensor(o) for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        cotangents = list(
-            g._value() if isinstance(g, Tensor) else (jax.numpy.zeros(a.shape, a.dtype) if g is None else jax_array(g))
-            for g, a in zip(grads, ctx.out_avals)
-        )
+        if _gradcut.creates_graph((*ctx.inputs, *grads)):
+            return (None, *differentiable_vjp(lambda ps, cs: jax.vjp(ctx.call, *ps)[1](cs), ctx.inputs, grads,
+                                              ctx.out_avals))
+        cotangents = [zero_cotangent(a) if g is None else _to_jax(g) for g, a in zip(grads, ctx.out_avals)]
         with jax.enable_x64(True):
-            in_grads = ctx.vjp(cotangents)
-        return (None, *_gradcut.once_differentiable("call_jax", [new_tensor(g) for g in in_grads],
-                                                    (*ctx.inputs, *grads)))
+            return (None, *[new_tensor(g) for g in torch_pullback(lambda _, c: ctx.vjp(c), None, cotangents)])
 
 
 def call_jax(jax_fn, *args, **kwargs):
@@ -175,12 +208,7 @@ def call_jax(jax_fn, *args, **kwargs):
             flat = call(*[arrays[i] for i in diff])
         return jax.tree_util.tree_unflatten(out_tree["def"], [_to_torch(o) for o in flat])
 
-    def run(*tensors):
-        with jax.enable_x64(True):
-            outs, vjp = jax.vjp(call, *[arrays[i] for i in diff])
-        return outs, vjp, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
-
-    outs = _JaxFunction.apply(run, *[leaves[i] for i in diff])
+    outs = _JaxFunction.apply(call, *[leaves[i] for i in diff])
     return jax.tree_util.tree_unflatten(out_tree["def"], list(outs))
 
 

@@ -78,6 +78,8 @@ from . import gradcut as _gradcut
 from . import symbolic as _sym
 from . import tensor as _tensor
 from .dispatch import OpError
+from .interop import differentiable_vjp as _differentiable_vjp
+from .interop import torch_pullback as _torch_pullback
 from .tensor import Tensor, jax_array, new_tensor
 
 log = logging.getLogger("torch2jax.jit")
@@ -1630,7 +1632,7 @@ class _Differentiable:
         program, diff, grad_outs = entry.program, [i for i, _ in entry.diff], entry.grad_outs
         self.forward = jax.jit(program)
 
-        def vjp(inputs, lrs, key, cotangents):
+        def pull(inputs, lrs, key, wrt, cotangents):
             def outputs(wrt):
                 xs = list(inputs)
                 for i, a in zip(diff, wrt):
@@ -1638,11 +1640,13 @@ class _Differentiable:
                 outs = program(xs, lrs, key)[1]
                 return [outs[k] for k in grad_outs]
 
-            _, pull = jax.vjp(outputs, [inputs[i] for i in diff])
-            # torch's gradient of a complex value is the conjugate of JAX's cotangent
-            cotangents = [c.conj() if jax.numpy.iscomplexobj(c) else c for c in cotangents]
-            return [g.conj() if jax.numpy.iscomplexobj(g) else g for g in pull(cotangents)[0]]
+            return jax.vjp(outputs, wrt)[1](cotangents)[0]
 
+        def vjp(inputs, lrs, key, cotangents):
+            return _torch_pullback(lambda wrt, c: pull(inputs, lrs, key, wrt, c), [inputs[i] for i in diff],
+                                   cotangents)
+
+        self.pull = pull
         self.vjp = jax.jit(vjp)
 
 
@@ -1676,7 +1680,7 @@ class _DifferentiableCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, *tensors):
-        ctx.call = call
+        ctx.call, ctx.tensors = call, tensors
         ctx.inputs = [t for t in tensors if t.requires_grad]
         outs = [new_tensor(o) for o in call.forward()]
         grad_outs = set(call.entry.grad_outs)
@@ -1685,6 +1689,14 @@ class _DifferentiableCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        call = ctx.call
+        # a view's gradient (its storage's, narrowed by the chain) is not one JAX function of the
+        # view: through those, a second backward is refused rather than differentiated
+        if _gradcut.creates_graph((*ctx.inputs, *grads)) and not any(call.chains):
+            pull = functools.partial(call.entry.differentiable.pull, call.inputs, call.lrs, call.key)
+            return (None, *_differentiable_vjp(pull, ctx.tensors, [grads[k] for k in call.entry.grad_outs],
+                                               [jax.ShapeDtypeStruct(call.outs[k].shape, call.outs[k].dtype)
+                                                for k in call.entry.grad_outs]))
         with torch.no_grad():
             out = [new_tensor(functools.reduce(lambda a, step: step.forward(a), chain, g))
                    for g, chain in zip(ctx.call.backward(grads), ctx.call.chains)]
