@@ -521,3 +521,15 @@ def test_scanned_body_writing_a_closed_over_tensor_carries_it():
     expected = sum(xs[i] * (i + 1) for i in range(4))
     assert counter.item() == 4
     torch.testing.assert_close(total.cpu(), expected)
+
+
+def test_checkpoint_complex_gradient_in_torch_convention():
+    z_cpu = torch.tensor([1 + 2j, 3 - 1j], requires_grad=True)
+    z = z_cpu.detach().to("jax").requires_grad_()
+
+    def f(v):
+        return (v.abs() ** 2 * torch.tensor([1.0, 2.0], device=v.device) + v.real).sum()
+
+    f(z_cpu).backward()
+    t2j.checkpoint(f)(z).backward()
+    torch.testing.assert_close(z.grad.cpu(), z_cpu.grad)
