@@ -995,6 +995,27 @@ def test_plain_module_attributes_are_guarded():
     assert run.stats["traces"] == 3  # the last settings come back: cached
 
 
+def test_cpu_tensor_module_attributes_are_guarded():
+    # module.to("jax") leaves plain tensor attributes on the CPU; a trace reads their values
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+            self.scale, self.offset = torch.tensor(2.0), torch.zeros(3)
+
+        def forward(self, x):
+            return self.lin(x) * self.scale + self.offset.to(x.device)
+
+    m = Scaled().to("jax")
+    run = t2j.jit(lambda x: m(x))
+    x = torch.randn(2, 3, device="jax")
+    for change in (lambda: None, lambda: m.scale.fill_(3.0), lambda: m.offset.add_(1.0),
+                   lambda: setattr(m, "scale", torch.tensor(-1.0))):
+        change()
+        torch.testing.assert_close(run(x).cpu(), m(x).cpu())
+    assert run.stats["traces"] == 4
+
+
 def test_deleting_a_module_attribute_retraces():
     m = torch.nn.Linear(3, 1).to("jax")
     m.scale = 2.0

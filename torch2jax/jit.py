@@ -125,6 +125,8 @@ class _Roots:
                 # an optimizer stepped by a parameter's hook ("optimizer step in backward")
                 for hook in _parameter_hooks(obj):
                     self.add(hook, depth)
+                for t in _cpu_attributes(obj):
+                    self.add(t, depth)
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
             if _optimizer_on_jax(obj):
@@ -595,6 +597,22 @@ def _sorted_keys(st: dict) -> tuple:
     if order is None:
         order = _KEY_ORDER[keys] = tuple(sorted(keys))
     return order
+
+
+_CPU_ATTRIBUTES_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (writes, tensors)
+
+
+def _cpu_attributes(module) -> list:
+    """The CPU tensors that ``module`` and its submodules hold as plain attributes
+    (``self.scale = torch.tensor(2.0)``, which ``module.to("jax")`` leaves on the CPU): a
+    trace reads their values, so they are guarded as closed-over CPU tensors are (an
+    in-place ``fill_`` retraces). Read again only after an attribute write (`_ATTRIBUTE_WRITES`)."""
+    seen = _CPU_ATTRIBUTES_SEEN.get(module)
+    if seen is None or seen[0] != _ATTRIBUTE_WRITES[0]:
+        tensors = [v for sub in _submodules(module) for v in sub.__dict__.values()
+                   if isinstance(v, torch.Tensor) and not isinstance(v, Tensor)]
+        seen = _CPU_ATTRIBUTES_SEEN[module] = (_ATTRIBUTE_WRITES[0], tensors)
+    return seen[1]
 
 
 class _Walk:
