@@ -329,3 +329,65 @@ def test_reentrant_checkpoint_replays_dropout_masks_under_jit():
     x = (torch.rand(64) + 1).to("jax").requires_grad_()
     y, grad = t2j.jit(step)(x)
     torch.testing.assert_close(grad.cpu(), (2 * y / x).detach().cpu())
+
+
+_SAMPLERS = {
+    "randn": lambda d, dt: torch.randn(2, dtype=dt, device=d),
+    "rand": lambda d, dt: torch.rand(2, dtype=dt, device=d),
+    "uniform_": lambda d, dt: torch.empty(2, dtype=dt, device=d).uniform_(),
+    "normal_": lambda d, dt: torch.empty(2, dtype=dt, device=d).normal_(),
+    "normal": lambda d, dt: torch.normal(torch.zeros(2, dtype=dt, device=d), 1.0),
+    "exponential_": lambda d, dt: torch.empty(2, dtype=dt, device=d).exponential_(),
+    "cauchy_": lambda d, dt: torch.empty(2, dtype=dt, device=d).cauchy_(),
+    "log_normal_": lambda d, dt: torch.empty(2, dtype=dt, device=d).log_normal_(),
+    "geometric_": lambda d, dt: torch.empty(2, dtype=dt, device=d).geometric_(0.5),
+    "bernoulli_": lambda d, dt: torch.empty(2, dtype=dt, device=d).bernoulli_(0.5),
+    "random_": lambda d, dt: torch.empty(2, dtype=dt, device=d).random_(),
+    "random_(-1, 3)": lambda d, dt: torch.empty(2, dtype=dt, device=d).random_(-1, 3),
+    "random_(-300)": lambda d, dt: torch.empty(2, dtype=dt, device=d).random_(-300, None),
+    "randint(0, 300)": lambda d, dt: torch.randint(0, 300, (2,), dtype=dt, device=d),
+    "randint(0, 2**40)": lambda d, dt: torch.randint(0, 2**40, (2,), dtype=dt, device=d),
+    "randint_like(0, 1000)": lambda d, dt: torch.randint_like(torch.zeros(2, dtype=dt, device=d), 0, 1000),
+    "randperm(3)": lambda d, dt: torch.randperm(3, dtype=dt, device=d),
+    "randperm(200)": lambda d, dt: torch.randperm(200, dtype=dt, device=d),
+    "randperm(3000)": lambda d, dt: torch.randperm(3000, dtype=dt, device=d),
+}
+
+
+def _outcome(fn):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the error is the outcome compared
+            return type(e).__name__, str(e), []
+    return None, None, sorted({str(w.message).split(" (Triggered")[0] for w in caught})
+
+
+@pytest.mark.parametrize("name", sorted(_SAMPLERS))
+def test_sampling_errors_and_range_checks_match_torch(name):
+    # an unsupported dtype raises torch's error type; a range a dtype cannot hold raises instead
+    # of wrapping around; a float type too narrow for the integers warns
+    for dtype in (torch.int64, torch.int32, torch.uint8, torch.int8, torch.bool, torch.float16, torch.bfloat16,
+                  torch.float32, torch.complex64):
+        expected = _outcome(lambda: _SAMPLERS[name]("cpu", dtype))
+        assert _outcome(lambda: _SAMPLERS[name]("jax", dtype)) == expected, dtype
+
+
+@pytest.mark.parametrize("form", ["Tensor_float", "Tensor_Tensor"])
+def test_normal_with_a_complex_mean(form):
+    mean = torch.full((20000,), 1 + 2j, dtype=torch.complex64, device="jax")
+    out = torch.normal(mean, 2.0) if form == "Tensor_float" else torch.normal(mean, torch.full((20000,), 2.0, device="jax"))
+    assert out.dtype == torch.complex64
+    # torch splits the variance evenly: each part has std 2 / sqrt(2)
+    np.testing.assert_allclose([out.real.mean().item(), out.imag.mean().item()], [1, 2], atol=0.05)
+    np.testing.assert_allclose([out.real.std().item(), out.imag.std().item()], [math.sqrt(2)] * 2, rtol=0.03)
+
+
+@pytest.mark.parametrize("std", [-1.0, float("nan")])
+def test_normal_rejects_a_negative_or_nan_std_tensor(std):
+    for d in ("cpu", "jax"):
+        with pytest.raises(RuntimeError, match="normal expects all elements of std >= 0.0"):
+            torch.normal(torch.zeros(3, device=d), torch.tensor([1.0, std, 1.0], device=d))

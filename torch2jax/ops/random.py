@@ -10,6 +10,7 @@ torch.
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import torch
 from .. import dtypes as _dt
 from ..env import next_key
 from .creation import jax_dtype
-from .registry import check_values, decomposition, register
+from .registry import check_values, decomposition, register, scalar_type_name
 
 aten = torch.ops.aten
 
@@ -39,9 +40,33 @@ def _sample_dtype(dtype):
     return np.dtype(np.float32) if dtype in _HALF else dtype
 
 
-def _require_float(what, dtype):
-    if not (_dt.is_floating(dtype) or _dt.is_complex(dtype)):
-        raise RuntimeError(f'"{what}" not implemented for \'{str(_dt.to_torch(dtype)).removeprefix("torch.")}\'')
+def _unsupported(kernel, dtype):
+    """torch's error for a sampling kernel without an instance for ``dtype``."""
+    return NotImplementedError(f"\"{kernel}\" not implemented for '{scalar_type_name(dtype)}'")
+
+
+def _require_float(kernel, dtype, complex_ok=True):
+    if not (_dt.is_floating(dtype) or (complex_ok and _dt.is_complex(dtype))):
+        raise _unsupported(kernel, dtype)
+
+
+# torch's C++ names of its element types, which some of its sampling errors print
+_C_TYPE_NAMES = {torch.uint8: "unsigned char", torch.int8: "signed char", torch.int16: "short int",
+                 torch.int32: "int", torch.int64: "long int", torch.bool: "bool", torch.float16: "c10::Half",
+                 torch.bfloat16: "c10::BFloat16", torch.float32: "float", torch.float64: "double",
+                 torch.complex32: "c10::complex<c10::Half>", torch.complex64: "c10::complex<float>",
+                 torch.complex128: "c10::complex<double>"}
+
+
+def _c_type_name(dtype) -> str:
+    t = _dt.to_torch(dtype)
+    return _C_TYPE_NAMES.get(t, str(t).removeprefix("torch."))
+
+
+def _continuous_only(name, dtype, type_name):
+    if not _dt.is_floating(dtype):
+        raise RuntimeError(f"{name} distribution is a continuous probability distribution. dtype must be a "
+                           f"floating point but you specified {type_name(dtype)}")
 
 
 def _real_shape(shape, dtype):
@@ -93,27 +118,46 @@ def normal_functional(x, mean=0.0, std=1.0, *, generator=None):
     return _as_result(mean + std * z, x.dtype)
 
 
+def _standard_normal(generator, shape, dtype):
+    """Standard normal samples as ``dtype``'s sampling type; a complex one has independent
+    real and imaginary parts of variance 1/2 each, as torch's."""
+    if not _dt.is_complex(dtype):
+        return _normal(generator, shape, dtype)
+    z = _normal(generator, _real_shape(shape, dtype), dtype) / np.sqrt(2).astype(_sample_dtype(dtype))
+    return jax.lax.complex(z[..., 0], z[..., 1])
+
+
+def _check_std_tensor(std):
+    if _dt.is_complex(std.dtype):
+        raise RuntimeError("normal expects standard deviation to be non-complex")
+    check_values(std, lambda v: ~(v >= 0), lambda v: RuntimeError("normal expects all elements of std >= 0.0"))
+
+
+def _normal_around(generator, mean, std, shape, dtype):
+    """``mean + std * z`` for standard normal ``z`` of ``shape``, computed in ``dtype``'s sampling type."""
+    z = _standard_normal(generator, shape, dtype)
+    return (jnp.asarray(mean).astype(z.dtype) + jnp.asarray(std).astype(z.real.dtype) * z).astype(dtype)
+
+
 @register(aten.normal.Tensor_float)
 def normal_tensor_float(mean, std=1.0, *, generator=None):
     _require_float("normal_kernel_cpu", mean.dtype)
     _check_std(std)
-    z = _normal(generator, mean.shape, mean.dtype)
-    return (mean.astype(z.dtype) + std * z).astype(mean.dtype)
+    return _normal_around(generator, mean, std, mean.shape, mean.dtype)
 
 
 @register(aten.normal.float_Tensor)
 def normal_float_tensor(mean, std, *, generator=None):
     _require_float("normal_kernel_cpu", std.dtype)
-    z = _normal(generator, std.shape, std.dtype)
-    return (mean + std.astype(z.dtype) * z).astype(std.dtype)
+    _check_std_tensor(std)
+    return _normal_around(generator, mean, std, std.shape, std.dtype)
 
 
 @register(aten.normal.Tensor_Tensor)
 def normal_tensor_tensor(mean, std, *, generator=None):
     _require_float("normal_kernel_cpu", mean.dtype)
-    shape = jnp.broadcast_shapes(mean.shape, std.shape)
-    z = _normal(generator, shape, mean.dtype)
-    return (mean.astype(z.dtype) + std.astype(z.dtype) * z).astype(mean.dtype)
+    _check_std_tensor(std)
+    return _normal_around(generator, mean, std, jnp.broadcast_shapes(mean.shape, std.shape), mean.dtype)
 
 
 @register(aten.normal.float_float)
@@ -161,11 +205,7 @@ def uniform(x, low=0.0, high=1.0, *, generator=None):
 
 @register(aten.exponential.default)
 def exponential(x, lambd=1.0, *, generator=None):
-    if not _dt.is_floating(x.dtype):
-        raise RuntimeError(
-            "Exponential distribution is a continuous probability distribution. dtype must be a floating point "
-            f"but you specified {str(_dt.to_torch(x.dtype)).removeprefix('torch.').capitalize()}"
-        )
+    _continuous_only("Exponential", x.dtype, scalar_type_name)
     if lambd <= 0:
         raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={lambd}")
     e = jax.random.exponential(next_key(generator), x.shape, _sample_dtype(x.dtype))
@@ -174,7 +214,7 @@ def exponential(x, lambd=1.0, *, generator=None):
 
 @register(aten.cauchy.default)
 def cauchy(x, median=0.0, sigma=1.0, *, generator=None):
-    _require_float("cauchy_cpu", x.dtype)
+    _continuous_only("Cauchy", x.dtype, _c_type_name)
     if sigma <= 0:
         raise RuntimeError(f"cauchy_ expects sigma > 0.0, but found sigma={sigma}")
     u = _uniform(generator, x.shape, x.dtype)
@@ -183,7 +223,7 @@ def cauchy(x, median=0.0, sigma=1.0, *, generator=None):
 
 @register(aten.log_normal.default)
 def log_normal(x, mean=1.0, std=2.0, *, generator=None):
-    _require_float("log_normal_cpu", x.dtype)
+    _require_float("log_normal_cpu", x.dtype, complex_ok=False)
     if std <= 0:
         raise RuntimeError(f"log_normal_ expects std > 0.0, but found std={std}")
     return jnp.exp(mean + std * _normal(generator, x.shape, x.dtype)).astype(x.dtype)
@@ -231,6 +271,8 @@ def bernoulli(p, *, generator=None):
 
 @register(aten.bernoulli.p)
 def bernoulli_p(x, p, *, generator=None):
+    if _dt.is_complex(x.dtype):
+        raise _unsupported("bernoulli_scalar_cpu_", x.dtype)
     _probability(p)
     return (_uniform(generator, x.shape, np.float32) < p).astype(x.dtype)
 
@@ -266,6 +308,8 @@ def rrelu_with_noise(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, gen
 
 @register(aten.geometric.default)
 def geometric(x, p, *, generator=None):
+    if x.dtype == np.bool_ or _dt.is_complex(x.dtype):
+        raise _unsupported("geometric_cpu", x.dtype)
     if not 0 < p < 1:
         raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={p}")
     dt = np.dtype(np.float64 if x.dtype == np.float64 else np.float32)
@@ -321,17 +365,42 @@ def random_to(x, to, *, generator=None):
 
 @register(getattr(aten.random, "from"))
 def random_from(x, low, high, *, generator=None):
-    _require_random_dtype(x.dtype)
     if high is None:
+        if _dt.is_complex(x.dtype):
+            raise RuntimeError("random_from_to_impl handles only integral, floating-point and boolean types")
         high = _dtype_max(x.dtype) + 1
     elif low >= high:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    _check_range(low, high - 1, x.dtype)
     return _integers(generator, x.shape, low, high, x.dtype)
 
 
 def _require_random_dtype(dtype):
     if _dt.is_complex(dtype):
-        raise RuntimeError("random_ is not implemented for complex tensors")
+        raise _unsupported("random_kernel_cpu", dtype)
+
+
+def _check_range(low, high_inclusive, dtype):
+    """torch's check that [low, high_inclusive] holds values of ``dtype`` (the sample would wrap
+    around otherwise), warning where a float type cannot tell consecutive integers apart."""
+    if _dt.is_complex(dtype):
+        raise RuntimeError("check_random_bounds handles only integral, floating-point and boolean types")
+    if _dt.is_floating(dtype):
+        info = jnp.finfo(dtype)
+        lowest, highest = -float(info.max), float(info.max)
+    else:
+        lowest, highest = (0, 1) if dtype == np.bool_ else (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+    for value, what in ((low, "from"), (high_inclusive, "to - 1")):
+        if not lowest <= value <= highest:
+            raise RuntimeError(f"{what} is out of bounds for {_c_type_name(dtype)}")
+    if _dt.is_floating(dtype):
+        digits = jnp.finfo(dtype).nmant + 1
+        for value, what in ((low, "from"), (high_inclusive, "to - 1")):
+            if not -(2**digits) <= value <= 2**digits:
+                warnings.warn(f"{what} is out of bounds [-(2^{digits}), 2^{digits}]. Due to precision limitations "
+                              f"{_c_type_name(dtype)} can support discrete uniform distribution only within this "
+                              "range. This warning will become an error in version 1.7 release, please fix the "
+                              "code in advance")
 
 
 @register(aten.randint.default, aten.randint.generator)
@@ -343,7 +412,9 @@ def randint(high, size, *, generator=None, dtype=None, layout=None, device=None,
 def randint_low(low, high, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
     if low >= high:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
-    return _integers(generator, _size(size), low, high, jax_dtype(dtype, np.int64))
+    dtype = jax_dtype(dtype, np.int64)
+    _check_range(low, high - 1, dtype)
+    return _integers(generator, _size(size), low, high, dtype)
 
 
 @register(aten.randint_like.default, aten.randint_like.generator, aten.randint_like.Tensor,
@@ -362,14 +433,26 @@ def randint_like_low(x, low, high, *, generator=None, dtype=None, layout=None, d
         high = int(high)
     if low >= high:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
-    return _integers(generator, x.shape, low, high, jax_dtype(dtype, x.dtype))
+    dtype = jax_dtype(dtype, x.dtype)
+    _check_range(low, high - 1, dtype)
+    return _integers(generator, x.shape, low, high, dtype)
 
 
 @register(aten.randperm.default, aten.randperm.generator)
 def randperm(n, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
     if n < 0:
         raise RuntimeError(f"randperm: n must be non-negative, got {n}")
-    return jax.random.permutation(next_key(generator), n).astype(jax_dtype(dtype, np.int64))
+    dtype = jax_dtype(dtype, np.int64)
+    if dtype == np.bool_ or _dt.is_complex(dtype):
+        raise _unsupported("randperm", dtype)
+    if _dt.is_integral(dtype) and n - 1 > np.iinfo(dtype).max:
+        raise RuntimeError(f"value cannot be converted to type {np.dtype(dtype).name}_t without overflow")
+    # torch's limits: beyond them a float type would repeat values
+    limit = {np.dtype(jnp.float16): (2**11 + 1, "2049"), np.dtype(np.float32): (2**24 + 1, "2^24+1"),
+             np.dtype(np.float64): (2**53 + 1, "2^53+1")}.get(np.dtype(dtype))
+    if limit is not None and n > limit[0]:
+        raise RuntimeError(f"n cannot be greater than {limit[1]} for {scalar_type_name(dtype)} type.")
+    return jax.random.permutation(next_key(generator), n).astype(dtype)
 
 
 @register(aten.multinomial.default)
