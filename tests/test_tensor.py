@@ -384,6 +384,31 @@ def test_copy_copy_shares_the_storage_as_torch(device):
     assert isinstance(q, torch.nn.Parameter) and q.requires_grad and p.tolist() == [3.0, 3.0]
 
 
+def _through(how, t):
+    import copy
+
+    if how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+    return {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": lambda x: pickle.loads(pickle.dumps(x))}[how](t)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle", "torch.save"])
+def test_python_attributes_of_tensors_and_parameters_as_torch(how):
+    # e.g. p.no_weight_decay = True read by an optimizer factory after deepcopying the model;
+    # torch's Parameter.__deepcopy__ alone drops them
+    def attributes(device):
+        t, p = torch.ones(2, device=device), torch.nn.Parameter(torch.ones(2, device=device))
+        t.tag, p.tp = [5], "col"
+        t2, p2 = _through(how, t), _through(how, p)
+        return getattr(t2, "tag", None), getattr(p2, "tp", None), isinstance(p2, torch.nn.Parameter), p2.device.type
+
+    expected = attributes("cpu")
+    assert attributes("jax") == expected[:3] + ("jax",)
+
+
 def test_deepcopy_of_a_non_leaf_raises_like_torch():
     import copy
 

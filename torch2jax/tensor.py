@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import copy
+
 import functools
 import math
 import multiprocessing.reduction
@@ -476,6 +478,7 @@ class Tensor(torch.Tensor):
         out.requires_grad_(self.requires_grad)
         if getattr(self, "_is_param", False):
             out._is_param = True
+        out.__dict__.update(user_attributes(self))
         return out
 
     def __deepcopy__(self, memo):
@@ -503,6 +506,8 @@ class Tensor(torch.Tensor):
         elif self.grad is not None:
             out.grad = self.grad.__deepcopy__(memo)
         memo[id(self)] = out
+        if not getattr(self, "_is_param", False):  # torch's Parameter.__deepcopy__ drops them
+            out.__dict__.update(copy.deepcopy(user_attributes(self), memo))
         return out
 
     def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=torch.Tensor):
@@ -700,8 +705,17 @@ def reduce_as_cpu(t: Tensor, base: torch.Tensor, meta, protocol):
     (`_rebuild_tensor_v2`), sharing its storage with the other views saved with it."""
     cpu = base.as_strided(*meta)
     if getattr(t, "_is_param", False):
-        return torch.nn.Parameter(cpu, t.requires_grad).__reduce_ex__(protocol)
-    return cpu.requires_grad_(t.requires_grad).__reduce_ex__(protocol)
+        cpu = torch.nn.Parameter(cpu, t.requires_grad)
+    else:
+        cpu.requires_grad_(t.requires_grad)
+    cpu.__dict__.update(user_attributes(t))  # torch pickles a tensor's attributes with it
+    return cpu.__reduce_ex__(protocol)
+
+
+def user_attributes(t: Tensor) -> dict:
+    """The attributes a program set on jax tensor ``t`` (``p.no_decay = True``), which torch
+    keeps through copy, deepcopy and pickling; not torch2jax's own."""
+    return {k: v for k, v in t.__dict__.items() if not k.startswith("_t2j_") and k != "_is_param"}
 
 
 def _is_view_of(t: Tensor, base: torch.Tensor, meta) -> bool:
