@@ -581,3 +581,26 @@ def test_result_layout_under_jit_and_autograd():
     assert stride == (1, 4)
     out.sum().backward()
     torch.testing.assert_close(x.grad.cpu(), 2 * (1 - torch.tanh(x.detach().cpu()) ** 2))
+
+
+def _strided_layouts(d):
+    out = []
+    x = torch.empty_strided((2, 3), (1, 4), device=d)  # gaps: storage of 10 elements
+    out.append((x.untyped_storage().nbytes(), x.as_strided((10,), (1,)).shape))
+    y = torch.empty_strided((3, 3), (1, 1), device=d)  # overlaps: y[0, 1] is y[1, 0]
+    y.zero_()
+    y[0, 1] = 5
+    out.append((y[1, 0].item(), y.untyped_storage().nbytes(), y.stride()))
+    z = torch.empty_strided((4,), (2,), device=d).fill_(1)
+    out.append((z.untyped_storage().nbytes(), z.stride(), z.sum().item()))
+    w = torch.empty_strided((2, 0, 3), (5, 7, 1), device=d)
+    n = torch.ones(2, device=d).new_empty_strided((2, 2), (3, 1))
+    out.append((w.untyped_storage().nbytes(), w.stride(), n.untyped_storage().nbytes(), n.stride()))
+    r = torch.zeros(1, device=d).resize_(2, 3, 4, 5, memory_format=torch.channels_last)
+    r2 = torch.arange(120.0, device=d).reshape(2, 3, 4, 5).resize_(2, 3, 4, 5, memory_format=torch.channels_last)
+    out.append((r.stride(), r2.stride(), r2[0, 1, 0, :3].tolist()))
+    return out
+
+
+def test_empty_strided_with_gaps_or_overlaps_and_resize_memory_format():
+    assert _strided_layouts("jax") == _strided_layouts("cpu")

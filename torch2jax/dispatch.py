@@ -708,13 +708,18 @@ def _channels_last_of(operands, res):
 
 
 def _laid_out(t, strides):
-    if not isinstance(t, Tensor) or strides is None or t.dim() < 2 or tuple(strides) == t.stride():
+    if not isinstance(t, Tensor) or strides is None or tuple(strides) == t.stride():
         return t
-    perm = _tensor.dense_order(tuple(t.shape), strides)
-    if perm is None:
-        return t  # not a permutation of a dense layout (torch's result has gaps)
-    base = new_tensor(jax.numpy.transpose(t._value(), perm), requires_grad=False)
-    return dispatch(aten.permute.default, (base, list(np.argsort(perm))), {})
+    shape = tuple(t.shape)
+    perm = _tensor.dense_order(shape, strides) if t.dim() >= 2 else None
+    if perm is not None:
+        base = new_tensor(jax.numpy.transpose(t._value(), perm), requires_grad=False)
+        return dispatch(aten.permute.default, (base, list(np.argsort(perm))), {})
+    # gaps or overlaps: the storage torch allocates (one past the furthest element), seen
+    # through those strides, so that overlapping elements are one
+    extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    flat = new_tensor(jax.numpy.zeros((extent,), t._value().dtype), requires_grad=False)
+    return dispatch(aten.as_strided.default, (flat, shape, tuple(strides), 0), {})
 
 
 def _decomposition_handler(decomp):
@@ -1650,16 +1655,22 @@ def _resize_handler(func, args, kwargs):
     (torch leaves them uninitialized), and other views of the old storage no longer see
     its writes."""
     x, size = args[0], tuple(args[1])
-    if tuple(x.shape) == size:
-        return x
+    memory_format = args[2] if len(args) > 2 else kwargs.get("memory_format")
+    if memory_format in (None, torch.contiguous_format, torch.preserve_format):
+        if tuple(x.shape) == size:
+            return x
+        strides = _tensor._contiguous_strides(size)
+    else:  # channels_last: restrided even where the size stays
+        strides = torch.empty(size, device="meta", memory_format=memory_format).stride()
     offset, numel = x.storage_offset(), math.prod(size)
     capacity = x.untyped_storage().nbytes() // x.element_size()
-    strides = _tensor._contiguous_strides(size)
     if offset + numel <= capacity:
         x._rebind(dispatch(aten.as_strided.default, (x, size, strides, offset), {}))
     else:
         rest = dispatch(aten.as_strided.default, (x, (capacity - offset,), (1,), offset), {})
         x._rebind(dispatch(aten.resize.default, (rest, size), {}))
+        if tuple(strides) != x.stride():
+            x._rebind(dispatch(aten.as_strided.default, (x, size, strides, x.storage_offset()), {}))
     return x
 
 
