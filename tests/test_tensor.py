@@ -419,3 +419,22 @@ def test_deepcopy_of_a_non_leaf_raises_like_torch():
             copy.deepcopy(x)
         messages.append(str(caught.value))
     assert messages[0] == messages[1]
+
+
+def test_untyped_storage_reads_as_torch():
+    import copy
+
+    def reads(device):
+        x = torch.arange(3.0, device=device)
+        s = x.untyped_storage()
+        buf = io.BytesIO()
+        torch.save(x.storage(), buf)
+        buf.seek(0)
+        return (s.cpu().tolist(), s.tolist(), s[6], s[2:6].tolist(), s.clone().nbytes(), copy.deepcopy(s).tolist(),
+                x.storage().cpu().tolist(), torch.load(buf).tolist())
+
+    assert reads("jax") == reads("cpu")
+    x = torch.arange(3.0, device="jax")
+    c = x.untyped_storage().clone()
+    x.add_(1)  # the clone has values of its own
+    assert c.tolist() == torch.arange(3.0).untyped_storage().tolist() and c.device.type == "jax"

@@ -133,6 +133,28 @@ class _StorageHandle(torch.UntypedStorage):
                 "(t.resize_(...)), or drop the tensor to free its memory")
         return self
 
+    def cpu(self):
+        """A CPU ``UntypedStorage`` holding a copy of this storage's bytes."""
+        return torch.UntypedStorage.from_buffer(_storage_bytes(self).tobytes(), dtype=torch.uint8)
+
+    def tolist(self):
+        return _storage_bytes(self).tolist()
+
+    def __getitem__(self, index):
+        return self.cpu()[index]
+
+    def clone(self):
+        """A storage of its own with the same bytes (a jax array is immutable: no copy is made)."""
+        return _StorageHandle(Storage(self._t2j_storage.array))
+
+    def __reduce__(self):
+        # pickled as the CPU storage of its bytes: torch's own reduce of a storage re-enters
+        # torch.save, which does not recognize this subclass as a storage
+        return self.cpu().__reduce__()
+
+    def __deepcopy__(self, memo):
+        return memo.setdefault(id(self), self.clone())
+
     def _write_bytes(self, data):
         st = self._t2j_storage
         array = st.array
