@@ -1016,6 +1016,64 @@ def test_cpu_tensor_module_attributes_are_guarded():
     assert run.stats["traces"] == 4
 
 
+def test_module_hooks_added_or_removed_after_a_trace_retrace():
+    m = torch.nn.Linear(2, 2).to("jax")
+    x = torch.ones(1, 2, device="jax")
+    run = t2j.jit(lambda x: m(x))
+    module_hooks = torch.nn.modules.module
+    changes = [
+        lambda: m.register_forward_hook(lambda mod, i, o: o * 0),
+        lambda: m.register_forward_pre_hook(lambda mod, i: (i[0] * 2,)),
+        lambda: module_hooks.register_module_forward_hook(lambda mod, i, o: o + 1),
+        lambda: module_hooks.register_module_forward_pre_hook(lambda mod, i: (i[0] - 1,)),
+    ]
+    run(x)
+    for change in changes:
+        handle = change()
+        try:
+            torch.testing.assert_close(run(x).cpu(), m(x).cpu())
+        finally:
+            handle.remove()
+        torch.testing.assert_close(run(x).cpu(), m(x).cpu())
+
+
+def test_full_backward_pre_hook_removed_after_a_trace():
+    m = torch.nn.Linear(2, 2).to("jax")
+    x = torch.ones(3, 2, device="jax")
+
+    def step(x):
+        m.zero_grad()
+        m(x).sum().backward()
+        return m.weight.grad.clone()
+
+    run = t2j.jit(step)
+    handle = m.register_full_backward_pre_hook(lambda mod, go: (go[0] * 10,))
+    torch.testing.assert_close(run(x).cpu(), step(x).cpu())
+    handle.remove()
+    torch.testing.assert_close(run(x).cpu(), step(x).cpu())
+
+
+def test_averaged_model_with_its_counter_on_the_cpu():
+    # AveragedModel(model) registers n_averaged on the CPU (device=None), as on CUDA
+    from torch.optim.swa_utils import AveragedModel
+
+    results = []
+    for device in ("cpu", "jax"):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(2, 2).to(device)
+        swa = AveragedModel(m)
+        update = (lambda: swa.update_parameters(m)) if device == "cpu" else t2j.jit(lambda: swa.update_parameters(m))
+        for _ in range(3):
+            with torch.no_grad():
+                m.weight.add_(1.0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                update()
+        results.append((swa.n_averaged.item(), swa.module.weight.detach().cpu()))
+    assert results[0][0] == results[1][0] == 3
+    torch.testing.assert_close(results[1][1], results[0][1])
+
+
 def test_deleting_a_module_attribute_retraces():
     m = torch.nn.Linear(3, 1).to("jax")
     m.scale = 2.0

@@ -571,6 +571,35 @@ def _counting_attribute_writes(method):
 torch.nn.Module.__setattr__ = _counting_attribute_writes(torch.nn.Module.__setattr__)
 torch.nn.Module.__delattr__ = _counting_attribute_writes(torch.nn.Module.__delattr__)
 
+# Bumped by every hook registered or removed (module, global and tensor hooks all return a
+# RemovableHandle): the cache's fast check compares its modules' hooks again only after one.
+_HOOK_CHANGES = [0]
+
+
+def _counting_hook_changes(method):
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        _HOOK_CHANGES[0] += 1
+        return method(self, *args, **kwargs)
+
+    return run
+
+
+torch.utils.hooks.RemovableHandle.__init__ = _counting_hook_changes(torch.utils.hooks.RemovableHandle.__init__)
+torch.utils.hooks.RemovableHandle.remove = _counting_hook_changes(torch.utils.hooks.RemovableHandle.remove)
+
+_MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                      "_global_backward_hooks")
+
+
+def _module_hooks(subs) -> tuple:
+    """The handles of the forward and backward hooks on modules ``subs`` and of the global
+    module hooks: a hook added or removed changes the program (handle ids are never reused)."""
+    g = torch.nn.modules.module
+    return (tuple(tuple(getattr(g, name)) for name in _GLOBAL_HOOK_DICTS),
+            tuple(tuple(tuple(getattr(sub, name)) for name in _MODULE_HOOK_DICTS) for sub in subs))
+
 
 def _submodules(m) -> list:
     """``list(m.modules())``: ``m`` and every module under it, once each, in the same order,
@@ -648,6 +677,7 @@ class _Walk:
             subs = _submodules(m)
             self.static.append((("module", k, "training"), tuple([sub.training for sub in subs])))
             self.static.append((("module", k, "attributes"), _attributes(subs)))
+            self.static.append((("module", k, "hooks"), _module_hooks(subs)))
             for sub in subs:
                 for name, p in sub._parameters.items():
                     if full:
@@ -769,6 +799,21 @@ def _off_device(walk: _Walk) -> int | None:
     return None
 
 
+def _moved_scalar_buffer(origin, t, prefixes) -> bool:
+    """Move a 0-d CPU buffer of a jax module to the jax device, warning once, and say so.
+
+    torch mixes 0-d CPU tensors into other devices' ops, so modules keep counters there
+    (``AveragedModel(model)`` registers ``n_averaged`` on the CPU); a program can update it
+    only on the device."""
+    if origin[0] != "buffer" or t.dim() != 0 or t.device.type != "cpu":
+        return False
+    _, _, sub, name = origin
+    sub._buffers[name] = t.to(_device.NAME)
+    warnings.warn(f"t2j.jit: moved {_slot_name(origin, prefixes)}, a 0-d buffer on the CPU, to the jax device so "
+                  "that the program can update it; register it on the jax device to avoid this")
+    return True
+
+
 def _refuse_off_device(walk: _Walk, i: int, prefixes):
     raise JitError(
         f"t2j.jit: {_slot_name(walk.origins[i], prefixes)} is a tensor on {walk.tensors[i].device}, not on the "
@@ -804,6 +849,7 @@ class _Unchanged:
         self.subs = [sub for m in roots.modules for sub in _submodules(m)]
         self.training = [sub.training for sub in self.subs]
         self.writes, self.attributes = _ATTRIBUTE_WRITES[0], _attributes(self.subs)
+        self.hook_changes, self.hooks = _HOOK_CHANGES[0], _module_hooks(self.subs)
         # the containers themselves, which may be replaced whole (Optimizer.load_state_dict replaces
         # state and param_groups)
         self.holders = [*((sub.__dict__, ("_modules", "_parameters", "_buffers")) for sub in self.subs),
@@ -858,6 +904,10 @@ class _Unchanged:
             if _attributes(self.subs) != self.attributes:
                 return False
             self.writes = _ATTRIBUTE_WRITES[0]
+        if _HOOK_CHANGES[0] != self.hook_changes:
+            if _module_hooks(self.subs) != self.hooks:
+                return False
+            self.hook_changes = _HOOK_CHANGES[0]
         for group, plist, params, n, hyper in self.groups:
             if group["params"] is not plist or len(group) != n or not _same(plist, params):
                 return False
@@ -984,6 +1034,8 @@ def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None =
             if (i := _off_device(walk)) is not None:
                 if not full:  # the full walk names the slot
                     return _collect(args_leaves, roots, full=True, hypers=hypers)
+                if _moved_scalar_buffer(walk.origins[i], walk.tensors[i], prefixes):
+                    return _collect(args_leaves, roots, full=True, memo=memo, hypers=hypers)
                 _refuse_off_device(walk, i, prefixes)
             state = _RootState(walk, roots)
             if memo is not None:
