@@ -1074,6 +1074,52 @@ def test_averaged_model_with_its_counter_on_the_cpu():
     torch.testing.assert_close(results[1][1], results[0][1])
 
 
+_SCALE, _CONFIG, _FLAG = 2.0, {"shift": 1.0}, True
+
+
+def test_python_values_the_function_reads_are_guarded():
+    # as torch.compile guards them: a new value traces again instead of reusing the old constant
+    global _SCALE, _FLAG
+    import types
+
+    cfg = types.SimpleNamespace(scale=2.0, unused=0)
+    k = 1.0
+    run = t2j.jit(lambda x: (x * _SCALE * k * cfg.scale + _CONFIG["shift"]) if _FLAG else -x)
+    x = torch.ones(2, device="jax")
+
+    def expected():
+        return (x * _SCALE * k * cfg.scale + _CONFIG["shift"]) if _FLAG else -x
+
+    try:
+        for change in ("none", "global", "closure", "attribute", "unused", "dict", "flag"):
+            if change == "global":
+                _SCALE = 3.0
+            elif change == "closure":
+                k = 5.0
+            elif change == "attribute":
+                cfg.scale = 4.0
+            elif change == "unused":
+                cfg.unused = 7  # not named by the function: no retrace
+            elif change == "dict":
+                _CONFIG["shift"] = 6.0
+            elif change == "flag":
+                _FLAG = False
+            torch.testing.assert_close(run(x).cpu(), expected().cpu())
+        assert run.stats["traces"] == 6
+        assert "the Python value global _FLAG: True -> False" in t2j.explain_recompiles()[-1]
+    finally:
+        _SCALE, _FLAG, _CONFIG["shift"] = 2.0, True, 1.0
+
+
+def test_a_python_value_changing_every_call_warns():
+    step = 0
+    run = t2j.jit(lambda x: x * step)
+    x = torch.ones(2, device="jax")
+    with pytest.warns(UserWarning, match="compiled again 8 times because Python values it reads changed"):
+        for step in range(9):
+            assert run(x).tolist() == [float(step)] * 2
+
+
 def test_deleting_a_module_attribute_retraces():
     m = torch.nn.Linear(3, 1).to("jax")
     m.scale = 2.0

@@ -96,6 +96,14 @@ class JitError(RuntimeError):
 # ---------------------------------------------------------------------------
 
 
+def _guardable(v) -> bool:
+    """A Python value a trace takes as a constant and a cache key can hold: a number, string,
+    flag, None or enum member, or a short tuple of them."""
+    if v is None or type(v) in (bool, int, float, str) or isinstance(v, enum.Enum):
+        return True
+    return type(v) is tuple and len(v) <= 16 and all(_guardable(x) for x in v)
+
+
 @functools.lru_cache(maxsize=1024)
 def _global_names(code: types.CodeType) -> tuple:
     names = set(code.co_names)
@@ -112,6 +120,9 @@ class _Roots:
         self.modules, self.optimizers, self.tensors = [], [], []
         self.cpu_tensors = []  # read at trace time: guarded by `_guard`, not carried
         self.objects = []  # other objects whose attributes were searched (see _python_state)
+        self.values = []  # (where, cell or globals dict, name): Python values the functions read (`python_values`)
+        self.names = set()  # the global and attribute names the functions' code uses
+        self.unguarded = frozenset()  # values the function itself changes when traced: not guarded
         self._seen = set()
 
     def add(self, obj, depth=0, summarized=False):
@@ -175,17 +186,43 @@ class _Roots:
             return
         self._seen.add(id(fn))
         if fn.__closure__:
-            for cell in fn.__closure__:
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
                 try:
-                    self.add(cell.cell_contents, depth)
+                    value = cell.cell_contents
                 except ValueError:  # an empty cell
-                    pass
+                    continue
+                if _guardable(value):
+                    self.values.append((f"{fn.__qualname__}: {name}", cell, None))
+                self.add(value, depth)
         self.add(fn.__defaults__, depth)
         self.add(fn.__kwdefaults__, depth)
         g = fn.__globals__
-        for name in _global_names(fn.__code__):
+        names = _global_names(fn.__code__)
+        self.names.update(names)
+        for name in names:
             if name in g:
-                self.add(g[name], depth)
+                value = g[name]
+                if _guardable(value) and not name.startswith("__"):
+                    self.values.append((f"global {name}", g, name))
+                self.add(value, depth)
+
+    def python_values(self) -> tuple:
+        """The Python numbers, strings and flags the functions read as constants: closure
+        cells and globals their code names, attributes of the objects they reach that their
+        code names (``cfg.scale``) and the items of dicts they reach (``CONFIG["scale"]``).
+        Each new value traces again, as torch.compile guards on them."""
+        values = [(where, source.cell_contents if name is None else source.get(name))
+                  for where, source, name in self.values]
+        for obj in self.objects:
+            if isinstance(obj, dict):
+                if len(obj) <= 32:
+                    values += [(f"dict item {k!r}", v) for k, v in obj.items() if _guardable(v)]
+            elif not isinstance(obj, list):
+                attrs = vars(obj)
+                values += [(f"{type(obj).__name__}.{k}", attrs[k]) for k in self.names.intersection(attrs)
+                           if _guardable(attrs[k])]
+        return tuple((where, _python_value(v)) for where, v in values
+                     if where not in self.unguarded and _guardable(v))
 
 
 _HOOKS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (registrations, its hooks)
@@ -671,6 +708,7 @@ class _Walk:
             self.add_grad(t, ("captured", i))  # a closed-over leaf's .grad accumulates across calls
         for i, t in enumerate(roots.cpu_tensors):
             self.static.append((("cpu", i, "tensor"), _guard(t)))
+        self.static.append((("python", 0, "values"), roots.python_values()))
         # the loops below run on every call, over every parameter: origins are built only when full
         full, tensors, grads_seen = self.full, self.tensors, self.grads_seen
         for k, m in enumerate(roots.modules):
@@ -844,6 +882,7 @@ class _Unchanged:
     def __init__(self, roots: _Roots, hypers: _Hyperparameters | None):
         self.roots = (*roots.modules, *roots.optimizers, *roots.tensors, *roots.cpu_tensors)
         self.cpu = [_guard(t) for t in roots.cpu_tensors]
+        self.python = roots.python_values()
         self.hypers = hypers
         self.hyper_sets = self._hyper_sets()
         self.subs = [sub for m in roots.modules for sub in _submodules(m)]
@@ -891,6 +930,8 @@ class _Unchanged:
                                         self.roots):
             return False
         if self._hyper_sets() != self.hyper_sets or [_guard(t) for t in roots.cpu_tensors] != self.cpu:
+            return False
+        if roots.python_values() != self.python:
             return False
         if not _same([d.get(k) for d, keys in self.holders for k in keys], self.held):
             return False
@@ -1177,6 +1218,9 @@ def _leaked(fn) -> JitError:
     )
 
 
+# Traces caused by new values of the Python numbers a function reads before t2j.jit warns of them
+_VALUE_RETRACES_BEFORE_WARNING = 8
+
 # Traces in a row that stop at a value-dependent op before a function's new keys run eagerly untraced
 _BREAKS_BEFORE_EAGER = 4
 
@@ -1219,6 +1263,8 @@ class JitFunction:
         self._roots_memo: list = []  # the last call's _RootState
         self._hypers = _Hyperparameters()
         self._breaks = 0  # traces in a row that stopped at a value-dependent op
+        self._value_retraces = 0  # traces caused by a new value of a Python number it reads
+        self._unguarded = frozenset()  # Python values its traces change (`_Roots.unguarded`)
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0, "eager_calls": 0}
         functools.update_wrapper(self, fn)
 
@@ -1289,6 +1335,7 @@ class JitFunction:
         leaves, spec = torch_pytree.tree_flatten((args, kwargs))
         leaves = [_to_device(x) for x in leaves]
         roots = _find_roots(self.fn, args, kwargs)
+        roots.unguarded = self._unguarded
         for _ in range(4):
             slots = _collect(leaves, roots, memo=self._roots_memo, hypers=self._hypers)
             extra = [s for s in (r() for r in self._extra) if s is not None]
@@ -1315,6 +1362,7 @@ class JitFunction:
                 self._log("a branch it took on an optimizer hyperparameter (e.g. `if momentum != 0`) "
                           "goes the other way with the new values")
             new = [h for h in _key_parts(key[2])[3] if h[2] != "lr" and h not in self._hypers.proven]
+            values = dict(roots.python_values())
             try:
                 entry = self._trace(leaves, spec, roots, slots, storages)
             except _Retrace as r:
@@ -1349,6 +1397,11 @@ class JitFunction:
                           f"({type(e).__name__}: {e}); they stay static, and each new value retraces")
                 continue
             self._hypers.proven.update(new)
+            after = dict(roots.python_values())
+            changed = {w for w in values.keys() | after.keys() if values.get(w, _MISSING) != after.get(w, _MISSING)}
+            if changed:  # the trace's own bookkeeping (warned of by _check_python_state): a cached call skips it
+                self._unguarded = roots.unguarded = self._unguarded | changed
+                key = _unguarding(key, changed)
             self._cache.setdefault(key, []).append(entry)
             self._breaks = 0
             return entry, leaves, slots, storages
@@ -1592,7 +1645,16 @@ class JitFunction:
         if not self._cache:
             return
         last = next(reversed(self._cache))
-        self._log(_diff(last, self._cache[last][-1].names, key, slots.names))
+        reason = _diff(last, self._cache[last][-1].names, key, slots.names)
+        self._log(reason)
+        if "the Python value" in reason:
+            self._value_retraces += 1
+            if self._value_retraces == _VALUE_RETRACES_BEFORE_WARNING:
+                warnings.warn(
+                    f"t2j.jit: {getattr(self.fn, '__qualname__', self.fn)} was traced and compiled again "
+                    f"{self._value_retraces} times because Python values it reads changed (last: {reason}); "
+                    "each new value is a new program. Pass a value that changes from call to call as a tensor "
+                    "argument instead.", stacklevel=4)
 
     def _log(self, reason):
         msg = f"t2j.jit: retracing {getattr(self.fn, '__qualname__', self.fn)}: {reason}"
@@ -1885,6 +1947,10 @@ def _static_change(key, old, new) -> str:
     kind, k, what, *where = key
     if kind == "module":
         label = f"module #{k} {what} flags"
+    elif kind == "python":
+        old, new = dict(old) if old is not _MISSING else {}, dict(new) if new is not _MISSING else {}
+        where = next(w for w in list(old) + list(new) if old.get(w, _MISSING) != new.get(w, _MISSING))
+        label, old, new = f"the Python value {where}", old.get(where, _MISSING), new.get(where, _MISSING)
     elif kind == "cpu":
         label = f"captured CPU tensor #{k} (the trace reads its value)"
     elif what == "state":
@@ -1896,6 +1962,15 @@ def _static_change(key, old, new) -> str:
     else:
         label = f"optimizer #{k} param_groups[{where[0]}] hyperparameters"
     return f"{label}: {'absent' if old is _MISSING else repr(old)} -> {'absent' if new is _MISSING else repr(new)}"
+
+
+def _unguarding(key, where):
+    """Cache key ``key`` without the Python values named in ``where`` (see `_Roots.unguarded`)."""
+    spec, static_args, (state_key, sig, avals), *rest = key
+    ssig, savals, static, lifted = state_key
+    static = tuple((name, tuple(v for v in value if v[0] not in where)) if name == ("python", 0, "values")
+                   else (name, value) for name, value in static)
+    return (spec, static_args, (_Key((ssig, savals, static, lifted)), sig, avals), *rest)
 
 
 def _key_parts(slots_key):
