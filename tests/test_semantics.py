@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 
+import warnings
+
 import pytest
 import torch
 
@@ -203,3 +205,48 @@ def test_linspace_logspace_match_torch_cpu(fn, dtype):
             jitted = torch2jax.jit(lambda s, e: fn(s, e, steps, dtype=dtype, device="jax"))
             actual = jitted(torch.tensor(start, device="jax"), torch.tensor(end, device="jax")).cpu()
             assert same(actual, expected), (start, end, steps)
+
+
+_OUT_CASES = {
+    "zeros": lambda d, o: torch.zeros(2, 3, out=o),
+    "full": lambda d, o: torch.full((3,), 2.7, out=o),
+    "eye": lambda d, o: torch.eye(3, out=o),
+    "linspace": lambda d, o: torch.linspace(0, 10, 4, out=o),
+    "logspace": lambda d, o: torch.logspace(0, 2, 3, out=o),
+    "arange": lambda d, o: torch.arange(0, 5, 1.5, out=o),
+    "arange_small_step": lambda d, o: torch.arange(0, 8, 0.5, out=o),
+    "cumsum": lambda d, o: torch.cumsum(torch.tensor([1.5, 2.5, -0.7], device=d), 0, out=o),
+    "cumprod": lambda d, o: torch.cumprod(torch.tensor([1.5, 2.5, -0.7], device=d), 0, out=o),
+    "sum": lambda d, o: torch.sum(torch.tensor([1.5, 2.5, -0.7], device=d), 0, out=o),
+    "mean": lambda d, o: torch.mean(torch.tensor([1.5, 2.5, -0.7], device=d), 0, out=o),
+    "mean_of_ints": lambda d, o: torch.mean(torch.tensor([1, 0, 3], device=d), 0, out=o),
+    "bernoulli": lambda d, o: torch.bernoulli(torch.ones(3, device=d), out=o),
+    "kron": lambda d, o: torch.kron(torch.tensor([[1.0, 2.0]], device=d), torch.tensor([[1.0], [10.0]], device=d), out=o),
+    "matrix_rank": lambda d, o: torch.linalg.matrix_rank(torch.eye(4, device=d)[None].repeat(2, 1, 1), out=o),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OUT_CASES))
+def test_out_argument_dtypes_as_torch(name):
+    # factories and sum/cumsum/mean compute in out's dtype, bernoulli writes any dtype, the
+    # rest cast (or refuse) when writing; an empty out is resized, a full one written
+    def outcome(device, dtype, empty):
+        out = torch.empty(0 if empty else 3, dtype=dtype, device=device)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result = _OUT_CASES[name](device, out)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            # (torch2jax's errors subclass the builtin one torch raises)
+            return next(c.__name__ for c in type(e).__mro__ if c.__module__ == "builtins"), str(e)
+        assert result is out
+        return out.cpu()
+
+    for dtype in (torch.int64, torch.int32, torch.bool, torch.float64, torch.float16):
+        for empty in (True, False):
+            expected, actual = outcome("cpu", dtype, empty), outcome("jax", dtype, empty)
+            if isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor):
+                torch.testing.assert_close(actual, expected, msg=f"{dtype} empty={empty}")
+            else:
+                assert type(actual) is type(expected) and (
+                    not isinstance(expected, tuple) or actual[1] == expected[1]), (dtype, empty, actual, expected)

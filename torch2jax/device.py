@@ -162,6 +162,25 @@ def _set_to_tensor(target, source, storage_offset, size, stride=()):
     return dispatch(torch.ops.aten.set_.source_Tensor_storage_offset, (target, source, storage_offset, size, stride), {})
 
 
+def _written_to_out(name, op):
+    """The ``out=`` overload ``op`` of a composite op as its functional overload and a write into
+    ``out``: torch's composite kernel re-points its C++ result handle for a tensor subclass
+    (``result = at::sum(...)`` under ``isTensorSubclassLike``), so ``out`` kept its old values."""
+
+    def run(*args, out, **kwargs):
+        from .dispatch import functional_variant
+        from .ops.registry import scalar_type_name
+
+        result = functional_variant(op)(*args, **kwargs)
+        if not torch.can_cast(result.dtype, out.dtype):
+            raise RuntimeError(f"{name}: Expected result to be safely castable from {scalar_type_name(result.dtype)} "
+                               f"dtype, but got result with dtype {scalar_type_name(out.dtype)}")
+        torch._refs._maybe_resize_out(out, result.shape)
+        return out.copy_(result)
+
+    return run
+
+
 _libs = []
 
 
@@ -352,6 +371,10 @@ def register() -> None:
     # torch's composite kernel turns x.set_(tensor, offset, size, stride) into a set_ to
     # the tensor's C++ storage, which a jax tensor's values are not in: kept whole here
     impl.impl("set_.source_Tensor_storage_offset", _set_to_tensor, "AutogradPrivateUse1")
+    for overload in ("out", "out_tol_tensor", "atol_rtol_tensor_out", "atol_rtol_float_out"):
+        op = getattr(torch.ops.aten.linalg_matrix_rank, overload)
+        impl.impl(op._schema.name.split("::")[1] + "." + overload, _written_to_out("torch.linalg.matrix_rank", op),
+                  "AutogradPrivateUse1")
     _libs.extend([fallback, impl])
     _linear_cross_entropy_defaults()
     # torch.autocast("jax") turns on AutocastPrivateUse1, whose kernels the backend must provide.

@@ -1499,6 +1499,14 @@ def _omitted_defaults(func, functional):
     return positional, by_name
 
 
+_DTYPE_FROM_OUT = {"sum", "prod", "cumsum", "cumprod", "mean", "nanmean"}
+_INEXACT_FROM_OUT = {"mean", "nanmean"}  # only from a floating or complex input into such an out
+
+
+def _inexact(t) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
 def _mutation_handler(func, functional):
     schema = func._schema
     mutated = _mutated(schema)
@@ -1506,6 +1514,15 @@ def _mutation_handler(func, functional):
     is_out = schema.arguments[mutated[0]].kwarg_only
     positional, by_name = _omitted_defaults(func, functional)
     pointwise = torch.Tag.pointwise in func.tags or func is aten.copy_.default
+    # out= overloads of factories and of these reductions compute in out's dtype when no dtype is
+    # given, as torch's (zeros(2, out=long_tensor) makes integers; cumsum(floats, out=ints) sums them
+    # truncated); the others compute in their own dtype and cast (or refuse to) when writing
+    takes_dtype = any(a.name == "dtype" and a.kwarg_only for a in functional._schema.arguments)
+    factory = not any("Tensor" in str(a.type) for a in functional._schema.arguments)
+    op_name = schema.name.split("::")[1]
+    dtype_from_out = is_out and len(mutated) == 1 and takes_dtype and (factory or op_name in _DTYPE_FROM_OUT)
+    # bernoulli(p, out=x) is x.bernoulli_(p): its 0s and 1s go into out of any dtype
+    cast_into_out = is_out and op_name == "bernoulli"
 
     def run(func, args, kwargs):
         if len(args) < len(positional):
@@ -1515,6 +1532,9 @@ def _mutation_handler(func, functional):
         if is_out:
             targets = [kwargs[n] for n in names]
             fkwargs = {k: v for k, v in kwargs.items() if k not in names}
+            if dtype_from_out and fkwargs.get("dtype") is None and isinstance(targets[0], torch.Tensor) and (
+                    op_name not in _INEXACT_FROM_OUT or all(_inexact(t) for t in (targets[0], args[0]))):
+                fkwargs["dtype"] = targets[0].dtype
         else:
             targets, fkwargs = [args[0]], kwargs
 
@@ -1523,6 +1543,8 @@ def _mutation_handler(func, functional):
             return values if isinstance(values, (list, tuple)) else (values,)
 
         values = compute()
+        if cast_into_out:
+            values = [v.astype(_dt.to_jax(t.dtype)) for v, t in zip(values, targets)]
         rounds = _write_rounds(func, args, kwargs, targets, values) if pointwise else None
         if rounds is None:
             for target, value in zip(targets, values):
@@ -1766,6 +1788,7 @@ def write(target, value, func, resize=False):
         raise OpError(f"torch2jax: {func} writes into a tensor on {target.device}; expected the jax device")
     if tuple(value.shape) != tuple(target.shape):
         if resize:
+            value = _checked_value(target, value, func)
             if target.numel():
                 warnings.warn(
                     f"An output with one or more elements was resized since it had shape {list(target.shape)}, "
@@ -1773,7 +1796,7 @@ def write(target, value, func, resize=False):
                     stacklevel=5,
                 )
             _resize_handler(aten.resize_.default, (target, value.shape), {})
-            target._assign(value.astype(_dt.to_jax(target.dtype)))
+            target._assign(value)
             return
         raise TorchRuntimeError(
             f"output with shape {list(target.shape)} doesn't match the broadcast shape {list(value.shape)}"

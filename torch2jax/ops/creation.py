@@ -11,7 +11,7 @@ import torch
 
 from .. import dtypes as _dt
 from ..symbolic import traced_number
-from .registry import _HALF, as_dtype, cast, checked_scalar, register, true_divide, warning
+from .registry import _HALF, as_dtype, cast, checked_scalar, register, scalar_type_name, true_divide, warning
 
 aten = torch.ops.aten
 
@@ -133,13 +133,16 @@ def _integer_arange(start, end, step, dt):
     """torch CPU's integer arange: start, end and step truncated to integers first; the length
     from those in int64 (``ceil`` of an integer division), from the given values otherwise."""
     istart, iend, istep = (int(v) for v in (start, end, step))
-    if istep == 0:
-        raise RuntimeError("step must be nonzero")
-    if not ((istep > 0 and iend >= istart) or (istep < 0 and iend <= istart)):
-        raise RuntimeError("upper bound and larger bound inconsistent with step sign")
+    if step == 0 or (istep == 0 and dt == np.int64):
+        # (a narrower type takes its length from the given step: a step truncated to 0 repeats start)
+        raise (ValueError if dt == np.int64 and step != 0 else RuntimeError)("step must be nonzero")
     if dt == np.int64:
+        if not ((istep > 0 and iend >= istart) or (istep < 0 and iend <= istart)):
+            raise RuntimeError("upper bound and lower bound inconsistent with step sign")
         n = _c_int_div(iend - istart + istep - (1 if istep > 0 else -1), istep)
     else:
+        if (float(end) - float(start)) / float(step) < 0:
+            raise RuntimeError("upper bound and lower bound inconsistent with step sign")
         n = int(np.ceil((float(end) - float(start)) / float(step)))
     return (istart + jnp.arange(max(n, 0), dtype=np.int64) * istep).astype(dt)
 
@@ -148,13 +151,15 @@ def _integer_arange(start, end, step, dt):
 def arange(*args, dtype=None, layout=None, device=None, pin_memory=None):
     start, end, step = (0, args[0], 1) if len(args) == 1 else (args + (1,))[:3]
     dt = _arange_dtype((start, end, step), dtype)
-    if _dt.is_integral(dt) and dt != np.bool_:
+    if dt == np.bool_ or _dt.is_complex(dt):
+        raise NotImplementedError(f"\"arange_cpu\" not implemented for '{scalar_type_name(dt)}'")
+    if _dt.is_integral(dt):
         return _integer_arange(start, end, step, dt)
     if step == 0:
         raise RuntimeError("step must be nonzero")
     if (end - start) / step < 0:
         raise RuntimeError(
-            "upper bound and larger bound inconsistent with step sign"
+            "upper bound and lower bound inconsistent with step sign"
         )
     n = int(np.ceil((end - start) / step))
     return (start + jnp.arange(n, dtype=np.float64) * step).astype(dt)
@@ -189,6 +194,8 @@ def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_mem
     dt = jax_dtype(dtype)
     if steps < 0:
         raise RuntimeError("number of steps must be non-negative")
+    if dt == np.bool_:
+        raise NotImplementedError("\"linspace_cpu\" not implemented for 'Bool'")
     if jnp.issubdtype(dt, jnp.complexfloating):
         return jnp.linspace(jnp.asarray(start, dt), jnp.asarray(end, dt), steps).astype(dt)
     s, e = _in_dtype(start, dt), _in_dtype(end, dt)
@@ -210,6 +217,8 @@ def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=No
     dt = jax_dtype(dtype)
     if steps < 0:
         raise RuntimeError("number of steps must be non-negative")
+    if dt == np.bool_:
+        raise NotImplementedError("\"logspace_cpu\" not implemented for 'Bool'")
     if jnp.issubdtype(dt, jnp.complexfloating):
         exponents = jnp.linspace(jnp.asarray(start, dt), jnp.asarray(end, dt), steps)
         return (jnp.asarray(base, dt) ** exponents).astype(dt)
@@ -278,9 +287,9 @@ def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     return x if dtype is None else cast(x, _dt.to_jax(dtype))
 
 
-@register(aten.lift_fresh_copy, aten._unsafe_view)
-def lift_fresh_copy(x, *size):
-    return x.reshape(_shape(size[0])) if size else x
+@register(aten.lift_fresh_copy)
+def lift_fresh_copy(x):
+    return x
 
 
 @register(aten.copy)

@@ -164,7 +164,8 @@ def normal_tensor_tensor(mean, std, *, generator=None):
 def normal_float_float(mean, std, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
     _check_std(std)
     dt = jax_dtype(dtype)
-    return (mean + std * _normal(generator, _size(size), dt)).astype(dt)
+    _require_float("normal_kernel_cpu", dt)
+    return _normal_around(generator, mean, std, _size(size), dt)
 
 
 @register(aten.randn.default, aten.randn.generator)

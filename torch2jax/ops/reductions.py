@@ -19,7 +19,7 @@ import torch
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import _HALF, canonical_dim, canonical_dims, register, true_divide, warning
+from .registry import _HALF, canonical_dim, canonical_dims, register, scalar_type_name, true_divide, warning
 from .shape import is_traced
 
 aten = torch.ops.aten
@@ -116,7 +116,7 @@ def mean(x, dim=None, keepdim=False, *, dtype=None):
     _require_float(
         out,
         "mean(): could not infer output dtype. Input dtype must be either a floating point or complex dtype. "
-        f"Got: {_torch_name(out).capitalize()}",
+        f"Got: {scalar_type_name(out)}",
     )
     return jnp.mean(_opmath(x.astype(out)), axis=_axes(dim, x.ndim), keepdims=keepdim).astype(out)
 
@@ -475,7 +475,7 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     _require_float(
         x.dtype,
         "linalg.vector_norm: Expected a floating point or complex tensor as input. "
-        f"Got {_torch_name(x.dtype).capitalize()}",
+        f"Got {scalar_type_name(x.dtype)}",
     )
     if dtype is not None:
         x = x.astype(_dt.to_jax(dtype))
@@ -511,6 +511,8 @@ def norm_dim(x, p, dim, keepdim=False, *, dtype=None):
 
 def _scan(fn, x, dim, dtype):
     out = _out_dtype(x, dtype, _long_if_integral(x.dtype))
+    if out == np.bool_:  # a bool result only by an explicit dtype (or out=): torch has no such kernel
+        raise NotImplementedError(f"\"{fn.__name__}_out_cpu\" not implemented for 'Bool'")
     d, x1 = _dim_axis(x, dim)
     return fn(_opmath(x1.astype(out)), axis=d).astype(out).reshape(x.shape)
 
@@ -900,7 +902,7 @@ def _check_segment_lengths(seg, unsafe):
 
 def _require_segment_dtype(x):
     if np.dtype(x.dtype) not in _SEGMENT_DTYPES:
-        raise RuntimeError(f"\"_segment_reduce_cpu\" not implemented for '{_torch_name(x.dtype).capitalize()}'")
+        raise NotImplementedError(f"\"_segment_reduce_cpu\" not implemented for '{scalar_type_name(x.dtype)}'")
 
 
 @register(aten.segment_reduce.default)

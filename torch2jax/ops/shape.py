@@ -59,7 +59,8 @@ def alias_copy(x):
 # -- reshaping views ---------------------------------------------------------
 
 
-@view(aten.view.default, aten._reshape_alias, inverse=_reshape_back)
+# (``_unsafe_view`` shares storage as ``view`` does; only autograd does not record it as a view)
+@view(aten.view.default, aten._reshape_alias, aten._unsafe_view, inverse=_reshape_back)
 def view_(x, size, *stride):
     return x.reshape(infer_size(size, x.size))
 
