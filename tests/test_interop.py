@@ -118,15 +118,66 @@ def test_call_jax_complex_gradients_in_torch_convention():
 
 
 def test_call_jax_second_derivative_and_integer_outputs():
-    x_cpu = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    x_cpu = torch.randn(4, requires_grad=True)
     x = x_cpu.detach().to("jax").requires_grad_()
     (g,) = torch.autograd.grad((x_cpu.sin() * x_cpu).sum(), x_cpu, create_graph=True)
     (g ** 2).sum().backward()
     y, idx = t2j.call_jax(lambda v: ((jnp.sin(v) * v).sum(), jnp.argmax(v)), x)
-    assert idx.dtype == torch.int64
+    assert idx.dtype == torch.int32  # JAX's own index type (no jax_enable_x64)
     (g,) = torch.autograd.grad(y, x, create_graph=True)  # the integer output gets a float0 cotangent
     (g ** 2).sum().backward()
-    torch.testing.assert_close(x.grad.cpu(), x_cpu.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad.cpu(), x_cpu.grad)
+
+
+def test_call_jax_runs_under_jax_configuration():
+    # JAX code sees what it would in a JAX program: 32-bit defaults, the same random numbers
+    key = jax.random.key(0)
+    assert t2j.call_jax(lambda v: v + jnp.zeros(3), torch.ones(3, device="jax")).dtype == torch.float32
+    drawn = t2j.call_jax(lambda v, k: v * jax.random.normal(k, (2,)), torch.ones(2, device="jax"), key)
+    np.testing.assert_array_equal(drawn.cpu().numpy(), np.asarray(jax.random.normal(key, (2,))))
+    labels = torch.tensor([1, 0], device="jax")  # int64 in torch
+    seen = t2j.call_jax(lambda i: i, labels)
+    assert seen.dtype == torch.int32 and seen.tolist() == [1, 0]
+    # gradients come back in the tensors' own dtype and device
+    w64 = torch.ones(3, dtype=torch.float64, device="jax", requires_grad=True)
+    w_cpu = torch.ones(3, requires_grad=True)
+    t2j.call_jax(lambda a, b: (a * b).sum() ** 2, w64, w_cpu).backward()
+    assert w64.grad.dtype == torch.float64 and w_cpu.grad.device.type == "cpu"
+    assert w64.grad.tolist() == w_cpu.grad.tolist() == [6.0] * 3
+    jax.config.update("jax_enable_x64", True)
+    try:
+        assert t2j.call_jax(lambda v: v + jnp.zeros(3), torch.ones(3, device="jax")).dtype == torch.float64
+        assert t2j.call_jax(lambda i: i, labels).dtype == torch.int64
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_torch_func_transforms_through_call_jax():
+    def f(v):
+        return t2j.call_jax(lambda a: (a ** 3).sum(), v)
+
+    x = torch.arange(6.0, device="jax").reshape(2, 3)
+    torch.testing.assert_close(torch.func.grad(f)(x[0]).cpu(), 3 * x[0].cpu() ** 2)
+    torch.testing.assert_close(torch.func.vmap(f)(x).cpu(), (x.cpu() ** 3).sum(1))
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(f))(x).cpu(), 3 * x.cpu() ** 2)
+    jac = torch.func.jacrev(lambda v: t2j.call_jax(lambda a: a ** 2, v))(x[0])
+    torch.testing.assert_close(jac.cpu(), torch.diag(2 * x[0].cpu()))
+
+
+def test_torch_view_of_numpy_keeps_64_bit_types():
+    assert t2j.torch_view(np.ones(2, np.int64)).dtype == torch.int64
+    assert t2j.torch_view(np.ones(2)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("name", ["argmax", "argmin", "max_dim", "median", "mode", "cross_entropy"])
+def test_jax_jit_of_torch_index_ops_without_x64(name):
+    # torch code traced in 64-bit mode inside a 32-bit jax.jit: int64 indices must still lower
+    fns = {"argmax": lambda t: t.argmax(-1), "argmin": lambda t: t.argmin(0), "max_dim": lambda t: t.max(1).indices,
+           "median": lambda t: t.median(1).indices, "mode": lambda t: t.mode(1).indices,
+           "cross_entropy": lambda t: torch.nn.functional.cross_entropy(t, t.argmax(1))}
+    x = jnp.array([[1.0, 5.0, 2.0, 5.0], [7.0, 0.0, 7.0, 0.0]])
+    f = t2j.jax_view(fns[name])
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(x)), np.asarray(fns[name](torch.tensor(np.asarray(x)))))
 
 
 def test_call_jax_pytree_outputs_and_no_grad():

@@ -156,6 +156,7 @@ def _gpt_step_memory(remat, cfg, batch):
     params = list(model.parameters())
 
     def grads(ids):
+        ids = ids.long()  # (JAX made the int64 ids int32: jax_enable_x64 is off)
         with t2j.rng_key(jax.random.key(0)):
             return torch.autograd.grad(model(ids, ids)[1], params)
 

@@ -66,6 +66,10 @@ class TorchValueError(ValueError):
     """The ValueError torch itself raises for this input (its ``TORCH_CHECK_VALUE``), with torch's message."""
 
 
+class TorchTypeError(TypeError):
+    """The TypeError torch itself raises for this input (its ``TORCH_CHECK_TYPE``), with torch's message."""
+
+
 class DeviceMismatchError(OpError):
     """An op got a CPU tensor of one or more dimensions beside tensors on the jax device.
 
@@ -198,7 +202,7 @@ def _run(handler, func, args, kwargs):
     except DeviceMismatchError as e:
         e.ops.append(func)
         raise
-    except (OpError, TorchRuntimeError, TorchValueError, IndexError, NotImplementedError,
+    except (OpError, TorchRuntimeError, TorchValueError, TorchTypeError, IndexError, NotImplementedError,
             jax.errors.ConcretizationTypeError):
         raise
     except RuntimeError as e:

@@ -24,7 +24,9 @@ import jax
 import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
+from jax._src import config as _jax_config
 
+from . import dtypes as _dt
 from . import gradcut as _gradcut
 from . import tensor as _tensor
 from .pytree import ensure_jax_pytree
@@ -61,7 +63,8 @@ def _to_torch(x):
     if isinstance(x, (jax.Array, jax.core.Tracer)):
         return new_tensor(x)
     if isinstance(x, np.ndarray):
-        return new_tensor(jax.numpy.asarray(x))
+        with jax.enable_x64(True):  # its own dtype, as torch.as_tensor keeps it
+            return new_tensor(jax.numpy.asarray(x))
     return x
 
 
@@ -145,10 +148,11 @@ def zero_cotangent(aval):
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
-def differentiable_vjp(pull, primals, grads, avals):
+def differentiable_vjp(pull, primals, grads, avals, x64=True):
     """The gradients a torch2jax Function's backward returns for ``primals``, computed as
     `call_jax` of its VJP ``pull(primal_arrays, cotangent_arrays)`` (JAX's convention), so that
-    a second backward differentiates them again in JAX, and a third, to any order.
+    a second backward differentiates them again in JAX, and a third, to any order. ``x64``:
+    whether ``pull`` runs with JAX's 64-bit types (torch2jax's own programs do).
 
     A backward under ``create_graph=True`` (`gradcut.creates_graph`) uses it in place of
     its first-order VJP, e.g. a gradient penalty through a compiled forward::
@@ -158,58 +162,134 @@ def differentiable_vjp(pull, primals, grads, avals):
                                               ctx.avals))
     """
     cotangents = [zero_cotangent(a) if g is None else g for g, a in zip(grads, avals)]
-    return list(call_jax(lambda ps, cs: torch_pullback(pull, ps, cs), list(primals), cotangents))
+    return list(_call_jax(lambda ps, cs: torch_pullback(pull, ps, cs), (list(primals), cotangents), {}, x64))
+
+
+# Without JAX's 64-bit types, JAX turns 64-bit arrays into these (warning at every op)
+_NARROWER = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
+             np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.complex64)}
+
+
+def _as_seen(x, x64):
+    """Argument ``x`` as JAX code running with (``x64``) or without 64-bit types sees it."""
+    if x64 or not isinstance(x, (jax.Array, jax.core.Tracer)):
+        return x
+    narrower = _NARROWER.get(x.dtype)  # (a typed PRNG key has an extended dtype: none)
+    return x if narrower is None else x.astype(narrower)
+
+
+def _inexact(t) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _gradient_for(t, g):
+    """JAX's gradient ``g`` for input tensor ``t``, in its dtype and on its device."""
+    with jax.enable_x64(True):
+        g = new_tensor(g.astype(_dt.to_jax(t.dtype)))
+    return g if isinstance(t, Tensor) else g.to(t.device)
+
+
+class _Saved:
+    """What `_JaxFunction.forward` hands to its ``setup_context`` (an object, not a pytree,
+    so that torch.func passes it through as it is)."""
+
+    vjp = avals = None
 
 
 class _JaxFunction(torch.autograd.Function):
+    """``call(*arrays)`` as one node of torch's autograd graph over ``tensors``, its backward
+    JAX's VJP. In torch.func's form (``setup_context``, ``vmap``) so that torch.func.grad and
+    vmap go through it; ``saved`` (a `_Saved`) carries the VJP from ``forward`` to ``setup_context``."""
+
     @staticmethod
-    def forward(ctx, call, *tensors):
-        with jax.enable_x64(True):
-            outs, ctx.vjp = jax.vjp(call, *[_to_jax(t) for t in tensors])
-        ctx.call, ctx.inputs = call, tensors
-        ctx.out_avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
-        return tuple(new_tensor(o) for o in outs)
+    def forward(call, x64, saved, *tensors):
+        with jax.enable_x64(x64):
+            outs, saved.vjp = jax.vjp(call, *[_as_seen(_to_jax(t), x64) for t in tensors])
+        saved.avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+        return tuple(map(new_tensor, outs))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        call, x64, saved, *tensors = inputs
+        ctx.call, ctx.x64, ctx.inputs, ctx.vjp = call, x64, tensors, saved.vjp
+        # (under torch.func.vmap the forward ran as the vmap rule's: no VJP was saved here)
+        ctx.out_avals = [jax.ShapeDtypeStruct(tuple(o.shape), _dt.to_jax(o.dtype)) for o in output]
 
     @staticmethod
     def backward(ctx, *grads):
-        if _gradcut.creates_graph((*ctx.inputs, *grads)):
-            return (None, *differentiable_vjp(lambda ps, cs: jax.vjp(ctx.call, *ps)[1](cs), ctx.inputs, grads,
-                                              ctx.out_avals))
+        if ctx.vjp is None or _gradcut.creates_graph((*ctx.inputs, *grads)):
+            got = differentiable_vjp(lambda ps, cs: jax.vjp(ctx.call, *ps)[1](cs), ctx.inputs, grads,
+                                     ctx.out_avals, ctx.x64)
+            return (None, None, None, *[g.to(t.dtype) if _inexact(t) else None for t, g in zip(ctx.inputs, got)])
         cotangents = [zero_cotangent(a) if g is None else _to_jax(g) for g, a in zip(grads, ctx.out_avals)]
-        with jax.enable_x64(True):
-            return (None, *[new_tensor(g) for g in torch_pullback(lambda _, c: ctx.vjp(c), None, cotangents)])
+        with jax.enable_x64(ctx.x64):
+            got = torch_pullback(lambda _, c: ctx.vjp(c), None, cotangents)
+        return (None, None, None, *[_gradient_for(t, g) if _inexact(t) else None for t, g in zip(ctx.inputs, got)])
+
+    @staticmethod
+    def vmap(info, in_dims, call, x64, saved, *tensors):
+        # torch.func.vmap over JAX code is jax.vmap of it
+        axes = tuple(in_dims[3:])
+        outs = _JaxFunction.apply(jax.vmap(call, in_axes=axes), x64, _Saved(), *tensors)
+        return outs, (0,) * len(outs)
 
 
 def call_jax(jax_fn, *args, **kwargs):
     """Call JAX function ``jax_fn`` on torch tensors (any pytree of them) and get
     torch tensors back; torch autograd flows through it, with JAX's VJP as the
-    backward.
+    backward (and torch.func's grad and vmap, as jax.vjp and jax.vmap).
+
+    ``jax_fn`` runs under JAX's own configuration: without ``jax_enable_x64`` (JAX's
+    default), 64-bit tensors (int64 labels, float64 values) reach it as 32-bit arrays and
+    ``jnp.zeros(3)`` is float32, as in any JAX program; gradients come back in the
+    tensors' own dtypes.
 
     >>> w = torch.randn(3, device="jax", requires_grad=True)
     >>> loss = t2j.call_jax(lambda v: jnp.sum(jnp.sin(v) ** 2), w)
     >>> loss.backward()                       # w.grad from jax.vjp
     """
+    return _call_jax(jax_fn, args, kwargs, _jax_config.enable_x64.get_global())
+
+
+def call_jax_64(jax_fn, *args, **kwargs):
+    """`call_jax` for torch2jax's own JAX code (programs traced from torch, device placement),
+    which runs with JAX's 64-bit types whatever JAX's configuration."""
+    return _call_jax(jax_fn, args, kwargs, True)
+
+
+def _call_jax(jax_fn, args, kwargs, x64):
+    """`call_jax` with (``x64``) or without JAX's 64-bit types; torch2jax's own JAX code
+    (programs traced from torch) needs them."""
     leaves, spec = torch_pytree.tree_flatten((args, kwargs))
-    diff = [i for i, x in enumerate(leaves) if _differentiable(x)]
-    arrays = [_to_jax(x) for x in leaves]
+    # torch.func's wrapped tensors (under its grad or vmap) reach JAX only through the Function
+    wrapped = any(map(_functorch_wrapped, leaves))
+    grad = torch.is_grad_enabled()
+    through = [i for i, x in enumerate(leaves) if (grad and _differentiable(x)) or (
+        wrapped and isinstance(x, torch.Tensor))]
+    arrays = [_as_seen(_to_jax(x), x64) for x in leaves] if not through else [
+        None if i in through else _as_seen(_to_jax(x), x64) for i, x in enumerate(leaves)]
     out_tree = {}
 
-    def call(*diff_arrays):
+    def call(*through_arrays):
         filled = list(arrays)
-        for i, a in zip(diff, diff_arrays):
+        for i, a in zip(through, through_arrays):
             filled[i] = a
         a, k = torch_pytree.tree_unflatten(filled, spec)
         out = jax_fn(*a, **k)
         flat, out_tree["def"] = jax.tree_util.tree_flatten(out)
         return flat
 
-    if not diff or not torch.is_grad_enabled():
-        with jax.enable_x64(True):
-            flat = call(*[arrays[i] for i in diff])
+    if not through:
+        with jax.enable_x64(x64):
+            flat = call()
         return jax.tree_util.tree_unflatten(out_tree["def"], [_to_torch(o) for o in flat])
 
-    outs = _JaxFunction.apply(call, *[leaves[i] for i in diff])
+    outs = _JaxFunction.apply(call, x64, _Saved(), *[leaves[i] for i in through])
     return jax.tree_util.tree_unflatten(out_tree["def"], list(outs))
+
+
+def _functorch_wrapped(x) -> bool:
+    return isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
 def call_torch(torch_fn, *args, **kwargs):

@@ -28,7 +28,7 @@ import torch
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jex_core
 
-from .interop import call_jax
+from .interop import call_jax_64
 from .tensor import Tensor
 
 HOST = "pinned_host"
@@ -79,7 +79,7 @@ def _place(fn_name: str, x, kind: str):
             raise ValueError(f"t2j.offload.{fn_name}: memory kind {kind!r} is not one of the device's memory kinds "
                              f"{available}")
     if isinstance(x, Tensor):
-        return call_jax(lambda v: _put(v, kind), x)
+        return call_jax_64(lambda v: _put(v, kind), x)
     return _put(a, kind)
 
 
@@ -118,7 +118,7 @@ def name(x: torch.Tensor, label: str) -> torch.Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"t2j.offload.name: expected a tensor on the jax device, got "
                         f"{x.device if isinstance(x, torch.Tensor) else type(x).__name__}")
-    return call_jax(lambda v: checkpoint_name(v, label), x)
+    return call_jax_64(lambda v: checkpoint_name(v, label), x)
 
 
 def offload_policy(names=None, *, save=(), src: str = DEVICE, dst: str = HOST):

@@ -21,7 +21,7 @@ from .. import dtypes as _dt
 from ..dispatch import HostFallback, TorchRuntimeError
 from .indexing import raise_as_torch
 from .nn import _vjp, upcast
-from .registry import register, true_divide
+from .registry import argmax_index, canonical_dim, register, true_divide
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -322,7 +322,7 @@ def _lowest(dtype):
 
 def _window_max(vals, flat):
     """(max, its flat input index) over the last axis of the windows ``vals``."""
-    arg = jnp.argmax(vals, axis=-1)[..., None]
+    arg = argmax_index(vals, axis=-1)[..., None]
     out = jnp.take_along_axis(vals, arg, axis=-1)[..., 0]
     return out, jnp.take_along_axis(jnp.broadcast_to(flat, vals.shape), arg, axis=-1)[..., 0]
 
@@ -332,10 +332,44 @@ def _max_windows(x, geometry):
     return _window_max(jnp.where(valid, patches, jnp.asarray(_lowest(x.dtype), x.dtype)), flat)
 
 
+def _check_pool(x, n, k, s, p, d, name):
+    """torch's checks of a pooling's arguments and input, in its order and words (its shape
+    checks name the kernel ``name`` in 3-d)."""
+    batched = n + 2
+    if x.ndim not in (n + 1, batched):
+        raise TorchRuntimeError(f"non-empty {n + 1}D or {batched}D (batch mode) tensor expected for input")
+    for ki, si, pi, di in zip(k, s, p, d):  # pooling_output_shape, per dim
+        if si == 0:
+            raise TorchRuntimeError("stride should not be zero")
+        if pi < 0:
+            raise TorchRuntimeError(f"pad must be non-negative, but got pad: {pi}")
+        if pi > ((ki - 1) * di + 1) // 2:
+            raise TorchRuntimeError(f"pad should be at most half of effective kernel size, but got pad={pi}, "
+                                    f"kernel_size={ki} and dilation={di}")
+    axes = "THW"[3 - n:]
+    if min(d) <= 0:
+        got = " ".join(f"dilation{a}: {v}" for a, v in zip(axes, d))
+        raise TorchRuntimeError(f"dilation should be greater than zero, but got {got}")
+    empty = [i for i in range(x.ndim == batched, x.ndim) if x.shape[i] == 0]  # the batch may be empty
+    if empty and n == 2:
+        raise TorchRuntimeError("Expected 3D or 4D (batch mode) tensor with optional 0 dim batch size for input, "
+                                f"but got:{list(x.shape)}")
+    if empty:
+        raise TorchRuntimeError(f"{name}: Expected input's non-batch dimensions to have positive length, but input "
+                                f"has a shape of {list(x.shape)} and non-batch dimension {empty[0]} has length zero!")
+    if any(pi > ki // 2 for ki, pi in zip(k, p)):
+        if n == 2:
+            got = f"padW = {p[1]}, padH = {p[0]}, kW = {k[1]}, kH = {k[0]}"
+        else:
+            got = f"kT: {k[0]} kW: {k[2]} kH: {k[1]} padT: {p[0]} padW: {p[2]} padH: {p[1]}"
+        raise TorchRuntimeError(f"pad should be smaller than or equal to half of kernel size, but got {got}")
+
+
 def _max_pool(x, n, kernel_size, stride, padding, dilation, ceil_mode):
     k = _tuple(kernel_size, n)
     s = _tuple(stride, n) if stride else k
     p, d = _tuple(padding, n), _tuple(dilation, n)
+    _check_pool(x, n, k, s, p, d, "max_pool3d_with_indices_out_cpu_template()")
     geometry = [_sliding(x.shape[x.ndim - n + i], k[i], s[i], p[i], d[i], ceil_mode) for i in range(n)]
     return _max_windows(x, geometry)
 
@@ -440,13 +474,27 @@ def _adaptive_geometry(x, output_size, n):
     return [_adaptive(x.shape[x.ndim - n + i], o) for i, o in enumerate(_tuple(output_size, n))]
 
 
+def _check_adaptive_max(x, output_size, n):
+    name = f"adaptive_max_pool{n}d()"
+    if x.ndim not in (n + 1, n + 2):
+        raise TorchRuntimeError(f"{name}: Expected {n + 1}D or {n + 2}D tensor, but got: {list(x.shape)}")
+    for i in range(1, x.ndim):
+        if x.shape[i] == 0:
+            raise TorchRuntimeError(f"{name}: Expected input to have non-zero size for non-batch dimensions, but "
+                                    f"input has sizes {list(x.shape)} with dimension {i} being empty")
+    if len(output_size) != n:
+        raise TorchRuntimeError(f"{name}: internal error: output_size.size() must be {n}")
+
+
 @register(aten.adaptive_max_pool2d.default)
 def adaptive_max_pool2d(x, output_size):
+    _check_adaptive_max(x, output_size, 2)
     return _max_windows(x, _adaptive_geometry(x, output_size, 2))
 
 
 @register(aten.adaptive_max_pool3d.default)
 def adaptive_max_pool3d(x, output_size):
+    _check_adaptive_max(x, output_size, 3)
     return _max_windows(x, _adaptive_geometry(x, output_size, 3))
 
 
@@ -464,6 +512,11 @@ def _avg_pool(x, n, kernel_size, stride, padding, ceil_mode, count_include_pad, 
     k = _tuple(kernel_size, n)
     s = _tuple(stride, n) if stride else k
     p = _tuple(padding, n)
+    if divisor_override == 0:  # (None is no override)
+        raise TorchRuntimeError("divisor must be not zero")
+    if n == 2:  # torch reads the channels' size before it checks the rank
+        canonical_dim(-3, x.ndim)
+    _check_pool(x, n, k, s, p, (1,) * n, "avg_pool3d()")
     sizes = x.shape[x.ndim - n:]
     geometry = [_sliding(sizes[i], k[i], s[i], p[i], 1, ceil_mode) for i in range(n)]
     patches, valid, _ = _windows(upcast(x), geometry)

@@ -158,6 +158,13 @@ def neg(x):
     return -x
 
 
+@warning(aten.abs_.default)
+def _no_complex_abs_(func, args, kwargs):
+    """abs of complex numbers is real, which the complex input cannot hold."""
+    if args[0].is_complex():
+        raise RuntimeError("In-place abs is not supported for complex tensors.")
+
+
 @elementwise(aten.abs, prims.abs, promote_kind="complex_to_float")
 def absolute(x):
     if _is_bool(x):
@@ -774,14 +781,38 @@ def _check_complex_parts(part):
         raise _dt.Complex32Needed("torch2jax: complex parts in float16 make complex32, held as complex64")
 
 
+def _check_parts_dtypes(op, a, b):
+    """torch's check that the two parts are float16, float32 or float64 tensors of one dtype, in
+    its words: from its kernel ``op`` on stand-ins of them."""
+    if a.dtype != b.dtype or not _dt.is_floating(a.dtype) or a.dtype == jnp.bfloat16:
+        raise_as_torch(op, stand_in(a.dtype), stand_in(b.dtype))
+
+
+_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+@warning(aten.complex.out, aten.polar.out)
+def _check_complex_out(func, args, kwargs):
+    """torch's out= of complex / polar must be of the parts' complex dtype, where a result is
+    otherwise cast into out (checked with the parts' dtypes, as torch does, from its kernel on
+    stand-ins)."""
+    a, b, out = args[0], args[1], kwargs["out"]
+    if a.dtype != b.dtype or out.dtype != _COMPLEX_OF.get(a.dtype):
+        op = torch.complex if func.overloadpacket is aten.complex else torch.polar
+        raise_as_torch(lambda x, y: op(x, y, out=torch.empty(0, dtype=out.dtype)),
+                       torch.empty(0, dtype=a.dtype), torch.empty(0, dtype=b.dtype))
+
+
 @register(aten.polar)
 def polar(magnitude, phase):
+    _check_parts_dtypes(torch.polar, magnitude, phase)
     _check_complex_parts(magnitude)
     return lax.complex(*jnp.broadcast_arrays(magnitude * jnp.cos(phase), magnitude * jnp.sin(phase)))
 
 
 @register(aten.complex)
 def complex_from_parts(real, imag):
+    _check_parts_dtypes(torch.complex, real, imag)
     _check_complex_parts(real)
     return lax.complex(*jnp.broadcast_arrays(real, imag))
 

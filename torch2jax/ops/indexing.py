@@ -10,6 +10,7 @@ only eagerly and raise `OpError` when traced.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -19,9 +20,9 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dt
-from ..dispatch import TorchRuntimeError
-from .registry import (_HALF, as_dtype, canonical_dim, canonical_dims, check_values, checked_scalar, register,
-                       scalar_type_name, true_divide)
+from ..dispatch import TorchRuntimeError, TorchTypeError
+from .registry import (_HALF, as_dtype, canonical_dim, canonical_dims, check_values, checked_scalar, overflow_error,
+                       overflows, register, scalar_type_name, true_divide, warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -420,6 +421,8 @@ def put(x, index, source, accumulate=False):
 
 @register(aten.embedding.default)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if weight.ndim != 2:
+        raise TorchRuntimeError("'weight' must be 2-D")
     if indices.dtype not in (np.dtype(np.int64), np.dtype(np.int32)):
         legacy = torch.empty(0, dtype=_dt.to_torch(indices.dtype)).type()  # "torch.FloatTensor"
         raise TorchRuntimeError(
@@ -455,6 +458,8 @@ def masked_fill(x, mask, value):
             "masked_fill_ only supports a 0-dimensional value tensor, but got tensor with "
             f"{value.ndim} dimension(s)."
         )
+    if hasattr(value, "dtype") and value.dtype != x.dtype:  # torch reads it as a Scalar, which must fit
+        check_values(value, lambda v: overflows(v, x.dtype), lambda v: overflow_error(x.dtype))
     return jnp.where(mask, _value(value, x.dtype), x)
 
 
@@ -510,6 +515,19 @@ def nonzero_static(x, *, size, fill_value=-1):
 # -- concatenation, tiling, padding -------------------------------------------
 
 
+@warning(aten.cat.out, aten.stack.out)
+def _check_cat_out(func, args, kwargs):
+    """torch's check that out's dtype can hold the promoted inputs', where another op would write
+    a result into out if only it can be cast."""
+    out = kwargs["out"]
+    if not args[0]:  # (cat's own error)
+        return
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in args[0]))
+    if not torch.can_cast(dtype, out.dtype):
+        raise TorchTypeError(f"torch.cat(): input types can't be cast to the desired output type "
+                             f"{scalar_type_name(out.dtype)}")
+
+
 @register(aten.cat.default)
 def cat(tensors, dim=0):
     dtype = _dt.result_type(*tensors)
@@ -552,14 +570,16 @@ def flip(x, dims):
 def roll(x, shifts, dims=()):
     shifts = [shifts] if isinstance(shifts, int) else list(shifts)
     dims = [dims] if isinstance(dims, int) else list(dims)
+    if not shifts:
+        raise RuntimeError("`shifts` required")
     if not dims:
         if len(shifts) != 1:
             raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:0")
         return jnp.roll(x.reshape(-1), shifts[0]).reshape(x.shape)
     if len(shifts) != len(dims):
         raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
-    if x.ndim == 0:
-        return x
+    if x.ndim == 0:  # torch does not take a scalar for a 1-d tensor here
+        raise IndexError(f"Dimension specified as {dims[0]} but tensor has no dimensions")
     return jnp.roll(x, shifts, canonical_dims(dims, x.ndim))
 
 
@@ -616,6 +636,12 @@ def triu(x, diagonal=0):
 
 @register(aten.narrow_copy.default)
 def narrow_copy(x, dim, start, length):
+    if x.ndim == 0:
+        raise RuntimeError("narrow() cannot be applied to a 0-dim tensor.")
+    if dim >= x.ndim:  # torch's check without a message of its own (a negative dim is wrapped, or an IndexError)
+        raise RuntimeError("Expected dim < static_cast<int64_t>(self_sizes.size()) to be true, but got false.  "
+                           "(Could this error message be improved?  If so, please report an enhancement request "
+                           "to PyTorch.)")
     d = canonical_dim(dim, x.ndim)
     n = x.shape[d]
     if not -n <= start <= n:

@@ -33,7 +33,7 @@ from jax.lax import linalg as lax_linalg
 
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
-from .registry import canonical_dim, cast, register, scalar_type_name
+from .registry import argmax_index, canonical_dim, cast, register, scalar_type_name
 
 aten = torch.ops.aten
 
@@ -682,7 +682,7 @@ def _first_true(mask):
     """1-based index of the first True along the last axis, 0 if none (LAPACK's ``info``)."""
     if mask.shape[-1] == 0:
         return jnp.zeros(mask.shape[:-1], np.int32)
-    return jnp.where(jnp.any(mask, axis=-1), jnp.argmax(mask, axis=-1) + 1, 0).astype(np.int32)
+    return jnp.where(jnp.any(mask, axis=-1), argmax_index(mask, axis=-1) + 1, 0).astype(np.int32)
 
 
 def _lu(a):
@@ -1112,7 +1112,7 @@ def _ldl_factor_matrix(a, hermitian):
         # first NaN wins a column's search, and MAX(a, b) is b unless a > b
         size_kk = diag_size(m[k, k])
         col = jnp.where(idx > k, _bk_size(m[:, k]), -1)
-        imax = jnp.argmax(col)
+        imax = argmax_index(col)
         colmax = jnp.where(k < n - 1, col[imax], 0)
         row = _bk_size(m[imax])
         rowmax = jnp.max(jnp.where((idx >= k) & (idx < imax), row, -1))

@@ -182,6 +182,9 @@ def _layer_norm(x, normalized_shape, weight, bias, eps):
 
 def _check_layer_norm(x, normalized_shape, weight, bias):
     shape = [int(n) for n in normalized_shape]
+    if not shape:
+        raise RuntimeError("Expected normalized_shape to be at least 1-dimensional, i.e., containing at least one "
+                           "element, but got normalized_shape = []")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and list(p.shape) != shape:
             raise RuntimeError(f"Expected {name} to be of same shape as normalized_shape, but got {name} of shape "
@@ -374,6 +377,8 @@ def relu(x):
 
 
 def _gelu(x, approximate="none"):
+    if approximate not in ("none", "tanh"):
+        raise RuntimeError("approximate argument must be either none or tanh.")
     return jax.nn.gelu(x, approximate=approximate == "tanh")
 
 
@@ -532,8 +537,24 @@ def hardshrink_backward(grad, x, lambd):
     return jnp.where((x >= -lambd) & (x <= lambd), jnp.zeros((), grad.dtype), grad)
 
 
-@float_op(aten.softshrink.default)
+def _check_lambda(dtype, lambd):
+    """torch's range for softshrink's lambda: [0, the largest value of the input's floating dtype]."""
+    if not _dt.is_floating(dtype):
+        raise NotImplementedError(f"\"softshrink_check\" not implemented for '{scalar_type_name(dtype)}'")
+    top = float(jnp.finfo(dtype).max)
+    if not 0 <= lambd <= top:  # (NaN too)
+        raise RuntimeError(f"lambda must be in range [0, {top:g}] for input dtype {scalar_type_name(dtype)}, "
+                           f"but found {lambd:g}")
+
+
+@register(aten.softshrink.default)
 def softshrink(x, lambd=0.5):
+    _check_lambda(x.dtype, lambd)
+    return _softshrink(x, lambd)
+
+
+@upcasting
+def _softshrink(x, lambd):
     return jnp.where(x > lambd, x - lambd, jnp.where(x < -lambd, x + lambd, jnp.zeros((), x.dtype)))
 
 
@@ -649,6 +670,8 @@ _loss_op(multi_margin_loss.compute, aten.multi_margin_loss_backward.default)
 
 @float_op(aten.smooth_l1_loss.default)
 def smooth_l1_loss(x, target, reduction=_MEAN, beta=1.0):
+    if beta < 0:
+        raise RuntimeError("smooth_l1_loss does not support negative values for beta.")
     d = jnp.abs(x - target)
     if beta == 0:
         return _reduce(d, reduction)
@@ -660,6 +683,8 @@ _loss_op(smooth_l1_loss.compute, aten.smooth_l1_loss_backward.default)
 
 @float_op(aten.huber_loss.default)
 def huber_loss(x, target, reduction=_MEAN, delta=1.0):
+    if delta <= 0:
+        raise RuntimeError("huber_loss does not support non-positive values for delta.")
     d = jnp.abs(x - target)
     return _reduce(jnp.where(d < delta, 0.5 * d * d, delta * (d - 0.5 * delta)), reduction)
 

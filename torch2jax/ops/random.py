@@ -20,7 +20,7 @@ import torch
 from .. import dtypes as _dt
 from ..env import next_key
 from .creation import jax_dtype
-from .registry import check_values, decomposition, register, scalar_type_name
+from .registry import check_values, decomposition, register, scalar_type_name, warning
 
 aten = torch.ops.aten
 
@@ -454,6 +454,14 @@ def randperm(n, *, generator=None, dtype=None, layout=None, device=None, pin_mem
     if limit is not None and n > limit[0]:
         raise RuntimeError(f"n cannot be greater than {limit[1]} for {scalar_type_name(dtype)} type.")
     return jax.random.permutation(next_key(generator), n).astype(dtype)
+
+
+@warning(aten.multinomial.out)
+def _long_out(func, args, kwargs):
+    """torch writes the sampled indices only into an int64 out (other ops cast into out)."""
+    out = kwargs["out"]
+    if out.dtype != torch.int64:
+        raise RuntimeError(f"multinomial expects Long tensor out, got: {scalar_type_name(out.dtype)}")
 
 
 @register(aten.multinomial.default)

@@ -19,7 +19,8 @@ import torch
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import _HALF, canonical_dim, canonical_dims, register, scalar_type_name, true_divide, warning
+from .registry import (_HALF, argmax_index, argmin_index, canonical_dim, canonical_dims, register, scalar_type_name,
+                       true_divide, warning)
 from .shape import is_traced
 
 aten = torch.ops.aten
@@ -145,6 +146,8 @@ def logsumexp(x, dim, keepdim=False):
 
 
 def _extreme(name, reduce, x, dim, keepdim):
+    if not dim:  # all dims
+        _require_numel(name, x)
     axes = _axes(dim, x.ndim)
     _require_nonempty(name, x, axes)
     return reduce(x, axis=axes, keepdims=keepdim)
@@ -223,7 +226,7 @@ def min_(x):
 
 
 def _arg_extreme(name, arg, x, dim, keepdim):
-    """jnp.argmax / argmin give the first NaN, else the first extremum, as torch does."""
+    """argmax / argmin give the first NaN, else the first extremum, as torch does."""
     if dim is None:
         if x.size == 0:
             raise IndexError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0.")
@@ -243,32 +246,34 @@ def _no_bools(name, x):
 @_real_only(torch.argmax)
 def argmax(x, dim=None, keepdim=False):
     _no_bools("argmax", x)
-    return _arg_extreme("argmax", jnp.argmax, x, dim, keepdim)
+    return _arg_extreme("argmax", argmax_index, x, dim, keepdim)
 
 
 @register(aten.argmin.default)
 @_real_only(torch.argmin)
 def argmin(x, dim=None, keepdim=False):
     _no_bools("argmin", x)
-    return _arg_extreme("argmin", jnp.argmin, x, dim, keepdim)
+    return _arg_extreme("argmin", argmin_index, x, dim, keepdim)
 
 
 @register(aten.max.dim)
 @_real_only(lambda t: torch.max(t, 0))
 def max_dim(x, dim, keepdim=False):
-    return _extreme("max", jnp.max, x, [dim], keepdim), _arg_extreme("max", jnp.argmax, x, dim, keepdim)
+    return _extreme("max", jnp.max, x, [dim], keepdim), _arg_extreme("max", argmax_index, x, dim, keepdim)
 
 
 @register(aten.min.dim)
 @_real_only(lambda t: torch.min(t, 0))
 def min_dim(x, dim, keepdim=False):
-    return _extreme("min", jnp.min, x, [dim], keepdim), _arg_extreme("min", jnp.argmin, x, dim, keepdim)
+    return _extreme("min", jnp.min, x, [dim], keepdim), _arg_extreme("min", argmin_index, x, dim, keepdim)
 
 
 @register(aten.aminmax.default)
 @_real_only(torch.aminmax)
 def aminmax(x, *, dim=None, keepdim=False):
     axes = _axes(dim if dim is None else [dim], x.ndim)
+    if dim is not None and x.ndim and x.shape[axes[0]] == 0:
+        raise IndexError(f"aminmax: Expected reduction dim {axes[0]} to have non-zero size.")
     if _size(x, axes) == 0 and x.ndim:
         raise RuntimeError(
             "aminmax(): cannot compute aminmax over an empty dimension as the operation has no identity."
@@ -603,8 +608,17 @@ def _outer_edges(v, lo_hi, name_dim):
     return lo - widen, hi + widen
 
 
+def _require_points(x):
+    """histogramdd's input: points along its last axis."""
+    if x.ndim < 2:
+        raise RuntimeError("torch.histogramdd: input tensor should have at least 2 dimensions")
+
+
 def _bin_edges(x, bins, range):
     """Equal-width edges for each of the last axis's ``x.shape[-1]`` dimensions."""
+    _require_points(x)
+    if len(bins) != x.shape[-1]:
+        raise RuntimeError("histogramdd: The size of bins must be equal to the innermost dimension of the input.")
     points = x.reshape(-1, x.shape[-1])
     edges = []
     for d, n in enumerate(bins):
@@ -658,6 +672,11 @@ def _histogramdd_from_bin_cts(x, bins, range=None, weight=None, density=False):
 
 @register(aten._histogramdd_from_bin_tensors.default)
 def _histogramdd_from_bin_tensors(x, bins, weight=None, density=False):
+    _require_points(x)
+    n = x.shape[-1]
+    if len(bins) != n:
+        raise RuntimeError(f"torch.histogramdd: expected {n} sequences of bin edges for a {n}-dimensional histogram "
+                           f"but got {len(bins)}")
     return _histogramdd(x, [b.astype(x.dtype) for b in bins], weight, density)
 
 
@@ -738,7 +757,7 @@ def _median(x, dim, keepdim, ignore_nan):
         return _pick(values, indices, jnp.maximum(count - 1, 0) // 2, x, d, keepdim)
     v, i = _pick(values, indices, (n - 1) // 2, x, d, keepdim)
     has_nan = _keep(jnp.any(nan, axis=d), x, d, keepdim)
-    first_nan = _keep(jnp.argmax(nan, axis=d), x, d, keepdim).astype(_LONG)
+    first_nan = _keep(argmax_index(nan, axis=d), x, d, keepdim).astype(_LONG)
     return jnp.where(has_nan, jnp.array(jnp.nan, x.dtype), v), jnp.where(has_nan, first_nan, i)
 
 
@@ -778,12 +797,13 @@ def mode(x, dim=-1, keepdim=False):
     _require_nonempty("mode", x1, (d,))
     n = x1.shape[d]
     s = jnp.moveaxis(_sort(x1, d, False)[0], d, -1)
-    pos = jnp.arange(n)
+    # int32 positions: cummax lowers under the x64 setting of the jit lowering it (see argmax_index)
+    pos = jnp.arange(n, dtype=np.int32)
     new_run = jnp.concatenate([jnp.ones(s.shape[:-1] + (1,), bool), s[..., 1:] != s[..., :-1]], axis=-1)
     run_start = jax.lax.cummax(jnp.where(new_run, pos, 0), axis=s.ndim - 1)
     ends_run = jnp.concatenate([s[..., 1:] != s[..., :-1], jnp.ones(s.shape[:-1] + (1,), bool)], axis=-1)
     run_len = jnp.where(ends_run, pos - run_start + 1, 0)
-    best = jnp.argmax(run_len, axis=-1)
+    best = argmax_index(run_len, axis=-1)
     value = jnp.take_along_axis(s, best[..., None], axis=-1)
     last = jnp.max(jnp.where(jnp.moveaxis(x1, d, -1) == value, pos, -1), axis=-1)
     value = jnp.squeeze(value, -1)

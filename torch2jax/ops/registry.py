@@ -235,8 +235,37 @@ def _check_range(v, dtype, named):
 
 
 def _overflow(dtype):
-    raise RuntimeError(f"value cannot be converted to type {_C_TYPE_NAMES.get(np.dtype(dtype).name, dtype)} "
-                       "without overflow")
+    raise overflow_error(dtype)
+
+
+def overflow_error(dtype) -> RuntimeError:
+    return RuntimeError(f"value cannot be converted to type {_C_TYPE_NAMES.get(np.dtype(dtype).name, dtype)} "
+                        "without overflow")
+
+
+def overflows(values, dtype):
+    """Elementwise, whether ``values`` (a NumPy or JAX array) do not fit ``dtype`` by the rule of
+    `checked_scalar`: for a tensor's value that a kernel reads as a Scalar (masked_fill's), with
+    `check_values`. Only array operators, so NumPy arrays are compared in their own dtypes."""
+    if np.dtype(dtype) == np.bool_ or values.dtype == np.bool_:
+        return np.zeros(np.shape(values), bool)
+    if _dt.is_complex(values.dtype):
+        if _dt.is_complex(dtype):
+            part = _dt.real_of(dtype)
+            return _out_of_range(values.real, part) | _out_of_range(values.imag, part)
+        return (values.imag != 0) | _out_of_range(values.real, dtype)
+    return _out_of_range(values, dtype)
+
+
+def _out_of_range(v, dtype):
+    if _dt.is_integral(dtype):
+        info = np.iinfo(dtype)
+        lowest = -int(info.max) if info.min == 0 else int(info.min)
+        if _dt.is_integral(v.dtype):  # the bounds clipped to v's range, where they compare exactly
+            own = np.iinfo(v.dtype)
+            return (v < max(lowest, int(own.min))) | (v > min(int(info.max), int(own.max)))
+        return ~((v >= float(lowest)) & (v <= float(info.max)))  # NaN and infinities too
+    return (abs(v) > float(jnp.finfo(dtype).max)) & (abs(v) < np.inf)
 
 
 def promote(kind: str, operands):
@@ -320,6 +349,33 @@ def scalar_type_name(dtype) -> str:
     """torch's C++ name of ``dtype`` (a JAX or torch dtype) in its messages: "Float", "Long"."""
     dtype = dtype if isinstance(dtype, torch.dtype) else _dt.to_torch(dtype)
     return torch.empty(0, dtype=dtype, device="cpu").type()[len("torch."):-len("Tensor")]
+
+
+def _arg_reduction(reduce, x, axis=None, keepdims=False):
+    flat = x.reshape(-1) if axis is None else x
+    ax = 0 if axis is None else axis % x.ndim
+    index_dtype = np.int32 if flat.shape[ax] < 2**31 else np.int64
+    index = reduce(flat, ax, index_dtype).astype(np.int64)
+    if keepdims:
+        index = index.reshape((1,) * x.ndim) if axis is None else jnp.expand_dims(index, ax)
+    return index
+
+
+def argmax_index(x, axis=None, keepdims=False):
+    """``jnp.argmax`` (NaN first, then the first maximum) as int64, its index computed as int32.
+
+    ``lax.argmax`` lowers by tracing again under the x64 setting of the jit that lowers it: an
+    int64 index traced in torch2jax's 64-bit mode inside a user's 32-bit ``jax.jit`` of torch
+    code (`jax_view`) failed to lower. Widening an int32 index is an ordinary conversion.
+
+    >>> argmax_index(jnp.array([[1.0, 3.0], [2.0, 0.0]]), axis=1)   # [1, 0], int64
+    """
+    return _arg_reduction(jax.lax.argmax, x, axis, keepdims)
+
+
+def argmin_index(x, axis=None, keepdims=False):
+    """``jnp.argmin`` as int64, computed as `argmax_index` is."""
+    return _arg_reduction(jax.lax.argmin, x, axis, keepdims)
 
 
 def canonical_dim(dim: int, ndim: int) -> int:

@@ -18,6 +18,7 @@ import torch
 from .. import dtypes as _dt
 from ..tensor import Tensor
 from ..dispatch import INTERNAL_OVERLAP_MESSAGE, _storage_numel
+from .random import _C_TYPE_NAMES
 from .registry import canonical_dim, canonical_dims, decomposition, register, view
 
 aten = torch.ops.aten
@@ -289,6 +290,8 @@ def split(x, split_size, dim=0):
 
 @view(aten.unbind.int, inverse=lambda base, value, i, dim=0: select_scatter(base, value, dim, i))
 def unbind(x, dim=0):
+    if x.ndim == 0:  # (whatever the dim)
+        raise IndexError("Dimension specified as 0 but tensor has no dimensions")
     d = canonical_dim(dim, x.ndim)
     return [jax.lax.index_in_dim(x, i, axis=d, keepdims=False) for i in range(x.shape[d])]
 
@@ -296,6 +299,36 @@ def unbind(x, dim=0):
 register(aten.split_with_sizes_copy)(split_with_sizes)
 register(aten.split_copy.Tensor)(split)
 register(aten.unbind_copy.int)(unbind)
+
+
+def _write_pieces(name, pieces, out, exact):
+    """Write ``pieces`` into the list ``out`` as torch's out= kernels of the split ops do: with
+    ``exact``, each out of the piece's dtype and resized to it, else copied into (broadcast, cast)."""
+    if len(out) != len(pieces):
+        raise RuntimeError(f"{name} expected an out= argument of size {len(pieces)}, got size {len(out)}")
+    for o, piece in zip(out, pieces):
+        if not exact:
+            o.copy_(piece)
+            continue
+        if o.dtype != piece.dtype:
+            raise RuntimeError(f"Expected out tensor to have dtype {_C_TYPE_NAMES[piece.dtype]}, but got "
+                               f"{_C_TYPE_NAMES[o.dtype]} instead")
+        aten.clone.out(piece, out=o)  # (resized as out= is)
+
+
+@decomposition(aten.unbind_copy.int_out)
+def unbind_copy_out(x, dim=0, *, out):
+    _write_pieces("unbind_copy_int_out", aten.unbind_copy.int(x, dim), out, exact=True)
+
+
+@decomposition(aten.split_with_sizes_copy.out)
+def split_with_sizes_copy_out(x, split_sizes, dim=0, *, out):
+    _write_pieces("split_with_sizes_copy_out", aten.split_with_sizes_copy(x, split_sizes, dim), out, exact=True)
+
+
+@decomposition(aten.split_copy.Tensor_out)
+def split_copy_out(x, split_size, dim=0, *, out):
+    _write_pieces("split_copy_Tensor_out()", aten.split_copy.Tensor(x, split_size, dim), out, exact=False)
 
 
 def _diagonal_index(shape, offset, dim1, dim2):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
-from ..interop import call_jax, jax_view
+from ..interop import call_jax_64, jax_view
 from .collectives import collectives
 
 
@@ -59,6 +59,6 @@ def shard_map(torch_fn, mesh, in_specs, out_specs, check_vma: bool = False):
     mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=check_vma)
 
     def call(*tensors):
-        return call_jax(mapped, *tensors)
+        return call_jax_64(mapped, *tensors)
 
     return call

@@ -1,0 +1,132 @@
+"""Inputs torch's CPU kernels reject: the jax device raises the same builtin exception type with
+the same message (many from OpInfo's error_inputs), and the split ops' list out= is written as
+on CPU."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch2jax  # noqa: F401  (registers the jax device)
+
+
+def _x(*shape, dtype=None):
+    return lambda d: torch.randn(*shape, dtype=dtype, device=d)
+
+
+CASES = {
+    "abs_ complex": lambda d: torch.tensor([1 + 2j], device=d).abs_(),
+    "avg_pool1d negative pad": lambda d: F.avg_pool1d(_x(1, 1, 6)(d), 2, padding=-1),
+    "avg_pool1d pad over half": lambda d: F.avg_pool1d(_x(1, 1, 6)(d), 2, padding=2),
+    "max_pool1d indices pad": lambda d: F.max_pool1d(_x(1, 1, 6)(d), 2, padding=2, return_indices=True),
+    "max_pool2d pad over half": lambda d: F.max_pool2d(_x(1, 1, 6, 6)(d), 2, padding=4),
+    "max_pool2d pad over half kernel": lambda d: F.max_pool2d(_x(1, 1, 6, 6)(d), 2, padding=2, dilation=3),
+    "max_pool2d dilation 0": lambda d: F.max_pool2d(_x(1, 1, 6, 6)(d), 2, dilation=0),
+    "max_pool2d empty channels": lambda d: F.max_pool2d(_x(1, 0, 2, 2)(d), 1),
+    "max_pool2d 2-d input": lambda d: F.max_pool2d(_x(2, 2)(d), 1),
+    "max_pool3d empty dim": lambda d: F.max_pool3d(_x(0, 1, 2, 10)(d), 1),
+    "max_pool3d pad over half kernel": lambda d: F.max_pool3d(_x(1, 1, 6, 6, 6)(d), 2, padding=(0, 1, 2), dilation=3),
+    "avg_pool2d divisor 0": lambda d: F.avg_pool2d(_x(1, 1, 6, 6)(d), 2, divisor_override=0),
+    "avg_pool2d 1-d input": lambda d: F.avg_pool2d(_x(6)(d), 1),
+    "avg_pool3d divisor 0": lambda d: F.avg_pool3d(_x(1, 1, 4, 6, 6)(d), 2, divisor_override=0),
+    "avg_pool3d empty dim": lambda d: F.avg_pool3d(_x(0, 1, 2, 10)(d), 1),
+    "adaptive_max_pool2d 3 sizes": lambda d: F.adaptive_max_pool2d(_x(1, 2, 4, 4)(d), (2, 2, 2)),
+    "adaptive_max_pool3d 2 sizes": lambda d: F.adaptive_max_pool3d(_x(1, 1, 4, 6, 6)(d), (2, 2)),
+    "adaptive_max_pool3d empty dim": lambda d: F.adaptive_max_pool3d(_x(1, 0, 1, 2, 2)(d), 1),
+    "embedding 1-d weight": lambda d: F.embedding(torch.tensor([0], device=d), _x(4)(d)),
+    "embedding 0-d weight": lambda d: F.embedding(torch.tensor([0], device=d), torch.tensor(1.0, device=d)),
+    "gelu approximate": lambda d: F.gelu(_x(3)(d), approximate="foo"),
+    "huber_loss delta 0": lambda d: F.huber_loss(_x(3)(d), _x(3)(d), delta=0.0),
+    "smooth_l1_loss negative beta": lambda d: F.smooth_l1_loss(_x(3)(d), _x(3)(d), beta=-1.0),
+    "softshrink negative lambda": lambda d: F.softshrink(_x(3)(d), -0.5),
+    "softshrink lambda past half": lambda d: F.softshrink(_x(3, dtype=torch.float16)(d), 1e5),
+    "softshrink integers": lambda d: F.softshrink(torch.tensor([1, 2], device=d), 0.5),
+    "native_layer_norm []": lambda d: torch.native_layer_norm(_x(3)(d), [], None, None, 1e-5),
+    "roll 0-d": lambda d: torch.roll(torch.tensor(1.0, device=d), 1, 0),
+    "roll 0-d dim -1": lambda d: torch.roll(torch.tensor(1.0, device=d), 1, -1),
+    "roll no shifts": lambda d: torch.roll(_x(2)(d), [], []),
+    "histogramdd bins": lambda d: torch.histogramdd(_x(4, 2)(d), bins=[2, 2, 2]),
+    "histogramdd 1-d input": lambda d: torch.histogramdd(_x(4)(d), bins=[2]),
+    "histogramdd bin tensors": lambda d: torch.histogramdd(_x(4, 2)(d), bins=[torch.tensor([0.0, 1.0], device=d)]),
+    "masked_fill complex into long": lambda d: torch.tensor([1, 1], device=d).masked_fill(
+        torch.tensor(False, device=d), torch.tensor(1j, device=d)),
+    "masked_fill_ 1e20 into long": lambda d: torch.tensor([1, 1], device=d).masked_fill_(
+        torch.tensor([True, False], device=d), torch.tensor(1e20, device=d)),
+    "masked_fill 300 into uint8": lambda d: torch.ones(2, dtype=torch.uint8, device=d).masked_fill(
+        torch.tensor(True, device=d), torch.tensor(300, device=d)),
+    "masked_fill 1e300 into float": lambda d: torch.ones(2, device=d).masked_fill(
+        torch.tensor(True, device=d), torch.tensor(1e300, dtype=torch.float64, device=d)),
+    "complex out complex128": lambda d: torch.complex(_x(2)(d), _x(2)(d), out=torch.empty(2, dtype=torch.complex128, device=d)),
+    "complex out float": lambda d: torch.complex(_x(2)(d), _x(2)(d), out=torch.empty(2, device=d)),
+    "polar out complex128": lambda d: torch.polar(_x(2)(d), _x(2)(d), out=torch.empty(2, dtype=torch.complex128, device=d)),
+    "complex float, int": lambda d: torch.complex(_x(2)(d), torch.ones(2, dtype=torch.int32, device=d)),
+    "polar float, double": lambda d: torch.polar(_x(2)(d), _x(2, dtype=torch.float64)(d)),
+    "multinomial out double": lambda d: torch.multinomial(torch.ones(3, device=d), 2,
+                                                          out=torch.empty(2, dtype=torch.float64, device=d)),
+    "amax empty": lambda d: torch.amax(_x(0, 3)(d)),
+    "amin empty": lambda d: torch.amin(_x(0, 3)(d), []),
+    "aminmax empty dim": lambda d: torch.aminmax(_x(3, 0)(d), dim=1),
+    "narrow_copy 0-d": lambda d: torch.narrow_copy(torch.tensor(1.0, device=d), 0, 0, 1),
+    "narrow_copy dim past": lambda d: torch.narrow_copy(_x(3)(d), 1, 0, 1),
+    "unbind_copy 0-d": lambda d: torch.unbind_copy(torch.tensor(1.0, device=d)),
+    "cat out long": lambda d: torch.cat([_x(2)(d), _x(2)(d)], out=torch.empty(0, dtype=torch.long, device=d)),
+    "stack out bool": lambda d: torch.stack([_x(2)(d)], out=torch.empty(0, dtype=torch.bool, device=d)),
+    "hstack out long": lambda d: torch.hstack([_x(2)(d)], out=torch.empty(0, dtype=torch.long, device=d)),
+    "vstack out long": lambda d: torch.vstack([_x(2)(d)], out=torch.empty(0, dtype=torch.long, device=d)),
+    "dstack out long": lambda d: torch.dstack([_x(2)(d)], out=torch.empty(0, dtype=torch.long, device=d)),
+    "column_stack out long": lambda d: torch.column_stack([_x(2)(d)], out=torch.empty(0, dtype=torch.long, device=d)),
+    "cat complex out float": lambda d: torch.cat([_x(2, dtype=torch.complex64)(d)], out=torch.empty(0, device=d)),
+    "unbind_copy out count": lambda d: torch.unbind_copy(_x(3, 2)(d), out=[torch.empty(0, device=d)] * 2),
+    "split_with_sizes_copy out dtype": lambda d: torch.split_with_sizes_copy(
+        _x(3, 2)(d), [1, 2], out=[torch.empty(0, dtype=torch.long, device=d)] * 2),
+}
+
+
+def _builtin(e):
+    """The builtin exception class ``e`` is (torch2jax raises subclasses of them)."""
+    return next(c for c in type(e).__mro__ if c.__module__ == "builtins")
+
+
+def _error(fn, device):
+    with pytest.raises(Exception) as info:  # noqa: PT011 - any type: compared below
+        fn(device)
+    return info.value
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_error_as_cpu(name):
+    expected, got = _error(CASES[name], "cpu"), _error(CASES[name], "jax")
+    assert _builtin(got) is _builtin(expected), f"{type(got).__name__}: {got}"
+    assert str(got) == str(expected)
+
+
+LIST_OUT = {
+    "unbind_copy": (3, lambda x, out: torch.unbind_copy(x, out=out)),
+    "unbind_copy dim 1": (2, lambda x, out: torch.unbind_copy(x, 1, out=out)),
+    "split_with_sizes_copy": (2, lambda x, out: torch.split_with_sizes_copy(x, [1, 2], out=out)),
+    "split_copy": (2, lambda x, out: torch.split_copy(x, 2, out=out)),
+}
+
+
+@pytest.mark.parametrize("shape", [(0,), (9,), (2, 2)])
+@pytest.mark.parametrize("name", list(LIST_OUT))
+def test_list_out(name, shape):
+    n, fn = LIST_OUT[name]
+    results = []
+    for device in ("cpu", "jax"):
+        out = [torch.zeros(shape, device=device) for _ in range(n)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (resizing a non-empty out)
+            try:
+                fn(torch.arange(6.0).reshape(3, 2).to(device), out)
+            except RuntimeError as e:  # split_copy copies into out without resizing it
+                results.append(str(e))
+                continue
+        results.append([o.cpu() for o in out])
+    expected, got = results
+    if isinstance(expected, str):
+        assert got == expected
+    else:
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e)
