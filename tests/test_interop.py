@@ -274,3 +274,16 @@ def test_plain_jax_jit_cannot_leak_a_tracer_into_a_parameter():
     # local tensors created inside the traced function may be mutated freely
     local = jax.jit(t2j.jax_view(lambda x: torch.zeros(3, device="jax").add_(x)))(jnp.ones(3))
     np.testing.assert_array_equal(local, np.ones(3))
+
+
+def test_functionalize_with_closed_over_state_under_transforms():
+    # the state's tensors are made for the call: a transform may write its tracers into them
+    fn, state = t2j.functionalize(nn.BatchNorm1d(3))
+    x = jnp.arange(12.0).reshape(4, 3)
+    out, new = jax.jit(fn.apply)(state, x)
+    closed_out, closed_new = jax.jit(lambda v: fn.apply(state, v))(x)
+    np.testing.assert_allclose(closed_out, out)
+    np.testing.assert_allclose(closed_new["buffers"]["running_mean"], new["buffers"]["running_mean"])
+    assert jax.grad(lambda v: (fn(state, v) ** 3).sum())(x).shape == (4, 3)
+    assert jax.vmap(fn, in_axes=(None, 0))(state, jnp.stack([x, x])).shape == (2, 4, 3)
+    np.testing.assert_array_equal(state["buffers"]["running_mean"], np.zeros(3))  # the state itself is unchanged

@@ -328,7 +328,7 @@ class Functional:
         tensors.update(buffers)
         args, kwargs = torch_view((args, kwargs))
         rng_scope = _rng.traced_key(rng) if rng is not None else contextlib.nullcontext()
-        with _jax_differentiated(), rng_scope:
+        with _jax_differentiated(), rng_scope, _tensor.call_local([t._t2j_storage for t in tensors.values()]):
             out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=True, strict=False)
         new_state = {"params": {n: tensors[n]._value() for n in state.get("params", {})},
                      "buffers": {n: b._value() for n, b in buffers.items()}}

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import functools
@@ -45,6 +46,20 @@ DEVICE = torch.device(_device.NAME, 0)
 # storage created and every tensor read (see torch2jax/jit.py).
 CAPTURE = None
 
+# Storages made for one call of a pure function (`functionalize`'s state as tensors): a
+# transform tracing that call may write tracers into them, as nothing outlives the call.
+CALL_LOCAL: set = set()
+
+
+@contextlib.contextmanager
+def call_local(storages):
+    """Let a traced write into ``storages`` (see `Storage.check_write`) while the block runs."""
+    CALL_LOCAL.update(storages)
+    try:
+        yield
+    finally:
+        CALL_LOCAL.difference_update(storages)
+
 
 class Storage:
     """The shared value of a base tensor and all of its views."""
@@ -68,7 +83,8 @@ class Storage:
         ``jax.jit`` of torch code) is mutating persistent state: the tracer would
         escape into a parameter, buffer or optimizer state.
         """
-        if isinstance(value, jax.core.Tracer) and not isinstance(self.array, jax.core.Tracer) and CAPTURE is None:
+        if isinstance(value, jax.core.Tracer) and not isinstance(self.array, jax.core.Tracer) and CAPTURE is None \
+                and self not in CALL_LOCAL:
             from .dispatch import OpError
 
             raise OpError(
