@@ -30,6 +30,11 @@ How state is found and carried:
 * A tensor read during the trace that was not found as a slot is added to the
   function's inputs and the function is traced again, so nothing the program
   reads is silently frozen into it.
+* Python values the trace takes as constants are guarded, as torch.compile guards
+  them: numbers, strings and flags in the closure cells and globals the function
+  names, named attributes of the objects it reaches, items of dicts it reaches,
+  its modules' plain attributes and hooks, CPU tensors (by version). A new value
+  retraces; a value the trace itself changes (a counter it increments) is not guarded.
 * Optimizers are switched to their ``capturable`` form, Adam and AdamW to their
   fused one (step counters live on the device), and each param group's ``lr`` is an input of the program, so an LR
   scheduler stepping outside the function never causes a retrace. Any other float
