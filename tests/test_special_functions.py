@@ -314,3 +314,17 @@ def test_polynomial_degree_is_traced_under_jit(name):
         actual = fn(x.to("jax"), n.to("jax")).cpu()
         torch.testing.assert_close(actual, _fn(name)(x, n), equal_nan=True, atol=1e-10, rtol=1e-10)
     assert fn.stats["traces"] == 1
+
+
+@pytest.mark.parametrize("name", ["igamma", "igammac"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_incomplete_gamma_on_opinfo_reference_inputs(name, dtype):
+    # large a ~ x (where JAX's float32 series drift), zeros, infinities and NaNs in torch's order
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    op = next(o for o in op_db if o.name == name)
+    for s in op.reference_inputs("cpu", dtype):
+        other = s.args[0]
+        expected = op(s.input, other)
+        actual = op(s.input.to("jax"), other.to("jax") if isinstance(other, torch.Tensor) else other)
+        torch.testing.assert_close(actual.cpu(), expected, equal_nan=True, atol=1e-6, rtol=1e-4)
