@@ -438,3 +438,12 @@ def test_untyped_storage_reads_as_torch():
     c = x.untyped_storage().clone()
     x.add_(1)  # the clone has values of its own
     assert c.tolist() == torch.arange(3.0).untyped_storage().tolist() and c.device.type == "jax"
+
+
+def test_moving_a_cpu_tensor_leaves_it_resizable():
+    buf = torch.zeros(2)
+    moved = buf.to("jax")
+    buf.add_(1)  # the copy is independent
+    buf.resize_(8)
+    torch.cat([torch.ones(3), torch.ones(3)], out=buf.resize_(0))
+    assert moved.tolist() == [0.0, 0.0] and buf.shape == (6,)

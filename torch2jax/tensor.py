@@ -675,6 +675,12 @@ def torch_cpu(array) -> torch.Tensor:
     return torch.from_numpy(np.array(host, copy=True))
 
 
+def _host_view(t: torch.Tensor) -> np.ndarray:
+    # through DLPack: ``t.numpy()`` would mark the tensor's storage as never resizable again
+    # (a later ``resize_`` or ``out=`` into it raised)
+    return np.from_dlpack(t)
+
+
 def jax_array(t: torch.Tensor):
     """A jax.Array with the value of a torch CPU tensor."""
     t = t.detach().resolve_conj().resolve_neg()
@@ -682,10 +688,10 @@ def jax_array(t: torch.Tensor):
         t = t.contiguous()
     dtype = _dt.to_jax(t.dtype)
     if t.dtype in (torch.bfloat16, torch.uint16, torch.uint32, torch.uint64) or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
-        bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize]).numpy()
+        bits = _host_view(t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize]))
         host = bits.view(dtype)
     else:
-        host = t.numpy()
+        host = _host_view(t)
     if host.dtype.itemsize >= 8:  # int64 / float64 stay 64-bit wherever this is called (DESIGN.md, decision 6)
         with jax.enable_x64(True):
             return jnp.asarray(host)
