@@ -155,9 +155,32 @@ def test_batchnorm_running_stats_are_written_back(device):
     assert int(model[1].num_batches_tracked) == 1
 
 
-def test_unknown_backend_option_is_refused():
-    with pytest.raises(Exception, match="unexpected options"):
-        torch.compile(_mlp(), backend="torch2jax", options={"mode": "fast"})(torch.randn(2, 8))
+def test_unknown_backend_options_are_ignored_with_a_warning():
+    # as torch's aot_eager: torch.compile(..., mode="reduce-overhead") names Inductor's settings
+    model = _mlp()
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match=r"ignoring the options \['mode'\]"):
+        out = torch.compile(model, backend="torch2jax", mode="reduce-overhead")(x)
+    _assert_close(out, model(x))
+
+
+_JAX_INPUT_PROGRAMS = {
+    "mask": lambda x: x[x > 0].sum(),
+    "compare": lambda x: x != 1.5,
+    "masked_select": lambda x: torch.masked_select(x, x > 0),
+    "tensor_constant": lambda x: x + torch.tensor(1.0, device=x.device),
+    "as_tensor_constant": lambda x: x * torch.as_tensor([1.0, 2.0, 3.0], device=x.device),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_JAX_INPUT_PROGRAMS))
+def test_comparisons_and_constants_on_jax_inputs(name):
+    # `x > 0` on a jax tensor went through Dynamo's tensor-subclass emulation (NameError), and a
+    # constant made with device=x.device met the traced values for real
+    torch._dynamo.reset()
+    fn = _JAX_INPUT_PROGRAMS[name]
+    x = torch.tensor([1.0, -2.0, 3.0])
+    _assert_close(torch.compile(fn, backend="torch2jax")(x.to("jax")), fn(x))
 
 
 def test_jax_device_training_with_a_compiled_optimizer_step_matches_eager():

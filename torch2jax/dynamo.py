@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -141,8 +142,9 @@ def backend(gm: torch.fx.GraphModule, example_inputs, **options):
 
     >>> cmodel = torch.compile(model, backend="torch2jax")
     """
-    if options:
-        raise TypeError(f"torch2jax dynamo backend: unexpected options {sorted(options)}; it takes none")
+    if options:  # (mode="reduce-overhead", options={...}: Inductor's settings)
+        warnings.warn(f"torch2jax dynamo backend: ignoring the options {sorted(options)}, which it does not take",
+                      stacklevel=2)
     compile_with_aot = aot_autograd(
         fw_compiler=_compile_graph, bw_compiler=_compile_graph, decompositions=fx.decompositions()
     )
@@ -243,7 +245,12 @@ def trace_jax_tensors() -> None:
     def _wrap(self, value):
         if isinstance(value, Tensor) and _compiles_for_torch2jax(self.tx.output.compiler_fn):
             _polyfill_hf_torchax_check()
-            return self.wrap_tensor(value)
+            var = self.wrap_tensor(value)
+            # a plain tensor to Dynamo: as a subclass, `x > 0` went through its __torch_function__
+            # emulation, whose output code names a class global it never installed
+            if getattr(var, "class_type", None) is type(value):
+                var.class_type = torch.Tensor
+            return var
         return wrap(self, value)
 
     _wrap._torch2jax = True

@@ -305,8 +305,15 @@ def _higher_order(op, args, kwargs):
 
 def _constant(value):
     if isinstance(value, torch.Tensor):
-        return _to_array(value)
+        # (a constant the fake mode traced holds its real value: see tensor._as_fake)
+        return _to_array(getattr(value, "constant", None) if _is_fake(value) else value)
     return value
+
+
+def _is_fake(value) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
 
 
 def run(gm: torch.fx.GraphModule, *args):

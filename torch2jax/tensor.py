@@ -332,6 +332,9 @@ class Tensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        if fake_mode is not None:
+            return _as_fake(fake_mode, func, args, kwargs or {})
         try:
             return _dispatch(func, args, kwargs or {})
         except Exception as error:
@@ -673,6 +676,19 @@ def torch_cpu(array) -> torch.Tensor:
         signed = {2: np.int16, 4: np.int32, 8: np.int64}[dtype.itemsize]
         return torch.from_numpy(np.array(host, order="C", copy=True).view(signed)).view(dtype)
     return torch.from_numpy(np.array(host, copy=True))
+
+
+def _as_fake(mode, func, args, kwargs):
+    """``func`` on jax tensors while a fake mode traces (a constant that Dynamo or AOTAutograd
+    made for real, such as ``torch.tensor(1.0, device=x.device)``, meeting the traced values):
+    dispatched again on fake stand-ins of them, as torch's fake mode does with a CUDA constant."""
+    def fake(t):
+        # the fake keeps the real value as its constant: the traced graph holds the fake, and
+        # torch2jax.fx reads the constant from it
+        return mode.fake_tensor_converter.from_real_tensor(mode, t, make_constant=True)
+
+    args, kwargs = torch.utils._pytree.tree_map_only(Tensor, fake, (args, kwargs))
+    return func(*args, **kwargs)
 
 
 def _host_view(t: torch.Tensor) -> np.ndarray:
