@@ -150,3 +150,17 @@ def test_export_hf_with_dynamic_batch_and_sequence(name):
         ids = torch.randint(0, 64, (batch, seq))
         out, _, _ = _call(exported, state, ids.numpy())
         np.testing.assert_allclose(out["logits"], model(ids, **kwargs).logits.detach().numpy(), atol=1e-4)
+
+
+def test_dynamic_sequence_length_with_causal_attention():
+    class Causal(torch.nn.Module):
+        def forward(self, q):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    model = Causal()
+    exported = t2j.export(model, torch.randn(1, 2, 5, 8), dynamic_shapes=({2: Dim("t", min=2, max=16)},))
+    _, state = t2j.functionalize(model)
+    for t in (2, 7, 16):
+        q = torch.randn(1, 2, t, 8)
+        out = _call(exported, state, q.numpy())[0]
+        np.testing.assert_allclose(out, model(q).numpy(), atol=1e-5)

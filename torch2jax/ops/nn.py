@@ -1234,7 +1234,7 @@ def _attention(q, k, v, bias, dropout_p, is_causal, scale, key):
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = jnp.einsum("...qd,...kd->...qk", upcast(q), upcast(k)) * scale
     if is_causal:
-        s = jnp.where(np.tril(np.ones(s.shape[-2:], bool)), s, -jnp.inf)
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)  # (jnp: sizes may be symbolic)
     if bias is not None:
         s = s + upcast(bias)
     p = _safe_softmax_compute(s, axis=-1)
