@@ -1129,3 +1129,26 @@ def test_deleting_a_module_attribute_retraces():
     del m.scale
     torch.testing.assert_close(run(x).cpu(), m(x).cpu())
     assert run.stats["traces"] == 2
+
+
+def test_in_place_layout_changes_of_state_run_eagerly():
+    # resize_ / t_ / unsqueeze_ on an argument or a captured tensor: a compiled call writes values
+    # back, not shapes, so these calls run as torch does (a graph break)
+    def grow(z):
+        z.resize_(8)
+        z[6:] = 7.0
+        return z.sum()
+
+    buf = torch.ones(2, 3, device="jax")
+    run_grow, run_t = t2j.jit(grow), t2j.jit(lambda z: z.t_() + 0)
+    run_unsqueeze = t2j.jit(lambda x: buf.unsqueeze_(0).sum() + x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(3):
+            z = torch.arange(6.0, device="jax")
+            assert run_grow(z).item() == 29.0 and z.tolist() == [0, 1, 2, 3, 4, 5, 7, 7]
+            w = torch.ones(2, 3, device="jax")
+            run_t(w)
+            assert w.shape == (3, 2) and w.stride() == (1, 3)
+            run_unsqueeze(torch.ones(1, device="jax"))
+            assert buf.shape == (1,) * (i + 1) + (2, 3)

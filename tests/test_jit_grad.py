@@ -219,8 +219,10 @@ def test_gradient_penalty_through_a_jax_computed_backward(name):
         y = f(v)
         (g,) = torch.autograd.grad(y.sum(), v, create_graph=True)
         (y.mean() + (g.norm(dim=1) - 1).pow(2).sum()).backward()
+    # (call_jax's tanh runs in float32: JAX's default configuration)
+    rtol, atol = (1e-6, 1e-7) if name == "call_jax" else (1e-10, 1e-12)
     for p_cpu, p in zip([x_cpu, *m_cpu.parameters()], [x, *m.parameters()]):
-        torch.testing.assert_close(p.grad.cpu(), p_cpu.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(p.grad.cpu(), p_cpu.grad, rtol=rtol, atol=atol)
 
 
 def test_float64_outputs_one_unused_get_float64_gradients():

@@ -285,6 +285,30 @@ def _python_state(objects):
     ]
 
 
+def _layout(t):
+    return None if t is None else (tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _binding(t):
+    """A new tensor bound as ``t`` is now (storage, view chain, layout): what puts ``t`` back
+    (`Tensor._rebind`) after a failed trace changed its layout."""
+    if t._t2j_view:
+        return _tensor.lazy_view(t._t2j_storage, t._t2j_view, t.shape, t.stride(), t.storage_offset(), t.dtype)
+    return Tensor(t._t2j_storage)
+
+
+def _check_layouts(slots, before):
+    """Stop the trace (a graph break: the call runs eagerly) where the function changed the
+    shape or strides of a tensor it was given or reaches (``resize_``, ``t_``, ``unsqueeze_``,
+    ``set_``, ``.data =`` a transposed value): a compiled call writes values back, not layouts,
+    so later calls would leave the tensor as it was."""
+    for k, (t, old) in enumerate(zip(slots.tensors, before)):
+        if old is not None and _layout(t) != old:
+            name = slots.names[k] if slots.names else f"state tensor {k}"
+            raise OpError(f"t2j.jit: the function changes the shape or strides of {name} in place "
+                          f"({list(old[0])} -> {list(t.shape)}), which a compiled program cannot repeat")
+
+
 def _check_python_state(fn, objects, before):
     """Refuse a trace that changed the Python attributes of an object the function
     reaches: a cached call replays only the tensor program, never those changes."""
@@ -1553,6 +1577,8 @@ class JitFunction:
         index = {id(st): i for i, st in enumerate(storages)}
         slot_storage = [None if t is None else index[id(t._t2j_storage)] for t in slots.tensors]
         saved_slots = _snapshot(slots, roots)
+        layouts = list(map(_layout, slots.tensors))
+        bindings = [(t, _binding(t)) for t in slots.tensors if t is not None]
         saved_hypers = {(id(g), hk): (g, hk, g[hk]) for g, hk, _ in slots.lifted}
         python_state = _python_state(roots.objects)
         capture = _Capture(storages)
@@ -1584,6 +1610,7 @@ class JitFunction:
                         "Call scheduler.step() outside the jitted function."
                     )
             _check_python_state(self.fn, roots.objects, python_state)
+            _check_layouts(slots, layouts)
             if capture.unknown:
                 raise _Retrace([t._t2j_storage for t in capture.unknown.values()])
             out_leaves, out_def = torch_pytree.tree_flatten(out)
@@ -1643,6 +1670,9 @@ class JitFunction:
                 g[hk] = v
             if not ok:
                 _restore(saved_slots)
+                for t, twin in bindings:
+                    if _layout(t) != _layout(twin):
+                        t._rebind(twin)
 
     # -- recompiles ---------------------------------------------------------------
 
