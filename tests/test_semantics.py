@@ -250,3 +250,24 @@ def test_out_argument_dtypes_as_torch(name):
             else:
                 assert type(actual) is type(expected) and (
                     not isinstance(expected, tuple) or actual[1] == expected[1]), (dtype, empty, actual, expected)
+
+
+_HALF_SCALAR_OPS = {"add": torch.add, "sub": torch.sub, "rsub": torch.rsub, "mul": torch.mul, "div": torch.div,
+                    "pow": torch.pow, "fmod": torch.fmod, "remainder": torch.remainder, "atan2": torch.atan2,
+                    "hypot": torch.hypot, "floor_divide": torch.floor_divide}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(_HALF_SCALAR_OPS))
+def test_half_precision_ops_with_scalar_operands_round_as_torch(name, dtype):
+    # a number or 0-dim operand is converted to the half dtype before the float32 computation,
+    # except a second operand of mul / div, which torch's kernels read in float32
+    fn = _HALF_SCALAR_OPS[name]
+    x = (torch.rand(500, generator=torch.Generator().manual_seed(0)) * 8 + 0.01).to(dtype)
+    for s in (0.1234, 3.7):
+        pairs = [(x, torch.tensor(s)), (torch.tensor(s), x)]
+        if name not in ("atan2", "hypot"):  # (no Python-number overloads)
+            pairs.append((x, s))
+        for a, b in pairs:
+            to_jax = [v.to("jax") if isinstance(v, torch.Tensor) else v for v in (a, b)]
+            assert torch.equal(fn(*to_jax).cpu(), fn(a, b)), (s, type(a), type(b))

@@ -278,7 +278,7 @@ def rsub(x, y, alpha=1):
     return y - _alpha(alpha, x, x, "rsub")
 
 
-@elementwise(aten.mul, prims.mul)
+@elementwise(aten.mul, prims.mul, round_scalars="first")
 def mul(x, y):
     return jnp.logical_and(x, y) if _is_bool(x) else x * y
 
@@ -311,13 +311,13 @@ def _floor_div(a, b):
     return jnp.where(b == 0, quotient, out)
 
 
-@elementwise(aten.div.Tensor, aten.div.Scalar, aten.true_divide, promote_kind="int_to_float")
+@elementwise(aten.div.Tensor, aten.div.Scalar, aten.true_divide, promote_kind="int_to_float", round_scalars="first")
 def div(a, b):
     return true_divide(a, b)
 
 
 _div_trunc = elementwise(opmath=False)(_trunc_div)
-floor_divide = elementwise(aten.floor_divide)(_floor_div)
+floor_divide = elementwise(aten.floor_divide, round_scalars="first")(_floor_div)
 
 
 @register(aten.div.Tensor_mode, aten.div.Scalar_mode)

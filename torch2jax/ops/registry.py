@@ -287,14 +287,23 @@ def promote(kind: str, operands):
     return dtype, result
 
 
-def elementwise(*ops, promote_kind: str = "default", opmath: bool = True, checked: tuple = ()):
+def _scalar_like(a) -> bool:
+    """A Python number (NumPy 0-d, as dispatch passes it) or a 0-dim tensor operand."""
+    return isinstance(a, (bool, int, float, complex)) or getattr(a, "ndim", 1) == 0
+
+
+def elementwise(*ops, promote_kind: str = "default", opmath: bool = True, checked: tuple = (),
+                round_scalars: bool | str = True):
     """Register an elementwise lowering with torch's type promotion.
 
     The leading positional array / number arguments are the operands: they are
     promoted to one dtype (float32 for bf16/fp16 when ``opmath``), the function
     runs, and its result is cast to torch's result dtype. The operands at the
     positions ``checked`` must fit the result dtype when they are Python numbers
-    (`checked_scalar`), as the kernels taking them as a Scalar require.
+    (`checked_scalar`), as the kernels taking them as a Scalar require. With bf16 / fp16
+    operands, a number or 0-dim operand is first rounded to that dtype, as torch converts
+    it to the common dtype (``round_scalars="first"``: only as the first operand, for kernels
+    that read a second scalar operand's own value in float32, as mul and div do).
     """
 
     def deco(fn):
@@ -307,9 +316,13 @@ def elementwise(*ops, promote_kind: str = "default", opmath: bool = True, checke
             for i in checked:
                 if i < n:
                     checked_scalar(args[i], result)
+            operands = args[:n]
+            if compute in _HALF and round_scalars and n > 1 and not all(map(_scalar_like, operands)):
+                last = 1 if round_scalars == "first" else n
+                operands = [as_dtype(a, compute) if i < last and _scalar_like(a) else a for i, a in enumerate(operands)]
             if opmath and compute in _HALF:
                 compute = np.dtype(np.float32)
-            operands = [as_dtype(a, compute) for a in args[:n]]
+            operands = [as_dtype(a, compute) for a in operands]
             out = fn(*operands, *args[n:], **kwargs)
             return out if out.dtype == result else out.astype(result)
 
