@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import pickle
 import threading
+import warnings
 
 import jax
 import numpy as np
@@ -447,3 +448,16 @@ def test_moving_a_cpu_tensor_leaves_it_resizable():
     buf.resize_(8)
     torch.cat([torch.ones(3), torch.ones(3)], out=buf.resize_(0))
     assert moved.tolist() == [0.0, 0.0] and buf.shape == (6,)
+
+
+def test_pin_memory_of_jax_tensors_needs_no_host_fallback():
+    x = torch.randn(4, 2, device="jax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the host fallback warns)
+        pinned = x.pin_memory()
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=2, pin_memory=True)
+        batches = [b[0] for b in loader]
+    assert not x.is_pinned() and pinned.device.type == "jax" and torch.equal(pinned.cpu(), x.cpu())
+    pinned.add_(1)  # a tensor of its own, as torch's copy into pinned memory
+    assert not torch.equal(pinned.cpu(), x.cpu())
+    assert torch.equal(torch.cat(batches).cpu(), x.cpu())

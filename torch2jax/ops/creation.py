@@ -287,6 +287,19 @@ def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     return x if dtype is None else cast(x, _dt.to_jax(dtype))
 
 
+@register(aten.is_pinned)
+def is_pinned(x, device=None):
+    """A jax tensor lives in JAX's memory, never in torch's pinned host memory."""
+    return False
+
+
+@register(aten._pin_memory)
+def _pin_memory(x, device=None):
+    """Pinning a jax tensor (a DataLoader's ``pin_memory=True`` over jax tensors) gives it as it is:
+    JAX transfers host memory itself (see torch2jax.offload for host-memory placement)."""
+    return x
+
+
 @register(aten.lift_fresh_copy)
 def lift_fresh_copy(x):
     return x
