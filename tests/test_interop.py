@@ -162,6 +162,12 @@ def test_torch_func_transforms_through_call_jax():
     torch.testing.assert_close(torch.func.vmap(torch.func.grad(f))(x).cpu(), 3 * x.cpu() ** 2)
     jac = torch.func.jacrev(lambda v: t2j.call_jax(lambda a: a ** 2, v))(x[0])
     torch.testing.assert_close(jac.cpu(), torch.diag(2 * x[0].cpu()))
+    # forward mode: jax.jvp
+    jac = torch.func.jacfwd(lambda v: t2j.call_jax(lambda a: a ** 2, v))(x[0])
+    torch.testing.assert_close(jac.cpu(), torch.diag(2 * x[0].cpu()))
+    torch.testing.assert_close(torch.func.hessian(f)(x[1]).cpu(), torch.diag(6 * x[1].cpu()))
+    _, tangent = torch.func.jvp(lambda v: t2j.call_jax(jnp.sin, v), (x[0],), (torch.ones(3, device="jax"),))
+    torch.testing.assert_close(tangent.cpu(), x[0].cpu().cos())
 
 
 def test_torch_view_of_numpy_keeps_64_bit_types():

@@ -193,25 +193,26 @@ class _Saved:
     """What `_JaxFunction.forward` hands to its ``setup_context`` (an object, not a pytree,
     so that torch.func passes it through as it is)."""
 
-    vjp = avals = None
+    vjp = avals = arrays = None
 
 
 class _JaxFunction(torch.autograd.Function):
     """``call(*arrays)`` as one node of torch's autograd graph over ``tensors``, its backward
-    JAX's VJP. In torch.func's form (``setup_context``, ``vmap``) so that torch.func.grad and
-    vmap go through it; ``saved`` (a `_Saved`) carries the VJP from ``forward`` to ``setup_context``."""
+    JAX's VJP. In torch.func's form (``setup_context``, ``jvp``, ``vmap``) so that torch.func's
+    transforms go through it; ``saved`` (a `_Saved`) carries the VJP from ``forward`` to ``setup_context``."""
 
     @staticmethod
     def forward(call, x64, saved, *tensors):
         with jax.enable_x64(x64):
-            outs, saved.vjp = jax.vjp(call, *[_as_seen(_to_jax(t), x64) for t in tensors])
+            saved.arrays = [_as_seen(_to_jax(t), x64) for t in tensors]
+            outs, saved.vjp = jax.vjp(call, *saved.arrays)
         saved.avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
         return tuple(map(new_tensor, outs))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         call, x64, saved, *tensors = inputs
-        ctx.call, ctx.x64, ctx.inputs, ctx.vjp = call, x64, tensors, saved.vjp
+        ctx.call, ctx.x64, ctx.inputs, ctx.vjp, ctx.arrays = call, x64, tensors, saved.vjp, saved.arrays
         # (under torch.func.vmap the forward ran as the vmap rule's: no VJP was saved here)
         ctx.out_avals = [jax.ShapeDtypeStruct(tuple(o.shape), _dt.to_jax(o.dtype)) for o in output]
 
@@ -227,6 +228,18 @@ class _JaxFunction(torch.autograd.Function):
         return (None, None, None, *[_gradient_for(t, g) if _inexact(t) else None for t, g in zip(ctx.inputs, got)])
 
     @staticmethod
+    def jvp(ctx, _call, _x64, _saved, *tangents):
+        # forward mode (torch.func.jvp, jacfwd, hessian) as jax.jvp, itself through call_jax:
+        # the tangents may be torch.func's wrapped tensors
+        dots = [jax.numpy.zeros_like(a) if t is None else t for a, t in zip(ctx.arrays, tangents)]
+
+        def push(primals, tangents):
+            tangents = [t.astype(p.dtype) for p, t in zip(primals, tangents)]
+            return jax.jvp(ctx.call, primals, tangents)[1]
+
+        return tuple(_call_jax(push, (list(ctx.inputs), dots), {}, ctx.x64))
+
+    @staticmethod
     def vmap(info, in_dims, call, x64, saved, *tensors):
         # torch.func.vmap over JAX code is jax.vmap of it
         axes = tuple(in_dims[3:])
@@ -237,7 +250,7 @@ class _JaxFunction(torch.autograd.Function):
 def call_jax(jax_fn, *args, **kwargs):
     """Call JAX function ``jax_fn`` on torch tensors (any pytree of them) and get
     torch tensors back; torch autograd flows through it, with JAX's VJP as the
-    backward (and torch.func's grad and vmap, as jax.vjp and jax.vmap).
+    backward (and torch.func's grad, vmap and jvp, as jax.vjp, jax.vmap and jax.jvp).
 
     ``jax_fn`` runs under JAX's own configuration: without ``jax_enable_x64`` (JAX's
     default), 64-bit tensors (int64 labels, float64 values) reach it as 32-bit arrays and
