@@ -130,3 +130,15 @@ def test_list_out(name, shape):
     else:
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("lengths", [[2, 4, 1], [3, 2, 0]])
+def test_pack_padded_sequence_errors_as_torch(lengths):
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    errors = []
+    for device in ("cpu", "jax"):
+        with pytest.raises(RuntimeError) as caught:
+            pack_padded_sequence(torch.randn(5, 3, 2, device=device), lengths)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]

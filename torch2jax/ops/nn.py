@@ -1160,13 +1160,17 @@ def _pack_padded_sequence(x, lengths, batch_first):
         raise OpError(f"torch2jax: _pack_padded_sequence: expected {x.shape[0 if batch_first else 1]} lengths, got "
                            f"shape {lengths.shape}")
     if lengths.size and lengths.min() <= 0:
-        raise OpError("torch2jax: _pack_padded_sequence: every length must be greater than 0")
+        raise TorchRuntimeError("Length of all samples has to be greater than 0, but found an element in 'lengths' "
+                                "that is <= 0")
     if np.any(np.diff(lengths) > 0):
-        raise OpError("torch2jax: _pack_padded_sequence: lengths must be sorted in decreasing order (or pass "
-                      "enforce_sorted=False to pack_padded_sequence)")
+        raise TorchRuntimeError(
+            "`lengths` array must be sorted in decreasing order when `enforce_sorted` is True. You can pass "
+            "`enforce_sorted=False` to pack_padded_sequence and/or pack_sequence to sidestep this requirement if you "
+            "do not need ONNX exportability.")
     if lengths.size and lengths[0] > x.shape[1 if batch_first else 0]:
+        # (torch's CPU kernel reads past the end of the input here)
         raise OpError(f"torch2jax: _pack_padded_sequence: a length of {lengths[0]} exceeds the sequence length "
-                           f"{x.shape[1 if batch_first else 0]}")
+                      f"{x.shape[1 if batch_first else 0]}")
     if batch_first:
         x = jnp.swapaxes(x, 0, 1)
     batch_sizes = (lengths[None, :] > np.arange(lengths[0] if lengths.size else 0)[:, None]).sum(axis=1)
