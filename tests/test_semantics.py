@@ -254,7 +254,8 @@ def test_out_argument_dtypes_as_torch(name):
 
 _HALF_SCALAR_OPS = {"add": torch.add, "sub": torch.sub, "rsub": torch.rsub, "mul": torch.mul, "div": torch.div,
                     "pow": torch.pow, "fmod": torch.fmod, "remainder": torch.remainder, "atan2": torch.atan2,
-                    "hypot": torch.hypot, "floor_divide": torch.floor_divide}
+                    "hypot": torch.hypot, "floor_divide": torch.floor_divide, "xlogy": torch.xlogy,
+                    "xlog1py": torch.special.xlog1py}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

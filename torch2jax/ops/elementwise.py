@@ -432,7 +432,7 @@ def nextafter(a, b):
     return jnp.nextafter(a, b)
 
 
-@elementwise(aten.xlogy, promote_kind="int_to_float")
+@elementwise(aten.xlogy, promote_kind="int_to_float", opmath=False)  # (torch: log rounded to bf16 / fp16, then the product)
 def xlogy(x, y):
     return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros((), x.dtype), x * jnp.log(y)))
 

@@ -106,7 +106,7 @@ def special_spherical_bessel_j0(x):
     return jnp.where(jnp.isinf(x), jnp.zeros((), x.dtype), out)
 
 
-@elementwise(aten.special_xlog1py, promote_kind="int_to_float")
+@elementwise(aten.special_xlog1py, promote_kind="int_to_float", opmath=False)  # (as xlogy)
 def special_xlog1py(x, y):
     return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros((), x.dtype), x * jnp.log1p(y)))
 
