@@ -272,3 +272,20 @@ def test_half_precision_ops_with_scalar_operands_round_as_torch(name, dtype):
         for a, b in pairs:
             to_jax = [v.to("jax") if isinstance(v, torch.Tensor) else v for v in (a, b)]
             assert torch.equal(fn(*to_jax).cpu(), fn(a, b)), (s, type(a), type(b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_add_and_sub_round_alpha_as_torch(dtype):
+    # alpha is converted to the half dtype too (a few elements may differ by one unit of the
+    # last place: torch's vectorized kernel fuses the multiply-add)
+    gen = torch.Generator().manual_seed(0)
+    x, y = ((torch.rand(2000, generator=gen) * 8).to(dtype) for _ in range(2))
+    eps = torch.finfo(dtype).eps
+    for fn in (torch.add, torch.sub):
+        for other in (y, 3.7):
+            for alpha in (0.3, 1.37):
+                expected = fn(x, other, alpha=alpha)
+                actual = fn(x.to("jax"), other.to("jax") if isinstance(other, torch.Tensor) else other,
+                            alpha=alpha).cpu()
+                assert (actual != expected).float().mean() < 0.01
+                torch.testing.assert_close(actual, expected, rtol=eps, atol=8 * eps)  # (operands up to 8)

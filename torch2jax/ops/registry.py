@@ -320,6 +320,8 @@ def elementwise(*ops, promote_kind: str = "default", opmath: bool = True, checke
             if compute in _HALF and round_scalars and n > 1 and not all(map(_scalar_like, operands)):
                 last = 1 if round_scalars == "first" else n
                 operands = [as_dtype(a, compute) if i < last and _scalar_like(a) else a for i, a in enumerate(operands)]
+                if isinstance(kwargs.get("alpha"), (int, float)):  # add / sub's alpha too
+                    kwargs = {**kwargs, "alpha": float(np.asarray(kwargs["alpha"], compute))}
             if opmath and compute in _HALF:
                 compute = np.dtype(np.float32)
             operands = [as_dtype(a, compute) for a in operands]
