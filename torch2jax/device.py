@@ -443,16 +443,9 @@ def _hook_errors_deferred(register):
         from .dispatch import deferring_errors
         from .tensor import Tensor
 
-        global hook_registrations
-        hook_registrations += 1
         return register(self, deferring_errors(hook) if isinstance(self, Tensor) else hook)
 
     return run
-
-
-# How many tensor hooks have been registered in this process: `t2j.jit` looks for optimizers in
-# parameters' hooks again only after one.
-hook_registrations = 0
 
 
 def _module_hook_errors_deferred(init):

@@ -1507,7 +1507,8 @@ _DTYPE_FROM_OUT = {"sum", "prod", "cumsum", "cumprod", "mean", "nanmean"}
 _INEXACT_FROM_OUT = {"mean", "nanmean"}  # only from a floating or complex input into such an out
 
 
-def _inexact(t) -> bool:
+def inexact(t) -> bool:
+    """Whether ``t`` is a floating-point or complex tensor."""
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
@@ -1537,7 +1538,7 @@ def _mutation_handler(func, functional):
             targets = [kwargs[n] for n in names]
             fkwargs = {k: v for k, v in kwargs.items() if k not in names}
             if dtype_from_out and fkwargs.get("dtype") is None and isinstance(targets[0], torch.Tensor) and (
-                    op_name not in _INEXACT_FROM_OUT or all(_inexact(t) for t in (targets[0], args[0]))):
+                    op_name not in _INEXACT_FROM_OUT or all(inexact(t) for t in (targets[0], args[0]))):
                 fkwargs["dtype"] = targets[0].dtype
         else:
             targets, fkwargs = [args[0]], kwargs

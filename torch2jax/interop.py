@@ -28,6 +28,7 @@ from jax._src import config as _jax_config
 
 from . import dtypes as _dt
 from . import gradcut as _gradcut
+from .dispatch import inexact as _inexact
 from . import tensor as _tensor
 from .pytree import ensure_jax_pytree
 from .env import default_rng as _rng
@@ -128,7 +129,7 @@ class _TorchCallable:
 
 
 def _differentiable(x):
-    return isinstance(x, torch.Tensor) and x.requires_grad and (x.is_floating_point() or x.is_complex())
+    return isinstance(x, torch.Tensor) and x.requires_grad and _inexact(x)
 
 
 def _conj(arrays):
@@ -178,10 +179,6 @@ def _as_seen(x, x64):
     return x if narrower is None else x.astype(narrower)
 
 
-def _inexact(t) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
 def _gradient_for(t, g):
     """JAX's gradient ``g`` for input tensor ``t``, in its dtype and on its device."""
     with jax.enable_x64(True):
@@ -221,7 +218,8 @@ class _JaxFunction(torch.autograd.Function):
         if ctx.vjp is None or _gradcut.creates_graph((*ctx.inputs, *grads)):
             got = differentiable_vjp(lambda ps, cs: jax.vjp(ctx.call, *ps)[1](cs), ctx.inputs, grads,
                                      ctx.out_avals, ctx.x64)
-            return (None, None, None, *[g.to(t.dtype) if _inexact(t) else None for t, g in zip(ctx.inputs, got)])
+            return (None, None, None, *[g.to(t.device, t.dtype) if _inexact(t) else None
+                                        for t, g in zip(ctx.inputs, got)])
         cotangents = [zero_cotangent(a) if g is None else _to_jax(g) for g, a in zip(grads, ctx.out_avals)]
         with jax.enable_x64(ctx.x64):
             got = torch_pullback(lambda _, c: ctx.vjp(c), None, cotangents)
@@ -279,8 +277,8 @@ def _call_jax(jax_fn, args, kwargs, x64):
     grad = torch.is_grad_enabled()
     through = [i for i, x in enumerate(leaves) if (grad and _differentiable(x)) or (
         wrapped and isinstance(x, torch.Tensor))]
-    arrays = [_as_seen(_to_jax(x), x64) for x in leaves] if not through else [
-        None if i in through else _as_seen(_to_jax(x), x64) for i, x in enumerate(leaves)]
+    passed = set(through)
+    arrays = [None if i in passed else _as_seen(_to_jax(x), x64) for i, x in enumerate(leaves)]
     out_tree = {}
 
     def call(*through_arrays):

@@ -221,11 +221,10 @@ class _Roots:
         for obj in self.objects:
             if isinstance(obj, dict):
                 if len(obj) <= 32:
-                    values += [(f"dict item {k!r}", v) for k, v in obj.items() if _guardable(v)]
+                    values += [(f"dict item {k!r}", v) for k, v in obj.items()]
             elif not isinstance(obj, list):
                 attrs = vars(obj)
-                values += [(f"{type(obj).__name__}.{k}", attrs[k]) for k in self.names.intersection(attrs)
-                           if _guardable(attrs[k])]
+                values += [(f"{type(obj).__name__}.{k}", attrs[k]) for k in self.names.intersection(attrs)]
         return tuple((where, _python_value(v)) for where, v in values
                      if where not in self.unguarded and _guardable(v))
 
@@ -238,10 +237,10 @@ def _parameter_hooks(module) -> list:
     registered somewhere (reading every parameter's hooks on each call would cost more than
     the rest of finding the roots)."""
     seen = _HOOKS_SEEN.get(module)
-    if seen is None or seen[0] != _device.hook_registrations:
+    if seen is None or seen[0] != _HOOK_CHANGES[0]:
         hooks = [getattr(h, "__wrapped__", h) for p in module.parameters()
                  for d in (p._backward_hooks, p._post_accumulate_grad_hooks) for h in (d or {}).values()]
-        seen = _HOOKS_SEEN[module] = (_device.hook_registrations, hooks)
+        seen = _HOOKS_SEEN[module] = (_HOOK_CHANGES[0], hooks)
     return seen[1]
 
 
@@ -710,6 +709,9 @@ def _cpu_attributes(module) -> list:
     return seen[1]
 
 
+_PYTHON_VALUES = ("python", 0, "values")  # the static entry of a key holding `_Roots.python_values`
+
+
 class _Walk:
     """The tensors a call's state consists of, in slot order, found by one walk over
     the roots (or the arguments). Where each came from (its *origin*, from which a
@@ -737,7 +739,7 @@ class _Walk:
             self.add_grad(t, ("captured", i))  # a closed-over leaf's .grad accumulates across calls
         for i, t in enumerate(roots.cpu_tensors):
             self.static.append((("cpu", i, "tensor"), _guard(t)))
-        self.static.append((("python", 0, "values"), roots.python_values()))
+        self.static.append((_PYTHON_VALUES, roots.python_values()))
         # the loops below run on every call, over every parameter: origins are built only when full
         full, tensors, grads_seen = self.full, self.tensors, self.grads_seen
         for k, m in enumerate(roots.modules):
@@ -1682,7 +1684,7 @@ class JitFunction:
         last = next(reversed(self._cache))
         reason = _diff(last, self._cache[last][-1].names, key, slots.names)
         self._log(reason)
-        if "the Python value" in reason:
+        if _python_values_of(key) != _python_values_of(last):
             self._value_retraces += 1
             if self._value_retraces == _VALUE_RETRACES_BEFORE_WARNING:
                 warnings.warn(
@@ -1999,11 +2001,16 @@ def _static_change(key, old, new) -> str:
     return f"{label}: {'absent' if old is _MISSING else repr(old)} -> {'absent' if new is _MISSING else repr(new)}"
 
 
+def _python_values_of(key):
+    """The Python values (`_Roots.python_values`) cache key ``key`` was made with."""
+    return dict(_key_parts(key[2])[2]).get(_PYTHON_VALUES)
+
+
 def _unguarding(key, where):
     """Cache key ``key`` without the Python values named in ``where`` (see `_Roots.unguarded`)."""
     spec, static_args, (state_key, sig, avals), *rest = key
     ssig, savals, static, lifted = state_key
-    static = tuple((name, tuple(v for v in value if v[0] not in where)) if name == ("python", 0, "values")
+    static = tuple((name, tuple(v for v in value if v[0] not in where)) if name == _PYTHON_VALUES
                    else (name, value) for name, value in static)
     return (spec, static_args, (_Key((ssig, savals, static, lifted)), sig, avals), *rest)
 

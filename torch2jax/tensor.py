@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-
 import functools
 import math
 import multiprocessing.reduction
@@ -45,6 +44,9 @@ DEVICE = torch.device(_device.NAME, 0)
 # While `t2j.jit` traces a function, the tracer of its state: it learns of every
 # storage created and every tensor read (see torch2jax/jit.py).
 CAPTURE = None
+
+# torch's active fake mode, if any (looked up on every op: bound once)
+_dispatch_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 
 # Storages made for one call of a pure function (`functionalize`'s state as tensors): a
 # transform tracing that call may write tracers into them, as nothing outlives the call.
@@ -332,7 +334,7 @@ class Tensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        fake_mode = _dispatch_mode(_FAKE)
         if fake_mode is not None:
             return _as_fake(fake_mode, func, args, kwargs or {})
         try:
