@@ -80,7 +80,47 @@ CASES = {
     "unbind_copy out count": lambda d: torch.unbind_copy(_x(3, 2)(d), out=[torch.empty(0, device=d)] * 2),
     "split_with_sizes_copy out dtype": lambda d: torch.split_with_sizes_copy(
         _x(3, 2)(d), [1, 2], out=[torch.empty(0, dtype=torch.long, device=d)] * 2),
+    "index_add 1-d out of range": lambda d: torch.zeros(4, device=d).index_add(
+        0, torch.tensor([5], device=d), torch.ones(1, device=d)),
+    "index_add 2-d out of range": lambda d: torch.zeros(3, 4, device=d).index_add(
+        1, torch.tensor([5], device=d), torch.ones(3, 1, device=d)),
+    "index tensors not broadcasting": lambda d: _x(4, 5)(d)[torch.tensor([0, 1], device=d),
+                                                           torch.tensor([0, 1, 2], device=d)],
+    "mask and index not broadcasting": lambda d: _x(3, 5)(d)[torch.tensor([True] * 3, device=d),
+                                                            torch.tensor([0, 1], device=d)],
+    "setitem uint8 mask": lambda d: _x(3)(d).__setitem__(torch.tensor([1, 0, 1], dtype=torch.uint8, device=d), 2.0),
+    "fill_ -0.5 into uint8": lambda d: torch.zeros(2, dtype=torch.uint8, device=d).fill_(-0.5),
+    "poisson negative rate": lambda d: torch.poisson(torch.tensor([-1.0, 2.0], device=d)),
+    "poisson nan rate": lambda d: torch.poisson(torch.tensor([float("nan")], device=d)),
+    "poisson long": lambda d: torch.poisson(torch.tensor([3], device=d)),
+    "bernoulli long p": lambda d: torch.bernoulli(torch.tensor([1, 0], device=d)),
+    "bernoulli complex p": lambda d: torch.bernoulli(torch.tensor([0.5 + 0j], device=d)),
+    "bernoulli_ complex self": lambda d: torch.zeros(2, dtype=torch.complex64, device=d).bernoulli_(
+        torch.tensor([0.5], device=d)),
+    "binomial long count": lambda d: torch.binomial(torch.full((2,), 10, device=d), torch.full((2,), 0.3, device=d)),
+    "binomial double count": lambda d: torch.binomial(torch.full((2,), 10.0, dtype=torch.float64, device=d),
+                                                      torch.full((2,), 0.3, device=d)),
+    "binomial half": lambda d: torch.binomial(torch.full((2,), 10.0, dtype=torch.float16, device=d),
+                                              torch.full((2,), 0.3, dtype=torch.float16, device=d)),
+    "random_ from 2**24 float": lambda d: torch.empty(5, device=d).random_(2**24, None),
+    "random_ from 256 bfloat16": lambda d: torch.empty(5, dtype=torch.bfloat16, device=d).random_(256, None),
+    "normal shapes": lambda d: torch.normal(torch.zeros(4, device=d), torch.ones(6, device=d)),
+    "grid_sample grid size 3": lambda d: F.grid_sample(_x(2, 3, 5, 6)(d), torch.rand(2, 4, 7, 3, device=d),
+                                                       align_corners=False),
+    "grid_sample batch": lambda d: F.grid_sample(_x(2, 3, 5, 6)(d), torch.rand(1, 4, 7, 2, device=d),
+                                                 align_corners=False),
+    "grid_sample 5-d grid": lambda d: F.grid_sample(_x(2, 3, 5, 6)(d), torch.rand(2, 4, 7, 2, 2, device=d),
+                                                    align_corners=False),
+    "embedding_bag index past": lambda d: F.embedding_bag(torch.tensor([1, 12], device=d), _x(10, 4)(d),
+                                                          torch.tensor([0], device=d)),
+    "embedding_bag negative index": lambda d: F.embedding_bag(torch.tensor([1, -1], device=d), _x(10, 4)(d),
+                                                              torch.tensor([0], device=d)),
+    "sdpa causal and a mask needing grad": lambda d: F.scaled_dot_product_attention(
+        *(_x(1, 2, 5, 8)(d) for _ in range(3)), attn_mask=_x(5, 5)(d).requires_grad_(), is_causal=True),
+    "sdpa causal and mask, 3-d": lambda d: F.scaled_dot_product_attention(
+        *(_x(2, 5, 8)(d) for _ in range(3)), attn_mask=_x(5, 5)(d), is_causal=True),
 }
+
 
 
 def _builtin(e):

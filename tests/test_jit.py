@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch2jax as t2j
+from torch2jax.dispatch import OpError
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
@@ -1112,12 +1113,91 @@ def test_python_values_the_function_reads_are_guarded():
 
 
 def test_a_python_value_changing_every_call_warns():
+    # a number that is a size cannot be a program input: each new value is a new program
     step = 0
-    run = t2j.jit(lambda x: x * step)
+    run = t2j.jit(lambda x: x.repeat(step + 1))
     x = torch.ones(2, device="jax")
     with pytest.warns(UserWarning, match="compiled again 8 times because Python values it reads changed"):
         for step in range(9):
-            assert run(x).tolist() == [float(step)] * 2
+            assert run(x).tolist() == [1.0] * 2 * (step + 1)
+
+
+_BETA = 0.0
+
+
+def test_python_numbers_that_change_become_program_inputs():
+    # as jax.jit traces Python floats and torch.compile makes a changing int dynamic: from the
+    # first change on, a number (argument, closure cell, global, attribute, dict item) is an input
+    global _BETA
+    import types
+
+    cfg, table = types.SimpleNamespace(gain=1.0), {"shift": 0.0}
+    k = 1.0
+
+    def f(x, w, n):
+        y = x * w + n + _BETA * k - cfg.gain * table["shift"]
+        return y, w * 2, n + 1
+
+    run = t2j.jit(f)
+    x = torch.ones(2, device="jax")
+    try:
+        for i in range(6):
+            _BETA, k, cfg.gain, table["shift"] = 0.5 * i, 1.0 + i, 2.0 - i, 0.25 * i
+            got, want = run(x, 0.1 * i, i), f(x.cpu(), 0.1 * i, i)
+            torch.testing.assert_close(got[0].cpu(), want[0])
+            # numbers computed from them come back as Python numbers, as torch gives them
+            assert (type(got[1]), type(got[2])) == (float, int) and got[1:] == want[1:]
+        assert run.stats["traces"] == 2
+        assert "new values need no new trace" in t2j.explain_recompiles()[-1]
+    finally:
+        _BETA = 0.0
+
+
+def test_a_number_input_keeps_torch_type_promotion():
+    # a traced number is still a Python number to type promotion: int and half tensors keep their
+    # category and width, as `x * 0.5` does
+    run = t2j.jit(lambda xi, xh, w: (xi * w, xh * w, torch.full((2,), w, device="jax"), xi + int(w > 0)))
+    xi, xh = torch.arange(3, device="jax"), torch.ones(3, device="jax", dtype=torch.bfloat16)
+    for w in (0.5, 1.5, 2.5):
+        a, b, c, d = run(xi, xh, w)
+        assert (a.dtype, b.dtype, c.dtype, d.dtype) == (torch.float32, torch.bfloat16, torch.float32, torch.int64)
+        assert a.tolist() == [0.0, w, 2 * w] and c.tolist() == [w, w]
+    assert run.stats["traces"] == 2
+
+
+def test_a_number_used_as_a_size_or_exactly_stays_static():
+    # a shape, a range(n) loop or math.exp(w) needs the value itself: such a number goes back to
+    # being static (one trace per value, as before), never a wrong answer
+    import math
+
+    sized = t2j.jit(lambda x, n: torch.cat([x, torch.zeros(n, device="jax")]).sum() + sum(x[0] for _ in range(n)))
+    exact = t2j.jit(lambda x, w: x * math.exp(w))
+    x = torch.ones(3, device="jax")
+    for i in range(1, 6):
+        assert sized(x, i).item() == 3.0 + i
+        torch.testing.assert_close(exact(x, 0.1 * i).cpu(), torch.ones(3) * math.exp(0.1 * i))
+    assert sized.stats["traces"] <= 7 and exact.stats["traces"] <= 7
+    assert len(sized._cache) + len(exact._cache) <= 12  # blocked numbers do not pile up guarded entries
+
+
+def test_a_branch_on_a_number_input_is_guarded():
+    run = t2j.jit(lambda x, w: x * w if w > 0.5 else x - w)
+    x = torch.ones(2, device="jax")
+    for w in (0.1, 0.2, 0.7, 0.9, 0.3, 0.8):
+        torch.testing.assert_close(run(x, w).cpu(), (torch.ones(2) * w if w > 0.5 else torch.ones(2) - w))
+    assert run.stats["traces"] == 3  # static, then one program per side of the branch
+
+
+def test_a_traced_number_never_meets_a_cpu_tensor():
+    # torch's own CPU kernels do not know a traced number's value (they would compute with a
+    # placeholder): such an op stops the trace; the number stays static, the .item() call runs eagerly
+    table = torch.arange(4)
+    run = t2j.jit(lambda x, n: (table + n).sum() + x)
+    x = torch.zeros((), device="jax")
+    assert [run(x, n).item() for n in range(4)] == [6.0 + 4 * n for n in range(4)]
+    strict = t2j.jit(lambda x: table * x.sum().item(), fullgraph=True)
+    with pytest.raises(OpError, match="computed a CPU tensor from a traced number"):
+        strict(torch.ones(2, device="jax"))
 
 
 def test_deleting_a_module_attribute_retraces():
@@ -1152,3 +1232,54 @@ def test_in_place_layout_changes_of_state_run_eagerly():
             assert w.shape == (3, 2) and w.stride() == (1, 3)
             run_unsqueeze(torch.ones(1, device="jax"))
             assert buf.shape == (1,) * (i + 1) + (2, 3)
+
+
+def test_a_forward_set_on_the_instance_retraces():
+    # as accelerate and peft wrap a module's forward: the jitted function calls the new one
+    torch.manual_seed(0)
+    m = nn.Linear(2, 2).to("jax")
+    run = t2j.jit(lambda x: m(x).sum())
+    x = torch.ones(1, 2, device="jax")
+    plain = run(x).item()
+    original = m.forward
+    m.forward = lambda inp: original(inp) * 10
+    assert run(x).item() == pytest.approx(plain * 10, rel=1e-5)
+    m.forward = original
+    assert run(x).item() == pytest.approx(plain, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["RAdam", "NAdam", "Adamax", "ASGD"])
+def test_float64_optimizers_keep_their_digits_under_jit(name):
+    # their capturable path computes bias corrections from the step counter tensors: in float64
+    # while traced (float32 again in the state), as the eager path computes them in Python floats
+    results = []
+    for device, wrap in (("cpu", lambda f: f), ("jax", t2j.jit)):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(8, dtype=torch.float64).to(device))
+        opt = getattr(torch.optim, name)([p], lr=0.01)
+
+        def step():
+            opt.zero_grad()
+            (p * p).sum().backward()
+            opt.step()
+
+        run = wrap(step)
+        for _ in range(10):
+            run()
+        results.append((p.detach().cpu(), opt.state_dict()["state"][0]))
+    (p_cpu, state_cpu), (p_jax, state_jax) = results
+    torch.testing.assert_close(p_jax, p_cpu, rtol=0, atol=1e-8)
+    for k, v in state_cpu.items():
+        if isinstance(v, torch.Tensor):
+            assert state_jax[k].dtype == v.dtype, k
+
+
+def test_clip_grad_norm_error_under_jit_says_the_norm_type():
+    p = nn.Parameter(torch.ones(3, device="jax"))
+
+    def clip():
+        p.grad = torch.full((3,), float("inf"), device="jax")
+        return torch.nn.utils.clip_grad_norm_([p], 1.0, norm_type=3.0, error_if_nonfinite=True)
+
+    with pytest.raises(RuntimeError, match="The total norm of order 3.0 for gradients from `parameters` is non-finite"):
+        t2j.jit(clip)()

@@ -391,3 +391,33 @@ def test_normal_rejects_a_negative_or_nan_std_tensor(std):
     for d in ("cpu", "jax"):
         with pytest.raises(RuntimeError, match="normal expects all elements of std >= 0.0"):
             torch.normal(torch.zeros(3, device=d), torch.tensor([1.0, std, 1.0], device=d))
+
+
+def test_gamma_samples_never_underflow_to_zero():
+    # torch clamps to the smallest normal number: a Dirichlet row of zeros would be 0 / 0
+    a = torch.full((20000, 2), 0.01, device="jax")
+    assert (torch._standard_gamma(a) == 0).sum().item() == 0
+    assert not torch._sample_dirichlet(a).isnan().any()
+    beta = torch.distributions.Beta(torch.tensor(0.01, device="jax"), torch.tensor(0.01, device="jax"))
+    assert not beta.sample((20000,)).isnan().any()
+
+
+def test_multinomial_with_replacement_needs_memory_of_the_samples_only():
+    probs = torch.tensor([0.1, 0.0, 0.5, 0.4, 0.0], device="jax")
+    counts = torch.bincount(torch.multinomial(probs, N, True).cpu(), minlength=5).double() / N
+    np.testing.assert_allclose(counts.numpy(), [0.1, 0.0, 0.5, 0.4, 0.0], atol=0.01)
+    assert counts[1] == 0 and counts[4] == 0
+    # 30000 samples of 30000 categories: a (samples, categories) noise tensor would be 3.6 GB
+    assert torch.multinomial(torch.ones(30000, device="jax"), 30000, True).shape == (30000,)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+def test_geometric_into_a_narrow_int_wraps_as_torchs_cast(dtype):
+    x = host(torch.empty(N, dtype=dtype, device="jax").geometric_(1e-3))
+    # values past the type's range wrap around (as a C cast), they do not pile up at its maximum
+    assert (x == np.iinfo(np.dtype(str(dtype).split(".")[1])).max).mean() < 0.05
+
+
+def test_binomial_broadcasts_count_and_prob():
+    out = torch.binomial(torch.full((5, 1), 10.0, device="jax"), torch.tensor([0.0, 0.5, 1.0], device="jax"))
+    assert out.shape == (5, 3) and out[:, 0].eq(0).all() and out[:, 2].eq(10).all()

@@ -289,3 +289,79 @@ def test_half_precision_add_and_sub_round_alpha_as_torch(dtype):
                             alpha=alpha).cpu()
                 assert (actual != expected).float().mean() < 0.01
                 torch.testing.assert_close(actual, expected, rtol=eps, atol=8 * eps)  # (operands up to 8)
+
+
+def _both(fn):
+    return fn("cpu"), fn("jax")
+
+
+@pytest.mark.parametrize("write", ["setitem", "full", "fill_", "new_full", "masked_fill", "index_fill", "scatter"])
+@pytest.mark.parametrize("value", [0.5, -0.2, 1j])
+def test_a_fraction_written_to_bool_is_true(write, value):
+    # any nonzero number is True in a bool tensor, not its truncation to an integer
+    def run(d):
+        x = torch.zeros(2, dtype=torch.bool, device=d)
+        mask, index = torch.tensor([True, False], device=d), torch.tensor([1], device=d)
+        if write == "setitem":
+            x[0] = value
+        elif write == "full":
+            x = torch.full((2,), value, dtype=torch.bool, device=d)
+        elif write == "fill_":
+            x.fill_(value)
+        elif write == "new_full":
+            x = x.new_full((2,), value)
+        elif write == "masked_fill":
+            x = x.masked_fill(mask, value)
+        elif write == "index_fill":
+            x = x.index_fill(0, index, value)
+        else:
+            x = x.scatter(0, index, value)
+        return x.tolist()
+
+    if write == "index_fill" and isinstance(value, complex):
+        with pytest.raises(RuntimeError, match="Converting complex Scalar to non-complex type"):
+            run("jax")
+        return
+    cpu, jax = _both(run)
+    assert jax == cpu
+
+
+def test_floats_cast_to_wide_unsigned_types_as_torch():
+    # uint32 goes through int64 (in range: exact; negative: wraps), uint64 takes [2**63, 2**64)
+    # (a negative float past int32's range is undefined behaviour in C: torch's own answer varies)
+    for values, dtype, src in (([3e9, 1.0, -1.0, 4e9], torch.uint32, torch.float32),
+                               ([1.5e19, 3.0, 9.3e18, -5.0], torch.uint64, torch.float64),
+                               ([70000.0, 65535.0, -1.0], torch.uint16, torch.float32)):
+        cpu, jax = _both(lambda d: torch.tensor(values, dtype=src, device=d).to(dtype).tolist())
+        assert jax == cpu, dtype
+
+
+def test_searchsorted_follows_torchs_binary_search_through_nan():
+    nan = float("nan")
+    for seq, values in (([1.0, 3.0, nan], [4.0, nan, 0.0, 3.0]), ([nan, nan], [1.0, nan]),
+                        ([1.0, 2.0, 2.0, 2.0, 5.0], [2.0, 2.5, 5.0, 6.0, -1.0])):
+        for right in (False, True):
+            cpu, jax = _both(lambda d: torch.searchsorted(torch.tensor(seq, device=d), torch.tensor(values, device=d),
+                                                          right=right).tolist())
+            assert jax == cpu, (seq, values, right)
+
+
+def test_value_dependent_results_have_torchs_strides():
+    # nonzero is column-major (each coordinate of nonzero(as_tuple=True) is contiguous); unique(dim=d)
+    # lays its slices out one after another along d
+    x = torch.arange(24).reshape(2, 3, 4) % 3
+    cases = [lambda d: torch.nonzero(torch.ones(2, 3, device=d)), lambda d: torch.argwhere(x.to(d) > 0),
+             lambda d: torch.unique(x.to(d), dim=1), lambda d: torch.unique(x.to(d), dim=2, return_counts=True)[0],
+             lambda d: torch.unique_consecutive(x.to(d), dim=2)]
+    for case in cases:
+        cpu, jax = _both(case)
+        assert jax.stride() == cpu.stride() and jax.tolist() == cpu.tolist()
+    assert all(t.is_contiguous() for t in torch.nonzero(x.to("jax"), as_tuple=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lerp_keeps_a_python_weight_in_float32(dtype):
+    torch.manual_seed(0)
+    a, b = torch.randn(1000).to(dtype), torch.randn(1000).to(dtype)
+    expected = torch.lerp(a, b, 0.1)
+    assert (torch.lerp(a.to("jax"), b.to("jax"), 0.1).cpu() != expected).sum() <= 2  # (1-ulp FMA differences)

@@ -227,7 +227,7 @@ def _reraise_with_torch_message(func, args, kwargs, error):
         return
     if isinstance(func, torch._ops.OpOverload) and torch.Tag.pointwise in func.tags:
         shapes = [tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        message = _broadcast_error(shapes)
+        message = _reg.broadcast_error(shapes)
         if message:
             raise TorchRuntimeError(message) from None
     try:
@@ -274,23 +274,6 @@ def _raise_cpu_dtype_error(func, args, kwargs):
         pass
 
 
-def _broadcast_error(shapes):
-    """TensorIterator's message for operand shapes that do not broadcast (folded left to
-    right, as it infers the shape), or None."""
-    if not shapes:
-        return None
-    out = list(shapes[0])
-    for shape in shapes[1:]:
-        n = max(len(out), len(shape))
-        a, b = [1] * (n - len(out)) + out, [1] * (n - len(shape)) + list(shape)
-        for d in range(n - 1, -1, -1):
-            if a[d] != b[d] and a[d] != 1 and b[d] != 1:
-                return (f"The size of tensor a ({a[d]}) must match the size of tensor b ({b[d]}) at non-singleton "
-                        f"dimension {d}")
-        out = [x if y == 1 else y for x, y in zip(a, b)]
-    return None
-
-
 def _repr(a):
     """``repr(a)`` for an error or log line; a storage's repr would read every element."""
     if isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):
@@ -331,7 +314,7 @@ def _unwrap(a, cpu_ok=False):
             return type(a)(_unwrap(b, cpu_ok) for b in a)
         return a
     if isinstance(a, _SYM) and _sym.is_traced_number(a):
-        return _sym.value_of(a)
+        return _sym.scalar_value_of(a)
     return a
 
 
@@ -569,6 +552,15 @@ def _has_composite(func):
 
 def _lowering_handler(func, lowering, cpu_args=None):
     run = _plain_lowering_handler(func, lowering, cpu_args)
+    strides = _reg.STRIDES.get(func)
+    if strides is not None:
+        def run_laid_out(func, args, kwargs):
+            out = run(func, args, kwargs)
+            if isinstance(out, (list, tuple)):
+                return type(out)(_laid_out(o, st) for o, st in zip(out, strides(args, kwargs, out)))
+            return _laid_out(out, strides(args, kwargs, (out,))[0])
+
+        return run_laid_out
     if not _keeps_layout(func):
         return run
 

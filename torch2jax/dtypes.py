@@ -166,6 +166,21 @@ def _result_type_key(dims, zeros, scalars):
 
 
 _NUMBER_TYPES = (bool, int, float, complex)
+
+
+def _weak_number_type(a):
+    """The Python number type a weakly typed 0-d array stands for (a traced Python number,
+    `symbolic.scalar_value_of`), else None."""
+    if a.ndim or not getattr(a, "weak_type", False):
+        return None
+    c = category(a.dtype)
+    return complex if c == _COMPLEX else float if c == _FLOAT else int
+
+
+def weak_scalar_dtype(a):
+    """The dtype torch gives a Python number, for a weakly typed 0-d array standing for one; else None."""
+    number = _weak_number_type(a)
+    return None if number is None else _scalar_dtype(number(0))
 _result_type_memo: dict = {}
 
 
@@ -176,7 +191,8 @@ def result_type(*args) -> np.dtype:
     dtype('float32')
     """
     key = tuple(
-        type(a) if isinstance(a, _NUMBER_TYPES) else (a.dtype, a.ndim == 0) for a in args if a is not None
+        type(a) if isinstance(a, _NUMBER_TYPES) else _weak_number_type(a) or (a.dtype, a.ndim == 0)
+        for a in args if a is not None
     )
     key = (key, torch.get_default_dtype())
     out = _result_type_memo.get(key)
@@ -187,6 +203,8 @@ def result_type(*args) -> np.dtype:
                 continue
             if isinstance(a, _NUMBER_TYPES):
                 scalars.append(_scalar_dtype(a))
+            elif number := _weak_number_type(a):
+                scalars.append(_scalar_dtype(number(0)))
             else:
                 (zeros if np.ndim(a) == 0 else dims).append(np.dtype(a.dtype))
         out = _result_type_memo[key] = _result_type_key(tuple(dims), tuple(zeros), tuple(scalars))

@@ -1,7 +1,7 @@
 """`t2j.jit`: a torch function compiled into one XLA program, state included.
 
 DESIGN.md, decision 4. Tensor arguments are traced; every other argument is
-static and part of the cache key. The state the function touches without
+static and part of the cache key (a Python number until it changes, see below). The state the function touches without
 receiving it — parameters, buffers and ``.grad`` of the modules it can reach,
 optimizer state and learning rates, tensors it closes over, the RNG key — is
 found, passed into the compiled program as inputs and written back after each
@@ -35,6 +35,9 @@ How state is found and carried:
   names, named attributes of the objects it reaches, items of dicts it reaches,
   its modules' plain attributes and hooks, CPU tensors (by version). A new value
   retraces; a value the trace itself changes (a counter it increments) is not guarded.
+  A Python number (among the arguments too) that changes between calls becomes a
+  program input instead, as optimizer hyperparameters do (below), unless the trace
+  needs its exact value (a size, ``range(n)``).
 * Optimizers are switched to their ``capturable`` form, Adam and AdamW to their
   fused one (step counters live on the device), and each param group's ``lr`` is an input of the program, so an LR
   scheduler stepping outside the function never causes a retrace. Any other float
@@ -64,9 +67,11 @@ import logging
 import math
 import operator
 import time
+import sys
 import types
 import warnings
 import weakref
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -128,6 +133,7 @@ class _Roots:
         self.values = []  # (where, cell or globals dict, name): Python values the functions read (`python_values`)
         self.names = set()  # the global and attribute names the functions' code uses
         self.unguarded = frozenset()  # values the function itself changes when traced: not guarded
+        self.lifts: _Hyperparameters | None = None  # which numbers among the values are program inputs
         self._seen = set()
 
     def add(self, obj, depth=0, summarized=False):
@@ -211,22 +217,35 @@ class _Roots:
                     self.values.append((f"global {name}", g, name))
                 self.add(value, depth)
 
-    def python_values(self) -> tuple:
+    def python_values(self, lifted: list | None = None, raw: bool = False) -> tuple:
         """The Python numbers, strings and flags the functions read as constants: closure
         cells and globals their code names, attributes of the objects they reach that their
         code names (``cfg.scale``) and the items of dicts they reach (``CONFIG["scale"]``).
-        Each new value traces again, as torch.compile guards on them."""
-        values = [(where, source.cell_contents if name is None else source.get(name))
+        Each new value traces again, as torch.compile guards on them, but a number that
+        changes from call to call becomes a program input (`lifts`): it stands in the
+        result as `_LIFTED`, and its `_ValueSite` is appended to ``lifted``. ``raw``: the
+        values themselves, none lifted."""
+        values = [(where, source.cell_contents if name is None else source.get(name), source, name)
                   for where, source, name in self.values]
         for obj in self.objects:
             if isinstance(obj, dict):
                 if len(obj) <= 32:
-                    values += [(f"dict item {k!r}", v) for k, v in obj.items()]
+                    values += [(f"dict item {k!r}", v, obj, k) for k, v in obj.items()]
             elif not isinstance(obj, list):
                 attrs = vars(obj)
-                values += [(f"{type(obj).__name__}.{k}", attrs[k]) for k in self.names.intersection(attrs)]
-        return tuple((where, _python_value(v)) for where, v in values
-                     if where not in self.unguarded and _guardable(v))
+                values += [(f"{type(obj).__name__}.{k}", attrs[k], obj, k) for k in self.names.intersection(attrs)]
+        out = []
+        lifts = None if raw else self.lifts
+        for where, v, source, name in values:
+            if where in self.unguarded or not _guardable(v):
+                continue
+            if lifts is not None and _lifted_number(v) and lifts.lifts(("value", where), v):
+                out.append((where, _LiftedNumber(type(v))))
+                if lifted is not None:
+                    lifted.append((_ValueSite(source, name, where), ("value", where)))
+            else:
+                out.append((where, _python_value(v)))
+        return tuple(out)
 
 
 _HOOKS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (registrations, its hooks)
@@ -296,13 +315,15 @@ def _binding(t):
     return Tensor(t._t2j_storage)
 
 
-def _check_layouts(slots, before):
+def _check_layouts(slots, before, storages, arguments):
     """Stop the trace (a graph break: the call runs eagerly) where the function changed the
-    shape or strides of a tensor it was given or reaches (``resize_``, ``t_``, ``unsqueeze_``,
-    ``set_``, ``.data =`` a transposed value): a compiled call writes values back, not layouts,
-    so later calls would leave the tensor as it was."""
-    for k, (t, old) in enumerate(zip(slots.tensors, before)):
-        if old is not None and _layout(t) != old:
+    shape or strides of a tensor it was given (``resize_``, ``t_``, ``.data =``), or of one it
+    reaches over its own storage (``unsqueeze_``): a compiled call writes values back, not
+    layouts, so later calls would leave the tensor as it was. State it reaches that is bound
+    to a new storage (``p.data = v[6:9]`` of a new ``v``, as ``vector_to_parameters``, or a
+    growing ``resize_``) stays bound to it, and the program writes that storage on every call."""
+    for k, (t, old, st) in enumerate(zip(slots.tensors, before, storages)):
+        if old is not None and (t._t2j_storage is st or id(t) in arguments) and _layout(t) != old:
             name = slots.names[k] if slots.names else f"state tensor {k}"
             raise OpError(f"t2j.jit: the function changes the shape or strides of {name} in place "
                           f"({list(old[0])} -> {list(t.shape)}), which a compiled program cannot repeat")
@@ -376,7 +397,7 @@ class _Slots:
     storages: list  # the distinct storages of all slot tensors
     key: tuple
     static: list  # (name, value) of the Python values the trace depends on
-    lifted: list  # (param_group dict, key, tuple index | None): hyperparameters that are program inputs
+    lifted: list  # `_GroupSite`, `_ValueSite`, `_ArgSite`: the numbers that are program inputs
 
 
 def _set_param(mod, name, t):
@@ -404,7 +425,7 @@ def _capturable(optimizers, lifted=()):
     ``state_dict()`` (a checkpoint saved from a jitted run loads into an optimizer on
     the CPU)."""
     flipped = [g for opt in optimizers for g in opt.param_groups if g.get("capturable") is False]
-    traced = {id(g) for g, hk, _ in lifted if hk != "lr"}
+    traced = {id(h.group) for h in lifted if isinstance(h, _GroupSite) and h.hk != "lr"}
     switched = [(g, key, value, g.get(key)) for opt in optimizers
                 for g in opt.param_groups for key, value in _path_flags(opt, g, id(g) in traced).items()]
     for g in flipped:
@@ -442,6 +463,58 @@ def _path_flags(opt, group, traced_floats: bool) -> dict:
     if traced_floats or not all(p.is_floating_point() for p in group["params"]):
         return {"foreach": True}
     return {"fused": True}
+
+
+def _wide_step_dtype(is_fused=None):
+    """``torch.optim.optimizer._get_scalar_dtype`` while traced (see `_wide_step_counters`)."""
+    return torch.float32 if is_fused else torch.float64
+
+
+@contextlib.contextmanager
+def _wide_step_counters(optimizers):
+    """While traced, the scalar state of optimizers that are not fused (step counters,
+    NAdam's mu_product, ASGD's eta and mu) is float64. On their capturable path torch
+    computes with those tensors (``1 - beta1 ** step``, RAdam's rectification, ``1 - lambd
+    * eta``) in their dtype, where the eager path computes in Python floats: float32
+    scalars would cost float64 parameters most of their digits. The program writes them
+    back as float32 (as ``state_dict()`` shows them, and as torch rounds them between steps)."""
+    if torch.get_default_dtype() == torch.float64:  # torch's scalars are float64 already
+        yield
+        return
+    groups = {id(p): g for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    swapped, wide = [], set()
+    for opt in optimizers:
+        for p, st in opt.state.items():
+            group = groups.get(id(p))
+            for k, v in list(st.items()):
+                if not isinstance(v, Tensor) or v.dim():
+                    continue
+                if v.dtype == torch.float64:  # (a float64 run's: stays so)
+                    wide.add((id(st), k))
+                elif v.dtype == torch.float32 and group is not None and not group.get("fused"):
+                    st[k] = v.to(torch.float64)
+                    swapped.append((st, k, v))
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("torch.optim") and getattr(m, "_get_scalar_dtype", None) is not None]
+    before = [(m, m._get_scalar_dtype) for m in modules]
+    for m in modules:  # (each optimizer's module imported it by name)
+        m._get_scalar_dtype = _wide_step_dtype
+    try:
+        yield
+    finally:
+        for m, fn in before:
+            m._get_scalar_dtype = fn
+    with torch.no_grad():
+        for st, k, v in swapped:
+            now = st.get(k)
+            if isinstance(now, Tensor) and now.dtype == torch.float64 and not now.dim():
+                v.copy_(now)
+                st[k] = v
+        for opt in optimizers:  # and the scalars the trace created
+            for st in opt.state.values():
+                for k, v in list(st.items()):
+                    if isinstance(v, Tensor) and v.dtype == torch.float64 and not v.dim() and (id(st), k) not in wide:
+                        st[k] = v.to(torch.float32)
 
 
 @contextlib.contextmanager
@@ -539,16 +612,40 @@ class _Lifted:
 _LIFTED = _Lifted()
 
 
+class _LiftedNumber(NamedTuple):
+    """Stands in the cache key for a Python number that is a program input (`_Hyperparameters.lifts`)."""
+
+    type: type
+
+    def __repr__(self):
+        return f"<program input ({self.type.__name__}): new values need no new trace>"
+
+
 class _Hyperparameters:
-    """Which float hyperparameters of a jitted function's optimizers are program
-    inputs. ``lr`` always is; another one is from the first call that sees its value
-    change (until then it is static, so optimizer code that branches on it traces
-    as plain Python). A hyperparameter that cannot be traced (torch needs a real
-    float for it) is *blocked*: static again, retracing when it changes."""
+    """Which numbers a jitted function reads are program inputs: float hyperparameters
+    of its optimizers, and the Python numbers among its arguments and the values it
+    reads (`_Roots.python_values`). ``lr`` always is; another one is from the first call
+    that sees its value change (until then it is static, so code that branches on it
+    traces as plain Python). One that cannot be traced (torch needs a real number for
+    it, or the trace used its exact value) is *blocked*: static again, retracing when it
+    changes."""
 
     def __init__(self):
         self.lifted, self.blocked, self.proven = set(), set(), set()
-        self.seen = {}  # (optimizer index, group index, key) -> the last value
+        # (optimizer index, group index, key), ("arg", position) or ("value", where) -> the last value
+        self.seen = {}
+
+    def lifts(self, where, value) -> bool:
+        """Whether the Python number ``value`` read at ``where`` is a program input."""
+        last = self.seen.get(where, value)
+        self.seen[where] = value
+        if last != value and where not in self.blocked and type(last) is type(value):
+            self.lifted.add(where)
+        return where in self.lifted
+
+    def block(self, ids):
+        self.lifted.difference_update(ids)
+        self.blocked.update(ids)
 
     def lifted_parts(self, k, gi, hk, hv) -> list:
         """The positions of ``param_groups[gi][hk]`` that are inputs: [None] for a
@@ -568,6 +665,91 @@ class _Hyperparameters:
                 if old != (hv if ti is None else hv[ti]) and where + (ti,) not in self.blocked:
                     self.lifted.add(where + (ti,))
         return [ti for ti in floats if where + (ti,) in self.lifted]
+
+
+# A number a program takes as an input (see `_Hyperparameters`), by where it is read: ``read()``
+# gives its value on this call, ``write(v)`` puts the trace's stand-in there, ``restore()`` the
+# value back.
+class _GroupSite(NamedTuple):
+    """An optimizer hyperparameter, ``group[hk]`` (``group[hk][ti]`` of a tuple such as betas)."""
+
+    group: dict
+    hk: str
+    ti: int | None
+
+    def read(self):
+        v = self.group[self.hk]
+        return float(v if self.ti is None else v[self.ti])
+
+    def saved(self):
+        """(what it is, how to put its value back): a tuple's elements share one entry."""
+        group, hk, value = self.group, self.hk, self.group[self.hk]
+        return (id(group), hk), lambda: group.__setitem__(hk, value)
+
+    def write(self, value):
+        _set_hyper(self.group, self.hk, self.ti, value)
+
+    def changed(self, value) -> bool:
+        now = self.group[self.hk]
+        return (now if self.ti is None else now[self.ti]) is not value
+
+    def what(self) -> str:
+        return f"the optimizer hyperparameter {self.hk!r}"
+
+
+class _ValueSite(NamedTuple):
+    """A Python number the function reads: a closure cell (``name`` None), a dict's item
+    (globals included) or an object's attribute."""
+
+    source: object
+    name: object
+    where: str
+
+    def read(self):
+        if self.name is None:
+            return self.source.cell_contents
+        if isinstance(self.source, dict):
+            return self.source[self.name]
+        return getattr(self.source, self.name)
+
+    def saved(self):
+        value = self.read()
+        return (id(self.source), self.name), lambda: self.write(value)
+
+    def write(self, value):
+        if self.name is None:
+            self.source.cell_contents = value
+        elif isinstance(self.source, dict):
+            self.source[self.name] = value
+        else:
+            setattr(self.source, self.name, value)
+
+    def changed(self, value) -> bool:
+        return self.read() is not value
+
+    def what(self) -> str:
+        return f"the Python number {self.where}"
+
+
+class _ArgSite(NamedTuple):
+    """A Python number among the arguments: the ``index``-th leaf, ``value`` on this call."""
+
+    index: int
+    value: int | float
+
+    def read(self):
+        return self.value
+
+    def saved(self):
+        return (self.index,), lambda: None
+
+    def changed(self, value) -> bool:
+        return False
+
+
+def _lifted_number(v) -> bool:
+    """Whether ``v`` may become a program input: a float, or an int within int64."""
+    return type(v) is float or (type(v) is int and -(2 ** 63) <= v < 2 ** 63)
 
 
 def _is_cpu_scalar(v) -> bool:
@@ -611,13 +793,17 @@ _ATTRIBUTE_WRITES = [0]
 _SIMPLE = (bool, int, float, str, type(None), enum.Enum)
 
 
+_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
+
+
 def _attributes(subs) -> tuple:
     """The plain Python attributes (numbers, strings, flags, tuples of them) of modules
     ``subs``, which a forward reads as constants (``self.k`` in ``topk(x, self.k)``): each
-    new value traces again, as torch.compile guards on them."""
+    new value traces again, as torch.compile guards on them. So does a function set on an
+    instance (``m.forward = wrapped``, as accelerate and peft wrap a forward), by identity."""
     return tuple(
-        tuple((name, _python_value(v)) for name, v in sub.__dict__.items()
-              if name[0] != "_" and name != "training" and (isinstance(v, _SIMPLE) or (
+        tuple((name, v if isinstance(v, _FUNCTIONS) else _python_value(v)) for name, v in sub.__dict__.items()
+              if name[0] != "_" and name != "training" and (isinstance(v, (*_SIMPLE, *_FUNCTIONS)) or (
                   type(v) is tuple and all(isinstance(x, _SIMPLE) for x in v))))
         for sub in subs)
 
@@ -739,7 +925,11 @@ class _Walk:
             self.add_grad(t, ("captured", i))  # a closed-over leaf's .grad accumulates across calls
         for i, t in enumerate(roots.cpu_tensors):
             self.static.append((("cpu", i, "tensor"), _guard(t)))
-        self.static.append((_PYTHON_VALUES, roots.python_values()))
+        lifted = []
+        self.static.append((_PYTHON_VALUES, roots.python_values(lifted)))
+        for site, where in lifted:
+            self.lifted.append(site)
+            self.lifted_ids.append(where)
         # the loops below run on every call, over every parameter: origins are built only when full
         full, tensors, grads_seen = self.full, self.tensors, self.grads_seen
         for k, m in enumerate(roots.modules):
@@ -817,7 +1007,7 @@ class _Walk:
             static.append((("optimizer", k, "state", gi), tuple(layouts)))
 
     def lift(self, group, k, gi, hk, ti):
-        self.lifted.append((group, hk, ti))
+        self.lifted.append(_GroupSite(group, hk, ti))
         self.lifted_ids.append((k, gi, hk, ti))
 
     def args(self, leaves):
@@ -1019,7 +1209,7 @@ class _RootState:
         self.remember_arrays()
         self.key = _Key((tuple(self.sig), tuple(self.avals), tuple(walk.static), tuple(walk.lifted_ids)))
         # other hyperparameters as program inputs change the walk's own bookkeeping: walk those calls
-        plain = all(hk == "lr" and ti is None for _, hk, ti in walk.lifted)
+        plain = all(not isinstance(h, _GroupSite) or (h.hk == "lr" and h.ti is None) for h in walk.lifted)
         self.unchanged = _Unchanged(roots, walk.hypers) if roots is not None and plain and not walk.full else None
 
     def matches(self, walk: _Walk) -> bool:
@@ -1214,8 +1404,8 @@ class _Entry:
     new_storages: list  # storages created by the trace whose value is an output
     post: list  # (setter, slot index | tensor | None, slot index | None): slots to re-point after a call
     out_def: object  # torch pytree spec of the outputs
-    # per output leaf: ("array" | "array32", k) | ("laid_out", (k, order)) | ("pre", slot) | ("arg", k)
-    # | ("view", `_view_of_slot`) | ("const", value)
+    # per output leaf: ("array" | "array32" | "number", k) | ("laid_out", (k, order)) | ("pre", slot)
+    # | ("arg", k) | ("view", `_view_of_slot`) | ("const", value)
     out_leaves: list
     uses_rng: bool
     names: list  # slot names, to explain a later cache miss
@@ -1366,13 +1556,16 @@ class JitFunction:
         leaves, spec = torch_pytree.tree_flatten((args, kwargs))
         leaves = [_to_device(x) for x in leaves]
         roots = _find_roots(self.fn, args, kwargs)
-        roots.unguarded = self._unguarded
+        roots.unguarded, roots.lifts = self._unguarded, self._hypers
         for _ in range(4):
             slots = _collect(leaves, roots, memo=self._roots_memo, hypers=self._hypers)
+            numbers = self._number_arguments(leaves)
+            if numbers:  # (a new list: the roots' part may be the last call's, kept)
+                slots.lifted = slots.lifted + [site for site, _ in numbers]
             extra = [s for s in (r() for r in self._extra) if s is not None]
             extra = [s for s in extra if not any(s is st for st in slots.storages)]
             storages = slots.storages + extra
-            key = (spec, _static_key(leaves), slots.key, tuple(id(s) for s in extra),
+            key = (spec, _static_key(leaves, numbers), slots.key, tuple(id(s) for s in extra),
                    tuple((tuple(s.array.shape), s.array.dtype) for s in extra), _config(), torch.is_grad_enabled(),
                    torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
             if key in self._eager:
@@ -1383,17 +1576,24 @@ class JitFunction:
                 self.stats["hits"] += 1
                 _debug.count("cache_hits")
                 return entry, leaves, slots, storages
+            lifted_ids = [*_key_parts(key[2])[3], *(where for _, where in numbers)]
+            if exact := _exact_guards(entries, slots, lifted_ids):
+                # a trace used the exact value of these numbers (float(beta)): as inputs they gain nothing
+                self._hypers.block(exact)
+                self._log(f"the trace needs the exact value of {sorted(map(str, exact))}: static from now on")
+                continue
             if self._breaks >= _BREAKS_BEFORE_EAGER:
                 # every new key stopped the trace (LBFGS's growing history): no more attempts
                 return _Eager(key, self._last_break), leaves, slots, storages
             slots = _collect(leaves, roots, full=True, hypers=self._hypers)
+            slots.lifted = slots.lifted + [site for site, _ in numbers]
             if not entries:
                 self._explain(key, slots)
             else:
                 self._log("a branch it took on an optimizer hyperparameter (e.g. `if momentum != 0`) "
                           "goes the other way with the new values")
-            new = [h for h in _key_parts(key[2])[3] if h[2] != "lr" and h not in self._hypers.proven]
-            values = dict(roots.python_values())
+            new = [h for h in lifted_ids if not _is_lr_id(h) and h not in self._hypers.proven]
+            values = dict(roots.python_values(raw=True))
             try:
                 entry = self._trace(leaves, spec, roots, slots, storages)
             except _Retrace as r:
@@ -1421,14 +1621,13 @@ class JitFunction:
                     _RECOMPILES.append(msg)
                     log.info(msg)
                     return _Eager(key, reason), leaves, slots, storages
-                # torch needed a real float for it (a Scalar-only argument): keep it static
-                self._hypers.lifted.difference_update(new)
-                self._hypers.blocked.update(new)
-                self._log(f"the optimizer hyperparameter(s) {[h[2] for h in new]} cannot be program inputs "
+                # torch needed a real number for it (a size, a Scalar-only argument): keep it static
+                self._hypers.block(new)
+                self._log(f"the number(s) {[_lifted_name(h) for h in new]} cannot be program inputs "
                           f"({type(e).__name__}: {e}); they stay static, and each new value retraces")
                 continue
             self._hypers.proven.update(new)
-            after = dict(roots.python_values())
+            after = dict(roots.python_values(raw=True))
             changed = {w for w in values.keys() | after.keys() if values.get(w, _MISSING) != after.get(w, _MISSING)}
             if changed:  # the trace's own bookkeeping (warned of by _check_python_state): a cached call skips it
                 self._unguarded = roots.unguarded = self._unguarded | changed
@@ -1437,6 +1636,12 @@ class JitFunction:
             self._breaks = 0
             return entry, leaves, slots, storages
         raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
+
+    def _number_arguments(self, leaves) -> list:
+        """(`_ArgSite`, id) of the Python numbers among the arguments that are program inputs."""
+        lifts = self._hypers
+        return [(_ArgSite(i, x), ("arg", i)) for i, x in enumerate(leaves)
+                if _lifted_number(x) and lifts.lifts(("arg", i), x)]
 
     def _run(self, entry, leaves, slots, storages):
         if entry.diff:
@@ -1452,6 +1657,8 @@ class JitFunction:
         for kind, v in entry.out_leaves:
             if kind == "array":
                 result.append(arrays[v])
+            elif kind == "number":  # a traced Python number (``x.sum().item()``) comes back as one
+                result.append(arrays[v].item())
             elif kind == "array32":  # held as complex64 (torch2jax/complex32.py)
                 result.append(_complex32.retag(arrays[v]))
             elif kind == "laid_out":
@@ -1580,8 +1787,9 @@ class JitFunction:
         slot_storage = [None if t is None else index[id(t._t2j_storage)] for t in slots.tensors]
         saved_slots = _snapshot(slots, roots)
         layouts = list(map(_layout, slots.tensors))
+        layout_storages = [None if t is None else t._t2j_storage for t in slots.tensors]
         bindings = [(t, _binding(t)) for t in slots.tensors if t is not None]
-        saved_hypers = {(id(g), hk): (g, hk, g[hk]) for g, hk, _ in slots.lifted}
+        saved_numbers = dict(site.saved() for site in slots.lifted)
         python_state = _python_state(roots.objects)
         capture = _Capture(storages)
         values = [_hyper_input(where, a, i, hint) for i, (where, a, hint) in enumerate(zip(slots.lifted, hypers, hints))]
@@ -1592,27 +1800,33 @@ class JitFunction:
             for st, a in zip(storages, inputs):
                 st.array = a
                 st.version += 1
-            for where, v in zip(slots.lifted, values):
-                _set_hyper(*where, v)
+            leaves = list(leaves)
+            for site, v in zip(slots.lifted, values):
+                if isinstance(site, _ArgSite):
+                    leaves[site.index] = v
+                else:
+                    site.write(v)
             args, kwargs = torch_pytree.tree_unflatten(leaves, spec)
             _tensor.CAPTURE = capture
             _sym.GUARDS = guards
             backward_passes = _device.backward_passes
             with _rng.traced_key(key) as rng, torch.autograd.set_multithreading_enabled(False), \
-                    _no_distribution_validation(), _scaler_steps_in_program():
+                    _no_distribution_validation(), _scaler_steps_in_program(), _numbers_stay_off_the_host(slots.lifted), \
+                    _wide_step_counters(roots.optimizers):
                 out = self.fn(*args, **kwargs)
             backward = _device.backward_passes != backward_passes
             _tensor.CAPTURE = _sym.GUARDS = None
-            for (g, hk, ti), v, a in zip(slots.lifted, values, arrays):
-                now = g[hk] if ti is None else g[hk][ti]
-                if now is not v or (a is not None and v._t2j_storage.array is not a):
+            for site, v, a in zip(slots.lifted, values, arrays):
+                if site.changed(v) or (a is not None and v._t2j_storage.array is not a):
                     raise JitError(
-                        f"t2j.jit: the optimizer hyperparameter {hk!r} changed inside the jitted function (an LR "
-                        "scheduler stepping inside it?); its Python state would be frozen into the program. "
-                        "Call scheduler.step() outside the jitted function."
+                        f"t2j.jit: {site.what()} changed inside the jitted function (an LR scheduler stepping "
+                        "inside it?); its Python state would be frozen into the program. Call scheduler.step() "
+                        "outside the jitted function."
                     )
+            for restore in saved_numbers.values():  # before the check that nothing else changed
+                restore()
             _check_python_state(self.fn, roots.objects, python_state)
-            _check_layouts(slots, layouts)
+            _check_layouts(slots, layouts, layout_storages, {id(x) for x in leaves if isinstance(x, torch.Tensor)})
             if capture.unknown:
                 raise _Retrace([t._t2j_storage for t in capture.unknown.values()])
             out_leaves, out_def = torch_pytree.tree_flatten(out)
@@ -1635,7 +1849,7 @@ class JitFunction:
                         grad_outs.append(len(outs))
                     outs.append(leaf._value())
                 elif _sym.is_traced_number(leaf):
-                    kinds.append(("array", len(outs)))
+                    kinds.append(("number", len(outs)))
                     outs.append(jax.numpy.asarray(_sym.value_of(leaf)))
                 else:
                     kinds.append(("const", leaf))
@@ -1668,8 +1882,8 @@ class JitFunction:
                 st.array = a
                 st.version += 1
             capture.restore()
-            for g, hk, v in saved_hypers.values():
-                g[hk] = v
+            for restore in saved_numbers.values():
+                restore()
             if not ok:
                 _restore(saved_slots)
                 for t, twin in bindings:
@@ -1881,20 +2095,50 @@ def _guarded(entries, slots):
 
 
 def _hyper_values(slots):
-    """The current values of the lifted hyperparameters, in program input order."""
-    return [float(g[hk] if ti is None else g[hk][ti]) for g, hk, ti in slots.lifted]
+    """The current values of the numbers that are program inputs, in program input order."""
+    return [site.read() for site in slots.lifted]
 
 
-def _hyper_input(where, value, index, hint):
-    """What the trace puts in a param group for a lifted hyperparameter: ``lr`` as a
-    0-d tensor (torch.optim's tensor-lr code paths; float32, or float64 for a group
-    with float64 parameters), any other as a traced float with guards."""
-    group, hk, ti = where
-    if hk == "lr" and ti is None:
+def _hyper_input(site, value, index, hint):
+    """What the trace puts where a number that is a program input is read: a param
+    group's ``lr`` as a 0-d tensor (torch.optim's tensor-lr code paths; float32, or
+    float64 for a group with float64 parameters), any other as a traced number with guards."""
+    if isinstance(site, _GroupSite) and site.hk == "lr" and site.ti is None:
         # torch multiplies by a Python float: a float64 parameter sees all of its digits
-        wide = any(p.dtype == torch.float64 for p in group["params"])
+        wide = any(p.dtype == torch.float64 for p in site.group["params"])
         return new_tensor(value.astype(jax.numpy.float64 if wide else jax.numpy.float32))
     return _sym.hinted_number(value, index, hint)
+
+
+def _numbers_stay_off_the_host(lifted):
+    """`symbolic.numbers_stay_off_the_host` where numbers other than learning rates are program inputs."""
+    if any(not isinstance(site, _GroupSite) or site.hk != "lr" for site in lifted):
+        return _sym.numbers_stay_off_the_host()
+    return contextlib.nullcontext()
+
+
+def _is_lr_id(where) -> bool:
+    """Whether lifted id ``where`` is a param group's ``lr``, which is always an input."""
+    return len(where) == 4 and where[2] == "lr" and where[3] is None
+
+
+def _lifted_name(where) -> str:
+    if where[0] == "arg":
+        return f"argument {where[1]}"
+    if where[0] == "value":
+        return where[1]
+    return f"optimizer #{where[0]} param_groups[{where[1]}][{where[2]!r}]"
+
+
+def _exact_guards(entries, slots, lifted_ids) -> list:
+    """The lifted ids of the numbers whose exact value (``float(x)``, ``int(x)``) a guard of
+    ``entries`` took and that now differ: each new value would be one more trace."""
+    if not entries:
+        return []
+    values = _hyper_values(slots)
+    inputs = {i for e in entries for g in e.guards if g.as_type is not bool and not g.holds(values)
+              for i in g.inputs}
+    return [lifted_ids[i] for i in sorted(inputs) if not _is_lr_id(lifted_ids[i])]
 
 
 def _set_hyper(group, hk, ti, value):
@@ -1918,11 +2162,17 @@ def _to_device(x):
     return x
 
 
-def _static_key(leaves):
+def _static_key(leaves, numbers=()):
+    """The arguments that are not tensors, as the cache key holds them; ``numbers`` (from
+    `JitFunction._number_arguments`) are program inputs, keyed by their type alone."""
     out = []
-    for x in leaves:
+    lifted = {site.index for site, _ in numbers}
+    for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
             out.append(None)
+            continue
+        if i in lifted:
+            out.append(_LiftedNumber(type(x)))
             continue
         try:
             hash(x)
@@ -2065,7 +2315,8 @@ def jit(fn=None, *, donate: bool = True, fullgraph: bool = False):
     """Compile a torch function into one XLA program, with the state it touches.
 
     ``fn`` takes and returns torch tensors (and any other Python values). Tensor
-    arguments are traced; other arguments are static and part of the cache key.
+    arguments are traced; other arguments are static and part of the cache key,
+    but a Python number that changes between calls becomes a traced input.
     Module parameters, buffers and gradients, optimizer state and the RNG key that
     ``fn`` reads or writes are carried in and out (see this module's docstring),
     so ``fn`` may run a whole training step. With ``donate`` (default) the input

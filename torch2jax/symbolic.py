@@ -22,9 +22,11 @@ import logging
 import math
 import operator
 import sys
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax._src.lax import lax as lax_internal
 import numpy as np
 import torch
 
@@ -35,12 +37,14 @@ GUARDS: list | None = None
 
 # Library functions whose ``if <tensor>: raise`` only validates their input, keyed by (module,
 # function): under a trace the branch is taken as not raising, and the check runs with the program,
-# raising (error type, message) at run time instead of stopping the trace.
+# raising (error type, message from the function's local variables) at run time instead of
+# stopping the trace.
 _VALIDATIONS = {
-    ("torch.nn.functional", "gaussian_nll_loss"): (ValueError, "var has negative entry/entries"),
-    ("torch.nn.utils.clip_grad", "_get_total_norm"): (
-        RuntimeError, "The total norm for gradients from `parameters` is non-finite, so it cannot be clipped "
-        "(clip_grad_norm_ with error_if_nonfinite=True)"),
+    ("torch.nn.functional", "gaussian_nll_loss"): (ValueError, lambda local: "var has negative entry/entries"),
+    ("torch.nn.utils.clip_grad", "_get_total_norm"): (RuntimeError, lambda local: (
+        f"The total norm of order {local.get('norm_type')} for gradients from `parameters` is non-finite, so it "
+        "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+        "`error_if_nonfinite=False`")),
 }
 
 
@@ -51,7 +55,8 @@ def _validation_site():
         frame = frame.f_back
     if frame is None:
         return None
-    return _VALIDATIONS.get((frame.f_globals.get("__name__"), frame.f_code.co_name))
+    site = _VALIDATIONS.get((frame.f_globals.get("__name__"), frame.f_code.co_name))
+    return None if site is None else (site[0], site[1](frame.f_locals))
 
 
 # How many validations traces have moved into their programs; `t2j.jit` does not donate the
@@ -84,7 +89,7 @@ def check_when_run(failed, error, value) -> None:
 
 def _raise_error(failed, value, *, error):
     if failed:
-        err = error(value.item())
+        err = error(value.item() if value.ndim == 0 else value.tolist())
         _FAILED[:] = [err]
         raise err
 
@@ -194,11 +199,12 @@ class TracedScalar:
     made with and records a guard, which `t2j.jit` checks on later calls.
     """
 
-    def __init__(self, value, kind=None, replay=None, hint=None):
+    def __init__(self, value, kind=None, replay=None, hint=None, inputs=frozenset()):
         self.value = value
         self.kind = kind or _kind(value)
         self.replay = replay
         self.hint = hint
+        self.inputs = inputs  # the indices of the program inputs its replay reads
 
     # -- what torch asks of a node ------------------------------------------
 
@@ -267,7 +273,7 @@ class TracedScalar:
         if self.replay is not None:
             on_hint, inner = _on_hints(fn), self.replay
             replay, hint = (lambda vals: on_hint(inner(vals))), on_hint(self.hint)
-        return TracedScalar(fn(self.value), kind, replay, hint)
+        return TracedScalar(fn(self.value), kind, replay, hint, self.inputs)
 
     def _binary(self, fn, kind, other):
         if kind is None:
@@ -276,7 +282,7 @@ class TracedScalar:
         if self.replay is not None and other.replay is not None:
             on_hint, a, b = _on_hints(fn), self.replay, other.replay
             replay, hint = (lambda vals: on_hint(a(vals), b(vals))), on_hint(self.hint, other.hint)
-        return TracedScalar(fn(self.value, other.value), kind, replay, hint)
+        return TracedScalar(fn(self.value, other.value), kind, replay, hint, self.inputs | other.inputs)
 
     # -- what cannot be done with a traced value -----------------------------
 
@@ -291,7 +297,7 @@ class TracedScalar:
             return False
         if self.replay is not None and GUARDS is not None:
             outcome = as_type(self.hint)
-            GUARDS.append((self.replay, as_type, outcome))
+            GUARDS.append(Guard(self.replay, as_type, outcome, self.inputs))
             return outcome
         from .dispatch import OpError
 
@@ -340,16 +346,31 @@ def traced_number(value):
     return _SYM_TYPES[node.kind](node)
 
 
-def hinted_number(value, index: int, hint: float) -> torch.SymFloat:
-    """A torch.SymFloat for the traced float ``value``, the ``index``-th hyperparameter
-    input of a jitted program, whose value at trace time is ``hint``. Arithmetic on it
-    stays traced; Python control flow on it is guarded (see `TracedScalar`)."""
-    return torch.SymFloat(TracedScalar(value, float, replay=lambda vals: vals[index], hint=hint))
+def hinted_number(value, index: int, hint: float | int) -> torch.SymFloat | torch.SymInt:
+    """A torch.SymFloat (a SymInt for an int ``hint``) for the traced number ``value``, the
+    ``index``-th number input of a jitted program (a hyperparameter, a Python number it
+    reads), whose value at trace time is ``hint``. Arithmetic on it stays traced; Python
+    control flow on it is guarded (see `TracedScalar`)."""
+    kind = int if type(hint) is int else float
+    return _SYM_TYPES[kind](TracedScalar(value, kind, replay=lambda vals: vals[index], hint=hint,
+                                         inputs=frozenset((index,))))
+
+
+class Guard(NamedTuple):
+    """What a trace assumed of its number inputs: ``as_type(replay(values)) == outcome``."""
+
+    replay: Callable
+    as_type: type  # bool for a branch; int or float where the trace needed the exact value
+    outcome: object
+    inputs: frozenset  # the indices of the number inputs it reads
+
+    def holds(self, values) -> bool:
+        return self.as_type(self.replay(values)) == self.outcome
 
 
 def guards_hold(guards, values) -> bool:
     """Whether every guard a trace took still has its outcome for these input values."""
-    return all(as_type(replay(values)) == outcome for replay, as_type, outcome in guards)
+    return all(g.holds(values) for g in guards)
 
 
 def is_traced_number(x) -> bool:
@@ -359,3 +380,64 @@ def is_traced_number(x) -> bool:
 def value_of(x):
     """The JAX value behind a traced number (see `traced_number`)."""
     return x.node.value
+
+
+def _traced_in(values) -> bool:
+    for v in values:
+        if isinstance(v, _SYM_TUPLE):
+            if isinstance(v.node, TracedScalar):
+                return True
+        elif type(v) in (list, tuple) and _traced_in(v):
+            return True
+    return False
+
+
+_SYM_TUPLE = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _host_tensors(out) -> bool:
+    """Whether ``out`` is or holds a tensor that torch computed itself (not a torch2jax one)."""
+    if isinstance(out, torch.Tensor):
+        from .tensor import Tensor
+
+        return not isinstance(out, Tensor) and out.device.type != "meta"
+    return type(out) in (list, tuple) and any(map(_host_tensors, out))
+
+
+class _NumbersStayOffTheHost(torch.overrides.TorchFunctionMode):
+    """Refuses an op that gave a tensor torch computed itself (a CPU one) from a traced
+    number: torch's own kernels do not know its value and would compute with a placeholder."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _host_tensors(out) and (_traced_in(args) or _traced_in(kwargs.values())):
+            from .dispatch import OpError
+
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            raise OpError(
+                f"torch2jax: {name} computed a CPU tensor from a traced number (a number that is an input of "
+                "the jitted program, or t.item()): its value is only known when the program runs. Move the CPU "
+                "tensor to the jax device."
+            )
+        return out
+
+
+def numbers_stay_off_the_host():
+    """While `t2j.jit` traces: no CPU tensor is computed from a traced number (`_NumbersStayOffTheHost`)."""
+    return _NumbersStayOffTheHost()
+
+
+_WEAK = {int: np.dtype(np.int64), float: np.dtype(np.float64), bool: np.dtype(np.bool_)}
+
+
+def scalar_value_of(x):
+    """The value behind a traced number as an op's Scalar argument: a weakly typed 0-d array
+    (a bool array for a SymBool), which type promotion takes as a Python number of its kind
+    (`dtypes.result_type`), as torch takes a SymFloat."""
+    value = x.node.value
+    if not hasattr(value, "dtype"):
+        return value
+    kind = x.node.kind
+    dtype = jax.dtypes.canonicalize_dtype(_WEAK[kind])  # (float32 in a JAX trace without x64)
+    return lax_internal._convert_element_type(value, dtype, weak_type=kind is not bool)

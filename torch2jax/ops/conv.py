@@ -868,24 +868,32 @@ def _grid_coords(x, grid, padding_mode, align_corners):
             for k, n in zip(range(len(sizes) - 1, -1, -1), sizes)]
 
 
+def _grid_index(c):
+    """Integer pixel coordinates ``c`` (floored, rounded) as torch's int64 cast makes them: NaN
+    becomes the lowest int64 (out of bounds), where XLA's conversion would give 0."""
+    return jnp.where(jnp.isnan(c), np.iinfo(np.int64).min, c.astype(np.int64))
+
+
 def _grid_nearest(x, coords):
     """Nearest sampling, ties to even as std::nearbyint."""
-    return _grid_gather(x, *(jnp.round(c).astype(np.int64) for c in coords))[0]
+    return _grid_gather(x, *(_grid_index(jnp.round(c)) for c in coords))[0]
 
 
 def _grid_linear(x, coords):
     """(Bi/tri)linear sampling as torch's kernels sum it: corners in the order of their
     offsets (width fastest), each weighted by the product of its per-axis weights taken
-    from the width axis on; corners out of bounds add nothing."""
-    low = [jnp.floor(c).astype(np.int64) for c in coords]
+    from the width axis on; corners out of bounds add zero."""
+    low = [_grid_index(jnp.floor(c)) for c in coords]
     out = jnp.zeros((x.shape[0], x.shape[1]) + coords[0].shape[1:], x.dtype)
     for offsets in itertools.product((0, 1), repeat=len(coords)):
         corner = [lo + o for lo, o in zip(low, offsets)]
         factors = [(lo + 1).astype(x.dtype) - c if o == 0 else c - lo.astype(x.dtype)
                    for lo, c, o in zip(low, coords, offsets)]
         weight = functools.reduce(jnp.multiply, factors[::-1])
-        v, valid = _grid_gather(x, *corner)
-        out = jnp.where(valid, out + v * weight[:, None], out)
+        # a corner out of bounds reads 0 (times a NaN coordinate's weight: NaN, as torch's kernel) and
+        # gets no gradient
+        v, _ = _grid_gather(x, *corner)
+        out = out + v * weight[:, None]
     return out
 
 
@@ -899,8 +907,28 @@ def _cubic_interp(v, t):
     return v[0] * c[0] + v[1] * c[1] + v[2] * c[2] + v[3] * c[3]
 
 
+def _check_grid_sampler(x, grid, dims):
+    """torch's checks of grid_sampler's arguments, in its order."""
+    if grid.dtype != x.dtype:
+        raise RuntimeError(f"expected scalar type {scalar_type_name(x.dtype)} but found {scalar_type_name(grid.dtype)}")
+    given = f"input with sizes {list(x.shape)} and grid with sizes {list(grid.shape)}"
+    if x.shape[0] != grid.shape[0]:
+        raise RuntimeError(f"grid_sampler(): expected grid and input to have same batch size, but got {given}")
+    if grid.shape[-1] != x.ndim - 2:
+        raise RuntimeError(f"grid_sampler(): expected grid to have size {x.ndim - 2} in last dimension, but got grid "
+                           f"with sizes {list(grid.shape)}")
+    for d in range(2, x.ndim):
+        if x.shape[d] == 0:
+            raise RuntimeError("grid_sampler(): expected input to have non-empty spatial dimensions, but input has "
+                               f"sizes {list(x.shape)} with dimension {d} being empty")
+    if x.ndim != dims or grid.ndim != dims:
+        raise RuntimeError(f"grid_sampler(): expected {dims}D input and grid with same number of dimensions, but got "
+                           f"{given}")
+
+
 @register(aten.grid_sampler_2d.default)
 def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
+    _check_grid_sampler(x, grid, 4)
     if interpolation_mode == 2:  # bicubic: taps are padded one by one
         h, w = x.shape[2:]
         gx, gy = grid[..., 0].astype(x.dtype), grid[..., 1].astype(x.dtype)
@@ -911,7 +939,7 @@ def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
         def value(cx, cy):
             cx = _grid_pad(cx, w, padding_mode, align_corners)
             cy = _grid_pad(cy, h, padding_mode, align_corners)
-            return _grid_gather(x, jnp.trunc(cy).astype(np.int64), jnp.trunc(cx).astype(np.int64))[0]
+            return _grid_gather(x, _grid_index(jnp.trunc(cy)), _grid_index(jnp.trunc(cx)))[0]
 
         rows = [_cubic_interp([value(ix0 + (j - 1), iy0 + (i - 1)) for j in range(4)], tx) for i in range(4)]
         return _cubic_interp(rows, ty)
@@ -937,6 +965,7 @@ def grid_sampler_2d_backward(grad, x, grid, interpolation_mode, padding_mode, al
 
 @register(aten.grid_sampler_3d.default)
 def grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
+    _check_grid_sampler(x, grid, 5)
     if interpolation_mode == 2:
         raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
     return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)

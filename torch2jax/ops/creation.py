@@ -66,7 +66,7 @@ def _fill_dtype(value, dtype):
     if isinstance(value, complex):
         return _dt.default_complex()
     if hasattr(value, "dtype"):
-        return np.dtype(value.dtype)
+        return _dt.weak_scalar_dtype(value) or np.dtype(value.dtype)
     return _dt.default_float()
 
 

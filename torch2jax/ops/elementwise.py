@@ -457,7 +457,7 @@ def _lerp_dtypes(func, args, kwargs):
         raise_as_torch(torch.lerp, *map(_cpu_operand, args[:3]))
 
 
-@elementwise(aten.lerp)
+@elementwise(aten.lerp, round_scalars=False)  # torch keeps a Scalar weight in float32
 def lerp(start, end, weight):
     diff = end - start
     return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end - diff * (1 - weight))

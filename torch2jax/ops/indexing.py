@@ -22,7 +22,7 @@ import torch
 from .. import dtypes as _dt
 from ..dispatch import TorchRuntimeError, TorchTypeError
 from .registry import (_HALF, as_dtype, canonical_dim, canonical_dims, check_values, checked_scalar, overflow_error,
-                       overflows, register, scalar_type_name, true_divide, warning)
+                       overflows, register, scalar_type_name, strides, true_divide, warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -130,6 +130,12 @@ def _expand_masks(x, indices, name):
 def _index_tuple(x, indices, check):
     if len(indices) > x.ndim:
         raise IndexError(f"too many indices for tensor of dimension {x.ndim} (got {len(indices)})")
+    shapes = [i.shape for i in indices if i is not None]
+    try:
+        jnp.broadcast_shapes(*shapes)
+    except ValueError:
+        raise IndexError("shape mismatch: indexing tensors could not be broadcast together with shapes "
+                         + ", ".join(str(list(s)) for s in shapes)) from None
     if check:
         given = [(d, i) for d, i in enumerate(indices) if i is not None]
         for k, (d, i) in enumerate(given):  # torch's message counts the index tensors, not the dims
@@ -183,6 +189,13 @@ def _index_put(x, indices, values, accumulate, check):
     return _accumulate(ref, values, x.dtype) if accumulate else ref.set(values)
 
 
+def _check_masked_fill_mask(indices, values, accumulate):
+    """torch sends ``x[mask] = v`` with one mask and one value to masked_fill_, which refuses a uint8 mask."""
+    given = [i for i in indices if i is not None]
+    if not accumulate and len(given) == 1 and given[0].dtype == np.uint8 and values.size == 1:
+        raise TorchRuntimeError("masked_fill_ only supports boolean masks, but got mask with dtype unsigned char")
+
+
 def _check_same_dtype(x, values):
     if values.dtype != x.dtype:
         raise TorchRuntimeError(
@@ -193,6 +206,7 @@ def _check_same_dtype(x, values):
 @register(aten.index_put.default)
 def index_put(x, indices, values, accumulate=False):
     _check_same_dtype(x, values)
+    _check_masked_fill_mask(indices, values, accumulate)
     return _index_put(x, indices, values, accumulate, True)
 
 
@@ -204,6 +218,7 @@ def _unsafe_index_put(x, indices, values, accumulate=False):
 @register(aten._index_put_impl.default)
 def _index_put_impl(x, indices, values, accumulate=False, unsafe=False):
     _check_same_dtype(x, values)
+    _check_masked_fill_mask(indices, values, accumulate)
     return _index_put(x, indices, values, accumulate, not unsafe)
 
 
@@ -374,7 +389,10 @@ def index_add(x, dim, index, source, *, alpha=1):
     if source.dtype != x.dtype:
         raise TorchRuntimeError(f"index_add_(): self ({scalar_type_name(x.dtype)}) and source "
                                 f"({scalar_type_name(source.dtype)}) must have the same scalar type")
-    x1, idx, src = _dim_index(x, dim, index, lambda d, n: _out_of_bounds(d, n, TorchRuntimeError), source)
+    # torch's 1-d kernel reports an out-of-range index as index_select does
+    bad = (lambda d, n: _index_out_of_range_in_self) if x.ndim <= 1 else (
+        lambda d, n: _out_of_bounds(d, n, TorchRuntimeError))
+    x1, idx, src = _dim_index(x, dim, index, bad, source)
     if alpha != 1:
         src = src * _value(alpha, x.dtype)
     return _accumulate(x1.at[idx], src, x.dtype).reshape(x.shape)
@@ -391,6 +409,8 @@ def index_copy(x, dim, index, source):
 
 @register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
 def index_fill(x, dim, index, value):
+    if isinstance(value, complex) and not _dt.is_complex(x.dtype):
+        raise TorchRuntimeError("index_fill_(): Converting complex Scalar to non-complex type is not supported")
     x1, idx, _ = _dim_index(x, dim, index, _out_of_bounds, negative=True)
     return x1.at[idx].set(_value(value, x.dtype)).reshape(x.shape)
 
@@ -500,6 +520,11 @@ def masked_select(x, mask):
 def nonzero(x):
     (nz,) = _concrete("aten.nonzero", x != 0)
     return jnp.asarray(np.argwhere(nz), _LONG)
+
+
+@strides(aten.nonzero.default)
+def _nonzero_strides(args, kwargs, out):
+    return ((1, out[0].shape[0]),)  # column-major: each coordinate (nonzero(as_tuple=True)) is contiguous
 
 
 @register(aten.nonzero_static.default)
@@ -669,13 +694,30 @@ def diag_embed(x, offset=0, dim1=-2, dim2=-1):
 # -- search and counting -----------------------------------------------------
 
 
+def _binary_search(seq, values, right):
+    """torch's binary search (cus_lower_bound / cus_upper_bound) step for step, over the last
+    axis of ``seq`` (rows matching ``values``'): with NaN in either, its answer depends on the
+    path it takes, which a count of smaller elements would not give."""
+    n = seq.shape[-1]
+    start = jnp.zeros(values.shape, _LONG)
+    end = jnp.full(values.shape, n, _LONG)
+    for _ in range(n.bit_length()):  # each step halves end - start
+        mid = start + ((end - start) >> 1)
+        at = jnp.take_along_axis(seq, jnp.clip(mid, 0, n - 1), axis=-1)
+        go_right = ~(at > values) if right else ~(at >= values)
+        active = start < end
+        start = jnp.where(active & go_right, mid + 1, start)
+        end = jnp.where(active & ~go_right, mid, end)
+    return start
+
+
 def _searchsorted(seq, values, right, out_int32):
     dtype = _dt.result_type(seq, values)
     seq, values = seq.astype(dtype), values.astype(dtype)
-    side = "right" if right else "left"
     out_dtype = np.int32 if out_int32 else _LONG
     if seq.ndim <= 1:
-        return jnp.searchsorted(seq.reshape(-1), values, side=side).astype(out_dtype)
+        flat = values.reshape(1, -1)
+        return _binary_search(seq.reshape(1, -1), flat, right).reshape(values.shape).astype(out_dtype)
     if seq.shape[:-1] != values.shape[:-1]:
         raise RuntimeError(
             "torch.searchsorted(): boundaries tensor should be 1 dimension or the first N-1 dimensions of boundaries "
@@ -684,10 +726,7 @@ def _searchsorted(seq, values, right, out_int32):
         )
     if values.size == 0 or seq.size == 0:
         return jnp.zeros(values.shape, out_dtype)
-    batch = seq.reshape(-1, seq.shape[-1])
-    vals = values.reshape(-1, values.shape[-1])
-    out = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(batch, vals)
-    return out.reshape(values.shape).astype(out_dtype)
+    return _binary_search(seq, values, right).astype(out_dtype)
 
 
 @register(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
@@ -804,6 +843,29 @@ def unique_dim(x, dim, sorted=True, return_inverse=False, return_counts=False):
         jnp.asarray(inverse.reshape(-1), _LONG) if return_inverse else _empty_long(),
         jnp.asarray(counts, _LONG) if return_counts else _empty_long(),
     )
+
+
+def _slices_contiguous(out, dim):
+    """Strides for ``out[0]`` whose slices along ``dim`` are contiguous, one after another."""
+    shape = out[0].shape
+    if dim is None or not shape:
+        return (None,) * len(out)
+    d = canonical_dim(dim, len(shape))
+    st, step = [0] * len(shape), 1
+    for k in reversed([d] + [k for k in range(len(shape)) if k != d]):
+        st[k] = step
+        step *= max(shape[k], 1)
+    return (tuple(st),) + (None,) * (len(out) - 1)
+
+
+@strides(aten.unique_dim, aten.unique_dim_consecutive)
+def _unique_dim_strides(args, kwargs, out):
+    return _slices_contiguous(out, args[1])  # torch gathers the unique slices one after another
+
+
+@strides(aten.unique_consecutive)
+def _unique_consecutive_strides(args, kwargs, out):
+    return _slices_contiguous(out, args[3] if len(args) > 3 else kwargs.get("dim"))
 
 
 def _unique_consecutive(name, x, return_inverse, return_counts, dim):

@@ -959,6 +959,9 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
     belong to no bag (offset2bag says ``bags``), as torch's default (float32 sum) kernel
     and CSR read them (its other kernels add them to the last bag, or count them in a
     mean's divisor only). Entries equal to padding_idx count nowhere."""
+    num_weights = weight.shape[0]
+    check_values(indices, lambda i: (i < 0) | (i >= num_weights), lambda k, i: TorchRuntimeError(
+        f"Index {k} of input takes value {i} which is not in the valid range [0, {num_weights})"), with_position=True)
     n = indices.shape[0]
     bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
     offset2bag = jnp.searchsorted(offsets, jnp.arange(n), side="right").astype(np.int64) - 1
@@ -1258,9 +1261,43 @@ def _sdpa_overrideable(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, 
     return out, lse, empty, empty, q.shape[-2], k.shape[-2], seed, empty, jnp.zeros((0,), q.dtype)
 
 
+def _flash_attention_grads(grad, q, k, v, bias, is_causal, scale, out, lse):
+    """(dq, dk, dv) as torch's CPU flash kernel computes them: the probabilities again from the
+    forward's logsumexp, ``exp(s - lse)``. A row whose scores are all about ``finfo.min``
+    (a padded query under an additive mask) has an lse that rounds to its maximum, so each of
+    its probabilities comes back as 1 rather than 1/n: torch's gradients there, which autodiff
+    of the softmax would not give."""
+    groups = q.shape[-3] // k.shape[-3]
+    kf, vf = upcast(k), upcast(v)
+    if groups > 1:
+        kf, vf = jnp.repeat(kf, groups, axis=-3), jnp.repeat(vf, groups, axis=-3)
+    qf, gf = upcast(q), upcast(grad)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = jnp.einsum("...qd,...kd->...qk", qf, kf) * scale
+    if is_causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    if bias is not None:
+        s = s + upcast(bias)
+    lse = lse[..., None]
+    p = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(s - lse))  # (a row masked out entirely has none)
+    dp = jnp.einsum("...qd,...kd->...qk", gf, vf)
+    ds = p * (dp - jnp.sum(gf * upcast(out), axis=-1, keepdims=True))
+    dq = jnp.einsum("...qk,...kd->...qd", ds, kf) * scale
+    dk = jnp.einsum("...qk,...qd->...kd", ds, qf) * scale
+    dv = jnp.einsum("...qk,...qd->...kd", p, gf)
+    if groups > 1:  # each key / value head's gradient sums over the query heads sharing it
+        dk = dk.reshape(*dk.shape[:-3], k.shape[-3], groups, *dk.shape[-2:]).sum(-3)
+        dv = dv.reshape(*dv.shape[:-3], v.shape[-3], groups, *dv.shape[-2:]).sum(-3)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
 @register(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
 def _sdpa_overrideable_backward(grad, q, k, v, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q, cum_seq_k,
                                 max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    if dropout_p == 0 and q.ndim == 4 and not (len(grad_input_mask) > 3 and grad_input_mask[3]):
+        # where torch's CPU backend takes its flash kernel
+        grads = _flash_attention_grads(grad, q, k, v, attn_bias, is_causal, scale, out, logsumexp)
+        return tuple(g if wanted else None for g, wanted in zip(grads, grad_input_mask)) + (None,)
     key = jax.random.wrap_key_data(philox_seed.astype(np.uint32))
     primals = (q, k, v) + ((attn_bias,) if attn_bias is not None else ())
 
@@ -1273,10 +1310,17 @@ def _sdpa_overrideable_backward(grad, q, k, v, attn_bias, grad_input_mask, out, 
     return tuple(result) + (None,) * (4 - len(result))
 
 
+def _flash_on_cpu(q, k, v, attn_mask, dropout_p) -> bool:
+    """Whether torch's CPU backend would take its flash kernel, which applies a mask and
+    ``is_causal`` together, where its math kernel refuses them together."""
+    return (q.dim() == 4 and dropout_p == 0 and not attn_mask.requires_grad
+            and k.shape[-3] == q.shape[-3] and all(t.stride(-1) == 1 for t in (q, k, v)))
+
+
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """The AutogradPrivateUse1 kernel of aten::scaled_dot_product_attention."""
-    if attn_mask is not None and is_causal:
+    if attn_mask is not None and is_causal and not _flash_on_cpu(q, k, v, attn_mask, dropout_p):
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     if k.shape[-3] != q.shape[-3] and not (enable_gqa and q.shape[-3] % k.shape[-3] == 0):
         raise RuntimeError(

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from .. import dtypes as _dt
+from ..dispatch import TorchValueError
 from ..env import next_key
 from .creation import jax_dtype
-from .registry import check_values, decomposition, register, scalar_type_name, warning
+from .registry import broadcast_shapes, cast, check_values, decomposition, register, scalar_type_name, warning
 
 aten = torch.ops.aten
 
@@ -43,6 +44,11 @@ def _sample_dtype(dtype):
 def _unsupported(kernel, dtype):
     """torch's error for a sampling kernel without an instance for ``dtype``."""
     return NotImplementedError(f"\"{kernel}\" not implemented for '{scalar_type_name(dtype)}'")
+
+
+def _c(v) -> str:
+    """A number as torch's C++ messages print a double (``-1``, ``0.123457``, ``1e-10``)."""
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def _require_float(kernel, dtype, complex_ok=True):
@@ -105,7 +111,7 @@ def _normal(generator, shape, dtype):
 
 def _check_std(std):
     if std < 0:
-        raise RuntimeError(f"normal expects std >= 0.0, but found std {std}")
+        raise RuntimeError(f"normal expects std >= 0.0, but found std {_c(std)}")
 
 
 @register(aten.normal_functional)
@@ -157,7 +163,7 @@ def normal_float_tensor(mean, std, *, generator=None):
 def normal_tensor_tensor(mean, std, *, generator=None):
     _require_float("normal_kernel_cpu", mean.dtype)
     _check_std_tensor(std)
-    return _normal_around(generator, mean, std, jnp.broadcast_shapes(mean.shape, std.shape), mean.dtype)
+    return _normal_around(generator, mean, std, broadcast_shapes(mean.shape, std.shape), mean.dtype)
 
 
 @register(aten.normal.float_float)
@@ -200,7 +206,7 @@ def rand_like(x, *, generator=None, dtype=None, layout=None, device=None, pin_me
 def uniform(x, low=0.0, high=1.0, *, generator=None):
     _require_float("check_uniform_bounds", x.dtype)
     if low > high:
-        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={low} > to={high}")
+        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={_c(low)} > to={_c(high)}")
     return _uniform_result(generator, x.shape, x.dtype, low, high)
 
 
@@ -208,7 +214,7 @@ def uniform(x, low=0.0, high=1.0, *, generator=None):
 def exponential(x, lambd=1.0, *, generator=None):
     _continuous_only("Exponential", x.dtype, scalar_type_name)
     if lambd <= 0:
-        raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={lambd}")
+        raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={_c(lambd)}")
     e = jax.random.exponential(next_key(generator), x.shape, _sample_dtype(x.dtype))
     return (e / lambd).astype(x.dtype)
 
@@ -217,7 +223,7 @@ def exponential(x, lambd=1.0, *, generator=None):
 def cauchy(x, median=0.0, sigma=1.0, *, generator=None):
     _continuous_only("Cauchy", x.dtype, _c_type_name)
     if sigma <= 0:
-        raise RuntimeError(f"cauchy_ expects sigma > 0.0, but found sigma={sigma}")
+        raise RuntimeError(f"cauchy_ expects sigma > 0.0, but found sigma={_c(sigma)}")
     u = _uniform(generator, x.shape, x.dtype)
     return (median + sigma * jnp.tan(np.pi * (u - 0.5))).astype(x.dtype)
 
@@ -226,14 +232,17 @@ def cauchy(x, median=0.0, sigma=1.0, *, generator=None):
 def log_normal(x, mean=1.0, std=2.0, *, generator=None):
     _require_float("log_normal_cpu", x.dtype, complex_ok=False)
     if std <= 0:
-        raise RuntimeError(f"log_normal_ expects std > 0.0, but found std={std}")
+        raise RuntimeError(f"log_normal_ expects std > 0.0, but found std={_c(std)}")
     return jnp.exp(mean + std * _normal(generator, x.shape, x.dtype)).astype(x.dtype)
 
 
 @register(aten._standard_gamma.default)
 def _standard_gamma(alpha, generator=None):
+    _require_float("gamma_cpu", alpha.dtype, complex_ok=False)
     dt = _sample_dtype(alpha.dtype)
-    return jax.random.gamma(next_key(generator), alpha.astype(dt), alpha.shape, dt).astype(alpha.dtype)
+    sample = jax.random.gamma(next_key(generator), alpha.astype(dt), alpha.shape, dt)
+    # torch never returns 0 (a Dirichlet row of zeros would be 0 / 0): the smallest normal number instead
+    return jnp.maximum(sample, float(jnp.finfo(alpha.dtype).tiny)).astype(alpha.dtype)
 
 
 @register(aten._standard_gamma_grad.default)
@@ -253,7 +262,7 @@ def _sample_dirichlet(alpha, generator=None):
 
 def _probability(p, name="p"):
     if not 0 <= p <= 1:
-        raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got {name}={p}")
+        raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got {name}={_c(p)}")
 
 
 def _probabilities(p):
@@ -263,8 +272,17 @@ def _probabilities(p):
         "If so, please report an enhancement request to PyTorch.)"))
 
 
+def _bernoulli_dtypes(dtype, p_dtype):
+    if _dt.is_complex(dtype):
+        raise _unsupported("bernoulli_tensor_cpu_self_", dtype)
+    if not _dt.is_floating(p_dtype):
+        raise _unsupported("bernoulli_tensor_cpu_p_", p_dtype)
+
+
 @register(aten.bernoulli.default)
 def bernoulli(p, *, generator=None):
+    # torch fills a tensor like p (bernoulli_tensor_cpu_self_) with probabilities p (..._p_)
+    _bernoulli_dtypes(p.dtype, p.dtype)
     _probabilities(p)
     u = _uniform(generator, p.shape, p.dtype)
     return (u < p.astype(u.dtype)).astype(p.dtype)
@@ -280,6 +298,7 @@ def bernoulli_p(x, p, *, generator=None):
 
 @register(aten.bernoulli.Tensor)
 def bernoulli_tensor(x, p, *, generator=None):
+    _bernoulli_dtypes(x.dtype, p.dtype)
     dt = _sample_dtype(p.dtype) if _dt.is_floating(p.dtype) else np.dtype(np.float32)
     _probabilities(p)
     u = _uniform(generator, x.shape, dt)
@@ -312,22 +331,34 @@ def geometric(x, p, *, generator=None):
     if x.dtype == np.bool_ or _dt.is_complex(x.dtype):
         raise _unsupported("geometric_cpu", x.dtype)
     if not 0 < p < 1:
-        raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={p}")
+        raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={_c(p)}")
     dt = np.dtype(np.float64 if x.dtype == np.float64 else np.float32)
     u = jax.random.uniform(next_key(generator), x.shape, dt, minval=np.finfo(dt).tiny)
-    return jnp.ceil(jnp.log(u) / np.log1p(-p)).astype(x.dtype)
+    return cast(jnp.ceil(jnp.log(u) / np.log1p(-p)), x.dtype)  # (a narrow int type wraps, as torch's cast)
 
 
 @register(aten.poisson.default)
 def poisson(rates, generator=None):
+    _require_float("poisson_cpu", rates.dtype, complex_ok=False)
+    check_values(rates, lambda v: ~(v >= 0), lambda v: RuntimeError(
+        "invalid Poisson rate, expected rate to be non-negative"))
     dt = _sample_dtype(rates.dtype)
     return jax.random.poisson(next_key(generator), rates.astype(dt), rates.shape, np.int64).astype(rates.dtype)
 
 
 @register(aten.binomial.default)
 def binomial(count, prob, generator=None):
-    dt = _sample_dtype(count.dtype)
-    out = jax.random.binomial(next_key(generator), count.astype(dt), prob.astype(dt), count.shape, dt)
+    for x, name in ((count, "count"), (prob, "prob")):
+        if not _dt.is_floating(x.dtype):
+            raise TorchValueError(f"binomial only supports floating-point dtypes for {name}, got: "
+                             f"{scalar_type_name(x.dtype)}")
+    if prob.dtype != count.dtype:
+        raise RuntimeError(f"Found dtype {scalar_type_name(prob.dtype)} but expected {scalar_type_name(count.dtype)}")
+    if count.dtype in _HALF:
+        raise _unsupported("binomial_cpu", count.dtype)
+    shape = jnp.broadcast_shapes(count.shape, prob.shape)
+    out = jax.random.binomial(next_key(generator), jnp.broadcast_to(count, shape), jnp.broadcast_to(prob, shape),
+                              shape, count.dtype)
     return out.astype(count.dtype)
 
 
@@ -369,7 +400,13 @@ def random_from(x, low, high, *, generator=None):
     if high is None:
         if _dt.is_complex(x.dtype):
             raise RuntimeError("random_from_to_impl handles only integral, floating-point and boolean types")
-        high = _dtype_max(x.dtype) + 1
+        to_inc = _dtype_max(x.dtype)
+        _check_range(low, low, x.dtype)
+        # a float type draws up to 2**digits, its last integer with a neighbour one apart
+        if low > to_inc or (_dt.is_floating(x.dtype) and low == to_inc):
+            raise RuntimeError("random_ expects 'from' casted to dtype to be less than or equal to 'to_inc' casted "
+                               f"to dtype, but got from={low} > to_inc={to_inc}")
+        high = to_inc + 1
     elif low >= high:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
     _check_range(low, high - 1, x.dtype)
@@ -467,25 +504,28 @@ def _long_out(func, args, kwargs):
 @register(aten.multinomial.default)
 def multinomial(probs, num_samples, replacement=False, *, generator=None):
     if probs.ndim not in (1, 2):
-        raise RuntimeError(f"prob_dist must be 1 or 2 dim, but got {probs.ndim}")
+        raise RuntimeError("prob_dist must be 1 or 2 dim")
     if not _dt.is_floating(probs.dtype):
-        raise RuntimeError(
-            f"multinomial only supports floating-point dtypes for input, got: {_dt.to_torch(probs.dtype)}"
-        )
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {scalar_type_name(probs.dtype)}")
     n = probs.shape[-1]
     if num_samples <= 0:
-        raise RuntimeError(f"cannot sample n_sample <= 0 samples, but got {num_samples}")
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
     if not replacement and num_samples > n:
         raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
     _check_distribution(probs)
-    logits = jnp.log(probs.astype(_sample_dtype(probs.dtype)))
-    batch = logits[None] if probs.ndim == 1 else logits
+    weights = probs.astype(_sample_dtype(probs.dtype))
+    batch = weights[None] if probs.ndim == 1 else weights
     key = next_key(generator)
     if replacement:
-        out = jax.random.categorical(key, batch, axis=-1, shape=(num_samples, batch.shape[0])).T
+        # the inverse of the CDF at uniform points: memory of the samples, not samples x categories
+        cdf = jnp.cumsum(batch, axis=-1)
+        u = jax.random.uniform(key, (batch.shape[0], num_samples), batch.dtype) * cdf[:, -1:]
+        out = jax.vmap(lambda c, v: jnp.searchsorted(c, v, side="right"))(cdf, u)
+        last = n - 1 - jnp.argmax((batch > 0)[:, ::-1], axis=-1)  # rounding never picks a weightless tail
+        out = jnp.minimum(out, last[:, None])
     else:
         # Gumbel top-k: the first k of a random order weighted by probs, drawn without replacement.
-        g = batch + jax.random.gumbel(key, batch.shape, batch.dtype)
+        g = jnp.log(batch) + jax.random.gumbel(key, batch.shape, batch.dtype)
         out = jax.lax.top_k(g, num_samples)[1]
     out = out.astype(np.int64)
     return out[0] if probs.ndim == 1 else out

@@ -32,6 +32,7 @@ LOWERINGS: dict = {}
 VIEWS: dict = {}
 DECOMPOSITIONS: dict = {}
 WARNINGS: dict = {}
+STRIDES: dict = {}
 
 
 def _overloads(op):
@@ -52,6 +53,20 @@ def register(*ops):
         for op in ops:
             for overload in _overloads(op):
                 LOWERINGS[overload] = fn
+        return fn
+
+    return deco
+
+
+def strides(*ops):
+    """Register the decorated ``fn(args, kwargs, results)`` as the strides torch's CPU kernels give the
+    results of ``ops`` (a tuple, None for row-major) where no meta kernel can tell: their
+    shapes depend on the values (nonzero's column-major indices)."""
+
+    def deco(fn):
+        for op in ops:
+            for overload in _overloads(op):
+                STRIDES[overload] = fn
         return fn
 
     return deco
@@ -147,7 +162,8 @@ def cast(x, dtype):
     """Array ``x`` converted to ``dtype`` as torch's CPU kernels convert.
 
     Complex to real keeps the real part. Float to integer truncates toward zero through
-    int32 (int64 for int64): a value out of that range, or NaN, becomes its minimum, and
+    int32 (int64 for 64-bit types and uint32; uint64 also takes [2**63, 2**64)): a value out
+    of that range, or NaN, becomes its minimum, and
     narrower types keep the low bits (300.0 -> uint8 44, -1.0 -> uint8 255, 1e10 -> int32
     -2147483648), where XLA's conversion would saturate.
 
@@ -160,13 +176,19 @@ def cast(x, dtype):
     if jnp.issubdtype(x.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
         x = jnp.real(x)
     if jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.integer):
-        wide = np.dtype(np.int64 if dtype.itemsize == 8 else np.int32)
+        # uint32 goes through int64 (3e9 stays 3e9; -1.0 wraps to 2**32 - 1), as torch's kernels cast
+        wide = np.dtype(np.int64 if dtype.itemsize == 8 or dtype == np.uint32 else np.int32)
         info = np.iinfo(wide)
         t = jnp.trunc(x.astype(np.float32) if x.dtype.itemsize < 4 else x)  # bounds past float16's range
         # the bounds as floats of x's type: 2**31 and 2**63 are exact, so `<` excludes them
         inside = (t >= float(info.min)) & (t < -float(info.min))
-        x = jnp.where(inside, t, 0).astype(wide)
-        x = jnp.where(inside, x, jnp.asarray(info.min, wide))
+        out = jnp.where(inside, t, 0).astype(wide)
+        out = jnp.where(inside, out, jnp.asarray(info.min, wide))
+        if dtype == np.uint64:  # [2**63, 2**64) converts directly, past int64's range
+            high = (t >= 2.0 ** 63) & (t < 2.0 ** 64)
+            upper = jnp.where(high, t - 2.0 ** 63, 0).astype(wide).astype(dtype) + np.uint64(2 ** 63)
+            return jnp.where(high, upper, out.astype(dtype))
+        x = out
     return x.astype(dtype)
 
 
@@ -174,6 +196,8 @@ def as_dtype(a, dtype):
     """``a`` (array or Python number) as an array of ``dtype``; numbers wrap like torch's casts."""
     if hasattr(a, "dtype"):
         return a if a.dtype == dtype else a.astype(dtype)
+    if np.dtype(dtype) == np.bool_:  # any nonzero number is True (0.5, 1j), not its truncation
+        return np.array(a != 0)
     if isinstance(a, complex) and not _dt.is_complex(dtype):
         a = a.real
     if _dt.is_integral(dtype, include_bool=True) and isinstance(a, float):
@@ -227,7 +251,8 @@ def _check_range(v, dtype, named):
         if isinstance(v, float) and not math.isfinite(v):
             _overflow(named)
         info = np.iinfo(dtype)
-        lowest = -int(info.max) if info.min == 0 else int(info.min)
+        # an unsigned type takes a negative int (wrapping it), not a negative float
+        lowest = -int(info.max) if info.min == 0 and isinstance(v, int) else int(info.min)
         if v < lowest or v > info.max:
             _overflow(named)
     elif math.isfinite(v) and abs(v) > float(jnp.finfo(dtype).max):
@@ -335,12 +360,12 @@ def elementwise(*ops, promote_kind: str = "default", opmath: bool = True, checke
     return deco
 
 
-def check_values(values, is_bad, error) -> None:
+def check_values(values, is_bad, error, with_position=False) -> None:
     """Raise ``error(v)`` for the first value ``v`` of ``values`` where ``is_bad`` (applied to
     the NumPy or JAX array of them) is true, as torch's kernels check the values they read
-    (indices, class labels). Follows ``check_indices``: in eager mode at once (one device
-    sync), in a traced program when it runs (only under ``check_indices="always"``, see
-    `torch2jax.Config`).
+    (indices, class labels); ``error(position, v)`` ``with_position`` (in the flattened
+    values). Follows ``check_indices``: in eager mode at once (one device sync), in a traced
+    program when it runs (only under ``check_indices="always"``, see `torch2jax.Config`).
 
     >>> check_values(index, lambda i: (i < 0) | (i >= n), lambda i: IndexError(f"index {i} is out of bounds"))
     """
@@ -353,11 +378,42 @@ def check_values(values, is_bad, error) -> None:
     bad = is_bad(values)
     if isinstance(bad, jax.core.Tracer):
         if mode == "always":
-            _sym.check_when_run(jnp.any(bad), error, jnp.asarray(values)[jnp.argmax(bad)])
+            first = jnp.argmax(bad)
+            if with_position:
+                _sym.check_when_run(jnp.any(bad), lambda pv: error(*pv),
+                                    jnp.stack([first.astype(np.int64), jnp.asarray(values)[first].astype(np.int64)]))
+            else:
+                _sym.check_when_run(jnp.any(bad), error, jnp.asarray(values)[first])
         return
     bad = np.asarray(bad)
     if bad.any():
-        raise error(values[np.argmax(bad)].item())
+        first = int(np.argmax(bad))
+        raise error(first, values[first].item()) if with_position else error(values[first].item())
+
+
+def broadcast_error(shapes):
+    """TensorIterator's message for operand shapes that do not broadcast (folded left to
+    right, as it infers the shape), or None."""
+    if not shapes:
+        return None
+    out = list(shapes[0])
+    for shape in shapes[1:]:
+        n = max(len(out), len(shape))
+        a, b = [1] * (n - len(out)) + out, [1] * (n - len(shape)) + list(shape)
+        for d in range(n - 1, -1, -1):
+            if a[d] != b[d] and a[d] != 1 and b[d] != 1:
+                return (f"The size of tensor a ({a[d]}) must match the size of tensor b ({b[d]}) at non-singleton "
+                        f"dimension {d}")
+        out = [x if y == 1 else y for x, y in zip(a, b)]
+    return None
+
+
+def broadcast_shapes(*shapes) -> tuple:
+    """The shape ``shapes`` broadcast to, or TensorIterator's RuntimeError where they do not broadcast."""
+    message = broadcast_error(shapes)
+    if message is not None:
+        raise RuntimeError(message)
+    return jnp.broadcast_shapes(*shapes)
 
 
 def scalar_type_name(dtype) -> str:

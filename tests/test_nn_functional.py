@@ -1,0 +1,45 @@
+"""torch.nn.functional corner cases OpInfo samples do not reach, against torch CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch2jax as t2j
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+def test_grid_sample_with_a_nan_coordinate(mode):
+    # the NaN point reads zeros (NaN where its weights are NaN) and sends no gradient to the input
+    results = []
+    for d in ("cpu", "jax"):
+        x = torch.arange(16.0).reshape(1, 1, 4, 4).to(d).requires_grad_()
+        grid = torch.tensor([[[[0.5, 0.0], [float("nan"), 0.0], [1.5, 0.2]]]], device=d).requires_grad_()
+        out = F.grid_sample(x, grid, mode=mode, align_corners=True)
+        out.sum().backward()
+        results.append((out.detach().cpu(), x.grad.cpu(), grid.grad.cpu()))
+    (out, gx, gg), (jout, jgx, jgg) = results
+    torch.testing.assert_close(jout, out, equal_nan=True)
+    torch.testing.assert_close(jgx, gx)
+    torch.testing.assert_close(jgg, gg, equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
+def test_sdpa_takes_a_mask_and_is_causal_together_as_cpus_flash_kernel(mask_dtype):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    mask = torch.randn(5, 6) if mask_dtype is torch.float32 else torch.randn(5, 6) > -1
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    got = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"), attn_mask=mask.to("jax"),
+                                         is_causal=True)
+    torch.testing.assert_close(got.cpu(), expected, equal_nan=True)
+
+
+def test_embedding_bag_checks_indices_inside_jit_when_asked():
+    weight = torch.randn(10, 4, device="jax")
+    with t2j.env(check_indices="always"):
+        bag = t2j.jit(lambda i: F.embedding_bag(i, weight, torch.tensor([0], device="jax")))
+        assert bag(torch.tensor([1, 9], device="jax")).shape == (1, 4)
+        with pytest.raises(RuntimeError, match=r"Index 1 of input takes value 11 which is not in the valid range \[0, 10\)"):
+            bag(torch.tensor([1, 11], device="jax"))
