@@ -1283,3 +1283,27 @@ def test_clip_grad_norm_error_under_jit_says_the_norm_type():
 
     with pytest.raises(RuntimeError, match="The total norm of order 3.0 for gradients from `parameters` is non-finite"):
         t2j.jit(clip)()
+
+
+def test_a_trace_that_stops_leaves_the_modules_as_they_were():
+    # pruning inside the function: the trace swaps weight for weight_orig, a mask and a hook, then
+    # stops at a value-dependent op; the eager run that follows must start from the modules as given
+    import torch.nn.utils.prune as prune
+
+    results = []
+    for device in ("cpu", "jax"):
+        torch.manual_seed(0)
+        m = nn.Linear(6, 4).to(device)
+        x = torch.randn(3, 6).to(device)
+        prune.l1_unstructured(m, "weight", amount=0.3)
+
+        def f(x):
+            prune.l1_unstructured(m, "weight", amount=0.3)
+            return m(x)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = (t2j.jit(f) if device == "jax" else f)(x)
+        results.append((out.detach().cpu(), (m.weight == 0).sum().item(), sorted(dict(m.named_parameters()))))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    assert results[1][1:] == results[0][1:]

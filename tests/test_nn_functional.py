@@ -43,3 +43,27 @@ def test_embedding_bag_checks_indices_inside_jit_when_asked():
         assert bag(torch.tensor([1, 9], device="jax")).shape == (1, 4)
         with pytest.raises(RuntimeError, match=r"Index 1 of input takes value 11 which is not in the valid range \[0, 10\)"):
             bag(torch.tensor([1, 11], device="jax"))
+
+
+@pytest.mark.parametrize("case", ["padded row", "causal", "gqa", "3-d"])
+def test_sdpa_gradients_match_cpus_kernels(case):
+    # a query row whose scores are all about finfo.min (a padded position under HF's additive mask)
+    # gets the gradients of torch's flash kernel, which recomputes probabilities from a rounded lse
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    mask, kwargs = torch.zeros(5, 6), {}
+    mask[0] = torch.finfo(torch.float32).min
+    if case == "causal":
+        mask, kwargs = None, {"is_causal": True}
+    elif case == "gqa":
+        k, v, kwargs = k[:, :2], v[:, :2], {"enable_gqa": True}
+    elif case == "3-d":  # torch's math kernel: softmax's own gradient
+        q, k, v = q[0], k[0], v[0]
+    grads = []
+    for d in ("cpu", "jax"):
+        leaves = [t.clone().to(d).requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=None if mask is None else mask.to(d), **kwargs)
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(d)).sum().backward()
+        grads.append([t.grad.cpu() for t in leaves])
+    for expected, got in zip(*grads):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -1786,6 +1786,7 @@ class JitFunction:
         index = {id(st): i for i, st in enumerate(storages)}
         slot_storage = [None if t is None else index[id(t._t2j_storage)] for t in slots.tensors]
         saved_slots = _snapshot(slots, roots)
+        structure = _module_structure(roots)
         layouts = list(map(_layout, slots.tensors))
         layout_storages = [None if t is None else t._t2j_storage for t in slots.tensors]
         bindings = [(t, _binding(t)) for t in slots.tensors if t is not None]
@@ -1885,6 +1886,7 @@ class JitFunction:
             for restore in saved_numbers.values():
                 restore()
             if not ok:
+                _restore_structure(structure)
                 _restore(saved_slots)
                 for t, twin in bindings:
                     if _layout(t) != _layout(twin):
@@ -2196,6 +2198,30 @@ def _restore(snapshot):
     for opt, states in opt_states:
         opt.state.clear()
         opt.state.update(states)
+
+
+_MODULE_DICTS = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+                 "_backward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs")
+
+
+def _module_structure(roots) -> list:
+    """What a failed trace must put back of its modules before the call runs eagerly: their
+    attributes, parameters, buffers, submodules and hooks (``prune.l1_unstructured`` inside the
+    function swaps a parameter for ``weight_orig``, a mask buffer and a hook)."""
+    return [(sub, dict(sub.__dict__), [(d, dict(d)) for d in (sub.__dict__.get(n) for n in _MODULE_DICTS)
+                                       if isinstance(d, dict)])
+            for m in roots.modules for sub in _submodules(m)]
+
+
+def _restore_structure(saved):
+    for sub, attributes, dicts in saved:
+        for d, items in dicts:
+            if d.keys() != items.keys() or any(d[k] is not v for k, v in items.items()):
+                d.clear()
+                d.update(items)
+        if sub.__dict__.keys() != attributes.keys() or any(sub.__dict__[k] is not v for k, v in attributes.items()):
+            sub.__dict__.clear()
+            sub.__dict__.update(attributes)
 
 
 def _slot_id(setter):

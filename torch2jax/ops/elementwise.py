@@ -168,7 +168,7 @@ def _no_complex_abs_(func, args, kwargs):
 @elementwise(aten.abs, prims.abs, promote_kind="complex_to_float")
 def absolute(x):
     if _is_bool(x):
-        raise OpError('torch2jax: "abs" is not implemented for bool tensors')
+        raise NotImplementedError("\"abs_cpu\" not implemented for 'Bool'")
     return jnp.abs(x)
 
 

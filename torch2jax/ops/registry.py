@@ -43,33 +43,31 @@ def _overloads(op):
     return [op]
 
 
+def _into(table, ops):
+    """A decorator putting its function into ``table`` under every overload of ``ops``."""
+
+    def deco(fn):
+        for op in ops:
+            for overload in _overloads(op):
+                table[overload] = fn
+        return fn
+
+    return deco
+
+
 def register(*ops):
     """Register the decorated function as the lowering of ``ops``.
 
     An `OpOverloadPacket` (``aten.add``) stands for all of its overloads.
     """
-
-    def deco(fn):
-        for op in ops:
-            for overload in _overloads(op):
-                LOWERINGS[overload] = fn
-        return fn
-
-    return deco
+    return _into(LOWERINGS, ops)
 
 
 def strides(*ops):
     """Register the decorated ``fn(args, kwargs, results)`` as the strides torch's CPU kernels give the
     results of ``ops`` (a tuple, None for row-major) where no meta kernel can tell: their
     shapes depend on the values (nonzero's column-major indices)."""
-
-    def deco(fn):
-        for op in ops:
-            for overload in _overloads(op):
-                STRIDES[overload] = fn
-        return fn
-
-    return deco
+    return _into(STRIDES, ops)
 
 
 def warning(*ops):
