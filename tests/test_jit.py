@@ -11,7 +11,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch2jax as t2j
-from torch2jax.dispatch import OpError
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
@@ -1188,16 +1187,14 @@ def test_a_branch_on_a_number_input_is_guarded():
     assert run.stats["traces"] == 3  # static, then one program per side of the branch
 
 
-def test_a_traced_number_never_meets_a_cpu_tensor():
+def test_a_number_input_never_meets_a_cpu_tensor():
     # torch's own CPU kernels do not know a traced number's value (they would compute with a
-    # placeholder): such an op stops the trace; the number stays static, the .item() call runs eagerly
+    # placeholder): such an op stops the trace, and the number stays static
     table = torch.arange(4)
     run = t2j.jit(lambda x, n: (table + n).sum() + x)
     x = torch.zeros((), device="jax")
     assert [run(x, n).item() for n in range(4)] == [6.0 + 4 * n for n in range(4)]
-    strict = t2j.jit(lambda x: table * x.sum().item(), fullgraph=True)
-    with pytest.raises(OpError, match="computed a CPU tensor from a traced number"):
-        strict(torch.ones(2, device="jax"))
+    assert any("computed a CPU tensor from a traced number" in m for m in t2j.explain_recompiles())
 
 
 def test_deleting_a_module_attribute_retraces():

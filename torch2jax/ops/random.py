@@ -401,7 +401,7 @@ def random_from(x, low, high, *, generator=None):
         if _dt.is_complex(x.dtype):
             raise RuntimeError("random_from_to_impl handles only integral, floating-point and boolean types")
         to_inc = _dtype_max(x.dtype)
-        _check_range(low, low, x.dtype)
+        _check_range(low, to_inc, x.dtype)
         # a float type draws up to 2**digits, its last integer with a neighbour one apart
         if low > to_inc or (_dt.is_floating(x.dtype) and low == to_inc):
             raise RuntimeError("random_ expects 'from' casted to dtype to be less than or equal to 'to_inc' casted "
