@@ -1304,3 +1304,36 @@ def test_a_trace_that_stops_leaves_the_modules_as_they_were():
         results.append((out.detach().cpu(), (m.weight == 0).sum().item(), sorted(dict(m.named_parameters()))))
     torch.testing.assert_close(results[1][0], results[0][0])
     assert results[1][1:] == results[0][1:]
+
+
+def test_a_functions_forward_changes_its_arguments_objects_once():
+    # an autograd.Function whose forward appends to a cache object it is given (Reformer's
+    # past_buckets_states): under jit it also runs again for JAX to differentiate, which must
+    # neither see nor repeat the first run's change
+    class Cache:
+        def __init__(self):
+            self.states = []
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, cache):
+            cache.states.append(x.shape[0])
+            return x * (len(cache.states) + 1)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2, None
+
+    w = nn.Parameter(torch.ones(3, device="jax"))
+
+    def step(cache):
+        y = Scale.apply(w * 1.0, cache)
+        y.sum().backward()
+        return y
+
+    for _ in range(2):
+        cache = Cache()
+        w.grad = None
+        y = t2j.jit(step)(cache)
+        assert y.tolist() == [2.0, 2.0, 2.0] and w.grad.tolist() == [2.0, 2.0, 2.0]
+        assert cache.states == [3]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -213,6 +214,28 @@ def _rebindable(o, inputs) -> bool:
     return not o._t2j_view or (o.is_contiguous() and o.storage_offset() == 0)
 
 
+def _plain_object(a) -> bool:
+    """An argument whose attributes a Function's forward may change: a Python object that is
+    not a tensor, module, type, function or module (an HF cache the layers append to)."""
+    return (hasattr(a, "__dict__") and not isinstance(a, (torch.Tensor, torch.nn.Module, type, types.FunctionType,
+                                                             types.MethodType, types.ModuleType)))
+
+
+def _copied(attributes: dict) -> dict:
+    return {k: list(v) if type(v) is list else dict(v) if type(v) is dict else v for k, v in attributes.items()}
+
+
+def _attributes_of(objects) -> list:
+    """The attributes of ``objects``, their lists and dicts copied: what `_put_attributes` puts back."""
+    return [(o, _copied(vars(o))) for o in objects]
+
+
+def _put_attributes(saved):
+    for o, attributes in saved:
+        vars(o).clear()
+        vars(o).update(_copied(attributes))
+
+
 def _with_own_backward(cls, args, kwargs):
     """``cls.apply(*args, **kwargs)`` while JAX traces, its results differentiated by JAX
     with ``cls.backward``: a `jax.custom_vjp` whose forward and backward rerun the
@@ -226,8 +249,13 @@ def _with_own_backward(cls, args, kwargs):
     leaves, spec = pytree.tree_flatten((args, kwargs))
     pos = [i for i, a in enumerate(leaves) if isinstance(a, Tensor)]
     inputs = [leaves[i] for i in pos]
+    # the reruns start from the objects the arguments hold as the first run found them, and leave them
+    # as it did: its changes (a cache the layers append to) are made once
+    objects = [a for a in leaves if _plain_object(a)]
+    before = _attributes_of(objects)
     with _Reads({id(t._t2j_storage) for t in inputs}) as reads:
         out = _function_apply(cls, *args, **kwargs)  # autograd's node, for a backward() inside the trace
+    after = _attributes_of(objects)
     closure = list(reads.found.values())
     traced = [k for k, (_, a) in enumerate(closure) if isinstance(a, jax.core.Tracer)]
     if not any(differentiable(t._value()) for t in inputs) and not any(differentiable(closure[k][1]) for k in traced):
@@ -253,6 +281,7 @@ def _with_own_backward(cls, args, kwargs):
         now = [st.array for st, _ in closure]
         for (st, _), v in zip(closure, values):
             st.array, st.version = v, st.version + 1
+        _put_attributes(before)
         try:
             with torch.enable_grad():
                 res = pytree.tree_leaves(_function_apply(cls, *a, **k))
@@ -260,6 +289,7 @@ def _with_own_backward(cls, args, kwargs):
         finally:
             for (st, _), v in zip(closure, now):
                 st.array, st.version = v, st.version + 1
+            _put_attributes(after)
 
     @jax.custom_vjp
     def call(*arrays):
