@@ -1337,3 +1337,26 @@ def test_a_functions_forward_changes_its_arguments_objects_once():
         y = t2j.jit(step)(cache)
         assert y.tolist() == [2.0, 2.0, 2.0] and w.grad.tolist() == [2.0, 2.0, 2.0]
         assert cache.states == [3]
+
+
+def test_a_module_attribute_number_that_changes_becomes_a_program_input():
+    # an annealed temperature on the module: one more trace, not one per value; a size (topk's k)
+    # stays static and retraces per value
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.temperature, self.k = nn.Linear(4, 4), 1.0, 2
+
+        def forward(self, x):
+            return torch.topk(self.lin(x) / self.temperature, self.k).values
+
+    torch.manual_seed(0)
+    model = Scaled().to("jax")
+    run = t2j.jit(lambda x: model(x).sum())
+    x = torch.randn(3, 4, device="jax")
+    for i in range(6):
+        model.temperature = 1.0 + 0.5 * i
+        torch.testing.assert_close(run(x).cpu(), model(x).sum().cpu())
+    assert run.stats["traces"] == 2
+    model.k = 3
+    torch.testing.assert_close(run(x).cpu(), model(x).sum().cpu())

@@ -796,16 +796,29 @@ _SIMPLE = (bool, int, float, str, type(None), enum.Enum)
 _FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
 
 
-def _attributes(subs) -> tuple:
+def _attributes(subs, lifts: _Hyperparameters | None = None, k=None, lifted: list | None = None) -> tuple:
     """The plain Python attributes (numbers, strings, flags, tuples of them) of modules
     ``subs``, which a forward reads as constants (``self.k`` in ``topk(x, self.k)``): each
     new value traces again, as torch.compile guards on them. So does a function set on an
-    instance (``m.forward = wrapped``, as accelerate and peft wrap a forward), by identity."""
-    return tuple(
-        tuple((name, v if isinstance(v, _FUNCTIONS) else _python_value(v)) for name, v in sub.__dict__.items()
-              if name[0] != "_" and name != "training" and (isinstance(v, (*_SIMPLE, *_FUNCTIONS)) or (
-                  type(v) is tuple and all(isinstance(x, _SIMPLE) for x in v))))
-        for sub in subs)
+    instance (``m.forward = wrapped``, as accelerate and peft wrap a forward), by identity.
+    With ``lifts``, a number that changes from call to call (an annealed ``self.temperature``)
+    is a program input instead (`_Hyperparameters.lifts`): `_LiftedNumber` stands for it and
+    its `_ValueSite` is appended to ``lifted``, with the id (``k``: the root module's index)."""
+    out = []
+    for si, sub in enumerate(subs):
+        values = []
+        for name, v in sub.__dict__.items():
+            if name[0] == "_" or name == "training" or not (isinstance(v, (*_SIMPLE, *_FUNCTIONS)) or (
+                    type(v) is tuple and all(isinstance(x, _SIMPLE) for x in v))):
+                continue
+            where = ("module attribute", k, si, name)
+            if lifts is not None and _lifted_number(v) and lifts.lifts(where, v):
+                values.append((name, _LiftedNumber(type(v))))
+                lifted.append((_ValueSite(sub, name, f"{type(sub).__name__}.{name}"), where))
+            else:
+                values.append((name, v if isinstance(v, _FUNCTIONS) else _python_value(v)))
+        out.append(tuple(values))
+    return tuple(out)
 
 
 def _counting_attribute_writes(method):
@@ -935,7 +948,11 @@ class _Walk:
         for k, m in enumerate(roots.modules):
             subs = _submodules(m)
             self.static.append((("module", k, "training"), tuple([sub.training for sub in subs])))
-            self.static.append((("module", k, "attributes"), _attributes(subs)))
+            lifted = []
+            self.static.append((("module", k, "attributes"), _attributes(subs, self.hypers, k, lifted)))
+            for site, where in lifted:
+                self.lifted.append(site)
+                self.lifted_ids.append(where)
             self.static.append((("module", k, "hooks"), _module_hooks(subs)))
             for sub in subs:
                 for name, p in sub._parameters.items():
@@ -2129,6 +2146,8 @@ def _lifted_name(where) -> str:
         return f"argument {where[1]}"
     if where[0] == "value":
         return where[1]
+    if where[0] == "module attribute":
+        return f"module #{where[1]} attribute {where[3]!r}"
     return f"optimizer #{where[0]} param_groups[{where[1]}][{where[2]!r}]"
 
 
