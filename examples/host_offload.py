@@ -84,6 +84,7 @@ def main():
     params = list(model.parameters())
 
     def grads(ids):
+        ids = ids.long()  # (JAX without x64 traces the int64 batch as int32)
         with t2j.rng_key(jax.random.key(0)):
             return torch.autograd.grad(model(ids, ids)[1], params)
 
