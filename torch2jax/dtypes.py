@@ -181,6 +181,8 @@ def weak_scalar_dtype(a):
     """The dtype torch gives a Python number, for a weakly typed 0-d array standing for one; else None."""
     number = _weak_number_type(a)
     return None if number is None else _scalar_dtype(number(0))
+
+
 _result_type_memo: dict = {}
 
 
@@ -203,8 +205,8 @@ def result_type(*args) -> np.dtype:
                 continue
             if isinstance(a, _NUMBER_TYPES):
                 scalars.append(_scalar_dtype(a))
-            elif number := _weak_number_type(a):
-                scalars.append(_scalar_dtype(number(0)))
+            elif (weak := weak_scalar_dtype(a)) is not None:
+                scalars.append(weak)
             else:
                 (zeros if np.ndim(a) == 0 else dims).append(np.dtype(a.dtype))
         out = _result_type_memo[key] = _result_type_key(tuple(dims), tuple(zeros), tuple(scalars))

@@ -216,7 +216,8 @@ def _rebindable(o, inputs) -> bool:
 
 def _plain_object(a) -> bool:
     """An argument whose attributes a Function's forward may change: a Python object that is
-    not a tensor, module, type, function or module (an HF cache the layers append to)."""
+    not a tensor, an nn.Module, a class, a function or a Python module (an HF cache the layers
+    append to)."""
     return (hasattr(a, "__dict__") and not isinstance(a, (torch.Tensor, torch.nn.Module, type, types.FunctionType,
                                                              types.MethodType, types.ModuleType)))
 

@@ -1,8 +1,8 @@
 """`t2j.jit`: a torch function compiled into one XLA program, state included.
 
 DESIGN.md, decision 4. Tensor arguments are traced; every other argument is
-static and part of the cache key (a Python number until it changes, see below). The state the function touches without
-receiving it — parameters, buffers and ``.grad`` of the modules it can reach,
+static and part of the cache key (a Python number until it changes, see below).
+The state the function touches without receiving it — parameters, buffers and ``.grad`` of the modules it can reach,
 optimizer state and learning rates, tensors it closes over, the RNG key — is
 found, passed into the compiled program as inputs and written back after each
 call. So a whole training step compiles into a single program::
@@ -66,8 +66,8 @@ import itertools
 import logging
 import math
 import operator
-import time
 import sys
+import time
 import types
 import warnings
 import weakref
@@ -217,14 +217,14 @@ class _Roots:
                     self.values.append((f"global {name}", g, name))
                 self.add(value, depth)
 
-    def python_values(self, lifted: list | None = None, raw: bool = False) -> tuple:
+    def python_values(self, lift=None, raw: bool = False) -> tuple:
         """The Python numbers, strings and flags the functions read as constants: closure
         cells and globals their code names, attributes of the objects they reach that their
         code names (``cfg.scale``) and the items of dicts they reach (``CONFIG["scale"]``).
         Each new value traces again, as torch.compile guards on them, but a number that
-        changes from call to call becomes a program input (`lifts`): it stands in the
-        result as `_LIFTED`, and its `_ValueSite` is appended to ``lifted``. ``raw``: the
-        values themselves, none lifted."""
+        changes from call to call becomes a program input (`lifts`): `_LiftedNumber` stands
+        in the result for it, and ``lift(site, id)`` is called with its `_ValueSite`. ``raw``:
+        the values themselves, none lifted."""
         values = [(where, source.cell_contents if name is None else source.get(name), source, name)
                   for where, source, name in self.values]
         for obj in self.objects:
@@ -241,8 +241,8 @@ class _Roots:
                 continue
             if lifts is not None and _lifted_number(v) and lifts.lifts(("value", where), v):
                 out.append((where, _LiftedNumber(type(v))))
-                if lifted is not None:
-                    lifted.append((_ValueSite(source, name, where), ("value", where)))
+                if lift is not None:
+                    lift(_ValueSite(source, name, where), ("value", where))
             else:
                 out.append((where, _python_value(v)))
         return tuple(out)
@@ -668,8 +668,8 @@ class _Hyperparameters:
 
 
 # A number a program takes as an input (see `_Hyperparameters`), by where it is read: ``read()``
-# gives its value on this call, ``write(v)`` puts the trace's stand-in there, ``restore()`` the
-# value back.
+# gives its value on this call, ``write(v)`` puts the trace's stand-in there, ``saved()`` says how
+# to put the value back after the trace.
 class _GroupSite(NamedTuple):
     """An optimizer hyperparameter, ``group[hk]`` (``group[hk][ti]`` of a tuple such as betas)."""
 
@@ -796,14 +796,14 @@ _SIMPLE = (bool, int, float, str, type(None), enum.Enum)
 _FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
 
 
-def _attributes(subs, lifts: _Hyperparameters | None = None, k=None, lifted: list | None = None) -> tuple:
+def _attributes(subs, lifts: _Hyperparameters | None = None, k=None, lift=None) -> tuple:
     """The plain Python attributes (numbers, strings, flags, tuples of them) of modules
     ``subs``, which a forward reads as constants (``self.k`` in ``topk(x, self.k)``): each
     new value traces again, as torch.compile guards on them. So does a function set on an
     instance (``m.forward = wrapped``, as accelerate and peft wrap a forward), by identity.
     With ``lifts``, a number that changes from call to call (an annealed ``self.temperature``)
     is a program input instead (`_Hyperparameters.lifts`): `_LiftedNumber` stands for it and
-    its `_ValueSite` is appended to ``lifted``, with the id (``k``: the root module's index)."""
+    ``lift(site, id)`` is called with its `_ValueSite` (``k``: the root module's index, in the id)."""
     out = []
     for si, sub in enumerate(subs):
         values = []
@@ -814,7 +814,7 @@ def _attributes(subs, lifts: _Hyperparameters | None = None, k=None, lifted: lis
             where = ("module attribute", k, si, name)
             if lifts is not None and _lifted_number(v) and lifts.lifts(where, v):
                 values.append((name, _LiftedNumber(type(v))))
-                lifted.append((_ValueSite(sub, name, f"{type(sub).__name__}.{name}"), where))
+                lift(_ValueSite(sub, name, f"{type(sub).__name__}.{name}"), where)
             else:
                 values.append((name, v if isinstance(v, _FUNCTIONS) else _python_value(v)))
         out.append(tuple(values))
@@ -938,21 +938,13 @@ class _Walk:
             self.add_grad(t, ("captured", i))  # a closed-over leaf's .grad accumulates across calls
         for i, t in enumerate(roots.cpu_tensors):
             self.static.append((("cpu", i, "tensor"), _guard(t)))
-        lifted = []
-        self.static.append((_PYTHON_VALUES, roots.python_values(lifted)))
-        for site, where in lifted:
-            self.lifted.append(site)
-            self.lifted_ids.append(where)
+        self.static.append((_PYTHON_VALUES, roots.python_values(self.lift_number)))
         # the loops below run on every call, over every parameter: origins are built only when full
         full, tensors, grads_seen = self.full, self.tensors, self.grads_seen
         for k, m in enumerate(roots.modules):
             subs = _submodules(m)
             self.static.append((("module", k, "training"), tuple([sub.training for sub in subs])))
-            lifted = []
-            self.static.append((("module", k, "attributes"), _attributes(subs, self.hypers, k, lifted)))
-            for site, where in lifted:
-                self.lifted.append(site)
-                self.lifted_ids.append(where)
+            self.static.append((("module", k, "attributes"), _attributes(subs, self.hypers, k, self.lift_number)))
             self.static.append((("module", k, "hooks"), _module_hooks(subs)))
             for sub in subs:
                 for name, p in sub._parameters.items():
@@ -1024,8 +1016,12 @@ class _Walk:
             static.append((("optimizer", k, "state", gi), tuple(layouts)))
 
     def lift(self, group, k, gi, hk, ti):
-        self.lifted.append(_GroupSite(group, hk, ti))
-        self.lifted_ids.append((k, gi, hk, ti))
+        self.lift_number(_GroupSite(group, hk, ti), (k, gi, hk, ti))
+
+    def lift_number(self, site, where):
+        """Make the number read at ``site`` (identified by ``where``) a program input."""
+        self.lifted.append(site)
+        self.lifted_ids.append(where)
 
     def args(self, leaves):
         for i, leaf in enumerate(leaves):
@@ -1829,8 +1825,8 @@ class JitFunction:
             _sym.GUARDS = guards
             backward_passes = _device.backward_passes
             with _rng.traced_key(key) as rng, torch.autograd.set_multithreading_enabled(False), \
-                    _no_distribution_validation(), _scaler_steps_in_program(), _numbers_stay_off_the_host(slots.lifted), \
-                    _wide_step_counters(roots.optimizers):
+                    _no_distribution_validation(), _scaler_steps_in_program(), \
+                    _numbers_stay_off_the_host(slots.lifted), _wide_step_counters(roots.optimizers):
                 out = self.fn(*args, **kwargs)
             backward = _device.backward_passes != backward_passes
             _tensor.CAPTURE = _sym.GUARDS = None
@@ -2130,9 +2126,9 @@ def _hyper_input(site, value, index, hint):
 
 
 def _numbers_stay_off_the_host(lifted):
-    """`symbolic.numbers_stay_off_the_host` where numbers other than learning rates are program inputs."""
+    """`symbolic.NumbersStayOffTheHost` where numbers other than learning rates are program inputs."""
     if any(not isinstance(site, _GroupSite) or site.hk != "lr" for site in lifted):
-        return _sym.numbers_stay_off_the_host()
+        return _sym.NumbersStayOffTheHost()
     return contextlib.nullcontext()
 
 

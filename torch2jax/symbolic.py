@@ -26,9 +26,9 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax._src.lax import lax as lax_internal
 import numpy as np
 import torch
+from jax._src.lax import lax as lax_internal
 
 # While `t2j.jit` traces, the guards taken on numbers with a hint (see `hinted_number`):
 # a list of (replay, outcome), or None when no trace records them.
@@ -383,16 +383,7 @@ def value_of(x):
 
 
 def _traced_in(values) -> bool:
-    for v in values:
-        if isinstance(v, _SYM_TUPLE):
-            if isinstance(v.node, TracedScalar):
-                return True
-        elif type(v) in (list, tuple) and _traced_in(v):
-            return True
-    return False
-
-
-_SYM_TUPLE = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    return any(is_traced_number(v) or (type(v) in (list, tuple) and _traced_in(v)) for v in values)
 
 
 def _host_tensors(out) -> bool:
@@ -404,9 +395,10 @@ def _host_tensors(out) -> bool:
     return type(out) in (list, tuple) and any(map(_host_tensors, out))
 
 
-class _NumbersStayOffTheHost(torch.overrides.TorchFunctionMode):
-    """Refuses an op that gave a tensor torch computed itself (a CPU one) from a traced
-    number: torch's own kernels do not know its value and would compute with a placeholder."""
+class NumbersStayOffTheHost(torch.overrides.TorchFunctionMode):
+    """While `t2j.jit` traces with numbers as program inputs: refuses an op that gave a tensor
+    torch computed itself (a CPU one) from a traced number, whose value torch's own kernels do
+    not know (they would compute with a placeholder)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -421,11 +413,6 @@ class _NumbersStayOffTheHost(torch.overrides.TorchFunctionMode):
                 "tensor to the jax device."
             )
         return out
-
-
-def numbers_stay_off_the_host():
-    """While `t2j.jit` traces: no CPU tensor is computed from a traced number (`_NumbersStayOffTheHost`)."""
-    return _NumbersStayOffTheHost()
 
 
 _WEAK = {int: np.dtype(np.int64), float: np.dtype(np.float64), bool: np.dtype(np.bool_)}

@@ -1233,21 +1233,29 @@ def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
 # stays torch's and both ops get one lowering each.
 
 
-def _attention(q, k, v, bias, dropout_p, is_causal, scale, key):
-    """(output, logsumexp) of attention computed in float32 for half inputs."""
+def _scores(q, k, v, bias, is_causal, scale):
+    """(scores, keys, values, scale) of attention in float32 for half inputs, the key and value
+    heads repeated for grouped-query attention."""
+    k, v = upcast(k), upcast(v)
     if k.shape[-3] != q.shape[-3]:
         k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
         v = jnp.repeat(v, q.shape[-3] // v.shape[-3], axis=-3)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = jnp.einsum("...qd,...kd->...qk", upcast(q), upcast(k)) * scale
+    s = jnp.einsum("...qd,...kd->...qk", upcast(q), k) * scale
     if is_causal:
         s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)  # (jnp: sizes may be symbolic)
     if bias is not None:
         s = s + upcast(bias)
+    return s, k, v, scale
+
+
+def _attention(q, k, v, bias, dropout_p, is_causal, scale, key):
+    """(output, logsumexp) of attention computed in float32 for half inputs."""
+    s, _, v, _ = _scores(q, k, v, bias, is_causal, scale)
     p = _safe_softmax_compute(s, axis=-1)
     if dropout_p > 0:
         p = p * jax.random.bernoulli(key, np.float32(1 - dropout_p), p.shape) / (1 - dropout_p)
-    out = jnp.einsum("...qk,...kd->...qd", p, upcast(v)).astype(q.dtype)
+    out = jnp.einsum("...qk,...kd->...qd", p, v).astype(q.dtype)
     return out, jax.nn.logsumexp(s, axis=-1)
 
 
@@ -1268,16 +1276,8 @@ def _flash_attention_grads(grad, q, k, v, bias, is_causal, scale, out, lse):
     its probabilities comes back as 1 rather than 1/n: torch's gradients there, which autodiff
     of the softmax would not give."""
     groups = q.shape[-3] // k.shape[-3]
-    kf, vf = upcast(k), upcast(v)
-    if groups > 1:
-        kf, vf = jnp.repeat(kf, groups, axis=-3), jnp.repeat(vf, groups, axis=-3)
+    s, kf, vf, scale = _scores(q, k, v, bias, is_causal, scale)
     qf, gf = upcast(q), upcast(grad)
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = jnp.einsum("...qd,...kd->...qk", qf, kf) * scale
-    if is_causal:
-        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
-    if bias is not None:
-        s = s + upcast(bias)
     lse = lse[..., None]
     p = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(s - lse))  # (a row masked out entirely has none)
     dp = jnp.einsum("...qd,...kd->...qk", gf, vf)

@@ -351,12 +351,12 @@ def binomial(count, prob, generator=None):
     for x, name in ((count, "count"), (prob, "prob")):
         if not _dt.is_floating(x.dtype):
             raise TorchValueError(f"binomial only supports floating-point dtypes for {name}, got: "
-                             f"{scalar_type_name(x.dtype)}")
+                                  f"{scalar_type_name(x.dtype)}")
     if prob.dtype != count.dtype:
         raise RuntimeError(f"Found dtype {scalar_type_name(prob.dtype)} but expected {scalar_type_name(count.dtype)}")
     if count.dtype in _HALF:
         raise _unsupported("binomial_cpu", count.dtype)
-    shape = jnp.broadcast_shapes(count.shape, prob.shape)
+    shape = broadcast_shapes(count.shape, prob.shape)
     out = jax.random.binomial(next_key(generator), jnp.broadcast_to(count, shape), jnp.broadcast_to(prob, shape),
                               shape, count.dtype)
     return out.astype(count.dtype)
@@ -506,7 +506,8 @@ def multinomial(probs, num_samples, replacement=False, *, generator=None):
     if probs.ndim not in (1, 2):
         raise RuntimeError("prob_dist must be 1 or 2 dim")
     if not _dt.is_floating(probs.dtype):
-        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {scalar_type_name(probs.dtype)}")
+        raise RuntimeError("multinomial only supports floating-point dtypes for input, got: "
+                           f"{scalar_type_name(probs.dtype)}")
     n = probs.shape[-1]
     if num_samples <= 0:
         raise RuntimeError("cannot sample n_sample <= 0 samples")
