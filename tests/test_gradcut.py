@@ -241,6 +241,47 @@ def test_custom_function_closing_over_a_parameter(mode):
         assert model.calls.item() == ref.calls.item() == 1
 
 
+class _Dropout(torch.autograd.Function):
+    """A dropout written as a Function: draws its mask in the forward, saves it for the
+    backward, and appends to a global list on every forward."""
+
+    runs: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        _Dropout.runs.append(1)
+        mask = (torch.rand_like(x) > 0.5).to(x.dtype)
+        ctx.save_for_backward(mask)
+        return x * mask * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * mask * 2
+
+
+@pytest.mark.parametrize("where", ["backward inside", "backward outside"])
+def test_custom_function_drawing_random_numbers_under_jit(where):
+    """The backward sees the mask the outputs were made with; a step whose backward runs
+    inside the program runs the forward (and its side effects) once."""
+    x = torch.randn(256, device="jax", requires_grad=True)
+    _Dropout.runs.clear()
+    if where == "backward inside":
+        def step(x):
+            y = _Dropout.apply(x)
+            (y * y).sum().backward()
+            return y
+
+        y = t2j.jit(step)(x)
+        assert len(_Dropout.runs) == 1
+    else:
+        y = t2j.jit(_Dropout.apply)(x)
+        (y * y).sum().backward()
+    mask = (y != 0).float().cpu()
+    assert 0 < mask.sum() < 256
+    torch.testing.assert_close(x.grad.cpu(), 2 * y.detach().cpu() * mask * 2)
+
+
 class _ThroughData(nn.Module):
     """Weight clipping, an EMA and a target made through ``.data``: autograd sees none of them."""
 

@@ -48,10 +48,14 @@ from jax._src import core as _jax_core
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import partial_eval as _pe
 from jax.extend.core import Primitive
+
+from .env import default_rng as _rng
 
 _TRACE = _jax_core.trace_state_strong_ref
 _EvalTrace = _jax_core.EvalTrace
+_DynamicJaxprTrace = _pe.DynamicJaxprTrace
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -242,7 +246,13 @@ def _with_own_backward(cls, args, kwargs):
     with ``cls.backward``: a `jax.custom_vjp` whose forward and backward rerun the
     Function on fresh tensors (torch's autograd then calls ``backward``). Tensors the
     forward closes over are inputs of the `jax.custom_vjp` with no gradient, as in torch,
-    where the forward runs with grad mode off; writes the reruns make are undone."""
+    where the forward runs with grad mode off; writes the reruns make are undone, and they
+    draw the first run's random numbers (a dropout mask in the forward: its ``backward``
+    sees the mask the outputs were made with).
+
+    While JAX stages a program (`t2j.jit`, `jax.jit`) the `jax.custom_vjp`'s value is the
+    first run's, so the forward runs once unless JAX differentiates the program (then once
+    more for the residuals and once in the backward)."""
     import torch.utils._pytree as pytree
 
     from .tensor import Storage, Tensor, new_tensor
@@ -254,6 +264,7 @@ def _with_own_backward(cls, args, kwargs):
     # as it did: its changes (a cache the layers append to) are made once
     objects = [a for a in leaves if _plain_object(a)]
     before = _attributes_of(objects)
+    key = _rng._traced  # None where random ops draw from the stored key
     with _Reads({id(t._t2j_storage) for t in inputs}) as reads:
         out = _function_apply(cls, *args, **kwargs)  # autograd's node, for a backward() inside the trace
     after = _attributes_of(objects)
@@ -266,11 +277,12 @@ def _with_own_backward(cls, args, kwargs):
     if not fresh:
         return out
     diff = [differentiable(t._value()) for t in inputs]
-    n = len(inputs)
+    n, m = len(inputs), len(traced)
 
     def run(arrays, grad, then):
-        """Rerun the Function on tensors holding ``arrays`` (its inputs, then the traced
-        closed-over values), and return ``then(fresh outputs, input tensors)``."""
+        """Rerun the Function on tensors holding ``arrays`` (its inputs, the traced
+        closed-over values, then the RNG key the first run drew from, where it drew from
+        a traced one), and return ``then(fresh outputs, input tensors)``."""
         filled = list(leaves)
         tensors = [new_tensor(a).requires_grad_(grad and d) for a, d in zip(arrays[:n], diff)]
         for i, t in zip(pos, tensors):
@@ -283,6 +295,9 @@ def _with_own_backward(cls, args, kwargs):
         for (st, _), v in zip(closure, values):
             st.array, st.version = v, st.version + 1
         _put_attributes(before)
+        drawn = _rng._traced, _rng.draws
+        if key is not None:
+            _rng._traced = arrays[n + m]
         try:
             with torch.enable_grad():
                 res = pytree.tree_leaves(_function_apply(cls, *a, **k))
@@ -291,13 +306,22 @@ def _with_own_backward(cls, args, kwargs):
             for (st, _), v in zip(closure, now):
                 st.array, st.version = v, st.version + 1
             _put_attributes(after)
+            _rng._traced, _rng.draws = drawn
+
+    # While JAX stages the program, the value is the first run's (the custom VJP differentiates
+    # it); a later trace (JAX differentiating the staged program) reruns the forward.
+    first = [jax.lax.stop_gradient(flat_out[j]._value()) for j in fresh]
+    staging = [isinstance(_TRACE.value, _DynamicJaxprTrace)]
+
+    def primal(arrays):
+        return run(arrays, False, lambda outs, _: [o._value() for o in outs])
 
     @jax.custom_vjp
     def call(*arrays):
-        return run(arrays, False, lambda outs, _: [o._value() for o in outs])
+        return first if staging[0] else primal(arrays)
 
     def fwd(*arrays):
-        return call(*arrays), arrays
+        return primal(arrays), arrays
 
     def backward(cotangents, outs, tensors):
         pairs = [(o, new_tensor(c)) for o, c in zip(outs, cotangents) if o.requires_grad]
@@ -309,11 +333,13 @@ def _with_own_backward(cls, args, kwargs):
 
     def bwd(arrays, cotangents):
         grads = run(arrays, True, lambda outs, tensors: backward(cotangents, outs, tensors))
-        return (*grads, *[None] * len(traced))
+        return (*grads, *[None] * (len(arrays) - n))
 
     call.defvjp(fwd, bwd)
-    arrays = [t._value() for t in inputs] + [closure[k][1] for k in traced]
-    for k, a in zip(fresh, call(*arrays)):
+    arrays = [t._value() for t in inputs] + [closure[k][1] for k in traced] + ([] if key is None else [key])
+    values = call(*arrays)
+    staging[0] = False
+    for k, a in zip(fresh, values):
         o = flat_out[k]
         if o._t2j_view:  # a view of an input: its own value from now on, as torch's custom backward gives it
             o._t2j_storage, o._t2j_view = Storage(a), ()
