@@ -1540,6 +1540,11 @@ def _mutation_handler(func, functional):
             return values if isinstance(values, (list, tuple)) else (values,)
 
         values = compute()
+        if is_out:
+            # computed in the out's dtype, or cast into it: the input's dtype is the one it may refuse
+            given = [_dt.to_jax(args[0].dtype)] * len(targets) if (dtype_from_out or cast_into_out) and \
+                isinstance(args[0], torch.Tensor) else [v.dtype for v in values]
+            _check_out_dtypes(func, args, kwargs, targets, given)
         if cast_into_out:
             values = [v.astype(_dt.to_jax(t.dtype)) for v, t in zip(values, targets)]
         rounds = _write_rounds(func, args, kwargs, targets, values) if pointwise else None
@@ -1553,6 +1558,54 @@ def _mutation_handler(func, functional):
         return args[0]
 
     return run
+
+
+# Stand-ins up to this many elements have the operands' own shapes; larger operands are
+# checked on one-element stand-ins of their ranks.
+_OUT_CHECK_ELEMENTS = 1 << 16
+
+
+def _check_out_dtypes(func, args, kwargs, targets, dtypes):
+    """torch's error where an ``out=`` tensor's dtype is not ``dtypes`` (the result's) and the
+    op refuses to cast into it. Many kernels take only their result's exact dtype (``neg``,
+    ``sort``, ``amax``, the linalg family: "Expected out tensor to have dtype float, but got
+    double instead"), others any dtype the result casts to, and ``nansum`` computes in the
+    out's dtype where ``sum`` does but not for integers; which is the kernel's own choice, so
+    torch is asked: its meta kernel, then its CPU kernel on zero-filled stand-ins. Runs only
+    when a dtype differs, so a matching ``out=`` costs nothing."""
+    if all(not isinstance(t, torch.Tensor) or _dt.to_jax(t.dtype) == d for t, d in zip(targets, dtypes)):
+        return
+    try:
+        margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
+        func(*margs, **mkwargs)
+    except (RuntimeError, TypeError) as torch_error:
+        # torch._refs' generic check of a safe cast (bernoulli's meta) is stricter than some CPU kernels
+        message = str(torch_error)
+        if type(torch_error) in (RuntimeError, TypeError) and "meta" not in message.lower() and \
+                not message.startswith("Attempting to cast from"):
+            raise _OUT_ERRORS[type(torch_error)](message) from None
+    except Exception:  # noqa: BLE001 - no meta kernel (NotImplementedError), or a data-dependent one
+        pass
+    tensors = [a for a in _pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    small = sum(t.numel() for t in tensors) <= _OUT_CHECK_ELEMENTS
+
+    def stand_in(t):
+        return torch.zeros(tuple(t.shape) if small else (1,) * t.dim(), dtype=t.dtype)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # out= resized from a stand-in's shape
+            func(*_tree_map_tensors(stand_in, args), **_tree_map_tensors(stand_in, kwargs))
+    except (NotImplementedError, RuntimeError, TypeError) as torch_error:
+        # also "index_select(): self and result must have the same scalar type", "heaviside is not
+        # yet implemented for complex tensors"
+        if type(torch_error) in _OUT_ERRORS and any(w in str(torch_error) for w in (*_DTYPE_WORDS, "type", "complex")):
+            raise _OUT_ERRORS[type(torch_error)](str(torch_error)) from None
+    except Exception:  # noqa: BLE001 - the stand-ins' own failure says nothing of the dtypes
+        pass
+
+
+_OUT_ERRORS = {RuntimeError: TorchRuntimeError, TypeError: TorchTypeError, NotImplementedError: NotImplementedError}
 
 
 def _write_rounds(func, args, kwargs, targets, values):

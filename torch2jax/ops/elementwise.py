@@ -17,7 +17,7 @@ import torch
 from jax import lax
 
 from .. import dtypes as _dt
-from ..dispatch import OpError
+from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
 from .registry import (as_dtype, cast, check_values, checked_scalar, elementwise, promote, register, true_divide,
                        view, warning)
@@ -482,6 +482,8 @@ def addcdiv(x, t1, t2, *, value=1):
 def heaviside(x, values):
     if x.dtype != values.dtype:
         raise OpError("torch2jax: heaviside is not yet implemented for tensors with different dtypes.")
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise TorchRuntimeError("heaviside is not yet implemented for complex tensors.")
     return jnp.where(x == 0, values, (x > 0).astype(x.dtype))
 
 
