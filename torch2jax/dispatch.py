@@ -254,22 +254,33 @@ def _raise_cpu_dtype_error(func, args, kwargs):
     (``floor`` of a complex tensor, ``&`` of floats: NotImplementedError), found by running it on
     one-element stand-ins of the same dtypes and ranks. An error that does not speak of dtypes is
     the stand-ins' own, and is not raised."""
-    if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten":
-        return
+    if isinstance(func, torch._ops.OpOverload) and func.namespace == "aten":
+        _raise_stand_ins_dtype_error(func, args, kwargs, _DTYPE_WORDS, full_shapes=False)
+
+
+# what torch's errors are raised as, by their type
+_TORCH_ERRORS = {RuntimeError: TorchRuntimeError, TypeError: TorchTypeError, NotImplementedError: NotImplementedError}
+
+
+def _raise_stand_ins_dtype_error(func, args, kwargs, words, full_shapes):
+    """Run ``func`` on the CPU on zero-filled stand-ins of the tensors in ``args`` and
+    ``kwargs`` (of their dtypes, and of their shapes where ``full_shapes``, else of one
+    element and their ranks), and raise its error if that speaks of dtypes (has one of
+    ``words``)."""
     tensors = [a for a in _pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     if not tensors:
         return
 
     def stand_in(t):
-        return torch.zeros((1,) * t.dim(), dtype=t.dtype)
+        return torch.zeros(tuple(t.shape) if full_shapes else (1,) * t.dim(), dtype=t.dtype)
 
     try:
-        func(*_tree_map_tensors(stand_in, args), **_tree_map_tensors(stand_in, kwargs))
-    except (NotImplementedError, RuntimeError) as torch_error:
-        if type(torch_error) in (NotImplementedError, RuntimeError) and \
-                any(w in str(torch_error) for w in _DTYPE_WORDS):
-            raise (NotImplementedError if type(torch_error) is NotImplementedError else TorchRuntimeError)(
-                str(torch_error)) from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an out= resized from a stand-in's shape
+            func(*_tree_map_tensors(stand_in, args), **_tree_map_tensors(stand_in, kwargs))
+    except (NotImplementedError, RuntimeError, TypeError) as torch_error:
+        if type(torch_error) in _TORCH_ERRORS and any(w in str(torch_error) for w in words):
+            raise _TORCH_ERRORS[type(torch_error)](str(torch_error)) from None
     except Exception:  # noqa: BLE001 - the stand-ins' own failure says nothing of the input
         pass
 
@@ -1583,29 +1594,14 @@ def _check_out_dtypes(func, args, kwargs, targets, dtypes):
         message = str(torch_error)
         if type(torch_error) in (RuntimeError, TypeError) and "meta" not in message.lower() and \
                 not message.startswith("Attempting to cast from"):
-            raise _OUT_ERRORS[type(torch_error)](message) from None
+            raise _TORCH_ERRORS[type(torch_error)](message) from None
     except Exception:  # noqa: BLE001 - no meta kernel (NotImplementedError), or a data-dependent one
         pass
-    tensors = [a for a in _pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-    small = sum(t.numel() for t in tensors) <= _OUT_CHECK_ELEMENTS
-
-    def stand_in(t):
-        return torch.zeros(tuple(t.shape) if small else (1,) * t.dim(), dtype=t.dtype)
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # out= resized from a stand-in's shape
-            func(*_tree_map_tensors(stand_in, args), **_tree_map_tensors(stand_in, kwargs))
-    except (NotImplementedError, RuntimeError, TypeError) as torch_error:
-        # also "index_select(): self and result must have the same scalar type", "heaviside is not
-        # yet implemented for complex tensors"
-        if type(torch_error) in _OUT_ERRORS and any(w in str(torch_error) for w in (*_DTYPE_WORDS, "type", "complex")):
-            raise _OUT_ERRORS[type(torch_error)](str(torch_error)) from None
-    except Exception:  # noqa: BLE001 - the stand-ins' own failure says nothing of the dtypes
-        pass
-
-
-_OUT_ERRORS = {RuntimeError: TorchRuntimeError, TypeError: TorchTypeError, NotImplementedError: NotImplementedError}
+    n = sum(a.numel() for a in _pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
+    # also "index_select(): self and result must have the same scalar type", "heaviside is not yet
+    # implemented for complex tensors"
+    _raise_stand_ins_dtype_error(func, args, kwargs, (*_DTYPE_WORDS, "type", "complex"),
+                                 full_shapes=n <= _OUT_CHECK_ELEMENTS)
 
 
 def _write_rounds(func, args, kwargs, targets, values):
