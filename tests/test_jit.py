@@ -1189,6 +1189,45 @@ def test_a_branch_on_a_number_input_is_guarded():
     assert run.stats["traces"] == 3  # static, then one program per side of the branch
 
 
+def test_an_int_input_indexes_tensors_without_a_program_per_value():
+    # ``alphas[t]`` in a diffusion sampler, ``cache[:, pos] = k`` in a decoder: the int is a
+    # program input and the indexing a view at a position the program computes; reads, writes
+    # through views of views, negative indices and gradients match the CPU
+    def run(device):
+        torch.manual_seed(0)
+        table, cache = torch.randn(6, 4).to(device), torch.zeros(2, 6, 4).to(device)
+        w = torch.randn(6, 4).to(device).requires_grad_()
+
+        def step(x, t):
+            a = table[t]
+            cache[:, t] = x * a
+            cache[1, t - 1, 0] = 5.0
+            r = cache[0][t]
+            r.mul_(2)
+            (w[-t] * x).sum().backward()
+            return a.sum() + r.sum(), table[..., t % 4], cache[None, 0, t]
+
+        f = step if device == "cpu" else t2j.jit(step)
+        outs = [[o.detach().cpu() for o in f(torch.arange(4.0).to(device) + t, t)] for t in (1, 2, 3, 5, 2)]
+        return outs, cache.cpu(), w.grad.cpu(), getattr(f, "stats", None)
+
+    want, got = run("cpu"), run("jax")
+    for a, b in zip(want[0], got[0]):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(v, u)
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2])
+    assert got[3]["traces"] == 2
+
+
+def test_an_int_input_out_of_range_raises_torch_s_index_error():
+    f = t2j.jit(lambda x, t: x[t] * 2)
+    x = torch.arange(5.0, device="jax")
+    assert [f(x, t).item() for t in (1, 2, -5)] == [2.0, 4.0, 0.0]
+    with pytest.raises(IndexError, match="index 5 is out of bounds for dimension 0 with size 5"):
+        f(x, 5)
+
+
 def test_a_number_input_never_meets_a_cpu_tensor():
     # torch's own CPU kernels do not know a traced number's value (they would compute with a
     # placeholder): such an op stops the trace, and the number stays static

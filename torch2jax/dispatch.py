@@ -1176,6 +1176,8 @@ def _view_handler(func, forward, inverse):
 
     def run(func, args, kwargs):
         x, rest = args[0], args[1:]
+        if func is aten.select.int and _sym.is_traced_number(rest[1]):
+            return _traced_select(x, rest[0], rest[1])
         if inverse is None:  # an alias (detach, alias, lift_fresh): x's value, chain and metadata
             if func is aten.detach.default and _gradcut.user_detach(x._t2j_storage.array):
                 return _alias(x, _tensor.DETACHED)
@@ -1221,6 +1223,44 @@ def _view_handler(func, forward, inverse):
         return _make_view(x, step, step.forward(x._value()), meta)
 
     return run
+
+
+def _traced_select(x, dim, index):
+    """``x.select(dim, index)`` where ``index`` is a traced number: a view reading and writing
+    one slice at a position the program computes (``alphas[t]`` with the step ``t`` an input
+    of a jitted program, so that one program serves every step).
+
+    torch's bounds check becomes a guard on the number input (a call with an index out of
+    range retraces, and raises torch's IndexError) where the index has a value at trace time;
+    a number computed in the program (``t.item()``) is checked when the program runs."""
+    d = _reg.canonical_dim(dim, x.dim())
+    n = x.shape[d]
+    node = index.node
+    message = "select(): index {} out of range for tensor of size " + f"{list(x.shape)} at dimension {dim}"
+    if node.hint is not None and _sym.GUARDS is not None:
+        if not -n <= node.hint < n:
+            raise IndexError(message.format(node.hint))
+        replay = node.replay
+        _sym.GUARDS.append(_sym.Guard(lambda values: -n <= replay(values) < n, bool, True, node.inputs))
+        position = node.hint % n
+    else:
+        i = _sym.value_of(index)
+        _sym.check_when_run((i < -n) | (i >= n), lambda v: IndexError(message.format(v)), i)
+        position = 0  # the metadata's offset only; the steps find the elements
+    i = jax.numpy.asarray(_sym.value_of(index))
+    at = jax.numpy.where(i < 0, i + n, i)
+
+    def forward(a):
+        return jax.lax.dynamic_index_in_dim(a, at, d, keepdims=False)
+
+    def inverse(base, value):
+        return jax.lax.dynamic_update_index_in_dim(base, value.astype(base.dtype), at, d)
+
+    step = ViewStep(forward, inverse, aten.select.int, traced_offset=True)
+    size, stride = list(x.shape), list(x.stride())
+    offset = x.storage_offset() + position * stride[d]
+    del size[d], stride[d]
+    return _make_view(x, step, forward(x._value()), (tuple(size), tuple(stride), offset, x.dtype))
 
 
 def _static_key(func, rest, kwargs):
@@ -1275,7 +1315,7 @@ def _generic_view_handler(func, args, kwargs):
     x = args[0]
     meta = _view_meta(func, x, args[1:], kwargs)
     metas = meta if isinstance(meta, list) else [meta]
-    if any(m[3] != x.dtype for m in metas) or any(s.forward is None for s in x._t2j_view):
+    if any(m[3] != x.dtype for m in metas) or any(s.forward is None or s.traced_offset for s in x._t2j_view):
         raise OpError(f"torch2jax: view op {func} has no lowering for this input")
     if any(step.name in _REINTERPRETING for step in x._t2j_view):
         raise OpError(f"torch2jax: view op {func} on a dtype view is not supported")

@@ -1350,8 +1350,10 @@ def _view_of_slot(t, tensors, storages):
     # (a view with no steps is an alias of the whole storage: ``detach()`` of an integer tensor)
     if not any(t._t2j_storage is st for st in storages):
         return None
-    if not all(map(_tensor.moves_elements, t._t2j_view)):
-        return None  # a view that changes values (conj, dtype views): as_strided cannot give it again
+    if not all(_tensor.moves_elements(s) and not s.traced_offset for s in t._t2j_view):
+        # a view that changes values (conj, dtype views), or one at a traced position: as_strided
+        # cannot give it again
+        return None
     for k, s in enumerate(tensors):
         if s is not None and s._t2j_storage is t._t2j_storage and s.dtype == t.dtype:
             return k, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad

@@ -395,13 +395,75 @@ def _host_tensors(out) -> bool:
     return type(out) in (list, tuple) and any(map(_host_tensors, out))
 
 
+def _basic_index(x, index):
+    """``x[index]`` as torch's basic indexing takes it, where ``index`` (ints, slices with
+    constant bounds, None, Ellipsis) holds traced ints: one `select` per int, which for a
+    traced one is a view at a position the program computes (`dispatch._traced_select`).
+    None for an index this does not cover (tensors, bools, traced slice bounds): torch then
+    takes it as usual, needing the numbers' exact values."""
+    parts = index if type(index) is tuple else (index,)
+    consumed = 0
+    for p in parts:
+        if type(p) is slice:
+            if any(b is not None and type(b) is not int for b in (p.start, p.stop, p.step)):
+                return None
+            consumed += 1
+        elif type(p) is int or (isinstance(p, torch.SymInt) and is_traced_number(p)):
+            consumed += 1
+        elif p is not None and p is not Ellipsis:
+            return None
+    if sum(p is Ellipsis for p in parts) > 1 or consumed > x.dim():
+        return None
+    out, dim = x, 0
+    for p in parts:
+        if p is Ellipsis:
+            dim += x.dim() - consumed
+        elif p is None:
+            out, dim = out.unsqueeze(dim), dim + 1
+        elif type(p) is slice:
+            out, dim = out[(slice(None),) * dim + (p,)], dim + 1
+        else:
+            n = out.shape[dim]
+            if type(p) is not int and p.node.hint is not None and not -n <= p.node.hint < n:
+                raise IndexError(f"index {p.node.hint} is out of bounds for dimension {dim} with size {n}")
+            out = out.select(dim, p)
+    return out
+
+
+def _index_holds_traced(index) -> bool:
+    return any(isinstance(p, torch.SymInt) and is_traced_number(p) for p in (index if type(index) is tuple else (index,)))
+
+
+def _set_item(x, index, value) -> bool:
+    """``x[index] = value`` through `_basic_index`'s view; False where that does not cover ``index``."""
+    view = _basic_index(x, index)
+    if view is None:
+        return False
+    if isinstance(value, torch.Tensor):
+        # torch drops the value's leading size-1 dimensions beyond the view's
+        while value.dim() > view.dim() and value.shape[0] == 1:
+            value = value[0]
+        view.copy_(value)
+    else:
+        view.fill_(value)
+    return True
+
+
 class NumbersStayOffTheHost(torch.overrides.TorchFunctionMode):
     """While `t2j.jit` traces with numbers as program inputs: refuses an op that gave a tensor
     torch computed itself (a CPU one) from a traced number, whose value torch's own kernels do
-    not know (they would compute with a placeholder)."""
+    not know (they would compute with a placeholder); indexes with them (``alphas[t]``,
+    ``cache[:, pos] = k``) as views at positions the program computes, where torch's indexing
+    would take the numbers' exact values (one program per value)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__ and _index_holds_traced(args[1]):
+            out = _basic_index(*args)
+            if out is not None:
+                return out
+        elif func is torch.Tensor.__setitem__ and _index_holds_traced(args[1]) and _set_item(*args):
+            return None
         out = func(*args, **kwargs)
         if _host_tensors(out) and (_traced_in(args) or _traced_in(kwargs.values())):
             from .dispatch import OpError

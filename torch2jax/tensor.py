@@ -204,9 +204,9 @@ class ViewStep:
     otherwise.
     """
 
-    __slots__ = ("forward", "inverse", "name", "key", "trace", "repeats")
+    __slots__ = ("forward", "inverse", "name", "key", "trace", "repeats", "traced_offset")
 
-    def __init__(self, forward, inverse, name, key=None, trace=None, repeats=False):
+    def __init__(self, forward, inverse, name, key=None, trace=None, repeats=False, traced_offset=False):
         self.forward = forward
         self.inverse = inverse
         self.name = name
@@ -216,6 +216,10 @@ class ViewStep:
         # strides, unfold with a step below the size); a view with more elements than its
         # input (expand) repeats elements without saying so
         self.repeats = repeats
+        # where the view starts depends on a traced number (``x[t]``, t an input of a jitted
+        # program): its storage_offset() is the one of the trace's value, so the view's elements
+        # can only be found through its steps, not from its metadata
+        self.traced_offset = traced_offset
 
 
 def _unchanged(base, value):

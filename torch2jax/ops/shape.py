@@ -228,6 +228,9 @@ register(aten.slice_copy.Tensor)(slice_)
 
 def select_scatter(base, value, dim, index):
     d = canonical_dim(dim, base.ndim)
+    if not isinstance(index, int):  # a traced number (select's backward of ``alphas[t]``)
+        at = jnp.where(index < 0, index + base.shape[d], index)
+        return jax.lax.dynamic_update_index_in_dim(base, value.astype(base.dtype), at, d)
     idx = [slice(None)] * base.ndim
     idx[d] = index + base.shape[d] if index < 0 else index
     return base.at[tuple(idx)].set(value.astype(base.dtype))
