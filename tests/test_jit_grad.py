@@ -232,3 +232,23 @@ def test_float64_outputs_one_unused_get_float64_gradients():
     a.sum().backward()
     assert x.grad.dtype == torch.float64
     torch.testing.assert_close(x.grad.cpu(), x_cpu.detach().exp(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_create_graph_backward_inside_the_function_keeps_the_outputs_graph():
+    # torch.func.grad runs its backward with create_graph=True and retain_graph=False: the
+    # per-sample gradients it gives are differentiable, so a loss on them trains the model
+    m = _mlp()
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+
+    def fn(x):
+        return torch.func.vmap(torch.func.grad(lambda r: m(r).sum()))(x).square().sum()
+
+    fn(x).backward()
+    want = [p.grad for p in m.parameters()]
+    m.zero_grad()
+    m.to("jax")
+    out = t2j.jit(fn)(x.to("jax"))
+    assert out.requires_grad
+    out.backward()
+    for p, w in zip(m.parameters(), want):
+        _close(p.grad, w)

@@ -420,7 +420,8 @@ def _on_calling_thread(engine_run_backward):
         from .dispatch import raise_backward_error
 
         global backward_passes
-        if not (args[2] if len(args) > 2 else kwargs.get("create_graph", False)):
+        # (outputs, grad_outputs, retain_graph, create_graph, inputs, ...)
+        if not (args[3] if len(args) > 3 else kwargs.get("create_graph", False)):
             backward_passes += 1
         threaded = torch._C._is_multithreading_enabled()
         torch._C._set_multithreading_enabled(False)
