@@ -180,3 +180,40 @@ def test_hook_deciding_on_gradient_value_under_jit_runs_eagerly():
         for _ in range(3):
             torch.testing.assert_close(jitted(x.to("jax")).cpu(), eager(x).detach())
     torch.testing.assert_close(jx.weight.detach().cpu(), cpu.weight.detach())
+
+
+_SECOND_ORDER = {
+    # a reduced loss's double backward passes its backward an input-shaped gradient
+    "rmse": lambda x, t: F.mse_loss(x, t).sqrt(),
+    "smooth_l1.exp": lambda x, t: F.smooth_l1_loss(x, t).exp(),
+    "huber_sum.square": lambda x, t: F.huber_loss(x, t, reduction="sum") ** 2,
+    "bce.square": lambda x, t: F.binary_cross_entropy(x.sigmoid(), t) ** 2,
+    # prelu's kernel gives the weight's gradient per element
+    "prelu": lambda x, t: F.prelu(x, t[0, :1] * 0 + 0.2).square().sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SECOND_ORDER))
+def test_double_backward_matches_cpu(name):
+    f = _SECOND_ORDER[name]
+    target = torch.rand(4, 6, generator=torch.Generator().manual_seed(3))
+    results = []
+    for device in ("cpu", "jax"):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
+        (g,) = torch.autograd.grad(f(x, target.to(device)), x, create_graph=True)
+        results.append(torch.autograd.grad(g.square().sum(), x)[0].cpu())
+    torch.testing.assert_close(results[1], results[0])
+
+
+def test_forward_mode_det_of_a_non_contiguous_matrix():
+    # torch factors A^T of a contiguous real A only; its det/slogdet derivative formulas read
+    # the factors accordingly
+    a = torch.tensor([[2.0, 1.0, 0.0, 9.0], [3.0, 3.0, 1.0, 9.0], [0.0, 5.0, 4.0, 9.0]])
+    t = torch.zeros(3, 4)
+    t[0, 1] = 1
+    fns = (lambda m: torch.linalg.det(m[:, :3]), lambda m: torch.linalg.slogdet(m[:, :3])[1],
+           lambda m: torch.linalg.det(m[:, :3].contiguous()), lambda m: torch.linalg.det(m[:, :3].mT))
+    for f in fns:
+        want = torch.func.jvp(f, (a,), (t,))[1]
+        got = torch.func.jvp(f, (a.to("jax"),), (t.to("jax"),))[1]
+        torch.testing.assert_close(got.cpu(), want)

@@ -563,6 +563,13 @@ def _has_composite(func):
 
 def _lowering_handler(func, lowering, cpu_args=None):
     run = _plain_lowering_handler(func, lowering, cpu_args)
+    layout_keywords = _reg.LAYOUT_KEYWORDS.get(func)
+    if layout_keywords is not None:
+        plain = run
+
+        def run(func, args, kwargs):
+            return plain(func, args, {**kwargs, **layout_keywords(args, kwargs)})
+
     strides = _reg.STRIDES.get(func)
     if strides is not None:
         def run_laid_out(func, args, kwargs):

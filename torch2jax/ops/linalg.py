@@ -9,9 +9,9 @@ Factorizations follow LAPACK's conventions (JAX calls the same routines on
 CPU), so the sign and phase choices of QR, SVD and eig match torch's; eigh's
 eigenvector signs can still differ (torch's MKL and jaxlib's LAPACK reduce
 small matrices differently), as they may between any two LAPACK builds.
-LU pivots are torch's: 1-based int32. Where torch factors ``A^T`` of a real
-matrix rather than ``A`` (det, slogdet: their backward formulas rely on it),
-so do we, assuming a contiguous ``A``.
+LU pivots are torch's: 1-based int32. Where torch factors ``A^T`` of a
+contiguous real matrix rather than ``A`` (det, slogdet: their derivative formulas
+rely on it), so do we (`_factors_transpose`).
 
 Bad input raises torch's error. A singular or not positive-definite matrix raises
 torch.linalg.LinAlgError where torch's kernel checks LAPACK's info (eagerly only: under
@@ -33,7 +33,7 @@ from jax.lax import linalg as lax_linalg
 
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
-from .registry import argmax_index, canonical_dim, cast, register, scalar_type_name
+from .registry import argmax_index, canonical_dim, cast, layout_keywords, register, scalar_type_name
 
 aten = torch.ops.aten
 
@@ -691,9 +691,17 @@ def _lu(a):
     return lu, pivots + 1, perm, _first_true(_diagonal(lu) == 0)
 
 
-def _lu_of_input(a):
-    """torch factors the transpose of a real matrix (see the module docstring)."""
-    return _lu(a if _dt.is_complex(a.dtype) else _mT(a))
+def _lu_of_input(a, transposed):
+    """The LU factors torch's kernel takes: of ``A^T`` where ``transposed`` (see `_factors_transpose`)."""
+    return _lu(_mT(a) if transposed else a)
+
+
+@layout_keywords(aten._linalg_det.default, aten._linalg_slogdet.default)
+def _factors_transpose(args, kwargs):
+    # LAPACK is column-major: torch factors a contiguous real A as A^T, and its derivative
+    # formulas for det and slogdet read the factors as that
+    a = args[0]
+    return {"transposed": a.is_contiguous() and not a.is_complex()}
 
 
 def _permute_rows(b, perm):
@@ -776,11 +784,11 @@ def linalg_inv_ex(a, *, check_errors=False):
 
 
 @register(aten._linalg_det.default)
-def _linalg_det(a):
+def _linalg_det(a, *, transposed=True):
     _check_square(a.shape, "linalg.det")
     _check_floating(a.dtype, "linalg.det")
     _check_kernel("lu_cpu", a.dtype)
-    lu, pivots, _, _ = _lu_of_input(a)
+    lu, pivots, _, _ = _lu_of_input(a, transposed)
     return _det_from_lu(lu, pivots), lu, pivots
 
 
@@ -794,10 +802,10 @@ def _det_from_lu(lu, pivots):
 
 
 @register(aten._linalg_slogdet.default)
-def _linalg_slogdet(a):
+def _linalg_slogdet(a, *, transposed=True):
     _check_square(a.shape, "linalg.slogdet")
     _check_floating(a.dtype, "linalg.slogdet", low_precision=False)
-    lu, pivots, _, _ = _lu_of_input(a)
+    lu, pivots, _, _ = _lu_of_input(a, transposed)
     diag = _diagonal(lu)
     absdiag = jnp.abs(diag)
     logabsdet = jnp.sum(jnp.log(absdiag), axis=-1)

@@ -512,8 +512,9 @@ float_op(aten._prelu_kernel.default)(_prelu)
 
 @float_op(aten._prelu_kernel_backward.default)
 def _prelu_kernel_backward(grad, x, weight):
-    gx, gw = _vjp(_prelu, (x, weight), grad)
-    return gx, gw
+    # the weight's gradient per element, as torch's kernel gives it (autograd sums it to the weight's shape)
+    positive = x > 0
+    return jnp.where(positive, grad, weight * grad), jnp.where(positive, jnp.zeros((), grad.dtype), x * grad)
 
 
 @register(aten.threshold.default)
@@ -576,11 +577,21 @@ def _reduce(loss, reduction):
     return loss
 
 
-def _loss_op(forward, backward_op):
-    """Register ``forward(x, target, ...)`` elementwise loss and its backward ``(grad, x, target, ...)``."""
+def _loss_op(forward, backward_op, reduction_at=0):
+    """Register ``forward(x, target, ...)`` elementwise loss and its backward ``(grad, x, target, ...)``;
+    ``reduction_at``: where the reduction is among the arguments after ``target`` (None: the loss
+    is not elementwise).
+
+    torch's kernels broadcast ``grad`` against the input: a reduced loss's double backward
+    passes one of the input's shape (the gradient of a loss of the gradient)."""
 
     def backward(grad, x, target, *args):
-        return _vjp(lambda a: forward(a, target, *args), (x,), grad)[0]
+        if reduction_at is None or grad.ndim == 0 or len(args) <= reduction_at or args[reduction_at] == _NONE:
+            return _vjp(lambda a: forward(a, target, *args), (x,), grad)[0]
+        scale = 1 / x.size if args[reduction_at] == _MEAN else 1
+        elementwise = (*args[:reduction_at], _NONE, *args[reduction_at + 1:])
+        cotangent = (jnp.broadcast_to(grad, x.shape) * scale).astype(grad.dtype)
+        return _vjp(lambda a: forward(a, target, *elementwise), (x,), cotangent)[0]
 
     float_op(backward_op)(backward)
     return forward
@@ -665,7 +676,7 @@ def multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=_MEAN):
     return _reduce(loss if x.ndim > 1 else loss.reshape(()), reduction)
 
 
-_loss_op(multi_margin_loss.compute, aten.multi_margin_loss_backward.default)
+_loss_op(multi_margin_loss.compute, aten.multi_margin_loss_backward.default, reduction_at=None)
 
 
 @float_op(aten.smooth_l1_loss.default)
@@ -736,7 +747,7 @@ def _binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
 _binary_cross_entropy_jit = jax.jit(_binary_cross_entropy, static_argnums=3)
 
 
-_loss_op(_binary_cross_entropy.compute, aten.binary_cross_entropy_backward.default)
+_loss_op(_binary_cross_entropy.compute, aten.binary_cross_entropy_backward.default, reduction_at=1)
 
 
 @float_op(aten.binary_cross_entropy_with_logits.default)

@@ -33,6 +33,7 @@ VIEWS: dict = {}
 DECOMPOSITIONS: dict = {}
 WARNINGS: dict = {}
 STRIDES: dict = {}
+LAYOUT_KEYWORDS: dict = {}
 
 
 def _overloads(op):
@@ -68,6 +69,14 @@ def strides(*ops):
     results of ``ops`` (a tuple, None for row-major) where no meta kernel can tell: their
     shapes depend on the values (nonzero's column-major indices)."""
     return _into(STRIDES, ops)
+
+
+def layout_keywords(*ops):
+    """Register the decorated ``fn(args, kwargs)``, on torch's arguments (tensors, not arrays),
+    as keyword arguments to add to the lowering of ``ops`` where what a kernel computes depends
+    on its operands' layout, which the arrays do not show (torch's det factors ``A^T`` of a
+    contiguous real ``A``, and its derivative formulas rely on it)."""
+    return _into(LAYOUT_KEYWORDS, ops)
 
 
 def warning(*ops):
