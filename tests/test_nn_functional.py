@@ -67,3 +67,30 @@ def test_sdpa_gradients_match_cpus_kernels(case):
         grads.append([t.grad.cpu() for t in leaves])
     for expected, got in zip(*grads):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_under_torch_func_transforms_and_higher_order_autograd():
+    # per-sample gradients (vmap of grad), double backward with the math backend asked for or on
+    # 3-D inputs (where torch's CPU backend takes its math path), hessian and forward mode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def results(device):
+        q = torch.randn(3, 2, 4, 8, generator=torch.Generator().manual_seed(0)).to(device)
+
+        def sd(q):
+            return F.scaled_dot_product_attention(q, q.cos(), q.sin())
+
+        out = [torch.func.vmap(torch.func.grad(lambda r: sd(r).sum()))(q)]
+        with sdpa_kernel(SDPBackend.MATH):
+            q4 = q.clone().requires_grad_()
+            (g,) = torch.autograd.grad(sd(q4).square().sum(), q4, create_graph=True)
+            out.append(torch.autograd.grad(g.sum(), q4)[0])
+        q3 = q[0].clone().requires_grad_()
+        (g,) = torch.autograd.grad(sd(q3).square().sum(), q3, create_graph=True)
+        out.append(torch.autograd.grad(g.sum(), q3)[0])
+        out.append(torch.func.hessian(lambda z: sd(z).sum())(q[0, 0, :2]))
+        out.append(torch.func.jvp(sd, (q[0],), (torch.ones_like(q[0]),))[1])
+        return [t.detach().cpu() for t in out]
+
+    for got, want in zip(results("jax"), results("cpu")):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

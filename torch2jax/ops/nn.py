@@ -1328,9 +1328,26 @@ def _flash_on_cpu(q, k, v, attn_mask, dropout_p) -> bool:
             and k.shape[-3] == q.shape[-3] and all(t.stride(-1) == 1 for t in (q, k, v)))
 
 
+def _math_path(q, k, v) -> bool:
+    """Whether attention takes torch's math path (its ATen ops, differentiable any number of
+    times, batched by vmap, with forward-mode derivatives) rather than the fused op: where
+    torch's CPU backend takes it (inputs that are not 4-D), where ``sdpa_kernel`` asks for it,
+    and under torch.func transforms and forward-mode AD, which the fused op's derivative does
+    not support."""
+    if q.dim() != 4 or not torch._C._get_overrideable_sdp_enabled():
+        return True
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True
+    return torch.autograd.forward_ad._current_level >= 0 and any(
+        torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v))
+
+
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """The AutogradPrivateUse1 kernel of aten::scaled_dot_product_attention."""
+    if _math_path(q, k, v):
+        return aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                                       enable_gqa=enable_gqa)[0]
     if attn_mask is not None and is_causal and not _flash_on_cpu(q, k, v, attn_mask, dropout_p):
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     if k.shape[-3] != q.shape[-3] and not (enable_gqa and q.shape[-3] % k.shape[-3] == 0):
