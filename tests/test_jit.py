@@ -1401,3 +1401,16 @@ def test_a_module_attribute_number_that_changes_becomes_a_program_input():
     assert run.stats["traces"] == 2
     model.k = 3
     torch.testing.assert_close(run(x).cpu(), model(x).sum().cpu())
+
+
+def test_a_jitted_function_under_torch_func_transforms_runs_eagerly():
+    f = t2j.jit(lambda x: (x.sin() * x).sum())
+    x = torch.tensor([0.5, -1.0, 2.0])
+    with pytest.warns(UserWarning, match="under a torch.func transform"):
+        got = torch.func.grad(f)(x.to("jax"))
+    torch.testing.assert_close(got.cpu(), torch.func.grad(lambda x: (x.sin() * x).sum())(x))
+    torch.testing.assert_close(torch.func.hessian(f)(x.to("jax")).cpu(),
+                               torch.func.hessian(lambda x: (x.sin() * x).sum())(x))
+    assert f(x.to("jax")).item() == pytest.approx((x.sin() * x).sum().item())
+    with pytest.raises(t2j.JitError, match="torch.func transforms"):
+        torch.func.vmap(t2j.jit(lambda x: x.sum(), fullgraph=True))(torch.ones(2, 3, device="jax"))

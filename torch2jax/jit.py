@@ -1513,10 +1513,30 @@ class JitFunction:
 
     def __call__(self, *args, **kwargs):
         self.stats["calls"] += 1
+        if torch._C._functorch.maybe_current_level() is not None:
+            return self._run_under_transform(args, kwargs)
         entry, leaves, slots, storages = self._lookup(args, kwargs)
         if isinstance(entry, _Eager):
             return self._run_eagerly(entry, leaves, args, kwargs)
         return self._run(entry, leaves, slots, storages)
+
+    def _run_under_transform(self, args, kwargs):
+        """The function called under a torch.func transform (grad, vmap, jvp): run eagerly, its ops
+        under the transform, whose tensors (the arguments, and the parameters functional_call
+        swaps in) one program cannot take; fullgraph=True raises instead."""
+        if self.fullgraph:
+            raise JitError(
+                "t2j.jit: a jitted function cannot run as one program under torch.func transforms (grad, vmap, "
+                "jvp, jacrev, hessian): apply the transform inside the jitted function (t2j.jit(torch.func.grad(f)))"
+            )
+        self.stats["eager_calls"] += 1
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"t2j.jit: {getattr(self.fn, '__qualname__', self.fn)} runs eagerly, op by op, under a torch.func "
+                "transform; apply the transform inside the jitted function (t2j.jit(torch.func.grad(f))) for one "
+                "program", stacklevel=3)
+        return self.fn(*args, **kwargs)
 
     def _run_eagerly(self, eager, leaves, args, kwargs):
         self.stats["eager_calls"] += 1
