@@ -167,11 +167,11 @@ def test_no_grad_call_has_no_graph():
     assert not out.requires_grad
 
 
-def test_leaf_view_of_a_tensor_outside_the_graph_is_refused():
+def test_leaf_view_of_a_tensor_outside_the_graph_gets_its_gradient():
     base = torch.randn(4, 4, device="jax")
     view = base[0].requires_grad_()  # a leaf that requires grad and shares the storage of `base`
-    with pytest.raises(t2j.JitError, match="view whose base"):
-        t2j.jit(lambda h: h * 2)(view)
+    (t2j.jit(lambda h: h * h)(view)).sum().backward()
+    _close(view.grad, 2 * view.detach())
 
 
 def test_gradients_reach_a_cpu_argument():
@@ -252,3 +252,21 @@ def test_a_create_graph_backward_inside_the_function_keeps_the_outputs_graph():
     out.backward()
     for p, w in zip(m.parameters(), want):
         _close(p.grad, w)
+
+
+def test_gradients_reach_a_view_argument_itself():
+    # the view is the autograd input, not its base: autograd.grad with respect to it, and
+    # torch.autograd.functional's hessian (which passes x.view_as(x)), see its gradient
+    def fn(x):
+        return (x.sin() * x).sum()
+
+    jitted = t2j.jit(fn)
+    got, want = [], []
+    for device, f, out in (("cpu", fn, want), ("jax", jitted, got)):
+        x = torch.tensor([0.5, -1.0, 2.0, 3.0], device=device, requires_grad=True)
+        v = x[1:3]
+        out.extend(torch.autograd.grad(f(v), (v, x)))
+        out.append(torch.autograd.functional.hessian(f, x.detach()))
+        out.extend(torch.autograd.grad(f((x * 2).view(2, 2)), x))
+    for a, b in zip(got, want):
+        _close(a, b)

@@ -57,6 +57,7 @@ values.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -1683,8 +1684,9 @@ class JitFunction:
             if entry.differentiable is None:
                 entry.differentiable = _Differentiable(entry)
             call = _Call(self, entry, slots, storages)
-            tensors = [_grad_input(slots.tensors[k], storages[i], slots, k) for i, k in entry.diff]
-            call.chains = [t._t2j_view if t is slots.tensors[k] else () for t, (_, k) in zip(tensors, entry.diff)]
+            shared = collections.Counter(i for i, _ in entry.diff)
+            tensors = [_grad_input(slots.tensors[k], storages[i], slots, k, shared[i] == 1) for i, k in entry.diff]
+            call.chains = [_grad_chain(t, storages[i]) for t, (i, _) in zip(tensors, entry.diff)]
             arrays = _DifferentiableCall.apply(call, *tensors)
         else:
             arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, donated=True)]
@@ -2006,18 +2008,22 @@ def _inputs_reaching(jaxpr, outputs) -> set:
     return {i for i in range(len(jaxpr.invars)) if d >> i & 1}
 
 
-def _grad_input(t, storage, slots, k):
-    """The tensor whose gradient is the gradient with respect to ``storage``: ``t``
-    itself, the base it is a view of, or ``t`` where it is a permutation of its whole
-    storage (a channels_last parameter: its gradient is the storage's through ``t``'s
-    view chain, see `_Call.chains`)."""
+def _grad_input(t, storage, slots, k, alone):
+    """The tensor whose gradient is the gradient with respect to ``storage``: ``t`` itself
+    (where ``alone``, no other differentiable input of the call shares its storage, the
+    storage's gradient narrowed by its view chain is its own, see `_Call.chains`), the base it
+    is a view of, or ``t`` where it is a permutation of its whole storage (a channels_last
+    parameter)."""
     if not t._t2j_view:
+        return t
+    moves = all(_tensor.moves_elements(s) and not s.traced_offset for s in t._t2j_view)
+    if alone and moves:
         return t
     base = t._base
     if (isinstance(base, Tensor) and base._t2j_storage is storage and not base._t2j_view
             and base.requires_grad):
         return base
-    if (t.storage_offset() == 0 and t.numel() == storage.array.size and all(map(_tensor.moves_elements, t._t2j_view))
+    if (t.storage_offset() == 0 and t.numel() == storage.array.size and moves
             and _tensor.dense_order(tuple(t.shape), t.stride()) is not None):
         return t
     name = slots.names[k] if slots.names else f"state tensor {k}"
@@ -2025,6 +2031,14 @@ def _grad_input(t, storage, slots, k):
         f"t2j.jit: {name} requires grad and is a view whose base the function cannot see, so the gradient "
         "of the jitted function's outputs cannot reach it; pass the base tensor (or a .clone() of the view)"
     )
+
+
+def _grad_chain(t, storage) -> tuple:
+    """The view steps taking the gradient with respect to ``storage`` to ``t``'s (`_grad_input`):
+    none where ``t`` holds the storage's values as they are (a base, ``x.view_as(x)``)."""
+    if not t._t2j_view or (tuple(t.shape) == storage.array.shape and t.is_contiguous() and t.storage_offset() == 0):
+        return ()
+    return t._t2j_view
 
 
 # Written state smaller than this is not donated. XLA copies a donated input that is read after
