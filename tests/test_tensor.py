@@ -215,6 +215,21 @@ def test_module_to_jax_keeps_shared_weights_and_optimizer_references():
     assert not torch.__future__.get_swap_module_params_on_conversion()
 
 
+def test_module_moves_while_an_earlier_cpu_output_holds_its_parameters():
+    # the output's autograd graph references the parameters, which swap_tensors then refuses:
+    # they become new Parameters, as in torch, tied weights staying tied
+    emb = torch.nn.Embedding(5, 4)
+    head = torch.nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight
+    net = torch.nn.Sequential(emb, torch.nn.LayerNorm(4), torch.nn.BatchNorm1d(4), head).eval()
+    ids = torch.tensor([1, 2])
+    out = net(ids)
+    net.to("jax")
+    assert net[3].weight is net[0].weight
+    assert all(t.device.type == "jax" for t in (*net.parameters(), *net.buffers()))
+    torch.testing.assert_close(net(ids.to("jax")).cpu(), out.detach())
+
+
 def test_old_style_weight_norm_module_moves_between_devices_and_trains_like_torch():
     """nn.utils.weight_norm keeps the computed weight as a plain attribute whose graph
     references weight_g and weight_v: moving the module must still swap them."""

@@ -233,9 +233,11 @@ def _swapping(method):
             try:
                 return method(module, *args, **kwargs)
             except RuntimeError as e:
-                if "Couldn't swap" not in str(e) or not _detach_derived_attributes(module):
+                if "Couldn't swap" not in str(e):
                     raise
-                return method(module, *args, **kwargs)
+                if _detach_derived_attributes(module):
+                    return method(module, *args, **kwargs)
+                return _converted_without_swapping(method, module, args, kwargs)
         finally:
             torch.__future__.set_swap_module_params_on_conversion(False)
             target = NAME if method.__name__ != "cpu" and device is not None and device.type == NAME else None
@@ -244,6 +246,26 @@ def _swapping(method):
                 slots[key] = t
 
     return convert
+
+
+def _converted_without_swapping(method, module, args, kwargs):
+    """``method(module, ...)`` giving the parameters that cannot be swapped in place new
+    Parameter objects, as torch does for a move its ``.data =`` cannot make: an autograd graph
+    still alive holds them (the output of an earlier forward on the CPU), and swap_tensors
+    refuses to swap a tensor referenced elsewhere. Weights tied between submodules stay tied
+    (one new Parameter for each old one); optimizers made before the move keep the old ones,
+    as after such a move in torch."""
+    slots = [(m._parameters, key, id(p)) for m in module.modules() for key, p in m._parameters.items()
+             if p is not None]
+    torch.__future__.set_swap_module_params_on_conversion(False)
+    try:
+        out = method(module, *args, **kwargs)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(True)
+    first = {}
+    for params, key, old in slots:
+        params[key] = first.setdefault(old, params[key])
+    return out
 
 
 def _detach_derived_attributes(module) -> bool:
