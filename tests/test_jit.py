@@ -1414,3 +1414,17 @@ def test_a_jitted_function_under_torch_func_transforms_runs_eagerly():
     assert f(x.to("jax")).item() == pytest.approx((x.sin() * x).sum().item())
     with pytest.raises(t2j.JitError, match="torch.func transforms"):
         torch.func.vmap(t2j.jit(lambda x: x.sum(), fullgraph=True))(torch.ones(2, 3, device="jax"))
+
+
+def test_a_forward_mode_dual_argument_keeps_its_tangent():
+    import torch.autograd.forward_ad as fwAD
+
+    def f(x):
+        return x.exp() * x.sum()
+
+    x = torch.tensor([0.5, -1.0, 2.0])
+    tangents = []
+    for device, fn in (("cpu", f), ("jax", t2j.jit(f))):
+        with fwAD.dual_level():
+            tangents.append(fwAD.unpack_dual(fn(fwAD.make_dual(x.to(device), torch.ones(3, device=device)))).tangent)
+    torch.testing.assert_close(tangents[1].cpu(), tangents[0])

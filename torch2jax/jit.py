@@ -1514,7 +1514,7 @@ class JitFunction:
 
     def __call__(self, *args, **kwargs):
         self.stats["calls"] += 1
-        if torch._C._functorch.maybe_current_level() is not None:
+        if torch._C._functorch.maybe_current_level() is not None or _dual_arguments(args, kwargs):
             return self._run_under_transform(args, kwargs)
         entry, leaves, slots, storages = self._lookup(args, kwargs)
         if isinstance(entry, _Eager):
@@ -1522,13 +1522,15 @@ class JitFunction:
         return self._run(entry, leaves, slots, storages)
 
     def _run_under_transform(self, args, kwargs):
-        """The function called under a torch.func transform (grad, vmap, jvp): run eagerly, its ops
-        under the transform, whose tensors (the arguments, and the parameters functional_call
-        swaps in) one program cannot take; fullgraph=True raises instead."""
+        """The function called under a torch.func transform (grad, vmap, jvp) or with forward-mode
+        dual tensors: run eagerly, its ops under the transform, whose tensors (the arguments, and
+        the parameters functional_call swaps in) one program cannot take; fullgraph=True raises
+        instead."""
         if self.fullgraph:
             raise JitError(
                 "t2j.jit: a jitted function cannot run as one program under torch.func transforms (grad, vmap, "
-                "jvp, jacrev, hessian): apply the transform inside the jitted function (t2j.jit(torch.func.grad(f)))"
+                "jvp, jacrev, hessian) or on forward-mode dual tensors: apply the transform inside the jitted "
+                "function (t2j.jit(torch.func.grad(f)))"
             )
         self.stats["eager_calls"] += 1
         if not self._warned:
@@ -2006,6 +2008,15 @@ def _inputs_reaching(jaxpr, outputs) -> set:
         if not isinstance(v, jax.extend.core.Literal):
             d |= deps.get(v, 0)
     return {i for i in range(len(jaxpr.invars)) if d >> i & 1}
+
+
+def _dual_arguments(args, kwargs) -> bool:
+    """Whether an argument is a forward-mode dual tensor (torch.autograd.forward_ad.make_dual)."""
+    if torch.autograd.forward_ad._current_level < 0:
+        return False
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return any(isinstance(x, torch.Tensor) and unpack(x).tangent is not None
+               for x in torch_pytree.tree_leaves((args, kwargs)))
 
 
 def _grad_input(t, storage, slots, k, alone):
