@@ -1220,6 +1220,27 @@ def test_an_int_input_indexes_tensors_without_a_program_per_value():
     assert got[3]["traces"] == 2
 
 
+def test_an_int_input_in_slice_bounds_of_a_fixed_length():
+    # x[t:t + k] and narrow(0, t, k): one program for every t (the length and bounds are guards)
+    def run(device):
+        src, buf = torch.arange(30.0).reshape(10, 3).to(device), torch.zeros(10, 3).to(device)
+
+        def step(x, t):
+            buf[t:t + 2] = x[:2] * 2
+            return src[t:t + 3].sum(0), src.narrow(0, t, 4).sum(), buf[t + 1].clone()
+
+        f = step if device == "cpu" else t2j.jit(step)
+        outs = [[o.cpu() for o in f(torch.ones(3, 3).to(device) * t, t)] for t in (0, 2, 5, 6, 3)]
+        return outs, buf.cpu(), getattr(f, "stats", None)
+
+    want, got = run("cpu"), run("jax")
+    for a, b in zip(want[0], got[0]):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(v, u)
+    torch.testing.assert_close(got[1], want[1])
+    assert got[2]["traces"] == 2
+
+
 def test_an_int_input_out_of_range_raises_torch_s_index_error():
     f = t2j.jit(lambda x, t: x[t] * 2)
     x = torch.arange(5.0, device="jax")

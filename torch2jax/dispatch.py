@@ -1185,6 +1185,8 @@ def _view_handler(func, forward, inverse):
         x, rest = args[0], args[1:]
         if func is aten.select.int and _sym.is_traced_number(rest[1]):
             return _traced_select(x, rest[0], rest[1])
+        if func is aten.slice.Tensor and any(map(_sym.is_traced_number, rest)):
+            return _traced_slice(x, *rest)
         if inverse is None:  # an alias (detach, alias, lift_fresh): x's value, chain and metadata
             if func is aten.detach.default and _gradcut.user_detach(x._t2j_storage.array):
                 return _alias(x, _tensor.DETACHED)
@@ -1268,6 +1270,44 @@ def _traced_select(x, dim, index):
     offset = x.storage_offset() + position * stride[d]
     del size[d], stride[d]
     return _make_view(x, step, forward(x._value()), (tuple(size), tuple(stride), offset, x.dtype))
+
+
+def _traced_slice(x, dim=0, start=None, end=None, step=1):
+    """``x[..., start:end]`` where a bound is a traced number of the program's inputs and the
+    length is the same for every value (``x[t:t + k]``, ``x.narrow(0, t, k)``): a view whose
+    step is a dynamic slice. The length and the bounds being inside ``x`` are guards (another
+    length, or a bound torch would clamp, retraces); other slices stop the trace, and the
+    numbers they read stay static."""
+    d = _reg.canonical_dim(dim, x.dim())
+    n = x.shape[d]
+    bounds = [start, end]
+    hints = [b.node.hint if _sym.is_traced_number(b) else b for b in bounds]
+    if step != 1 or _sym.GUARDS is None or any(h is None for h in hints) or not 0 <= hints[0] <= hints[1] <= n:
+        raise OpError("torch2jax: a slice with traced bounds needs both bounds, step 1 and bounds inside the tensor")
+    replays = [b.node.replay if _sym.is_traced_number(b) else (lambda values, b=b: b) for b in bounds]
+    if any(r is None for r in replays):
+        raise OpError("torch2jax: a slice with bounds computed in the program has no fixed length")
+    length = hints[1] - hints[0]
+    inputs = frozenset().union(*(b.node.inputs for b in bounds if _sym.is_traced_number(b)))
+
+    def holds(values):
+        first, last = replays[0](values), replays[1](values)
+        return last - first == length and 0 <= first and last <= n
+
+    _sym.GUARDS.append(_sym.Guard(holds, bool, True, inputs))
+    at = jax.numpy.asarray(_sym.value_of(start) if _sym.is_traced_number(start) else start)
+
+    def forward(a):
+        return jax.lax.dynamic_slice_in_dim(a, at, length, d)
+
+    def inverse(base, value):
+        return jax.lax.dynamic_update_slice_in_dim(base, value.astype(base.dtype), at, d)
+
+    step_ = ViewStep(forward, inverse, aten.slice.Tensor, traced_offset=True)
+    size = list(x.shape)
+    size[d] = length
+    offset = x.storage_offset() + hints[0] * x.stride()[d]
+    return _make_view(x, step_, forward(x._value()), (tuple(size), tuple(x.stride()), offset, x.dtype))
 
 
 def _static_key(func, rest, kwargs):

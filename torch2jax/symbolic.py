@@ -320,6 +320,12 @@ class TracedScalar:
     def guard_size_oblivious(self, file=None, line=None):
         return self._concrete("bool()", bool)
 
+    def guard_or_false(self, file=None, line=None):
+        return self._concrete("bool()", bool)
+
+    def guard_or_true(self, file=None, line=None):
+        return self._concrete("bool()", bool)
+
     def expect_true(self, file=None, line=None):
         return self._concrete("a check", bool)
 
@@ -405,7 +411,8 @@ def _basic_index(x, index):
     consumed = 0
     for p in parts:
         if type(p) is slice:
-            if any(b is not None and type(b) is not int for b in (p.start, p.stop, p.step)):
+            if type(p.step) not in (int, type(None)) or any(
+                    b is not None and type(b) is not int and not is_traced_number(b) for b in (p.start, p.stop)):
                 return None
             consumed += 1
         elif type(p) is int or (isinstance(p, torch.SymInt) and is_traced_number(p)):
@@ -420,6 +427,13 @@ def _basic_index(x, index):
             dim += x.dim() - consumed
         elif p is None:
             out, dim = out.unsqueeze(dim), dim + 1
+        elif type(p) is slice and (is_traced_number(p.start) or is_traced_number(p.stop)):
+            # a traced bound: narrow's slice, one view for every value with this length (`dispatch._traced_slice`)
+            if p.start is None or p.stop is None or p.step not in (None, 1):
+                return None
+            length = (p.stop.node.hint if is_traced_number(p.stop) else p.stop) - \
+                (p.start.node.hint if is_traced_number(p.start) else p.start)
+            out, dim = out.narrow(dim, p.start, length), dim + 1
         elif type(p) is slice:
             out, dim = out[(slice(None),) * dim + (p,)], dim + 1
         else:
@@ -431,7 +445,9 @@ def _basic_index(x, index):
 
 
 def _index_holds_traced(index) -> bool:
-    return any(isinstance(p, torch.SymInt) and is_traced_number(p) for p in (index if type(index) is tuple else (index,)))
+    return any((isinstance(p, torch.SymInt) and is_traced_number(p))
+               or (type(p) is slice and (is_traced_number(p.start) or is_traced_number(p.stop)))
+               for p in (index if type(index) is tuple else (index,)))
 
 
 def _set_item(x, index, value) -> bool:
