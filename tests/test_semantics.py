@@ -156,7 +156,8 @@ def _eager_and_jitted(fn, x):
     return eager, torch2jax.jit(fn)(x.to("jax")).cpu()
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float64, marks=pytest.mark.slow), torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_division_by_a_scalar_is_correctly_rounded(dtype):
     # XLA would multiply by the reciprocal (49 * (1/49) < 1 in float64): truncating, flooring
     # or converting the quotient to an integer then loses one
@@ -190,7 +191,8 @@ def test_integer_arange_truncates_its_arguments_like_torch(dtype, args):
 
 
 @pytest.mark.parametrize("fn", [torch.linspace, torch.logspace])
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.int64, *(pytest.param(d, marks=pytest.mark.slow) for d in (
+    torch.int32, torch.uint8, torch.float16, torch.bfloat16)), torch.float32])  # (~17 s each; CI: int64, float32)
 def test_linspace_logspace_match_torch_cpu(fn, dtype):
     # the ends converted to the output type first, two halves counted from each end
     for start, end, steps in [(0, 50, 50), (4.3, 1, 50), (-3, 7.9, 17), (1.2, 2, 5), (50, 1, 50), (0.5, 0.5, 1)]:

@@ -316,9 +316,12 @@ def test_polynomial_degree_is_traced_under_jit(name):
     assert fn.stats["traces"] == 1
 
 
-@pytest.mark.parametrize("name", ["igamma", "igammac"])
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float64, marks=pytest.mark.slow)])
-def test_incomplete_gamma_on_opinfo_reference_inputs(name, dtype):  # (~40 s each: 100 shapes compile)
+@pytest.mark.parametrize("name, dtype", [
+    # (~40-100 s each: 100 shapes compile; CI runs igammac in float32, igamma is in the OpInfo run)
+    pytest.param(name, dtype, marks=[] if (name, dtype) == ("igammac", torch.float32) else [pytest.mark.slow])
+    for name in ("igamma", "igammac") for dtype in (torch.float32, torch.float64)
+])
+def test_incomplete_gamma_on_opinfo_reference_inputs(name, dtype):
     # large a ~ x (where JAX's float32 series drift), zeros, infinities and NaNs in torch's order
     from torch.testing._internal.common_methods_invocations import op_db
 
