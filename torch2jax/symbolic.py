@@ -402,11 +402,12 @@ def _host_tensors(out) -> bool:
 
 
 def _basic_index(x, index):
-    """``x[index]`` as torch's basic indexing takes it, where ``index`` (ints, slices with
-    constant bounds, None, Ellipsis) holds traced ints: one `select` per int, which for a
-    traced one is a view at a position the program computes (`dispatch._traced_select`).
-    None for an index this does not cover (tensors, bools, traced slice bounds): torch then
-    takes it as usual, needing the numbers' exact values."""
+    """``x[index]`` as torch's basic indexing takes it, where ``index`` (ints, slices, None,
+    Ellipsis) holds traced ints: one `select` per int and one `narrow` per slice with a traced
+    bound, which for a traced position are views the program places (`dispatch._traced_select`,
+    `dispatch._traced_slice`). None for an index this does not cover (tensors, bools, a slice
+    with a traced bound and an open end or a step): torch then takes it as usual, needing the
+    numbers' exact values."""
     parts = index if type(index) is tuple else (index,)
     consumed = 0
     for p in parts:
