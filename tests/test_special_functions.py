@@ -243,8 +243,7 @@ def test_polynomial_non_integer_degrees(name):
 # Python-scalar degrees retrace per value under jit: two polynomials run in the default set, the rest in the slow one
 @pytest.mark.parametrize("name, jit", [
     pytest.param(name, jit, id=f"{name}-{'jit' if jit else 'eager'}",
-                 marks=[pytest.mark.slow] if jit and name not in ("chebyshev_polynomial_t", "laguerre_polynomial_l")
-                 else [])
+                 marks=[pytest.mark.slow] if jit else [])  # (~35 s each jitted; the eager ones run in CI)
     for name in POLYNOMIALS for jit in (False, True)
 ])
 def test_polynomial_python_scalar_arguments(name, jit):
@@ -317,8 +316,8 @@ def test_polynomial_degree_is_traced_under_jit(name):
 
 
 @pytest.mark.parametrize("name, dtype", [
-    # (~40-100 s each: 100 shapes compile; CI runs igammac in float32, igamma is in the OpInfo run)
-    pytest.param(name, dtype, marks=[] if (name, dtype) == ("igammac", torch.float32) else [pytest.mark.slow])
+    # (~40-100 s each: 100 shapes compile; CI has igamma and igammac in the OpInfo run)
+    pytest.param(name, dtype, marks=[pytest.mark.slow])
     for name in ("igamma", "igammac") for dtype in (torch.float32, torch.float64)
 ])
 def test_incomplete_gamma_on_opinfo_reference_inputs(name, dtype):
