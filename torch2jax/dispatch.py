@@ -1265,11 +1265,17 @@ def _traced_select(x, dim, index):
     def inverse(base, value):
         return jax.lax.dynamic_update_index_in_dim(base, value.astype(base.dtype), at, d)
 
-    step = ViewStep(forward, inverse, aten.select.int, traced_offset=True)
     size, stride = list(x.shape), list(x.stride())
-    offset = x.storage_offset() + position * stride[d]
     del size[d], stride[d]
-    return _make_view(x, step, forward(x._value()), (tuple(size), tuple(stride), offset, x.dtype))
+    return _traced_view(x, aten.select.int, forward, inverse, size, stride, position * x.stride()[d])
+
+
+def _traced_view(x, func, forward, inverse, size, stride, offset):
+    """A view of ``x`` through ``forward`` / ``inverse`` at a traced position; ``offset``: the
+    trace's value's, from ``x``'s own (its metadata only, see ``ViewStep.traced_offset``)."""
+    step = ViewStep(forward, inverse, func, traced_offset=True)
+    meta = (tuple(size), tuple(stride), x.storage_offset() + offset, x.dtype)
+    return _make_view(x, step, forward(x._value()), meta)
 
 
 def _traced_slice(x, dim=0, start=None, end=None, step=1):
@@ -1285,8 +1291,6 @@ def _traced_slice(x, dim=0, start=None, end=None, step=1):
     if step != 1 or _sym.GUARDS is None or any(h is None for h in hints) or not 0 <= hints[0] <= hints[1] <= n:
         raise OpError("torch2jax: a slice with traced bounds needs both bounds, step 1 and bounds inside the tensor")
     replays = [b.node.replay if _sym.is_traced_number(b) else (lambda values, b=b: b) for b in bounds]
-    if any(r is None for r in replays):
-        raise OpError("torch2jax: a slice with bounds computed in the program has no fixed length")
     length = hints[1] - hints[0]
     inputs = frozenset().union(*(b.node.inputs for b in bounds if _sym.is_traced_number(b)))
 
@@ -1303,11 +1307,9 @@ def _traced_slice(x, dim=0, start=None, end=None, step=1):
     def inverse(base, value):
         return jax.lax.dynamic_update_slice_in_dim(base, value.astype(base.dtype), at, d)
 
-    step_ = ViewStep(forward, inverse, aten.slice.Tensor, traced_offset=True)
     size = list(x.shape)
     size[d] = length
-    offset = x.storage_offset() + hints[0] * x.stride()[d]
-    return _make_view(x, step_, forward(x._value()), (tuple(size), tuple(x.stride()), offset, x.dtype))
+    return _traced_view(x, aten.slice.Tensor, forward, inverse, size, x.stride(), hints[0] * x.stride()[d])
 
 
 def _static_key(func, rest, kwargs):

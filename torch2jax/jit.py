@@ -1351,7 +1351,7 @@ def _view_of_slot(t, tensors, storages):
     # (a view with no steps is an alias of the whole storage: ``detach()`` of an integer tensor)
     if not any(t._t2j_storage is st for st in storages):
         return None
-    if not all(_tensor.moves_elements(s) and not s.traced_offset for s in t._t2j_view):
+    if not _tensor.strided_steps(t._t2j_view):
         # a view that changes values (conj, dtype views), or one at a traced position: as_strided
         # cannot give it again
         return None
@@ -2027,7 +2027,7 @@ def _grad_input(t, storage, slots, k, alone):
     parameter)."""
     if not t._t2j_view:
         return t
-    moves = all(_tensor.moves_elements(s) and not s.traced_offset for s in t._t2j_view)
+    moves = _tensor.strided_steps(t._t2j_view)
     if alone and moves:
         return t
     base = t._base

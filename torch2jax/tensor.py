@@ -244,6 +244,12 @@ def moves_elements(step) -> bool:
     return isinstance(step.name, torch._ops.OpOverload) and step.name not in VALUE_VIEWS
 
 
+def strided_steps(chain) -> bool:
+    """Whether the view reached through ``chain`` is its storage's elements where its metadata
+    (size, strides, offset) says: every step moves elements, none at a traced position."""
+    return all(moves_elements(s) and not s.traced_offset for s in chain)
+
+
 def _repeats_elements(chain, arrays) -> bool:
     """Whether a view reached by ``chain`` (``arrays``: the input of each step, then the view)
     passes through a view that shows one element in several places, so that writing back
