@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import warnings
 
 import pytest
@@ -471,6 +472,29 @@ def test_lower_for_places_the_program_on_the_target_without_running_it():
     assert all(p.grad is None for p in model.parameters()) and not opt.state
     with pytest.raises(t2j.JitError, match="lower_for expects a jax.Device or jax.sharding.Sharding"):
         step.lower_for("tpu", x, y)
+
+
+def test_cached_call_after_lower_skips_the_state_walk(monkeypatch):
+    """`lower` puts copies of the optimizer's state dicts back; the next call walks the state once and
+    the calls after it find the cached program without walking again (as before the lowering)."""
+    jit_module = importlib.import_module("torch2jax.jit")
+    model = _model().to("jax")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = t2j.jit(_classifier_step(model, opt))
+    x, y = torch.randn(16, 8, device="jax"), torch.randint(0, 4, (16,), device="jax")
+    for _ in range(3):
+        step(x, y)
+    walks = []
+    roots = jit_module._Walk.roots
+    monkeypatch.setattr(jit_module._Walk, "roots", lambda self, r: walks.append(1) or roots(self, r))
+    step(x, y)
+    assert not walks
+    step.lower(x, y)
+    walks.clear()
+    for _ in range(3):
+        step(x, y)
+    assert len(walks) == 1
+    assert step.stats["traces"] == 2
 
 
 def test_input_validation_in_library_code_runs_with_the_program():

@@ -1222,9 +1222,13 @@ class _RootState:
         self.avals = _avals(self.storages)
         self.remember_arrays()
         self.key = _Key((tuple(self.sig), tuple(self.avals), tuple(walk.static), tuple(walk.lifted_ids)))
+        self.unchanged = self.unchanged_for(walk, roots)
+
+    @staticmethod
+    def unchanged_for(walk: _Walk, roots: _Roots | None) -> _Unchanged | None:
         # other hyperparameters as program inputs change the walk's own bookkeeping: walk those calls
         plain = all(not isinstance(h, _GroupSite) or (h.hk == "lr" and h.ti is None) for h in walk.lifted)
-        self.unchanged = _Unchanged(roots, walk.hypers) if roots is not None and plain and not walk.full else None
+        return _Unchanged(roots, walk.hypers) if roots is not None and plain and not walk.full else None
 
     def matches(self, walk: _Walk) -> bool:
         ts = walk.tensors
@@ -1316,6 +1320,10 @@ def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None =
             state = _RootState(walk, roots)
             if memo is not None:
                 memo[:] = [state]
+        elif not full and state.unchanged is not None and state.unchanged.usable:
+            # the same state in other containers (a lowering put copies of the optimizer's state dicts
+            # back): take a new snapshot, or every later call would walk again
+            state.unchanged = _RootState.unchanged_for(walk, roots)
     args = _Walk(full, state.grads_seen).args(args_leaves)
     if (i := _off_device(args)) is not None:
         if not full:
