@@ -497,6 +497,26 @@ def test_cached_call_after_lower_skips_the_state_walk(monkeypatch):
     assert step.stats["traces"] == 2
 
 
+def test_tensor_kept_by_a_hook_during_a_stopped_trace_says_what_happened():
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1)).to("jax")
+    kept = []
+    model[0].register_forward_hook(lambda module, args, out: kept.append(out.detach()))
+
+    def f(x):
+        y = model(x)
+        if y.sum().item() > -1e9:  # the trace stops here; the call runs eagerly
+            y = y * 2
+        return y
+
+    x = torch.randn(2, 3, device="jax")
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        t2j.jit(f)(x)
+    traced, eager = kept
+    torch.testing.assert_close(eager.cpu(), model[0](x).detach().cpu())
+    with pytest.raises(t2j.OpError, match="placeholder of a t2j.jit or jax.jit trace, kept outside it by a hook"):
+        traced.sum()
+
+
 def test_input_validation_in_library_code_runs_with_the_program():
     """gaussian_nll_loss's ``if torch.any(var < 0): raise`` and clip_grad_norm_'s non-finite check
     do not stop the trace: they are checked when the program runs, raising torch's error type."""

@@ -225,6 +225,14 @@ def _reraise_with_torch_message(func, args, kwargs, error):
     """
     if isinstance(error, RuntimeError) and "torch2jax" in str(error):
         return
+    if isinstance(error, jax.errors.UnexpectedTracerError):
+        raise OpError(
+            f"torch2jax: {func}: an input holds a placeholder of a t2j.jit or jax.jit trace, kept outside it by a "
+            "hook, a list append or an attribute set while the function was traced. t2j.jit gives such a tensor "
+            "its value when the trace completes and runs; a trace that stopped (the function then ran eagerly, its "
+            "side effects twice) and jax.jit leave it without one. Return the tensor from the jitted function "
+            "instead, or keep the one the eager run made"
+        ) from None
     if isinstance(func, torch._ops.OpOverload) and torch.Tag.pointwise in func.tags:
         shapes = [tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         message = _reg.broadcast_error(shapes)
