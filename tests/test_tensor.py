@@ -476,3 +476,31 @@ def test_pin_memory_of_jax_tensors_needs_no_host_fallback():
     pinned.add_(1)  # a tensor of its own, as torch's copy into pinned memory
     assert not torch.equal(pinned.cpu(), x.cpu())
     assert torch.equal(torch.cat(batches).cpu(), x.cpu())
+
+
+@pytest.mark.parametrize("shape", [(6,), (3, 4), (2, 3, 4), (4, 1, 3), (2, 2, 2, 2)])
+def test_storage_box_of_a_contiguous_range(shape):
+    """`tensor._box`: where the row-major elements [offset, offset + n) of an array are one box, the
+    box (starts, shape) holds exactly those elements; where it says None, no box does."""
+    import itertools
+
+    import numpy as np
+
+    from torch2jax.tensor import _box
+
+    flat = np.arange(int(np.prod(shape)))
+    array = flat.reshape(shape)
+    for offset, n in itertools.product(range(flat.size), range(1, flat.size + 1)):
+        if offset + n > flat.size:
+            continue
+        box = _box(shape, offset, n)
+        if box is None:
+            # a box is a range in one dimension, full after it, single indices before it
+            boxes = [(d, k) for d in range(len(shape)) for k in range(1, shape[d] + 1)
+                     if n == k * int(np.prod(shape[d + 1:])) and offset % int(np.prod(shape[d + 1:])) == 0
+                     and offset // int(np.prod(shape[d + 1:])) % shape[d] + k <= shape[d]]
+            assert not boxes, (offset, n, boxes)
+            continue
+        starts, block = box
+        got = array[tuple(slice(s, s + b) for s, b in zip(starts, block))].reshape(-1)
+        np.testing.assert_array_equal(got, flat[offset:offset + n])

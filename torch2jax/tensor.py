@@ -273,6 +273,39 @@ def _write_positions(array, chain, old, value):
     return array.reshape(-1).at[positions].set(value.reshape(-1), mode="drop").reshape(array.shape)
 
 
+def _contiguous_box(view, chain, array, value):
+    """(start indices, shape) of the box of ``array`` (a storage's array) that a contiguous ``view``
+    of it covers, where its elements are one box in the array's own shape; else None.
+
+    A write through such a view is then one dynamic_update_slice of the storage's array in its
+    own shape. Replaying the view's steps backwards would update a reshape of it, and XLA's CPU
+    compiler moves that reshape across the update and then reads rows it has already written when
+    the new rows are computed from shifted old ones (``x[1:] = x[:-1] + 1`` gave a cascade under
+    t2j.jit; openxla/xla#49176)."""
+    # (a view with torch's conjugate or negative bit holds its elements conjugated or negated)
+    if (value.dtype != array.dtype or not strided_steps(chain) or not view.is_contiguous() or view.is_conj()
+            or view.is_neg()):
+        return None
+    return _box(array.shape, view.storage_offset(), view.numel())
+
+
+@functools.lru_cache(maxsize=4096)
+def _box(shape, offset, n):
+    """(starts, block shape) where the row-major elements [offset, offset + n) of an array of
+    ``shape`` are one box: full in the dimensions after some d, a range in d, one index before it."""
+    for d in range(len(shape)):
+        inner = math.prod(shape[d + 1:])
+        if n == 0 or offset % inner or n % inner:
+            continue
+        k, at = n // inner, offset // inner
+        start = at % shape[d]
+        if start + k > shape[d]:
+            continue
+        outer = np.unravel_index(at // shape[d], shape[:d]) if d else ()
+        return (*map(int, outer), start, *[0] * (len(shape) - d - 1)), (*[1] * d, k, *shape[d + 1:])
+    return None
+
+
 def _bits(a):
     """``a``'s bit patterns, so that a comparison sees NaN == NaN and -0.0 != 0.0."""
     if a.dtype == jnp.bool_:
@@ -380,8 +413,11 @@ class Tensor(torch.Tensor):
         for step in chain[:-1]:
             bases.append(step.forward(bases[-1]))
         repeats = _repeats_elements(chain, bases + [value])
+        box = None if repeats else _contiguous_box(self, chain, old, value)
         if repeats:
             new = _write_positions(old, chain, chain[-1].forward(bases[-1]), value)
+        elif box is not None:
+            new = jax.lax.dynamic_update_slice(old, value.reshape(box[1]), box[0])
         else:
             new = value
             for step, base in zip(reversed(chain), reversed(bases)):
