@@ -740,8 +740,11 @@ def _laid_out(t, strides):
     # gaps or overlaps: the storage torch allocates (one past the furthest element), seen
     # through those strides, so that overlapping elements are one
     extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
-    flat = new_tensor(jax.numpy.zeros((extent,), t._value().dtype), requires_grad=False)
-    return dispatch(aten.as_strided.default, (flat, shape, tuple(strides), 0), {})
+    value = t._value()
+    flat = new_tensor(jax.numpy.zeros((extent,), value.dtype), requires_grad=False)
+    out = dispatch(aten.as_strided.default, (flat, shape, tuple(strides), 0), {})
+    out._assign(value)
+    return out
 
 
 def _decomposition_handler(decomp):
@@ -1456,7 +1459,15 @@ _NO_INTERNAL_OVERLAP = {
     aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.random_.default, aten.random_.to, getattr(aten.random_, "from"),
     aten.exponential_.default, aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default,
 }
-_INTERNAL_OVERLAP_ALLOWED = {"index_put_", "_index_put_impl_"}
+# (threshold_ and masked_fill_ write an expanded tensor in torch; conj_physical_ and nan_to_num_ of a tensor
+# they leave as it is write nothing, and of any other refuse through their copy_)
+_INTERNAL_OVERLAP_ALLOWED = {"index_put_", "_index_put_impl_", "threshold_", "masked_fill_", "conj_physical_",
+                             "nan_to_num_"}
+# TensorIterator ops that torch does not tag pointwise (beside the in-place variants of tagged ops,
+# `_pointwise`): the pointwise checks apply
+_UNTAGGED_POINTWISE = {"floor_divide", "floor_divide_", "hardswish", "hardswish_"}
+# in-place ops whose kernels refuse only a written tensor that shows an element twice
+_NO_INTERNAL_OVERLAP_NAMES = {"renorm_", "addmm_", "addr_", "addbmm_", "rrelu_with_noise_"}
 
 _OVERLAP_MESSAGE = (
     "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory "
@@ -1481,8 +1492,9 @@ def _checking_overlap(func, handler):
     schema = func._schema
     name = schema.name.split("::")[1]
     full = name in _NO_OVERLAP
-    inputs = full or name in _NO_PARTIAL_OVERLAP or torch.Tag.pointwise in func.tags
-    internal = (inputs or func in _NO_INTERNAL_OVERLAP) and name not in _INTERNAL_OVERLAP_ALLOWED
+    inputs = full or name in _NO_PARTIAL_OVERLAP or _pointwise(func, name)
+    internal = (inputs or func in _NO_INTERNAL_OVERLAP or name in _NO_INTERNAL_OVERLAP_NAMES) and \
+        name not in _INTERNAL_OVERLAP_ALLOWED
     if not (inputs or internal):
         return handler
     mutated = _mutated(schema)
@@ -1515,6 +1527,18 @@ def _checking_overlap(func, handler):
         return handler(func, args, kwargs)
 
     return checked
+
+
+def _pointwise(func, name) -> bool:
+    """Whether torch runs ``func`` as an elementwise TensorIterator op: tagged pointwise, in
+    `_UNTAGGED_POINTWISE`, or the in-place variant of a tagged op (``abs_``, ``eq_``: torch tags
+    only ``abs`` and ``eq.Tensor``)."""
+    if torch.Tag.pointwise in func.tags or name in _UNTAGGED_POINTWISE:
+        return True
+    if not name.endswith("_"):
+        return False
+    functional = functional_variant(func)
+    return functional is not None and torch.Tag.pointwise in functional.tags
 
 
 def _overlap(a, b):
@@ -1628,6 +1652,7 @@ def _mutation_handler(func, functional):
     dtype_from_out = is_out and len(mutated) == 1 and takes_dtype and (factory or op_name in _DTYPE_FROM_OUT)
     # bernoulli(p, out=x) is x.bernoulli_(p): its 0s and 1s go into out of any dtype
     cast_into_out = is_out and op_name == "bernoulli"
+    resize = is_out or op_name in _RESIZES_SELF
 
     def run(func, args, kwargs):
         if len(args) < len(positional):
@@ -1658,7 +1683,7 @@ def _mutation_handler(func, functional):
         rounds = _write_rounds(func, args, kwargs, targets, values) if pointwise else None
         if rounds is None:
             for target, value in zip(targets, values):
-                write(target, value, func, resize=is_out)
+                write(target, value, func, resize=resize)
         else:
             _write_in_rounds(compute, targets[0], values[0], rounds, func)
         if is_out:
@@ -1667,6 +1692,10 @@ def _mutation_handler(func, functional):
 
     return run
 
+
+# In-place ops whose CPU kernel writes self as an out= tensor: a broadcastable self is resized to the
+# result's shape (torch.zeros(1).addbmm_(b1, b2) becomes (n, p))
+_RESIZES_SELF = {"addbmm_"}
 
 # Stand-ins up to this many elements have the operands' own shapes; larger operands are
 # checked on one-element stand-ins of their ranks.

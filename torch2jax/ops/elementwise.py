@@ -19,7 +19,7 @@ from jax import lax
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import (as_dtype, cast, check_values, checked_scalar, elementwise, promote, register, true_divide,
+from .registry import (as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote, register, true_divide,
                        view, warning)
 
 aten = torch.ops.aten
@@ -747,12 +747,28 @@ def nan_to_num(x, nan=None, posinf=None, neginf=None):
     return _nan_to_num_real(x, nan, posinf, neginf)
 
 
+@decomposition(aten.nan_to_num_.default)
+def nan_to_num_(x, nan=None, posinf=None, neginf=None):
+    """torch leaves an integer or bool tensor as it is: nothing is written (an expanded one is no error)."""
+    if x.is_floating_point() or x.is_complex():
+        x.copy_(torch.nan_to_num(x, nan, posinf, neginf))
+    return x
+
+
 # -- complex numbers -------------------------------------------------------------
 
 
 @register(aten.conj_physical, aten._conj_physical, prims.conj_physical, prims.conj)
 def conj_physical(x):
     return jnp.conj(x) if _is_complex(x) else x
+
+
+@decomposition(aten.conj_physical_.default)
+def conj_physical_(x):
+    """torch leaves a real tensor as it is: nothing is written (an expanded one is no error)."""
+    if x.is_complex():
+        x.copy_(torch.conj_physical(x))
+    return x
 
 
 @view(aten._conj, inverse=lambda base, value: conj_physical(value))
