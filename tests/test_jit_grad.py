@@ -270,3 +270,49 @@ def test_gradients_reach_a_view_argument_itself():
         out.extend(torch.autograd.grad(f((x * 2).view(2, 2)), x))
     for a, b in zip(got, want):
         _close(a, b)
+
+
+# A jitted function that writes an input in place that is not a leaf and requires grad: its
+# outputs' gradients reach the input's value before the write, and the input's history is
+# the write (torch's in-place op rebases it): on the first call, which traces, and on cached ones.
+INPLACE_ON_INPUT = {
+    "mul_": lambda y: y.mul_(3).sum(),
+    "read_before_write": lambda y: (y.sum(), y.mul_(3))[0],
+    "tanh_": lambda y: (y.tanh_() * 2).sum(),
+    "through_a_view": lambda y: y.view(3, 1).mul_(3).sum(),
+    "returns_the_input": lambda y: (y.sigmoid_(), y * 2),
+    "add_": lambda y: y.add_(1).sum() * y.sum(),
+    "graph_break_after_write": lambda y: y.mul_(3).sum() if y.sum().item() > -1e9 else y.sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INPLACE_ON_INPUT) + ["input_is_a_view"])
+def test_inplace_write_of_a_non_leaf_input(name):
+    fn = INPLACE_ON_INPUT.get(name, lambda y: y.mul_(3).sum())
+    grads = {}
+    for device in ("cpu", "jax"):
+        x = torch.linspace(-1.0, 2.0, 3).to(device).requires_grad_()
+        run = t2j.jit(fn) if device == "jax" else fn
+        for _ in range(2):  # the first call traces, the second is cached
+            y = (x * 2).view(3, 1)[:, 0] if name == "input_is_a_view" else x * 2
+            out = run(y)
+            outs = out if isinstance(out, tuple) else (out,)
+            (sum(o.sum() for o in outs) + (y * y).sum()).backward()
+        grads[device] = x.grad
+    torch.testing.assert_close(grads["jax"].cpu(), grads["cpu"], rtol=1e-5, atol=1e-5)
+
+
+def test_jitted_module_with_an_inplace_activation_first():
+    """`t2j.jit(head)(stem(x))` where head starts with SiLU(inplace=True): stem's gradients."""
+    torch.manual_seed(0)
+    stem, head = nn.Linear(4, 4), nn.Sequential(nn.SiLU(inplace=True), nn.Linear(4, 1))
+    x = torch.randn(5, 4)
+    head(stem(x)).sum().backward()
+    stem_j, head_j = copy.deepcopy(stem).to("jax"), copy.deepcopy(head).to("jax")
+    jitted = t2j.jit(head_j)
+    for _ in range(2):
+        for p in (*stem_j.parameters(), *head_j.parameters()):
+            p.grad = None
+        jitted(stem_j(x.to("jax"))).sum().backward()
+    for got, want in zip((*stem_j.parameters(), *head_j.parameters()), (*stem.parameters(), *head.parameters())):
+        torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-6)

@@ -1438,6 +1438,10 @@ class _Entry:
     program: object  # (inputs, lrs, key) -> (outs, written, new, key): the traced function, not jitted
     grad_outs: list  # indices into the program's outputs that require grad
     diff: list  # (storage index, slot index) per storage whose slot tensor requires grad; [] if not differentiable
+    # (position in `written`, slot index) per non-leaf slot tensor written with grad mode on: its new value
+    # is an output of the call's autograd node, copied into it so that the node is its history (as torch's
+    # in-place op rebases it)
+    rebased: list = dataclasses.field(default_factory=list)
     compile_s: float = 0.0
     differentiable: object = None  # the `_Differentiable` programs, made on first use
     keeps_avals: bool = False  # every state array it writes has the shape and dtype it had
@@ -1698,6 +1702,8 @@ class JitFunction:
             tensors = [_grad_input(slots.tensors[k], storages[i], slots, k, shared[i] == 1) for i, k in entry.diff]
             call.chains = [_grad_chain(t, storages[i]) for t, (i, _) in zip(tensors, entry.diff)]
             arrays = _DifferentiableCall.apply(call, *tensors)
+            for (_, k), value in zip(entry.rebased, arrays[len(arrays) - len(entry.rebased):]):
+                slots.tensors[k].copy_(value)  # its history: the call's node, as torch's in-place op makes it
         else:
             arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, donated=True)]
         result = []
@@ -1780,8 +1786,12 @@ class JitFunction:
         pure = functools.partial(self._pure, leaves, spec, roots, slots, storages, info, hints)
         inputs = [st.array for st in storages]
         checks = _sym.RUNTIME_CHECKS
-        with jax.enable_x64(True), _capturable(roots.optimizers, slots.lifted):
-            closed = jax.make_jaxpr(pure)(inputs, hints, _rng.key)
+        info["own_histories"] = _own_histories(slots.tensors)
+        try:
+            with jax.enable_x64(True), _capturable(roots.optimizers, slots.lifted):
+                closed = jax.make_jaxpr(pure)(inputs, hints, _rng.key)
+        finally:
+            _restore_histories(info["own_histories"])
         written = info["written"]
         n_in = len(inputs)
         # a validation failing at run time must leave the state as it was, as torch's raise does
@@ -1819,13 +1829,15 @@ class JitFunction:
 
         jitted = jax.jit(split_program, donate_argnums=(0,))
         # as in torch, a tensor no output depends on gets no gradient (None), not zeros
-        reached = _inputs_reaching(closed.jaxpr, info["grad_outs"]) if info["diff"] else set()
+        rebased = info["rebased"] if info["diff"] else []
+        reached = _inputs_reaching(closed.jaxpr, info["grad_outs"] + [n_out + p for p, _ in rebased]) \
+            if info["diff"] else set()
         diff = [(i, k) for i, k in info["diff"] if i in reached]
         out_avals = closed.out_avals[n_out:n_out + n_written]
         keeps = all(_same_aval(closed.in_avals[i], a) for i, a in zip(written, out_avals))
         return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
                       info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start, info["guards"],
-                      program, info["grad_outs"], diff, keeps_avals=keeps, undo=info["undo"])
+                      program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"])
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, key):
         saved = [(st, st.array) for st in storages]
@@ -1914,10 +1926,13 @@ class JitFunction:
             new_storages = [st for st in list(capture.new) if isinstance(st.array, jax.core.Tracer)
                             and id(st.array) not in input_ids]
             post = _repointed(slots, post_slots, pre_index)
-            info.update(undo=saved_slots if post else None,
+            rebased = [(written.index(slot_storage[k]), k) for k, node in info["own_histories"].nodes()
+                       if slot_storage[k] in written and slots.tensors[k].grad_fn is not node]
+            info.update(undo=saved_slots if post else None, rebased=rebased,
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
-                diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs else [],
+                diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
+                else [],
             )
             result = outs + [storages[i].array for i in written] + [st.array for st in new_storages]
             if rng.key is not key:
@@ -2083,6 +2098,7 @@ class _Differentiable:
 
     def __init__(self, entry: _Entry):
         program, diff, grad_outs = entry.program, [i for i, _ in entry.diff], entry.grad_outs
+        rebased = [p for p, _ in entry.rebased]
         self.forward = jax.jit(program)
 
         def pull(inputs, lrs, key, wrt, cotangents):
@@ -2090,8 +2106,8 @@ class _Differentiable:
                 xs = list(inputs)
                 for i, a in zip(diff, wrt):
                     xs[i] = a
-                outs = program(xs, lrs, key)[1]
-                return [outs[k] for k in grad_outs]
+                written, outs = program(xs, lrs, key)[:2]
+                return [outs[k] for k in grad_outs] + [written[p] for p in rebased]
 
             return jax.vjp(outputs, wrt)[1](cotangents)[0]
 
@@ -2101,6 +2117,55 @@ class _Differentiable:
 
         self.pull = pull
         self.vjp = jax.jit(vjp)
+
+
+def _cotangent(grad, out):
+    """The JAX cotangent of a call output from torch's gradient for it (zeros for None)."""
+    if grad is None:
+        return jax.numpy.zeros_like(out)
+    return grad._value() if isinstance(grad, Tensor) else jax_array(grad)
+
+
+class _OwnHistory(torch.autograd.Function):
+    """An alias of a tensor (its storage, not a copy) with an autograd history of its own."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Histories(list):
+    """(slot index, tensor, the alias holding its own history, that alias's node) per swapped slot."""
+
+    def nodes(self):
+        return [(k, node) for k, _, _, node in self]
+
+
+def _own_histories(tensors) -> _Histories:
+    """Give every non-leaf slot tensor that requires grad (not a view) a history of its own while the
+    function is traced: an in-place op in the trace rebases that one (torch.utils.swap_tensors), not
+    the caller's graph, which the call then extends through its own autograd node (`_Entry.rebased`)."""
+    swapped = _Histories()
+    for k, t in enumerate(tensors):
+        if t is None or t.is_leaf or not t.requires_grad:
+            continue
+        alias = _OwnHistory.apply(t)
+        node = alias.grad_fn
+        try:
+            torch.utils.swap_tensors(t, alias)
+        except RuntimeError:  # (held elsewhere in C++, e.g. saved by an earlier op for its backward)
+            continue
+        swapped.append((k, t, alias, node))
+    return swapped
+
+
+def _restore_histories(swapped: _Histories):
+    for _, t, alias, _ in swapped:
+        torch.utils.swap_tensors(t, alias)
 
 
 class _Call:
@@ -2116,14 +2181,14 @@ class _Call:
         self.lrs, self.key = _hyper_values(self.slots), _rng.key
         self.outs = self.fn._execute(self.entry, self.slots, self.storages, self.entry.differentiable.forward,
                                      donated=False)
+        self.written = [self.storages[i].array for i in self.entry.written]
         return self.outs
 
     def backward(self, grads):
         entry = self.entry
         with jax.enable_x64(True):  # a float64 output's zero cotangent stays float64
-            cotangents = [jax.numpy.zeros_like(self.outs[k]) if grads[k] is None else
-                          grads[k]._value() if isinstance(grads[k], Tensor) else jax_array(grads[k])
-                          for k in entry.grad_outs]
+            cotangents = [_cotangent(grads[k], self.outs[k]) for k in entry.grad_outs]
+            cotangents += [_cotangent(g, self.written[p]) for g, (p, _) in zip(grads[len(self.outs):], entry.rebased)]
             return entry.differentiable.vjp(self.inputs, self.lrs, self.key, cotangents)
 
 
@@ -2138,7 +2203,9 @@ class _DifferentiableCall(torch.autograd.Function):
         outs = [new_tensor(o) for o in call.forward()]
         grad_outs = set(call.entry.grad_outs)
         ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if k not in grad_outs))
-        return tuple(outs)
+        # the new values of the non-leaf inputs the function wrote in place, which `_run` copies into
+        # them (torch allows a Function that writes a view in place only one output)
+        return (*outs, *(new_tensor(call.written[p]) for p, _ in call.entry.rebased))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -2147,9 +2214,11 @@ class _DifferentiableCall(torch.autograd.Function):
         # view: through those, a second backward is refused rather than differentiated
         if _gradcut.creates_graph((*ctx.inputs, *grads)) and not any(call.chains):
             pull = functools.partial(call.entry.differentiable.pull, call.inputs, call.lrs, call.key)
-            return (None, *_differentiable_vjp(pull, ctx.tensors, [grads[k] for k in call.entry.grad_outs],
-                                               [jax.ShapeDtypeStruct(call.outs[k].shape, call.outs[k].dtype)
-                                                for k in call.entry.grad_outs]))
+            rebased = [call.written[p] for p, _ in call.entry.rebased]
+            return (None, *_differentiable_vjp(pull, ctx.tensors, [grads[k] for k in call.entry.grad_outs]
+                                               + list(grads[len(call.outs):]),
+                                               [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
+                                                [call.outs[k] for k in call.entry.grad_outs] + rebased]))
         with torch.no_grad():
             out = [new_tensor(functools.reduce(lambda a, step: step.forward(a), chain, g))
                    for g, chain in zip(ctx.call.backward(grads), ctx.call.chains)]
