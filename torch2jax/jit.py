@@ -2146,9 +2146,10 @@ class _Histories(list):
 
 
 def _own_histories(tensors) -> _Histories:
-    """Give every non-leaf slot tensor that requires grad (not a view) a history of its own while the
-    function is traced: an in-place op in the trace rebases that one (torch.utils.swap_tensors), not
-    the caller's graph, which the call then extends through its own autograd node (`_Entry.rebased`)."""
+    """Give every non-leaf slot tensor that requires grad (a view of one too) a history of its own while
+    the function is traced (torch.utils.swap_tensors with an alias): an in-place op in the trace rebases
+    that one, not the caller's graph, which the call then extends through its own autograd node
+    (`_Entry.rebased`). `_restore_histories` swaps them back."""
     swapped = _Histories()
     for k, t in enumerate(tensors):
         if t is None or t.is_leaf or not t.requires_grad:

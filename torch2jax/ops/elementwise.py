@@ -19,8 +19,8 @@ from jax import lax
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import (as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote, register, true_divide,
-                       view, warning)
+from .registry import (as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote, register,
+                       true_divide, view, warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
