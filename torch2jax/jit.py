@@ -1926,7 +1926,7 @@ class JitFunction:
             new_storages = [st for st in list(capture.new) if isinstance(st.array, jax.core.Tracer)
                             and id(st.array) not in input_ids]
             post = _repointed(slots, post_slots, pre_index)
-            rebased = [(written.index(slot_storage[k]), k) for k, node in info["own_histories"].nodes()
+            rebased = [(written.index(slot_storage[k]), k) for k, _, _, node in info["own_histories"]
                        if slot_storage[k] in written and slots.tensors[k].grad_fn is not node]
             info.update(undo=saved_slots if post else None, rebased=rebased,
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds,
@@ -2156,19 +2156,12 @@ class _OwnHistory(torch.autograd.Function):
         return grad
 
 
-class _Histories(list):
-    """(slot index, tensor, the alias holding its own history, that alias's node) per swapped slot."""
-
-    def nodes(self):
-        return [(k, node) for k, _, _, node in self]
-
-
-def _own_histories(tensors) -> _Histories:
+def _own_histories(tensors) -> list:
     """Give every non-leaf slot tensor that requires grad (a view of one too) a history of its own while
     the function is traced (torch.utils.swap_tensors with an alias): an in-place op in the trace rebases
     that one, not the caller's graph, which the call then extends through its own autograd node
     (`_Entry.rebased`). `_restore_histories` swaps them back."""
-    swapped = _Histories()
+    swapped = []  # (slot index, tensor, the alias holding its own history, that alias's node)
     for k, t in enumerate(tensors):
         if t is None or t.is_leaf or not t.requires_grad:
             continue
@@ -2182,7 +2175,7 @@ def _own_histories(tensors) -> _Histories:
     return swapped
 
 
-def _restore_histories(swapped: _Histories):
+def _restore_histories(swapped: list):
     for _, t, alias, _ in swapped:
         torch.utils.swap_tensors(t, alias)
 

@@ -293,9 +293,11 @@ def _contiguous_box(view, chain, array, value):
 def _box(shape, offset, n):
     """(starts, block shape) where the row-major elements [offset, offset + n) of an array of
     ``shape`` are one box: full in the dimensions after some d, a range in d, one index before it."""
+    if n == 0:
+        return None
     for d in range(len(shape)):
         inner = math.prod(shape[d + 1:])
-        if n == 0 or offset % inner or n % inner:
+        if offset % inner or n % inner:
             continue
         k, at = n // inner, offset // inner
         start = at % shape[d]
