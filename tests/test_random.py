@@ -421,3 +421,98 @@ def test_geometric_into_a_narrow_int_wraps_as_torchs_cast(dtype):
 def test_binomial_broadcasts_count_and_prob():
     out = torch.binomial(torch.full((5, 1), 10.0, device="jax"), torch.tensor([0.0, 0.5, 1.0], device="jax"))
     assert out.shape == (5, 3) and out[:, 0].eq(0).all() and out[:, 2].eq(10).all()
+
+
+# -- explicit generators under t2j.jit ----------------------------------------
+
+
+def _noisy(x, g):
+    return x + torch.randn(x.shape, device=x.device, generator=g), torch.randperm(5, device=x.device, generator=g)
+
+
+def _same(a, b):
+    return all(torch.equal(u.cpu(), v.cpu()) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("device", ["jax", "cpu"])
+def test_generator_argument_under_jit_draws_what_eager_draws(device):
+    """Each call draws the program's seeds from the generator it is passed, advancing it as
+    the eager function's draws do: the same numbers, and a new generator needs no new trace."""
+    import torch2jax as t2j
+
+    x = torch.zeros(4, device="jax")
+    g = torch.Generator(device=device).manual_seed(3)
+    eager = [_noisy(x, g) for _ in range(3)]
+    after = g.get_state()
+    f = t2j.jit(_noisy)
+    g.manual_seed(3)
+    jitted = [f(x, g) for _ in range(3)]
+    assert all(_same(a, b) for a, b in zip(eager, jitted))
+    assert torch.equal(g.get_state(), after)
+    assert not _same(jitted[0], jitted[1])
+    fresh = torch.Generator(device=device).manual_seed(3)
+    assert _same(f(x, fresh), eager[0])
+    assert f.stats["traces"] == 1 and f.stats["eager_calls"] == 0
+
+
+def test_generators_reached_created_and_reseeded_inside_a_jitted_function():
+    """A generator the function reaches through a closure is drawn from on each call; one it
+    creates (a sampler's ``torch.Generator(device).manual_seed(0)``) or re-seeds gives the same
+    numbers on every call, and is left as the eager function leaves it."""
+    import torch2jax as t2j
+
+    outer = torch.Generator(device="jax").manual_seed(1)
+    reseeded = torch.Generator(device="jax")
+
+    def sample(x):
+        own = torch.Generator(device="jax").manual_seed(0)
+        reseeded.manual_seed(7)
+        return (x + torch.randn(3, device="jax", generator=outer), torch.rand(3, device="jax", generator=own),
+                torch.empty(3, device="jax").normal_(generator=reseeded))
+
+    x = torch.zeros(3, device="jax")
+    eager = [sample(x) for _ in range(2)]
+    states = outer.get_state(), reseeded.get_state()
+    outer.manual_seed(1)
+    reseeded.manual_seed(99)
+    f = t2j.jit(sample)
+    jitted = [f(x) for _ in range(2)]
+    assert all(_same(a, b) for a, b in zip(eager, jitted))
+    assert torch.equal(outer.get_state(), states[0]) and torch.equal(reseeded.get_state(), states[1])
+    assert not torch.equal(jitted[0][0].cpu(), jitted[1][0].cpu())
+    assert torch.equal(jitted[0][1].cpu(), jitted[1][1].cpu())
+
+
+def test_generator_noise_under_jit_is_differentiated_with_the_forwards_draws():
+    import torch2jax as t2j
+
+    def loss(w, g):
+        return (w * torch.randn(w.shape, device="jax", generator=g)).square().sum()
+
+    w = torch.ones(6, device="jax", requires_grad=True)
+    loss(w, torch.Generator(device="jax").manual_seed(2)).backward()
+    expected, w.grad = w.grad.cpu(), None
+    t2j.jit(loss)(w, torch.Generator(device="jax").manual_seed(2)).backward()
+    assert torch.equal(w.grad.cpu(), expected)
+
+
+def test_lowering_a_jitted_function_leaves_its_generator_alone():
+    import torch2jax as t2j
+
+    g = torch.Generator(device="jax").manual_seed(4)
+    state = g.get_state()
+    f = t2j.jit(_noisy)
+    assert "stablehlo" in f.lower(torch.zeros(2, device="jax"), g).as_text()
+    assert torch.equal(g.get_state(), state)
+
+
+def test_generator_under_plain_jax_jit_names_t2j_jit():
+    import jax
+
+    import torch2jax as t2j
+
+    def f(x):
+        return t2j.call_torch(lambda t: t + torch.randn(t.shape, device="jax", generator=torch.Generator()), x)
+
+    with pytest.raises(RuntimeError, match="use t2j.jit"):
+        jax.jit(f)(jax.numpy.zeros(3))

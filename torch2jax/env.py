@@ -21,6 +21,7 @@ import threading
 import jax
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,7 @@ class RngState:
         self.seed(seed)
         self._traced = None
         self.draws = 0  # draws from the traced key in the innermost `traced_key` block
+        self.generator_draws = None  # inside a t2j.jit trace: its `GeneratorDraws`
 
     def seed(self, seed: int) -> None:
         self.initial_seed = int(seed)
@@ -138,7 +140,7 @@ class RngState:
     def key(self):
         if self._key is None:
             s = self.initial_seed & 0xFFFFFFFFFFFFFFFF
-            self._key = jax.random.fold_in(jax.random.key(s & 0xFFFFFFFF), s >> 32)
+            self._key = seeded_key(s & 0xFFFFFFFF, s >> 32)
         return self._key
 
     @key.setter
@@ -206,23 +208,141 @@ def _split(key):
 
 
 default_rng = RngState(torch.initial_seed())
+
+
+def seeded_key(low, high):
+    """The JAX key of a 64-bit seed given as its low and high 32-bit words (numbers or
+    traced uint32 values: the same key either way)."""
+    return jax.random.fold_in(jax.random.key(low), high)
+
+
+def draw_seed(generator: torch.Generator) -> tuple[int, int]:
+    """One draw from ``generator``'s torch state: a 64-bit seed as (low, high) 32-bit words."""
+    seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator)) & 0xFFFFFFFFFFFFFFFF
+    return seed & 0xFFFFFFFF, seed >> 32
+
+
 def next_key(generator: torch.Generator | None = None):
     """A fresh JAX key from the stream of ``generator`` (default: the jax device's own).
 
     An explicit torch.Generator is the source of truth: each draw takes a 64-bit
     seed from it, which advances its torch state, so re-seeding restarts the
-    stream and two generators with the same seed give the same draws.
+    stream and two generators with the same seed give the same draws. Inside a
+    `t2j.jit` trace the seeds are program inputs, drawn from the generator on every
+    call (`GeneratorDraws`).
     """
     if generator is None:
         return default_rng.next_key()
     if not _trace_state_clean():
+        if default_rng.generator_draws is not None:
+            return default_rng.generator_draws.key(generator)
         raise RuntimeError(
-            "torch2jax: an explicit torch.Generator cannot drive random ops inside a traced function (its "
-            "draws would be baked into the compiled program); drop generator= and seed with torch.manual_seed"
+            "torch2jax: an explicit torch.Generator cannot drive random ops inside jax.jit or another JAX "
+            "transform (its draws would be baked into the compiled program); use t2j.jit, which draws the "
+            "generator's seeds on every call, or drop generator= and seed with torch.manual_seed"
         )
-    seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=generator)) & 0xFFFFFFFFFFFFFFFF
+    low, high = draw_seed(generator)
     with jax.ensure_compile_time_eval():
-        return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
+        return seeded_key(low, high)
+
+
+class GeneratorDraws:
+    """The draws a `t2j.jit` trace takes from explicit torch.Generators.
+
+    A generator that existed before the call is drawn from on every call: each of
+    its draws in the program reads one row of ``seeds`` (a traced ``(n, 2)`` uint32
+    array, one `draw_seed` per row), so a call advances the generator and gets the
+    numbers the eager function would. ``sources`` lists, per row, where the call
+    finds the generator: the index of the argument it was passed as, or the
+    generator itself (reached through a closure, a global, an attribute).
+
+    A generator created inside the function, or re-seeded there through
+    ``torch.Generator(device="jax")``'s methods, gives the same numbers on every
+    call: its draws are taken at trace time and are constants of the program. A
+    re-seeded generator is put back as it was before the trace (`restore`), and each
+    call leaves it in the state the trace left it in (``reseeded``: per generator,
+    its source and that state).
+
+    Generators are compared as torch's dispatcher hands them to ops
+    (`_dispatched_generator`), which is not the Python object the user holds.
+    """
+
+    def __init__(self, seeds, leaves):
+        self.seeds = seeds
+        self.sources: list = []
+        # (the dispatcher's object for an argument, its index): held, as the dispatcher makes a new one
+        # for a generator whose object has died
+        self.arguments = [(_dispatched_generator(x), i) for i, x in enumerate(leaves) if isinstance(x, torch._C.Generator)]
+        self.created: list = []
+        self.before: list = []  # (generator, its state before the trace) for each one re-seeded in it
+        self.reseeded: list = []
+
+    def _fixed(self, generator) -> bool:
+        """Whether ``generator``'s draws are the same on every call (created or re-seeded in the trace)."""
+        return any(generator is g for g in self.created) or any(generator is g for g, _ in self.before)
+
+    def key(self, generator):
+        if self._fixed(generator):
+            low, high = draw_seed(generator)
+            with jax.ensure_compile_time_eval():
+                return seeded_key(low, high)
+        row = len(self.sources)
+        self.sources.append(self._source(generator))
+        if self.seeds is None or row >= self.seeds.shape[0]:
+            return jax.random.key(0)  # this trace is redone with a row for every draw (`complete`)
+        return seeded_key(self.seeds[row, 0], self.seeds[row, 1])
+
+    def _source(self, generator):
+        return next((i for g, i in self.arguments if g is generator), generator)
+
+    def creating(self, generator) -> None:
+        self.created.append(_dispatched_generator(generator))
+
+    def reseeding(self, generator) -> None:
+        """``generator`` is about to be re-seeded (``manual_seed``, ``set_state``, ``seed``)."""
+        generator = _dispatched_generator(generator)
+        if not self._fixed(generator):
+            self.before.append((generator, generator.get_state()))
+
+    @property
+    def complete(self) -> bool:
+        """Whether ``seeds`` had exactly one row per draw the trace took."""
+        return len(self.sources) == (0 if self.seeds is None else self.seeds.shape[0])
+
+    def restore(self) -> None:
+        """Put the generators re-seeded during the trace back as they were before it."""
+        self.reseeded = [(self._source(g), g.get_state()) for g, _ in self.before]
+        for g, state in self.before:
+            g.set_state(state)
+
+
+class _SeeGenerator(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.generator = kwargs["generator"]
+        return args[0]
+
+
+def _dispatched_generator(generator: torch.Generator) -> torch.Generator:
+    """The object torch's dispatcher passes ops for ``generator``: a wrapper of the same C++
+    generator, made on first use and the same from then on (not ``generator`` itself)."""
+    empty = torch.empty(0, device="cpu")
+    see = _SeeGenerator()
+    with see:
+        empty.uniform_(generator=generator)
+    return see.generator
+
+
+@contextlib.contextmanager
+def generator_draws(seeds, leaves):
+    """Inside the block (a `t2j.jit` trace), draws from explicit generators come from ``seeds``
+    (see `GeneratorDraws`, the block's value)."""
+    outer = default_rng.generator_draws
+    draws = default_rng.generator_draws = GeneratorDraws(seeds, leaves)
+    try:
+        yield draws
+    finally:
+        default_rng.generator_draws = outer
+        draws.restore()
 
 
 class _GeneratorType(type(torch._C.Generator)):
@@ -253,9 +373,27 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
 
     def __new__(cls, device="cpu"):
         device = torch.device(device)
-        if device.type != _device_name():
-            return torch._C.Generator(device)
-        return super().__new__(cls, "cpu")
+        g = torch._C.Generator(device) if device.type != _device_name() else super().__new__(cls, "cpu")
+        if default_rng.generator_draws is not None:
+            default_rng.generator_draws.creating(g)
+        return g
+
+    # re-seeding inside a t2j.jit trace makes the later draws the same on every call (`GeneratorDraws`)
+    def manual_seed(self, seed):
+        self._reseeding()
+        return super().manual_seed(seed)
+
+    def seed(self):
+        self._reseeding()
+        return super().seed()
+
+    def set_state(self, new_state):
+        self._reseeding()
+        return super().set_state(new_state)
+
+    def _reseeding(self):
+        if default_rng.generator_draws is not None:
+            default_rng.generator_draws.reseeding(self)
 
     @property
     def device(self) -> torch.device:

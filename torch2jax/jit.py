@@ -84,6 +84,8 @@ from . import complex32 as _complex32
 from . import device as _device
 from .env import config as _config
 from .env import default_rng as _rng
+from .env import draw_seed as _draw_seed
+from .env import generator_draws as _generator_draws
 from . import debug as _debug
 from . import gradcut as _gradcut
 from . import symbolic as _sym
@@ -1418,12 +1420,20 @@ class _Retrace(Exception):
         self.found = found
 
 
+class _MoreDraws(Exception):
+    """A trace drew ``count`` times from explicit torch.Generators, not the number of seed
+    rows it was given; trace again with that many (`torch2jax.env.GeneratorDraws`)."""
+
+    def __init__(self, count):
+        self.count = count
+
+
 @dataclasses.dataclass
 class _Entry:
     """One compiled specialization of a jitted function."""
 
     jitted: object  # the jitted program
-    arguments: object  # (state arrays, learning rates, key) -> the program's arguments
+    arguments: object  # (state arrays, learning rates, keys) -> the program's arguments
     written: list  # input storage indices whose new value is an output
     new_storages: list  # storages created by the trace whose value is an output
     post: list  # (setter, slot index | tensor | None, slot index | None): slots to re-point after a call
@@ -1435,7 +1445,9 @@ class _Entry:
     names: list  # slot names, to explain a later cache miss
     trace_s: float
     guards: list  # what the trace assumed of lifted hyperparameters (see symbolic.TracedScalar)
-    program: object  # (inputs, lrs, key) -> (outs, written, new, key): the traced function, not jitted
+    # (inputs, lrs, keys) -> (outs, written, new, key): the traced function, not jitted; ``keys`` is
+    # (the default generator's key, the seeds of the draws from explicit generators or None): `_keys`
+    program: object
     grad_outs: list  # indices into the program's outputs that require grad
     diff: list  # (storage index, slot index) per storage whose slot tensor requires grad; [] if not differentiable
     # (position in `written`, slot index) per non-leaf slot tensor written with grad mode on: its new value
@@ -1448,6 +1460,8 @@ class _Entry:
     # until its first run succeeds, the slots point to the tensors the trace made; a failing
     # first run (a check at run time) puts back what they pointed to (see `_snapshot`)
     undo: object = None
+    draws: tuple = ()  # per draw from an explicit torch.Generator: its `torch2jax.env.GeneratorDraws` source
+    reseeded: tuple = ()  # (source, state) per generator re-seeded inside the function: its state after a call
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -1512,6 +1526,7 @@ class JitFunction:
         self._roots_memo: list = []  # the last call's _RootState
         self._hypers = _Hyperparameters()
         self._breaks = 0  # traces in a row that stopped at a value-dependent op
+        self._draws = 0  # seed rows the last trace took from explicit torch.Generators: the next one's first guess
         self._value_retraces = 0  # traces caused by a new value of a Python number it reads
         self._unguarded = frozenset()  # Python values its traces change (`_Roots.unguarded`)
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0, "eager_calls": 0}
@@ -1584,7 +1599,7 @@ class JitFunction:
             _restore(before)  # nothing runs: state the trace created must not be left behind
         if isinstance(entry, _Eager):
             raise JitError(f"t2j.jit: there is no program to lower: the trace stopped at {entry.reason}")
-        arguments = entry.arguments([st.array for st in storages], _hyper_values(slots), _rng.key)
+        arguments = entry.arguments([st.array for st in storages], _hyper_values(slots), _keys(entry, (), draw=False))
         if target is not None:
             arguments = jax.tree.map(functools.partial(_abstract_on, _target_sharding(target)), arguments)
         with jax.enable_x64(True):
@@ -1697,7 +1712,7 @@ class JitFunction:
         if entry.diff:
             if entry.differentiable is None:
                 entry.differentiable = _Differentiable(entry)
-            call = _Call(self, entry, slots, storages)
+            call = _Call(self, entry, slots, storages, _keys(entry, leaves))
             shared = collections.Counter(i for i, _ in entry.diff)
             tensors = [_grad_input(slots.tensors[k], storages[i], slots, k, shared[i] == 1) for i, k in entry.diff]
             call.chains = [_grad_chain(t, storages[i]) for t, (i, _) in zip(tensors, entry.diff)]
@@ -1705,7 +1720,8 @@ class JitFunction:
             for (_, k), value in zip(entry.rebased, arrays[len(arrays) - len(entry.rebased):]):
                 slots.tensors[k].copy_(value)  # its history: the call's node, as torch's in-place op makes it
         else:
-            arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, donated=True)]
+            arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves),
+                                                           donated=True)]
         result = []
         for kind, v in entry.out_leaves:
             if kind == "array":
@@ -1728,7 +1744,7 @@ class JitFunction:
                 result.append(v)
         return torch_pytree.tree_unflatten(result, entry.out_def)
 
-    def _execute(self, entry, slots, storages, jitted, donated):
+    def _execute(self, entry, slots, storages, jitted, keys, donated):
         """Run one compiled program and write its state back; its outputs as arrays."""
         inputs = list(map(_array_of, storages))
         arguments = entry.arguments if donated else _plain_arguments
@@ -1740,7 +1756,7 @@ class JitFunction:
             start = time.perf_counter()
             _sym.failed_check()  # one left by a program run outside t2j.jit is not this call's
             try:
-                written, outs, new, key = jitted(*arguments(inputs, _hyper_values(slots), _rng.key))
+                written, outs, new, key = jitted(*arguments(inputs, _hyper_values(slots), keys))
             except BaseException as e:
                 if entry.undo is not None:
                     _restore(entry.undo)
@@ -1786,12 +1802,18 @@ class JitFunction:
         pure = functools.partial(self._pure, leaves, spec, roots, slots, storages, info, hints)
         inputs = [st.array for st in storages]
         checks = _sym.RUNTIME_CHECKS
-        info["own_histories"] = _own_histories(slots.tensors)
-        try:
-            with jax.enable_x64(True), _capturable(roots.optimizers, slots.lifted), _young_objects_only():
-                closed = jax.make_jaxpr(pure)(inputs, hints, _rng.key)
-        finally:
-            _restore_histories(info["own_histories"])
+        draws = self._draws
+        while True:
+            info["own_histories"] = _own_histories(slots.tensors)
+            seeds = np.zeros((draws, 2), np.uint32) if draws else None
+            try:
+                with jax.enable_x64(True), _capturable(roots.optimizers, slots.lifted), _young_objects_only():
+                    closed = jax.make_jaxpr(pure)(inputs, hints, (_rng.key, seeds))
+                break
+            except _MoreDraws as m:
+                draws = self._draws = m.count
+            finally:
+                _restore_histories(info["own_histories"])
         written = info["written"]
         n_in = len(inputs)
         # a validation failing at run time must leave the state as it was, as torch's raise does
@@ -1800,8 +1822,8 @@ class JitFunction:
         n_out, n_written, n_new = info["n_out"], len(written), len(info["new_storages"])
         uses_rng = info["uses_rng"]
 
-        def program(inputs, lrs, key):
-            res = flat(*inputs, *lrs, key)
+        def program(inputs, lrs, keys):
+            res = flat(*inputs, *lrs, *jax.tree.leaves(keys))
             outs = res[:n_out]
             w = res[n_out:n_out + n_written]
             new = res[n_out + n_written:n_out + n_written + n_new]
@@ -1815,17 +1837,17 @@ class JitFunction:
         used = _used_inputs(closed.jaxpr)
         kept = [i for i in sorted(used - set(donate)) if i < n_in]
 
-        def arguments(inputs, lrs, key):
+        def arguments(inputs, lrs, keys):
             # written state first, so that one argument (donated) covers exactly it
-            return [inputs[i] for i in donate], [inputs[i] for i in kept], lrs, key
+            return [inputs[i] for i in donate], [inputs[i] for i in kept], lrs, keys
 
-        def split_program(donated, kept_arrays, lrs, key):
+        def split_program(donated, kept_arrays, lrs, keys):
             both = [None] * n_in
             for i, a in zip(donate, donated):
                 both[i] = a
             for i, a in zip(kept, kept_arrays):
                 both[i] = a
-            return program(both, lrs, key)
+            return program(both, lrs, keys)
 
         jitted = jax.jit(split_program, donate_argnums=(0,))
         # as in torch, a tensor no output depends on gets no gradient (None), not zeros
@@ -1837,9 +1859,10 @@ class JitFunction:
         keeps = all(_same_aval(closed.in_avals[i], a) for i, a in zip(written, out_avals))
         return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
                       info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start, info["guards"],
-                      program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"])
+                      program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
+                      draws=info["draws"], reseeded=info["reseeded"])
 
-    def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, key):
+    def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
         saved = [(st, st.array) for st in storages]
         # each slot's storage before the call (``.data =`` inside the function re-points a slot to another)
         index = {id(st): i for i, st in enumerate(storages)}
@@ -1870,10 +1893,14 @@ class JitFunction:
             _tensor.CAPTURE = capture
             _sym.GUARDS = guards
             backward_passes = _device.backward_passes
-            with _rng.traced_key(key) as rng, torch.autograd.set_multithreading_enabled(False), \
+            key, seeds = keys
+            with _rng.traced_key(key) as rng, _generator_draws(seeds, leaves) as generators, \
+                    torch.autograd.set_multithreading_enabled(False), \
                     _no_distribution_validation(), _scaler_steps_in_program(), \
                     _numbers_stay_off_the_host(slots.lifted), _wide_step_counters(roots.optimizers):
                 out = self.fn(*args, **kwargs)
+            if not generators.complete:
+                raise _MoreDraws(len(generators.sources))
             backward = _device.backward_passes != backward_passes
             _tensor.CAPTURE = _sym.GUARDS = None
             for site, v, a in zip(slots.lifted, values, arrays):
@@ -1931,6 +1958,7 @@ class JitFunction:
             info.update(undo=saved_slots if post else None, rebased=rebased,
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
+                draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
                 else [],
             )
@@ -2086,8 +2114,28 @@ def _donated(array) -> bool:
     return array.size * array.dtype.itemsize >= _DONATE_MIN_BYTES
 
 
-def _plain_arguments(inputs, lrs, key):
-    return inputs, lrs, key
+def _plain_arguments(inputs, lrs, keys):
+    return inputs, lrs, keys
+
+
+def _keys(entry: _Entry, leaves, draw: bool = True):
+    """A call's randomness inputs: the default generator's key, and a row of seeds per draw the
+    program takes from an explicit torch.Generator, drawn from it now, as the eager draws would
+    advance it (``draw=False``: zero rows of the same shape, to lower the program). A generator
+    re-seeded inside the function is left as the eager call would leave it."""
+    seeds = None
+    if entry.draws:
+        rows = [_draw_seed(_generator(s, leaves)) if draw else (0, 0) for s in entry.draws]
+        seeds = np.array(rows, np.uint32)
+    if draw:
+        for source, state in entry.reseeded:
+            _generator(source, leaves).set_state(state)
+    return _rng.key, seeds
+
+
+def _generator(source, leaves) -> torch.Generator:
+    """The generator of an `torch2jax.env.GeneratorDraws` source: an argument's index, or the generator."""
+    return leaves[source] if isinstance(source, int) else source
 
 
 class _Differentiable:
@@ -2183,16 +2231,16 @@ def _restore_histories(swapped: list):
 class _Call:
     """One differentiable call: what its backward pass needs."""
 
-    def __init__(self, fn: JitFunction, entry: _Entry, slots, storages):
-        self.fn, self.entry, self.slots, self.storages = fn, entry, slots, storages
+    def __init__(self, fn: JitFunction, entry: _Entry, slots, storages, keys):
+        self.fn, self.entry, self.slots, self.storages, self.key = fn, entry, slots, storages, keys
         # per differentiable input, the view chain taking its storage's gradient to its own
         self.chains: list = []
 
     def forward(self):
         self.inputs = [st.array for st in self.storages]
-        self.lrs, self.key = _hyper_values(self.slots), _rng.key
+        self.lrs = _hyper_values(self.slots)
         self.outs = self.fn._execute(self.entry, self.slots, self.storages, self.entry.differentiable.forward,
-                                     donated=False)
+                                     self.key, donated=False)
         self.written = [self.storages[i].array for i in self.entry.written]
         return self.outs
 
@@ -2315,6 +2363,10 @@ def _to_device(x):
     return x
 
 
+class _GeneratorArgument(NamedTuple):
+    device: str
+
+
 def _static_key(leaves, numbers=()):
     """The arguments that are not tensors, as the cache key holds them; ``numbers`` (from
     `JitFunction._number_arguments`) are program inputs, keyed by their type alone."""
@@ -2326,6 +2378,9 @@ def _static_key(leaves, numbers=()):
             continue
         if i in lifted:
             out.append(_LiftedNumber(type(x)))
+            continue
+        if isinstance(x, torch._C.Generator):  # drawn from on each call (`_keys`): any generator will do
+            out.append(_GeneratorArgument(x.device.type))
             continue
         try:
             hash(x)
