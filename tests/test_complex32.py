@@ -157,3 +157,13 @@ def test_jit():
     out, _ = step(x.to("jax"), s)  # the compiled program, called again
     _same(s, x * 4)
     assert type(out) is Complex32Tensor
+
+
+def test_jitted_view_of_an_offset_input_view():
+    """A jitted function returning a view of its input, itself a view into a larger storage:
+    the view is rebuilt over the input after the call (its int64 view steps under x64)."""
+    base = torch.randn(20, dtype=torch.complex64).to(torch.complex32)
+    expected = torch.as_strided(base[5:15], (2, 2), (1, 2))
+    got = t2j.jit(lambda z: torch.as_strided(z, (2, 2), (1, 2)))(base.to("jax").as_strided((10,), (1,), 5))
+    _same(got, expected)
+    assert type(got) is Complex32Tensor

@@ -175,12 +175,12 @@ def test_fused_adam_matches_torch(name, jit):
     _check_optimizer(name, jit, 3, fused=True)
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum_nesterov_wd", "adagrad"])
-def test_fused_optimizers_without_a_lowering_run_on_the_host_and_match_torch(name):
-    # _fused_sgd_ / _fused_adagrad_ fall back to torch on the host: every mutated list is written back
+@pytest.mark.parametrize("name, jit", [("sgd_momentum_nesterov_wd", False), ("adagrad", False), ("adagrad", True)])
+def test_fused_sgd_and_adagrad_match_torch(name, jit):
+    # _fused_sgd_ / _fused_adagrad_ decomposed in torch2jax/ops/foreach.py: no host fallback (its warning fails)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        _check_optimizer(name, False, 3, fused=True)
+        warnings.simplefilter("error", UserWarning)
+        _check_optimizer(name, jit, 3, fused=True)
 
 
 def test_default_optimizer_does_not_pick_foreach():

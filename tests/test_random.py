@@ -516,3 +516,58 @@ def test_generator_under_plain_jax_jit_names_t2j_jit():
 
     with pytest.raises(RuntimeError, match="use t2j.jit"):
         jax.jit(f)(jax.numpy.zeros(3))
+
+
+def _cpu_noise(x):
+    return x + torch.randn(4).to(x.device), x[torch.randperm(4)]
+
+
+def test_random_ops_on_the_cpu_inside_jit_draw_on_every_call():
+    """torch's CPU draws inside a jitted function (a mixup permutation, noise made on the CPU)
+    would be constants of a program: the function runs eagerly instead, drawing what the eager
+    function draws and advancing torch's CPU generator as it does."""
+    import torch2jax as t2j
+
+    x = torch.arange(4.0, device="jax")
+    torch.manual_seed(0)
+    eager = [_cpu_noise(x) for _ in range(3)]
+    after = torch.rand(2)
+    f = t2j.jit(_cpu_noise)
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="random op on the CPU"):
+        jitted = [f(x) for _ in range(3)]
+    assert all(_same(a, b) for a, b in zip(eager, jitted))
+    assert torch.equal(torch.rand(2), after)
+    with pytest.raises(t2j.OpError, match="random op on the CPU"):
+        t2j.jit(_cpu_noise, fullgraph=True)(x)
+
+
+def test_cpu_generator_argument_drawn_by_a_cpu_op_inside_jit_runs_eagerly():
+    import torch2jax as t2j
+
+    def f(x, g):
+        return x + torch.rand(4, generator=g).to(x.device)
+
+    x = torch.zeros(4, device="jax")
+    g = torch.Generator().manual_seed(5)
+    eager = [f(x, g) for _ in range(2)]
+    g.manual_seed(5)
+    jf = t2j.jit(f)
+    with pytest.warns(UserWarning, match="random op on the CPU"):
+        assert all(_same([a], [jf(x, g)]) for a in eager)
+
+
+def test_cpu_draws_after_manual_seed_inside_jit_stay_one_program():
+    import torch2jax as t2j
+
+    def f(x):
+        torch.manual_seed(3)
+        return x + torch.randn(4).to(x.device), torch.randn(2, device=x.device)
+
+    x = torch.zeros(4, device="jax")
+    eager, after = f(x), torch.rand(2)
+    jf = t2j.jit(f)
+    for _ in range(2):
+        assert _same(jf(x), eager)
+        assert torch.equal(torch.rand(2), after)
+    assert jf.stats["eager_calls"] == 0

@@ -147,7 +147,10 @@ def run(func, args, kwargs):
         originals[id(wide)] = (wide, a)
         return wide
 
-    out = dispatch(func, widen(args), {k: widen(v) for k, v in kwargs.items()})
+    # (a view's values are computed by its view steps, which index with int64 as the dispatch does)
+    with jax.enable_x64(True):
+        wide_args, wide_kwargs = widen(args), {k: widen(v) for k, v in kwargs.items()}
+    out = dispatch(func, wide_args, wide_kwargs)
     for storage, version in complex_storages:
         # written through a complex64 view: back to complex32 values (a complex32 view of
         # float16 storage was rounded by its write already)

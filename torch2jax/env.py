@@ -263,6 +263,13 @@ class GeneratorDraws:
     call leaves it in the state the trace left it in (``reseeded``: per generator,
     its source and that state).
 
+    A random op on the CPU (``torch.randperm(n)``, ``torch.randn(4).to(x.device)``)
+    draws from torch's own generator while the function is traced: its numbers would
+    be constants of the program. ``drew_on_the_host`` (set by `restore`) tells, from the
+    states of torch's default CPU generator and of the generator arguments, so that the
+    function runs eagerly instead; a ``torch.manual_seed`` inside the function makes the CPU draws
+    after it the same on every call, as above.
+
     Generators are compared as torch's dispatcher hands them to ops
     (`_dispatched_generator`), which is not the Python object the user holds.
     """
@@ -273,9 +280,13 @@ class GeneratorDraws:
         # (the dispatcher's object for an argument, its index): held, as the dispatcher makes a new one
         # for a generator whose object has died
         self.arguments = [(_dispatched_generator(x), i) for i, x in enumerate(leaves) if isinstance(x, torch._C.Generator)]
+        self.start = [(g, g.get_state()) for g in (torch.default_generator, *(g for g, _ in self.arguments))]
         self.created: list = []
         self.before: list = []  # (generator, its state before the trace) for each one re-seeded in it
         self.reseeded: list = []
+        # whether a random op on the CPU drew from torch's default generator or from a generator
+        # argument during the trace, other than after re-seeding it there
+        self.drew_on_the_host = False
 
     def _fixed(self, generator) -> bool:
         """Whether ``generator``'s draws are the same on every call (created or re-seeded in the trace)."""
@@ -304,15 +315,23 @@ class GeneratorDraws:
         if not self._fixed(generator):
             self.before.append((generator, generator.get_state()))
 
+    def reseeding_the_default(self, seed: int) -> None:
+        """``torch.manual_seed(seed)`` (which re-seeds the CPU generator, then the jax device's)."""
+        cpu = torch.default_generator
+        if torch.initial_seed() == seed and not self._fixed(cpu):
+            self.before.append((cpu, self.start[0][1]))
+
     @property
     def complete(self) -> bool:
         """Whether ``seeds`` had exactly one row per draw the trace took."""
         return len(self.sources) == (0 if self.seeds is None else self.seeds.shape[0])
 
     def restore(self) -> None:
-        """Put the generators re-seeded during the trace back as they were before it."""
+        """Put the generators the trace re-seeded or drew from on the CPU back as they were before it."""
         self.reseeded = [(self._source(g), g.get_state()) for g, _ in self.before]
-        for g, state in self.before:
+        self.drew_on_the_host = any(not self._fixed(g) and not torch.equal(g.get_state(), state)
+                                    for g, state in self.start)
+        for g, state in (*self.start, *self.before):
             g.set_state(state)
 
 
@@ -435,6 +454,8 @@ def rng_key(key):
 
 def manual_seed(seed: int) -> None:
     """Seed the jax device's default generator; torch.manual_seed calls this."""
+    if default_rng.generator_draws is not None:
+        default_rng.generator_draws.reseeding_the_default(seed)
     default_rng.seed(seed)
 
 

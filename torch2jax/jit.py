@@ -1899,6 +1899,12 @@ class JitFunction:
                     _no_distribution_validation(), _scaler_steps_in_program(), \
                     _numbers_stay_off_the_host(slots.lifted), _wide_step_counters(roots.optimizers):
                 out = self.fn(*args, **kwargs)
+            if generators.drew_on_the_host:
+                raise OpError(
+                    "torch2jax: a random op on the CPU (torch.randperm(n), torch.randn(4).to(x.device), a CPU "
+                    "generator) drew from torch's generator inside t2j.jit: its numbers would be constants of the "
+                    "program. Draw them on the jax device (device=x.device) to keep the function one program"
+                )
             if not generators.complete:
                 raise _MoreDraws(len(generators.sources))
             backward = _device.backward_passes != backward_passes

@@ -232,6 +232,24 @@ def _fused_sgd_(params, grads, momentum_buffer_list, *, weight_decay, momentum, 
         write(p, p - lr * g)
 
 
-for _op, _fn in ((aten._fused_adam_, _fused_adam_), (aten._fused_adamw_, _fused_adamw_), (aten._fused_sgd_, _fused_sgd_)):
+def _fused_adagrad_(params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize,
+                    grad_scale=None, found_inf=None):
+    """One Adagrad step over the lists, as torch's fused kernel computes it (the step
+    counters are already incremented): the gradient unscaled (and written back), weight
+    decay, the squared gradient summed, then the step at ``lr / (1 + (step - 1) * lr_decay)``."""
+    write, gradient = _fused_step_parts(grads, grad_scale, found_inf, maximize)
+    steps = torch.stack([s.reshape(()) for s in state_steps]).double() if params else None
+    clrs = lr / (1 + (steps - 1) * lr_decay) if params else None
+    for i, p in enumerate(params):
+        g = gradient(i)
+        if weight_decay != 0:
+            g = g + p * weight_decay
+        state_sum = state_sums[i] + g * g
+        write(state_sums[i], state_sum)
+        write(p, p - clrs[i] * g / (torch.sqrt(state_sum) + eps))
+
+
+for _op, _fn in ((aten._fused_adam_, _fused_adam_), (aten._fused_adamw_, _fused_adamw_), (aten._fused_sgd_, _fused_sgd_),
+                 (aten._fused_adagrad_, _fused_adagrad_)):
     for _overload in _op.overloads():
         DECOMPOSITIONS[getattr(_op, _overload)] = _fn
