@@ -9,6 +9,7 @@ generator first, so it is deterministic.
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -571,3 +572,23 @@ def test_cpu_draws_after_manual_seed_inside_jit_stay_one_program():
         assert _same(jf(x), eager)
         assert torch.equal(torch.rand(2), after)
     assert jf.stats["eager_calls"] == 0
+
+
+@pytest.mark.parametrize("draw", [lambda: random.random() < 0.5, lambda: np.random.rand() < 0.5])
+def test_python_and_numpy_draws_inside_jit_run_the_function_eagerly(draw):
+    """An augmentation branch on Python's or NumPy's generator would be frozen by a trace."""
+    import torch2jax as t2j
+
+    def augment(x):
+        return x.flip(0) if draw() else x
+
+    x = torch.arange(4.0, device="jax")
+    random.seed(0)
+    np.random.seed(0)
+    eager = [augment(x)[0].item() for _ in range(12)]
+    random.seed(0)
+    np.random.seed(0)
+    f = t2j.jit(augment)
+    with pytest.warns(UserWarning, match="numpy.random drew on the host"):
+        assert [f(x)[0].item() for _ in range(12)] == eager
+    assert len(set(eager)) == 2

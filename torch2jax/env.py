@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import threading
 
 import jax
@@ -264,10 +265,11 @@ class GeneratorDraws:
     its source and that state).
 
     A random op on the CPU (``torch.randperm(n)``, ``torch.randn(4).to(x.device)``)
-    draws from torch's own generator while the function is traced: its numbers would
-    be constants of the program. ``drew_on_the_host`` (set by `restore`) tells, from the
-    states of torch's default CPU generator and of the generator arguments, so that the
-    function runs eagerly instead; a ``torch.manual_seed`` inside the function makes the CPU draws
+    draws from torch's own generator while the function is traced, and Python's
+    ``random`` and ``numpy.random`` draw on the host: their numbers would be constants
+    of the program. ``drew_on_the_host`` (set by `restore`) tells, from the states of
+    torch's default CPU generator, of the generator arguments and of Python's and
+    NumPy's global generators, so that the function runs eagerly instead; a ``torch.manual_seed`` inside the function makes the CPU draws
     after it the same on every call, as above.
 
     Generators are compared as torch's dispatcher hands them to ops
@@ -281,6 +283,7 @@ class GeneratorDraws:
         # for a generator whose object has died
         self.arguments = [(_dispatched_generator(x), i) for i, x in enumerate(leaves) if isinstance(x, torch._C.Generator)]
         self.start = [(g, g.get_state()) for g in (torch.default_generator, *(g for g, _ in self.arguments))]
+        self.python_start = random.getstate(), np.random.get_state()
         self.created: list = []
         self.before: list = []  # (generator, its state before the trace) for each one re-seeded in it
         self.reseeded: list = []
@@ -329,10 +332,18 @@ class GeneratorDraws:
     def restore(self) -> None:
         """Put the generators the trace re-seeded or drew from on the CPU back as they were before it."""
         self.reseeded = [(self._source(g), g.get_state()) for g, _ in self.before]
-        self.drew_on_the_host = any(not self._fixed(g) and not torch.equal(g.get_state(), state)
-                                    for g, state in self.start)
+        python, numpy = self.python_start
+        self.drew_on_the_host = (any(not self._fixed(g) and not torch.equal(g.get_state(), state)
+                                     for g, state in self.start)
+                                 or random.getstate() != python or not _same_numpy_state(np.random.get_state(), numpy))
+        random.setstate(python)
+        np.random.set_state(numpy)
         for g, state in (*self.start, *self.before):
             g.set_state(state)
+
+
+def _same_numpy_state(a, b) -> bool:
+    return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
 
 
 class _SeeGenerator(TorchDispatchMode):

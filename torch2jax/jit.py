@@ -1902,8 +1902,9 @@ class JitFunction:
             if generators.drew_on_the_host:
                 raise OpError(
                     "torch2jax: a random op on the CPU (torch.randperm(n), torch.randn(4).to(x.device), a CPU "
-                    "generator) drew from torch's generator inside t2j.jit: its numbers would be constants of the "
-                    "program. Draw them on the jax device (device=x.device) to keep the function one program"
+                    "generator) or Python's random / numpy.random drew on the host inside t2j.jit: its numbers "
+                    "would be constants of the program. Draw them with torch on the jax device (device=x.device) to "
+                    "keep the function one program"
                 )
             if not generators.complete:
                 raise _MoreDraws(len(generators.sources))
