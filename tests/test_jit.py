@@ -1524,3 +1524,37 @@ def test_a_forward_mode_dual_argument_keeps_its_tangent():
         with fwAD.dual_level():
             tangents.append(fwAD.unpack_dual(fn(fwAD.make_dual(x.to(device), torch.ones(3, device=device)))).tangent)
     torch.testing.assert_close(tangents[1].cpu(), tangents[0])
+
+
+def test_a_jitted_function_called_inside_another_is_part_of_its_program():
+    """A jitted forward (`t2j.jit(model)`) called by a jitted train step: inlined into the step's
+    program, as torch.compile inlines, with its dropout masks fresh on every call."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = copy.deepcopy(ref).to("jax")
+    fwd = t2j.jit(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    @t2j.jit
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(fwd(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            ref_opt.zero_grad()
+            expected = F.mse_loss(ref(x), y)
+            expected.backward()
+            ref_opt.step()
+            torch.testing.assert_close(step(x.to("jax"), y.to("jax")).cpu(), expected.detach())
+    assert step.stats["eager_calls"] == 0 and fwd.stats["traces"] == fwd.stats["calls"] == 0
+
+    noisy = t2j.jit(lambda x: F.dropout(x, 0.5))
+    outer = t2j.jit(lambda x: noisy(x) + 0)
+    ones = torch.ones(64, device="jax")
+    assert not torch.equal(outer(ones).cpu(), outer(ones).cpu())

@@ -86,6 +86,7 @@ from .env import config as _config
 from .env import default_rng as _rng
 from .env import draw_seed as _draw_seed
 from .env import generator_draws as _generator_draws
+from .env import _trace_state_clean
 from . import debug as _debug
 from . import gradcut as _gradcut
 from . import symbolic as _sym
@@ -1540,6 +1541,10 @@ class JitFunction:
     # -- the call ---------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        if not _trace_state_clean():
+            # called while a program is traced (by another jitted function, a scan body, a jax.jit):
+            # its ops are that program's, as torch.compile inlines a compiled function it reaches
+            return self.fn(*args, **kwargs)
         self.stats["calls"] += 1
         if torch._C._functorch.maybe_current_level() is not None or _dual_arguments(args, kwargs):
             return self._run_under_transform(args, kwargs)
