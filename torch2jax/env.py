@@ -281,7 +281,8 @@ class GeneratorDraws:
         self.sources: list = []
         # (the dispatcher's object for an argument, its index): held, as the dispatcher makes a new one
         # for a generator whose object has died
-        self.arguments = [(_dispatched_generator(x), i) for i, x in enumerate(leaves) if isinstance(x, torch._C.Generator)]
+        self.arguments = [(g, i) for i, x in enumerate(leaves) if isinstance(x, torch._C.Generator)
+                          and (g := _dispatched_generator(x)) is not None]
         self.start = [(g, g.get_state()) for g in (torch.default_generator, *(g for g, _ in self.arguments))]
         self.python_start = random.getstate(), np.random.get_state()
         self.created: list = []
@@ -352,13 +353,16 @@ class _SeeGenerator(TorchDispatchMode):
         return args[0]
 
 
-def _dispatched_generator(generator: torch.Generator) -> torch.Generator:
+def _dispatched_generator(generator: torch.Generator) -> torch.Generator | None:
     """The object torch's dispatcher passes ops for ``generator``: a wrapper of the same C++
     generator, made on first use and the same from then on (not ``generator`` itself)."""
     empty = torch.empty(0, device="cpu")
     see = _SeeGenerator()
-    with see:
-        empty.uniform_(generator=generator)
+    try:
+        with see:
+            empty.uniform_(generator=generator)
+    except RuntimeError:  # a generator of another device (cuda): no op of ours draws from it
+        return None
     return see.generator
 
 
