@@ -543,19 +543,22 @@ def test_random_ops_on_the_cpu_inside_jit_draw_on_every_call():
         t2j.jit(_cpu_noise, fullgraph=True)(x)
 
 
-def test_cpu_generator_argument_drawn_by_a_cpu_op_inside_jit_runs_eagerly():
+@pytest.mark.parametrize("reached", ["argument", "closure"])
+def test_cpu_generator_drawn_by_a_cpu_op_inside_jit_runs_eagerly(reached):
     import torch2jax as t2j
 
-    def f(x, g):
-        return x + torch.rand(4, generator=g).to(x.device)
+    g = torch.Generator().manual_seed(5)
+
+    def f(x, gen=None):
+        return x + torch.rand(4, generator=gen or g).to(x.device)
 
     x = torch.zeros(4, device="jax")
-    g = torch.Generator().manual_seed(5)
-    eager = [f(x, g) for _ in range(2)]
+    args = (g,) if reached == "argument" else ()
+    eager = [f(x, *args) for _ in range(2)]
     g.manual_seed(5)
     jf = t2j.jit(f)
     with pytest.warns(UserWarning, match="random op on the CPU"):
-        assert all(_same([a], [jf(x, g)]) for a in eager)
+        assert all(_same([a], [jf(x, *args)]) for a in eager)
 
 
 def test_cpu_draws_after_manual_seed_inside_jit_stay_one_program():

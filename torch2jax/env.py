@@ -268,22 +268,23 @@ class GeneratorDraws:
     draws from torch's own generator while the function is traced, and Python's
     ``random`` and ``numpy.random`` draw on the host: their numbers would be constants
     of the program. ``drew_on_the_host`` (set by `restore`) tells, from the states of
-    torch's default CPU generator, of the generator arguments and of Python's and
-    NumPy's global generators, so that the function runs eagerly instead; a ``torch.manual_seed`` inside the function makes the CPU draws
+    torch's default CPU generator, of the generators among the arguments and those the
+    function reaches (``reached``), and of Python's and NumPy's global generators, so that the function runs eagerly instead; a ``torch.manual_seed`` inside the function makes the CPU draws
     after it the same on every call, as above.
 
     Generators are compared as torch's dispatcher hands them to ops
     (`_dispatched_generator`), which is not the Python object the user holds.
     """
 
-    def __init__(self, seeds, leaves):
+    def __init__(self, seeds, leaves, reached=()):
         self.seeds = seeds
         self.sources: list = []
         # (the dispatcher's object for an argument, its index): held, as the dispatcher makes a new one
         # for a generator whose object has died
         self.arguments = [(g, i) for i, x in enumerate(leaves) if isinstance(x, torch._C.Generator)
                           and (g := _dispatched_generator(x)) is not None]
-        self.start = [(g, g.get_state()) for g in (torch.default_generator, *(g for g, _ in self.arguments))]
+        self.start = [(g, g.get_state()) for g in (torch.default_generator, *(g for g, _ in self.arguments),
+                                                   *filter(None, map(_dispatched_generator, reached)))]
         self.python_start = random.getstate(), np.random.get_state()
         self.created: list = []
         self.before: list = []  # (generator, its state before the trace) for each one re-seeded in it
@@ -367,11 +368,11 @@ def _dispatched_generator(generator: torch.Generator) -> torch.Generator | None:
 
 
 @contextlib.contextmanager
-def generator_draws(seeds, leaves):
+def generator_draws(seeds, leaves, reached=()):
     """Inside the block (a `t2j.jit` trace), draws from explicit generators come from ``seeds``
     (see `GeneratorDraws`, the block's value)."""
     outer = default_rng.generator_draws
-    draws = default_rng.generator_draws = GeneratorDraws(seeds, leaves)
+    draws = default_rng.generator_draws = GeneratorDraws(seeds, leaves, reached)
     try:
         yield draws
     finally:

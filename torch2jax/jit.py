@@ -133,6 +133,7 @@ class _Roots:
     def __init__(self):
         self.modules, self.optimizers, self.tensors = [], [], []
         self.cpu_tensors = []  # read at trace time: guarded by `_guard`, not carried
+        self.generators = []  # torch.Generators: a trace must not draw from them on the host (`GeneratorDraws`)
         self.objects = []  # other objects whose attributes were searched (see _python_state)
         self.values = []  # (where, cell or globals dict, name): Python values the functions read (`python_values`)
         self.names = set()  # the global and attribute names the functions' code uses
@@ -163,6 +164,9 @@ class _Roots:
         elif isinstance(obj, torch.Tensor):
             self._seen.add(id(obj))
             self.cpu_tensors.append(obj)
+        elif isinstance(obj, torch._C.Generator):
+            self._seen.add(id(obj))
+            self.generators.append(obj)
         elif isinstance(obj, (list, tuple)):
             self._seen.add(id(obj))
             if isinstance(obj, list) and not summarized:
@@ -1899,7 +1903,7 @@ class JitFunction:
             _sym.GUARDS = guards
             backward_passes = _device.backward_passes
             key, seeds = keys
-            with _rng.traced_key(key) as rng, _generator_draws(seeds, leaves) as generators, \
+            with _rng.traced_key(key) as rng, _generator_draws(seeds, leaves, roots.generators) as generators, \
                     torch.autograd.set_multithreading_enabled(False), \
                     _no_distribution_validation(), _scaler_steps_in_program(), \
                     _numbers_stay_off_the_host(slots.lifted), _wide_step_counters(roots.optimizers):
