@@ -94,3 +94,30 @@ def test_attention_under_torch_func_transforms_and_higher_order_autograd():
 
     for got, want in zip(results("jax"), results("cpu")):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _bce_at_the_edges(x, target):
+    return F.binary_cross_entropy(x, target, weight=torch.arange(1.0, 6.0).to(x.device), reduction="sum")
+
+
+def _bce_of_saturated_sigmoid(x, target):
+    return F.binary_cross_entropy(torch.sigmoid(x * 400 - 200), target)
+
+
+def _multilabel_margin_at_a_zero_hinge(x, target):
+    return F.multilabel_margin_loss(x[:4].reshape(1, 4), torch.tensor([[0, 3, -1, 1]], device=x.device))
+
+
+@pytest.mark.parametrize("loss", [_bce_at_the_edges, _bce_of_saturated_sigmoid, _multilabel_margin_at_a_zero_hinge])
+def test_loss_gradients_where_the_loss_is_flat_match_torch(loss):
+    """Where the forward's clamp or hinge is flat (a probability of exactly 0 or 1, a hinge term
+    of exactly 0), torch's backward formulas give finite values JAX's derivative of the forward
+    would not (NaN, half a subgradient)."""
+    x = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.3])
+    target = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.6])
+    grads = []
+    for device in ("cpu", "jax"):
+        leaf = x.to(device, copy=True).requires_grad_()
+        loss(leaf, target.to(device)).backward()
+        grads.append(leaf.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0])

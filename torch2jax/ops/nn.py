@@ -639,7 +639,8 @@ def _multilabel_margin(x, target, reduction):
     picked = jnp.where(listed, target, -1)
     is_target = (picked[:, :, None] == jnp.arange(classes)[None, None, :]).any(axis=1)
     at_target = jnp.take_along_axis(rows, jnp.clip(target, 0, classes - 1), axis=-1)
-    hinge = jnp.maximum(1 - at_target[:, :, None] + rows[:, None, :], 0)
+    z = 1 - at_target[:, :, None] + rows[:, None, :]
+    hinge = jnp.where(z > 0, z, 0)  # (its gradient at 0 is 0, as torch's kernel counts z > 0 only)
     counted = listed[:, :, None] & ~is_target[:, None, :]
     loss = jnp.sum(jnp.where(counted, hinge, 0), axis=(1, 2)) / classes
     loss = _reduce(loss if x.ndim > 1 else loss.reshape(()), reduction)
@@ -747,7 +748,15 @@ def _binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
 _binary_cross_entropy_jit = jax.jit(_binary_cross_entropy, static_argnums=3)
 
 
-_loss_op(_binary_cross_entropy.compute, aten.binary_cross_entropy_backward.default, reduction_at=1)
+@float_op(aten.binary_cross_entropy_backward.default)
+def binary_cross_entropy_backward(grad, x, target, weight=None, reduction=_MEAN):
+    """torch's formula, ``grad * (x - target) / max(x * (1 - x), 1e-12)``: finite where ``x``
+    is 0 or 1, where the derivative of the forward's clamped logs is not."""
+    out = grad * (x - target) / jnp.maximum((1 - x) * x, 1e-12)
+    if weight is not None:
+        out = out * weight
+    out = jnp.broadcast_to(out, x.shape)
+    return out / x.size if reduction == _MEAN else out
 
 
 @float_op(aten.binary_cross_entropy_with_logits.default)
