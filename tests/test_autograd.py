@@ -151,6 +151,43 @@ def test_backward_hook_error_is_raised_like_torch(name):
     assert str(caught.value) == str(expected.value)
 
 
+def _returning(kind, value):
+    """A backward pass whose ``kind`` of hook returns ``value(gradient)``."""
+
+    def run(dev):
+        w = torch.ones(3, device=dev, requires_grad=True)
+        m = torch.nn.Linear(3, 3).to(dev)
+        if kind == "tensor":
+            w.register_hook(value)
+        elif kind == "post_accumulate_grad":
+            w.register_post_accumulate_grad_hook(value)
+        elif kind == "module_full_backward":
+            m.register_full_backward_hook(lambda mod, grad_input, grad_output: value(grad_input))
+        else:
+            m.register_full_backward_pre_hook(lambda mod, grad_output: value(grad_output))
+        m(w * 2).sum().backward()
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["tensor", "post_accumulate_grad", "module_full_backward", "module_full_backward_pre"])
+@pytest.mark.parametrize("value", [lambda g: (g, g), lambda g: 1,
+                                   lambda g: g.double() if isinstance(g, torch.Tensor) else g,
+                                   lambda g: torch.ones(5)], ids=["tuple", "int", "double", "other_size"])
+def test_hook_returning_the_wrong_thing_raises_like_torch(kind, value):
+    """torch's checks of what a hook returns (the engine's, the module hooks') raise inside the
+    backward pass, where for a jax-device graph the process used to abort."""
+    run = _returning(kind, value)
+    try:
+        run("cpu")
+    except Exception as error:  # noqa: BLE001 - whatever torch raises, the jax device must raise too
+        with pytest.raises(type(error)) as caught:
+            run("jax")
+        assert str(caught.value).replace("torch.jax.", "torch.") == str(error)
+    else:
+        run("jax")
+
+
 def test_hook_deciding_on_gradient_value_under_jit_runs_eagerly():
     def clip(g):
         return g / g.abs().max() if g.abs().max() > 1 else g

@@ -463,10 +463,10 @@ def _hook_errors_deferred(register):
 
     @functools.wraps(register)
     def run(self, hook):
-        from .dispatch import deferring_errors
+        from .dispatch import deferring_errors, tensor_hook_result
         from .tensor import Tensor
 
-        return register(self, deferring_errors(hook) if isinstance(self, Tensor) else hook)
+        return register(self, deferring_errors(hook, tensor_hook_result) if isinstance(self, Tensor) else hook)
 
     return run
 
@@ -477,9 +477,11 @@ def _module_hook_errors_deferred(init):
 
     @functools.wraps(init)
     def run(self, module, user_hooks, user_pre_hooks):
-        from .dispatch import deferring_errors
+        from .dispatch import deferring_errors, module_hook_result
 
-        init(self, module, list(map(deferring_errors, user_hooks)), list(map(deferring_errors, user_pre_hooks)))
+        full, pre = module_hook_result("grad_input"), module_hook_result("grad_output")
+        init(self, module, [deferring_errors(h, full) for h in user_hooks],
+             [deferring_errors(h, pre) for h in user_pre_hooks])
 
     return run
 

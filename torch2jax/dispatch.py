@@ -2054,9 +2054,11 @@ def _keep_backward_error(error):
     pending.append(error)
 
 
-def deferring_errors(hook):
+def deferring_errors(hook, check=None):
     """``hook`` (a backward hook: tensor, post-accumulate-grad, module) with an exception it
-    raises on jax-device gradients kept for `raise_backward_error` instead of raised.
+    raises on jax-device gradients kept for `raise_backward_error` instead of raised, and so
+    is the error ``check(hook, args, result)`` finds in what it returns (torch's own check of
+    it, made by the engine or the module's hook machinery, would raise in the same place).
 
     torch's engine unwinds a Python hook's exception past the stream guard of a
     PrivateUse1 node, whose destructor calls back into Python with the error still set:
@@ -2064,18 +2066,55 @@ def deferring_errors(hook):
     and ``backward()`` / ``autograd.grad`` raise the error as torch does on the CPU.
     """
 
+    def on_jax(args) -> bool:
+        return any(isinstance(a, Tensor) or (isinstance(a, tuple) and any(isinstance(t, Tensor) for t in a))
+                   for a in args)
+
     @functools.wraps(hook)
     def run(*args, **kwargs):
         try:
-            return hook(*args, **kwargs)
+            result = hook(*args, **kwargs)
         except Exception as error:
-            if not any(isinstance(a, Tensor) or (isinstance(a, tuple) and any(isinstance(t, Tensor) for t in a))
-                       for a in args):
+            if not on_jax(args):
                 raise
             _keep_backward_error(error)
             return None
+        error = None if check is None or result is None else check(hook, args, result)
+        if error is not None and on_jax(args):
+            _keep_backward_error(error)
+            return None
+        return result
 
     return run
+
+
+def tensor_hook_result(hook, args, result):
+    """The error torch's engine raises for what a tensor hook returned in place of gradient
+    ``args[0]``, if any."""
+    if not isinstance(result, torch.Tensor):
+        return TypeError(f"expected Variable, but hook returned '{type(result).__name__}'")
+    value, name = args[0], getattr(hook, "__name__", type(hook).__name__)
+    if result.dtype != value.dtype:
+        return RuntimeError(f"hook '{name}' has changed the type of value (was {value.type()} got {result.type()})")
+    if result.shape != value.shape:
+        return RuntimeError(f"hook '{name}' has changed the size of value")
+    return None
+
+
+def module_hook_result(what):
+    """The check of a module's full backward hook (``what="grad_input"``) or backward pre-hook
+    (``"grad_output"``): the number of gradients it returned, as `torch.utils.hooks.BackwardHook`."""
+    hook_kind = "Backward hook" if what == "grad_input" else "Backward pre hook"
+
+    def check(hook, args, result):
+        if not hasattr(result, "__len__"):
+            return TypeError(f"object of type '{type(result).__name__}' has no len()")
+        if len(result) != len(args[1]):
+            return RuntimeError(f"{hook_kind} returned an invalid number of {what}, got {len(result)}, but "
+                                f"expected {len(args[1])}")
+        return None
+
+    return check
 
 
 def raise_backward_error():
