@@ -1558,3 +1558,15 @@ def test_a_jitted_function_called_inside_another_is_part_of_its_program():
     outer = t2j.jit(lambda x: noisy(x) + 0)
     ones = torch.ones(64, device="jax")
     assert not torch.equal(outer(ones).cpu(), outer(ones).cpu())
+
+
+def test_forward_mode_ad_with_python_scalars_stays_one_program():
+    """Forward-mode AD makes meta-device stand-ins of a wrapped Python number's operands
+    (``_to_copy(device="meta")``): inside a trace they need no values."""
+    x = torch.tensor([1.0, 2.0, 3.0])
+    hess = t2j.jit(lambda x: torch.func.hessian(lambda x: (x**3 * 0.5).sum())(x), fullgraph=True)
+    torch.testing.assert_close(hess(x.to("jax")).cpu(), torch.func.hessian(lambda x: (x**3 * 0.5).sum())(x))
+    jvp = t2j.jit(lambda x: torch.func.jvp(lambda x: x * 2 + 1, (x,), (torch.ones_like(x),)), fullgraph=True)
+    for got, want in zip(jvp(x.to("jax")), torch.func.jvp(lambda x: x * 2 + 1, (x,), (torch.ones_like(x),))):
+        torch.testing.assert_close(got.cpu(), want)
+    assert t2j.jit(lambda x: x.to("meta").shape, fullgraph=True)(x.to("jax")) == (3,)

@@ -2149,6 +2149,9 @@ def _cpu_kwargs(kwargs):
 def _host_run(func, args, kwargs):
     """Run ``func`` with torch on CPU; results come back to the jax device."""
     foreign = _is_foreign_device(kwargs)
+    if foreign and torch.device(kwargs["device"]).type == "meta":
+        # (forward-mode AD makes meta stand-ins of its operands): only shapes and dtypes, also traced
+        return func(*_tree_map_tensors(_to_meta, args), **_tree_map_tensors(_to_meta, kwargs))
     if _is_traced((args, kwargs)):
         if foreign:
             raise OpError(f"torch2jax: {func} cannot produce a CPU tensor inside a traced function")
