@@ -736,7 +736,10 @@ def _laid_out(t, strides):
     perm = _tensor.dense_order(shape, strides) if t.dim() >= 2 else None
     if perm is not None:
         base = new_tensor(jax.numpy.transpose(t._value(), perm), requires_grad=False)
-        return dispatch(aten.permute.default, (base, list(np.argsort(perm))), {})
+        out = dispatch(aten.permute.default, (base, list(np.argsort(perm))), {})
+        if out.stride() != tuple(strides):  # a size-1 dimension's stride, which addresses nothing
+            out = Tensor(out._t2j_storage, out._t2j_view, value=out._value(), size=shape, stride=tuple(strides))
+        return out
     # gaps or overlaps: the storage torch allocates (one past the furthest element), seen
     # through those strides, so that overlapping elements are one
     extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
