@@ -269,8 +269,9 @@ class GeneratorDraws:
     ``random`` and ``numpy.random`` draw on the host: their numbers would be constants
     of the program. ``drew_on_the_host`` (set by `restore`) tells, from the states of
     torch's default CPU generator, of the generators among the arguments and those the
-    function reaches (``reached``), and of Python's and NumPy's global generators, so that the function runs eagerly instead; a ``torch.manual_seed`` inside the function makes the CPU draws
-    after it the same on every call, as above.
+    function reaches (``reached``), and of Python's and NumPy's global generators, so
+    that the function runs eagerly instead; a ``torch.manual_seed`` inside the function
+    makes the CPU draws after it the same on every call, as above.
 
     Generators are compared as torch's dispatcher hands them to ops
     (`_dispatched_generator`), which is not the Python object the user holds.
@@ -289,8 +290,6 @@ class GeneratorDraws:
         self.created: list = []
         self.before: list = []  # (generator, its state before the trace) for each one re-seeded in it
         self.reseeded: list = []
-        # whether a random op on the CPU drew from torch's default generator or from a generator
-        # argument during the trace, other than after re-seeding it there
         self.drew_on_the_host = False
 
     def _fixed(self, generator) -> bool:
