@@ -293,3 +293,76 @@ def test_functionalize_with_closed_over_state_under_transforms():
     assert jax.grad(lambda v: (fn(state, v) ** 3).sum())(x).shape == (4, 3)
     assert jax.vmap(fn, in_axes=(None, 0))(state, jnp.stack([x, x])).shape == (2, 4, 3)
     np.testing.assert_array_equal(state["buffers"]["running_mean"], np.zeros(3))  # the state itself is unchanged
+
+
+def test_torch_func_grad_through_call_jax_with_an_integer_argument():
+    w = torch.randn(5, 3)
+    ids = torch.tensor([0, 2, 2])
+
+    def loss(w, ids):
+        return t2j.call_jax(lambda w, i: jnp.sum(w[i] ** 2), w, ids)
+
+    got = torch.func.grad(loss)(w.to("jax"), ids.to("jax"))
+    want = torch.func.grad(lambda w, ids: (w[ids] ** 2).sum())(w, ids)
+    np.testing.assert_allclose(got.cpu().numpy(), want.numpy(), rtol=1e-6)
+    jac = torch.func.jacrev(loss)(w.to("jax"), ids.to("jax"))
+    np.testing.assert_allclose(jac.cpu().numpy(), want.numpy(), rtol=1e-6)
+
+
+def test_call_jax_returns_python_values_as_they_are_with_grad():
+    x = torch.ones(3, device="jax", requires_grad=True)
+    out = t2j.call_jax(lambda x: {"loss": (x ** 2).sum(), "n": 3, "name": "sq"}, x)
+    assert out["n"] == 3 and out["name"] == "sq"
+    out["loss"].backward()
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_torch_view_passes_typed_keys_through():
+    key = jax.random.key(0)
+    tree = t2j.torch_view({"x": jnp.ones(2), "key": key})
+    assert isinstance(tree["x"], t2j.Tensor) and tree["key"] is key
+    y = t2j.call_jax(lambda x, k: x + jax.random.normal(k, x.shape), tree["x"], tree["key"])
+    np.testing.assert_allclose(y.cpu().numpy(), 1 + np.asarray(jax.random.normal(key, (2,))), rtol=1e-6)
+
+
+def test_without_x64_call_torch_and_functionalize_trade_ints_as_jax_and_torch_expect():
+    assert not jax.config.jax_enable_x64
+    x = jnp.arange(3.0)
+    i = t2j.call_torch(lambda t: t.argmax(), x)
+    assert i.dtype == jnp.int32  # JAX's own integers, which lax.cond and scan carries must match
+    assert int(jax.lax.cond(True, lambda x: t2j.call_torch(lambda t: t.argmax(), x), jnp.argmax, x)) == 2
+    # JAX's int32 labels reach torch as int64, which cross_entropy requires
+    model = nn.Linear(4, 3)
+    fn, state = t2j.functionalize(model)
+    data, labels = _x(6, 4), np.array([0, 2, 1, 1, 0, 2], np.int32)
+    loss = jax.jit(lambda s, x, y: t2j.call_torch(nn.functional.cross_entropy, fn(s, x), y))(state, data, labels)
+    want = nn.functional.cross_entropy(model(torch.from_numpy(data)), torch.from_numpy(labels).long())
+    np.testing.assert_allclose(float(loss), want.item(), rtol=1e-5)
+    assert t2j.call_torch(lambda t: t.double(), x).dtype == jnp.float32
+
+
+def test_jit_retraces_when_a_jax_array_it_reads_is_replaced():
+    class Config:
+        mask = jnp.array([1.0, 0.0, 1.0])
+
+    cfg = Config()
+    step = t2j.jit(lambda x: t2j.call_jax(lambda v: v * cfg.mask, x))
+    x = torch.ones(3, device="jax")
+    assert step(x).tolist() == [1.0, 0.0, 1.0]
+    cfg.mask = jnp.array([0.0, 3.0, 0.0])
+    assert step(x).tolist() == [0.0, 3.0, 0.0]
+    assert step.stats["traces"] == 2
+    step(x)
+    assert step.stats["traces"] == 2
+
+
+GLOBAL_SCALE = jnp.array([2.0, 2.0])
+
+
+def test_jit_retraces_when_a_global_jax_array_it_reads_is_replaced():
+    global GLOBAL_SCALE
+    step = t2j.jit(lambda x: x * t2j.torch_view(GLOBAL_SCALE))
+    x = torch.ones(2, device="jax")
+    assert step(x).tolist() == [2.0, 2.0]
+    GLOBAL_SCALE = jnp.array([5.0, 6.0])
+    assert step(x).tolist() == [5.0, 6.0]

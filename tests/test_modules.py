@@ -489,3 +489,53 @@ def test_round_trip_torch_to_nnx_to_torch_matches_torch():
     grads = {n.removeprefix("jax_params.params.").replace("_", "."): p.grad.cpu().numpy()
              for n, p in wrapped.named_parameters()}
     _assert_tree_close(grads, expected)
+
+
+def test_functionalize_and_functional_call_of_a_model_holding_a_from_nnx_layer():
+    jax_layer = t2j.modules.from_nnx(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+    model = nn.Sequential(nn.Linear(3, 4), jax_layer).to("jax")
+    x = torch.randn(2, 3)
+    want = model(x.to("jax")).detach().cpu().numpy()
+    fn, state = t2j.functionalize(model)
+    np.testing.assert_allclose(np.asarray(fn(state, jnp.asarray(x.numpy()))), want, rtol=1e-5)
+    params = {k: v * 2 for k, v in model.named_parameters()}
+    doubled = torch.func.functional_call(model, params, (x.to("jax"),))
+    w0, b0, k1, b1 = (params[n].detach().cpu() for n in ("0.weight", "0.bias", "1.jax_params.kernel",
+                                                         "1.jax_params.bias"))
+    np.testing.assert_allclose(doubled.detach().cpu().numpy(), ((x @ w0.T + b0) @ k1 + b1).numpy(), rtol=1e-5)
+
+
+def test_to_equinox_inference_mode_without_buffers_turns_dropout_off():
+    torch_model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).to("jax")
+    x = jnp.ones((4, 8))
+    model = eqx.nn.inference_mode(t2j.modules.to_equinox(torch_model))
+    np.testing.assert_array_equal(model(x), model(x))
+    np.testing.assert_array_equal(eqx.filter_jit(lambda m, x: m(x))(model, x), model(x))
+    training = eqx.nn.inference_mode(model, value=False)
+    assert (training(x, key=jax.random.key(0)) == 0).any()
+
+
+class _DropoutNnx(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.drop(self.bn(self.lin(x)))
+
+
+def test_from_nnx_with_state_runs_under_torch_func_in_eval_mode():
+    layer = t2j.modules.from_nnx(_DropoutNnx()).eval()
+    x = torch.randn(3, 4, device="jax")
+    g = torch.func.grad(lambda v: layer(v).sum())(x)
+    x_ = x.clone().requires_grad_()
+    layer(x_).sum().backward()
+    np.testing.assert_allclose(g.detach().cpu().numpy(), x_.grad.cpu().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(torch.func.vmap(layer)(x[:, None]).squeeze(1).detach().cpu().numpy(),
+                               layer(x).detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+    # in training mode the statistics still update
+    layer.train()
+    before = layer.jax_state.bn.mean.clone()
+    layer(x)
+    assert not torch.equal(before, layer.jax_state.bn.mean)

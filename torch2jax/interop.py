@@ -61,6 +61,8 @@ def _to_jax(x):
 
 
 def _to_torch(x):
+    if isinstance(x, (jax.Array, jax.core.Tracer)) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        return x  # a typed PRNG key: no torch dtype holds one, and JAX code (call_jax) takes it as it is
     if isinstance(x, (jax.Array, jax.core.Tracer)):
         return new_tensor(x)
     if isinstance(x, np.ndarray):
@@ -107,10 +109,37 @@ class _JaxCallable:
         self.fn = fn
 
     def __call__(self, *args, **kwargs):
+        x64 = _jax_config.enable_x64.get_global()
         args, kwargs = torch_view((args, kwargs))
         with _jax_differentiated():
-            out = self.fn(*args, **kwargs)
+            args, kwargs = _as_given((args, kwargs), x64)
+            out = _as_returned(self.fn(*args, **kwargs), x64)
         return jax_view(out)
+
+
+def _as_given(tree, x64):
+    """The tensors of ``tree``, from JAX code, as torch code gets them: without JAX's 64-bit
+    types (``x64`` False) JAX's integers are int32, and they become torch's int64 (class labels
+    and indices must be), as `_as_returned` makes torch's int64 JAX's int32 on the way back."""
+    if x64:
+        return tree
+    return torch_pytree.tree_map(lambda t: t.long() if isinstance(t, torch.Tensor) and t.dtype == torch.int32 else t,
+                                 tree)
+
+
+def _as_returned(tree, x64):
+    """The tensors of ``tree`` as JAX code running without JAX's 64-bit types gets them:
+    64-bit dtypes narrowed as JAX narrows them (`_NARROWER`), so they mix with its own arrays."""
+    if x64:
+        return tree
+
+    def narrowed(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        narrower = _NARROWER.get(np.dtype(_dt.to_jax(t.dtype)))
+        return t if narrower is None else t.to(_dt.to_torch(narrower))
+
+    return torch_pytree.tree_map(narrowed, tree)
 
 
 class _TorchCallable:
@@ -150,7 +179,8 @@ def zero_cotangent(aval):
 
 
 def differentiable_vjp(pull, primals, grads, avals, x64=True):
-    """The gradients a torch2jax Function's backward returns for ``primals``, computed as
+    """The gradients a torch2jax Function's backward returns for ``primals`` (None for an integer
+    one), computed as
     `call_jax` of its VJP ``pull(primal_arrays, cotangent_arrays)`` (JAX's convention), so that
     a second backward differentiates them again in JAX, and a third, to any order. ``x64``:
     whether ``pull`` runs with JAX's 64-bit types (torch2jax's own programs do).
@@ -163,7 +193,14 @@ def differentiable_vjp(pull, primals, grads, avals, x64=True):
                                               ctx.avals))
     """
     cotangents = [zero_cotangent(a) if g is None else g for g, a in zip(grads, avals)]
-    return list(_call_jax(lambda ps, cs: torch_pullback(pull, ps, cs), (list(primals), cotangents), {}, x64))
+    # an integer primal's gradient is JAX's float0, which no torch tensor holds: it gets None
+    inexact = list(map(_inexact, primals))
+
+    def pull_inexact(ps, cs):
+        return [g for g, keep in zip(torch_pullback(pull, ps, cs), inexact) if keep]
+
+    got = iter(_call_jax(pull_inexact, (list(primals), cotangents), {}, x64))
+    return [next(got) if keep else None for keep in inexact]
 
 
 # Without JAX's 64-bit types, JAX turns 64-bit arrays into these (warning at every op)
@@ -288,15 +325,16 @@ def _call_jax(jax_fn, args, kwargs, x64):
         a, k = torch_pytree.tree_unflatten(filled, spec)
         out = jax_fn(*a, **k)
         flat, out_tree["def"] = jax.tree_util.tree_flatten(out)
-        return flat
+        # Python values among the outputs (a count, a name) come back as they are, not through autograd
+        out_tree["values"] = [None if _is_jax_leaf(o) else o for o in flat]
+        return [o for o in flat if _is_jax_leaf(o)]
 
     if not through:
         with jax.enable_x64(x64):
-            flat = call()
-        return jax.tree_util.tree_unflatten(out_tree["def"], [_to_torch(o) for o in flat])
-
-    outs = _JaxFunction.apply(call, x64, _Saved(), *[leaves[i] for i in through])
-    return jax.tree_util.tree_unflatten(out_tree["def"], list(outs))
+            outs = iter(map(_to_torch, call()))
+    else:
+        outs = iter(_JaxFunction.apply(call, x64, _Saved(), *[leaves[i] for i in through]))
+    return jax.tree_util.tree_unflatten(out_tree["def"], [next(outs) if v is None else v for v in out_tree["values"]])
 
 
 def _functorch_wrapped(x) -> bool:
@@ -337,10 +375,13 @@ class Functional:
         tensors = {name: new_tensor(a) for name, a in state.get("params", {}).items()}
         buffers = {name: new_tensor(a) for name, a in state.get("buffers", {}).items()}
         tensors.update(buffers)
+        x64 = _jax_config.enable_x64.get_global()
         args, kwargs = torch_view((args, kwargs))
         rng_scope = _rng.traced_key(rng) if rng is not None else contextlib.nullcontext()
         with _jax_differentiated(), rng_scope, _tensor.call_local([t._t2j_storage for t in tensors.values()]):
+            args, kwargs = _as_given((args, kwargs), x64)
             out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=True, strict=False)
+            out = _as_returned(out, x64)
         new_state = {"params": {n: tensors[n]._value() for n in state.get("params", {})},
                      "buffers": {n: b._value() for n, b in buffers.items()}}
         return jax_view(out), new_state

@@ -118,6 +118,12 @@ def _guardable(v) -> bool:
     return type(v) is tuple and len(v) <= 16 and all(_guardable(x) for x in v)
 
 
+def _constant_array(v) -> bool:
+    """A jax.Array (not a tracer): JAX code the trace reaches (`call_jax`) bakes it into the
+    program, so the cache key holds it by identity (`_Same`)."""
+    return isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)
+
+
 @functools.lru_cache(maxsize=1024)
 def _global_names(code: types.CodeType) -> tuple:
     names = set(code.co_names)
@@ -210,7 +216,7 @@ class _Roots:
                     value = cell.cell_contents
                 except ValueError:  # an empty cell
                     continue
-                if _guardable(value):
+                if _guardable(value) or _constant_array(value):
                     self.values.append((f"{fn.__qualname__}: {name}", cell, None))
                 self.add(value, depth)
         self.add(fn.__defaults__, depth)
@@ -221,13 +227,13 @@ class _Roots:
         for name in names:
             if name in g:
                 value = g[name]
-                if _guardable(value) and not name.startswith("__"):
+                if (_guardable(value) or _constant_array(value)) and not name.startswith("__"):
                     self.values.append((f"global {name}", g, name))
                 self.add(value, depth)
 
     def python_values(self, lift=None, raw: bool = False) -> tuple:
-        """The Python numbers, strings and flags the functions read as constants: closure
-        cells and globals their code names, attributes of the objects they reach that their
+        """The Python numbers, strings and flags (and jax.Arrays, by identity: `_Same`) the
+        functions read as constants: closure cells and globals their code names, attributes of the objects they reach that their
         code names (``cfg.scale``) and the items of dicts they reach (``CONFIG["scale"]``).
         Each new value traces again, as torch.compile guards on them, but a number that
         changes from call to call becomes a program input (`lifts`): `_LiftedNumber` stands
@@ -245,6 +251,9 @@ class _Roots:
         out = []
         lifts = None if raw else self.lifts
         for where, v, source, name in values:
+            if _constant_array(v) and where not in self.unguarded:
+                out.append((where, _Same(v)))
+                continue
             if where in self.unguarded or not _guardable(v):
                 continue
             if lifts is not None and _lifted_number(v) and lifts.lifts(("value", where), v):
@@ -285,6 +294,26 @@ def _optimizer_on_jax(opt) -> bool:
     one stepping CPU parameters, e.g. a reference run's, is not the function's state)."""
     p = next((p for g in opt.param_groups for p in g["params"]), None)
     return p is None or isinstance(p, Tensor)
+
+
+class _Same:
+    """A jax.Array the function reads as a constant (``cfg.mask``), in a cache key: it matches
+    the same array object only (comparing values would wait for the device), and holds it so
+    that its id is not reused."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return type(other) is _Same and other.value is self.value
+
+    def __hash__(self):
+        return id(self.value)
+
+    def __repr__(self):
+        return f"<jax.Array {self.value.dtype}{list(self.value.shape)} at {id(self.value):#x}>"
 
 
 def _python_value(v, depth=0):

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import equinox as eqx
 import jax
@@ -144,7 +145,8 @@ class EquinoxModule(eqx.Module):
 
     def __call__(self, *args, state: eqx.nn.State | None = None, key=None, **kwargs):
         if self.buffers is None:
-            return self.functional({"params": self.params, "buffers": {}}, *args, rng=key, **kwargs)
+            with _training(self.functional.module, not self.inference):
+                return self.functional({"params": self.params, "buffers": {}}, *args, rng=key, **kwargs)
         if state is None:
             raise TypeError(
                 f"t2j.modules.to_equinox: {type(self.functional.module).__name__} has buffers, which live in an "
@@ -228,8 +230,8 @@ class _Leaves:
             self.key_impls.append(impl)
 
     def tensors(self, owner: torch.nn.Module) -> list:
-        get = owner.get_parameter if self.kind == "param" else owner.get_buffer
-        return [get(n) for n in self.names]
+        # by attribute, not get_parameter: torch.func.functional_call (functionalize) swaps plain tensors in
+        return [functools.reduce(getattr, n.split("."), owner) for n in self.names]
 
     def tree(self, arrays):
         arrays = [jax.random.wrap_key_data(a, impl=impl) if impl is not None else a
@@ -267,9 +269,21 @@ def _jax_errors(fn_name: str, module, args):
 
 
 def _write_buffers(buffers: list, values: list) -> None:
+    """Write the JAX module's new state into its buffers; None: unchanged (an eval forward's
+    statistics), not written, so that torch.func transforms, which refuse writes to the tensors
+    they capture, run it."""
     with torch.no_grad():
         for b, v in zip(buffers, values):
-            b.copy_(v)
+            if v is not None:
+                b.copy_(v)
+
+
+def _changed(leaves: _Leaves, before: list, after) -> list:
+    """``after``'s flat arrays, None where the leaf is still the array of ``before`` (the leaves
+    given to the call, listed before it: nnx updates its state objects in place); a trace hands
+    back the very value it was given for state the call did not update."""
+    same = [a is b for a, b in zip(leaves.treedef.flatten_up_to(after), before)]
+    return [None if s else a for a, s in zip(leaves.flat(after), same)]
 
 
 class FromNnx(torch.nn.Module):
@@ -289,12 +303,14 @@ class FromNnx(torch.nn.Module):
         training = self.training
 
         def pure(param_arrays, rest_arrays, args, kwargs):
-            module = nnx.merge(graphdef, leaves.tree(param_arrays), rest_leaves.tree(rest_arrays))
+            rest = rest_leaves.tree(rest_arrays)
+            before = rest_leaves.treedef.flatten_up_to(rest)
+            module = nnx.merge(graphdef, leaves.tree(param_arrays), rest)
             module.set_attributes(deterministic=not training, use_running_average=not training,
                                   raise_if_not_found=False)
             out = module(*args, **kwargs)
             _, _, new_rest = nnx.split(module, nnx.Param, ...)
-            return out, rest_leaves.flat(new_rest)
+            return out, _changed(rest_leaves, before, new_rest)
 
         buffers = rest_leaves.tensors(self.jax_state)
         with _jax_errors("from_nnx", self._t2j_module, args):
@@ -366,13 +382,14 @@ class FromEquinox(torch.nn.Module):
             if state_leaves is None:
                 return jax.vmap(module, axis_name=axis_name)(*args, **kwargs) if vmap else module(*args, **kwargs)
             state = state_leaves.tree(state_arrays)
+            before = state_leaves.treedef.flatten_up_to(state)  # (equinox refuses a used state)
 
             def call(*a, **k):
                 return module(*a, state=state, **k)
 
             out, new_state = (jax.vmap(call, axis_name=axis_name, out_axes=(0, None))(*args, **kwargs) if vmap
                               else call(*args, **kwargs))
-            return out, state_leaves.flat(new_state)
+            return out, _changed(state_leaves, before, new_state)
 
         buffers = state_leaves.tensors(self.jax_state) if state_leaves is not None else []
         with _jax_errors("from_equinox", self._t2j_static, args):
