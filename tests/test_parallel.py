@@ -3,7 +3,10 @@ count is fixed when JAX starts)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import operator
 import os
 import subprocess
 import sys
@@ -228,3 +231,72 @@ def test_sharded_checkpoint_resume(tmp_path):
     """)
     assert r["resumed"] == pytest.approx(r["full"], abs=1e-6)
     assert r["spec"] == r["state_spec"] == "P('data',)"
+
+
+def test_shard_map_collectives_reduce_ops_ranks_async_and_checks():
+    r = run_8("""
+        import torch.distributed as dist
+        mesh = P.make_mesh({"data": 4, "model": 2})
+        dp = P.new_group("data")
+        x = torch.arange(1.0, 9.0).reshape(4, 2)             # one number per device, in rank order
+
+        def body(x):
+            out = {}
+            for op in ("MAX", "MIN", "PRODUCT"):
+                big = x.repeat(8, 1) * torch.arange(1.0, 9.0, device="jax")[:, None]
+                part = torch.empty(2, 1, device="jax")
+                dist.reduce_scatter_tensor(part, big, op=getattr(dist.ReduceOp, op), group=dp)
+                out["rs_" + op] = part
+            p = x.clone()
+            work = dist.all_reduce(p, op=dist.ReduceOp.PRODUCT, async_op=True)
+            out["wait"] = torch.tensor([float(work.wait())], device="jax")
+            out["product"] = p
+            bits = x.to(torch.int64)
+            dist.all_reduce(bits, op=dist.ReduceOp.BOR)
+            out["bor"] = bits
+            b, g = x.clone(), x.clone()
+            dist.broadcast(b, src=3, group=dp)                  # global rank 3: data 1, model 1
+            dist.broadcast(g, group_src=2, group=dp)
+            out["b"], out["g"] = b, g
+            parts = [torch.empty_like(x) for _ in range(4)]
+            dist.all_gather(parts, x, group=dp)
+            out["gathered"] = torch.cat(parts, 1)
+            red = x.clone()
+            dist.reduce(red, dst=0, group=dp)
+            out["reduced"] = red
+            dist.barrier()
+            errors = []
+            for bad in (lambda: dist.all_gather_into_tensor(torch.empty(3, 1, device="jax"), x, group=dp),
+                        lambda: dist.all_gather_into_tensor(torch.empty(4, 1, device="jax", dtype=torch.float64), x,
+                                                            group=dp),
+                        lambda: dist.broadcast(x.clone(), src=8)):
+                try:
+                    bad()
+                except (ValueError, TypeError) as e:
+                    errors.append(str(e))
+            out["errors"] = torch.tensor([float(len(errors))], device="jax")
+            body.errors = errors
+            return {k: v.reshape(1, -1) for k, v in out.items()}  # (laid out in rank order)
+
+        specs = {k: ("data", "model") for k in ("rs_MAX", "rs_MIN", "rs_PRODUCT", "product", "bor", "b", "g",
+                                                "gathered", "reduced", "wait", "errors")}
+        res = P.shard_map(body, mesh, in_specs=(("data", "model"),), out_specs=specs)(x.to("jax"))
+        print(json.dumps({**{k: v.flatten().tolist() for k, v in res.items()}, "messages": body.errors}))
+    """)
+    # device (d, m) holds x = 2 d + m + 1; the data group of model column m holds m + 1, m + 3, m + 5, m + 7
+    col = {m: [2 * d + m + 1.0 for d in range(4)] for m in range(2)}
+    rows = [(d, m) for d in range(4) for m in range(2)]
+    # reduce_scatter of big = x * [1..8]: member d keeps rows 2d, 2d + 1 of the reduction over the group
+    for op, f in (("MAX", max), ("MIN", min), ("PRODUCT", math.prod)):
+        want = []
+        for d, m in rows:
+            want += [f(v * (2 * d + k + 1) for v in col[m]) for k in range(2)]
+        assert r["rs_" + op] == want, op
+    assert r["product"] == [float(math.factorial(8))] * 8 and r["wait"] == [1.0] * 8
+    assert r["bor"] == [float(functools.reduce(operator.or_, range(1, 9)))] * 8
+    assert r["b"] == [col[m][1] for _, m in rows]               # rank 3 is the data group's member 1
+    assert r["g"] == [col[m][2] for _, m in rows]
+    assert r["gathered"] == [v for _, m in rows for v in col[m]]
+    assert r["reduced"] == [sum(col[m]) if d == 0 else 2 * d + m + 1.0 for d, m in rows]
+    assert r["errors"] == [3.0] * 8
+    assert "shape [3, 1]" in r["messages"][0] and "same dtype" in r["messages"][1] and "src=8" in r["messages"][2]

@@ -2,7 +2,8 @@
 
 Inside a `t2j.parallel.shard_map` body the torch function sees one shard per
 device. `torch.distributed`'s collectives (``all_reduce``, ``all_gather_into_tensor``,
-``reduce_scatter_tensor``, ``all_to_all_single``, ``broadcast``, and the functional
+``reduce_scatter_tensor``, ``all_to_all_single``, ``broadcast``, ``all_gather``, ``reduce``,
+``barrier`` (``async_op=True`` gives a completed work object), and the functional
 collectives of ``torch.distributed._functional_collectives``) lower to
 ``lax.psum`` / ``all_gather`` / ``psum_scatter`` / ``all_to_all`` over the mesh
 axes of the process group; ``get_rank`` / ``get_world_size`` answer from the mesh.
@@ -19,6 +20,7 @@ import math
 import threading
 
 import jax
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401 - defines _c10d_functional's Python-side ops
@@ -89,6 +91,15 @@ def _size(axes):
     return math.prod(_mesh().shape[a] for a in axes)
 
 
+# reductions without a lax primitive: every shard gathered, then reduced in order
+_GATHERED_REDUCTIONS = {
+    "product": lambda g: jax.numpy.prod(g, axis=0),
+    "band": lambda g: functools.reduce(jax.numpy.bitwise_and, g),
+    "bor": lambda g: functools.reduce(jax.numpy.bitwise_or, g),
+    "bxor": lambda g: functools.reduce(jax.numpy.bitwise_xor, g),
+}
+
+
 def _reduce(value, op, axes):
     op = str(op).lower().rsplit(".", 1)[-1]
     if op in ("sum",):
@@ -99,14 +110,35 @@ def _reduce(value, op, axes):
         return jax.lax.pmax(value, axes)
     if op == "min":
         return jax.lax.pmin(value, axes)
-    raise RuntimeError(f"torch2jax: reduce op {op!r} is not supported in collectives (sum, avg, max, min)")
+    if op in _GATHERED_REDUCTIONS:
+        if op != "product" and jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
+            raise RuntimeError(f"torch2jax: reduce op {op.upper()} needs an integer or bool tensor, got {value.dtype}")
+        return _GATHERED_REDUCTIONS[op](jax.lax.all_gather(value, axes, axis=0)).astype(value.dtype)
+    raise RuntimeError(f"torch2jax: reduce op {op!r} is not supported in collectives "
+                       "(sum, avg, max, min, product, band, bor, bxor)")
 
 
 def _op_name(op):
-    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
+    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR"):
         if op == getattr(dist.ReduceOp, name):
             return name.lower()
     return str(op)
+
+
+def _group_rank_of(src: int, axes, what: str) -> int:
+    """The rank within the group over mesh ``axes`` of global rank ``src`` (ranks count
+    devices in the mesh's order, as `get_rank` does). In SPMD every group runs the call:
+    each takes its member at ``src``'s place in the group as the source (or destination),
+    torch's behaviour for the group that holds ``src``."""
+    mesh = _mesh()
+    world = math.prod(mesh.shape.values())
+    if not 0 <= src < world:
+        raise ValueError(f"torch2jax: {what}={src} is not a rank of the mesh's {world} devices")
+    coords = dict(zip(mesh.axis_names, map(int, np.unravel_index(src, [mesh.shape[a] for a in mesh.axis_names]))))
+    rank = 0
+    for a in axes:
+        rank = rank * mesh.shape[a] + coords[a]
+    return rank
 
 
 # -- functional collectives (torch.ops._c10d_functional) --------------------------
@@ -127,8 +159,14 @@ def all_gather_into_tensor(x, group_size, group_name):
 @register(_c10d.reduce_scatter_tensor.default)
 def reduce_scatter_tensor(x, reduce_op, group_size, group_name):
     axes = _axes(group_name)
-    out = jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
-    return out / _size(axes) if str(reduce_op).lower() in ("avg", "mean") else out
+    op = str(reduce_op).lower().rsplit(".", 1)[-1]
+    if op in ("sum", "avg", "mean"):
+        out = jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
+        return out / _size(axes) if op != "sum" else out
+    # the others reduce everything, then each member keeps its block
+    n = _size(axes)
+    block = x.shape[0] // n
+    return jax.lax.dynamic_slice_in_dim(_reduce(x, op, axes), jax.lax.axis_index(axes) * block, block)
 
 
 @register(_c10d.all_to_all_single.default)
@@ -142,6 +180,7 @@ def all_to_all_single(x, output_split_sizes, input_split_sizes, group_name):
 
 @register(_c10d.broadcast.default)
 def broadcast(x, src, group_name):
+    """``src``: the source's rank within the group."""
     axes = _axes(group_name)
     mine = jax.lax.axis_index(axes) == src
     return jax.lax.psum(jax.numpy.where(mine, x, jax.numpy.zeros_like(x)), axes)
@@ -155,31 +194,115 @@ def wait_tensor(x):
 # -- torch.distributed's in-place API, while a shard_map body runs ------------------
 
 
-def _in_place(t: torch.Tensor, value):
+def _in_place(t: torch.Tensor, value, what: str):
     if not isinstance(t, Tensor):
-        raise RuntimeError("torch2jax: collectives inside shard_map take tensors on the jax device")
-    t._assign(value.astype(t._value().dtype))
+        raise RuntimeError(f"torch2jax: {what} inside shard_map takes tensors on the jax device")
+    if tuple(t.shape) != tuple(value.shape):
+        raise ValueError(f"torch2jax: {what}: the output tensor has shape {list(t.shape)}, the result has shape "
+                         f"{list(value.shape)}")
+    t._assign(value)
+
+
+def _same_dtype(what, output, input):
+    if output.dtype != input.dtype:
+        raise TypeError(f"torch2jax: {what}: output and input tensors must have the same dtype, got {output.dtype} "
+                        f"and {input.dtype}")
+
+
+class _Work:
+    """What an ``async_op=True`` collective returns: inside a shard_map body the collective is
+    part of the program, so it is complete when the call returns."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self):
+        return self._result
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(self._result)
+        return future
+
+
+def _done(async_op, *tensors):
+    return _Work(list(tensors)) if async_op else None
 
 
 def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    _in_place(tensor, _reduce(tensor._value(), _op_name(op), _axes(group)))
+    _in_place(tensor, _reduce(tensor._value(), _op_name(op), _axes(group)), "all_reduce")
+    return _done(async_op, tensor)
 
 
 def _all_gather_into_tensor(output, input, group=None, async_op=False):
-    _in_place(output, jax.lax.all_gather(input._value(), _axes(group), axis=0, tiled=True))
+    _same_dtype("all_gather_into_tensor", output, input)
+    _in_place(output, jax.lax.all_gather(input._value(), _axes(group), axis=0, tiled=True), "all_gather_into_tensor")
+    return _done(async_op, output)
+
+
+def _all_gather(tensor_list, tensor, group=None, async_op=False):
+    axes = _axes(group)
+    if len(tensor_list) != _size(axes):
+        raise ValueError(f"torch2jax: all_gather: tensor_list has {len(tensor_list)} tensors, the group has "
+                         f"{_size(axes)} members")
+    gathered = jax.lax.all_gather(tensor._value(), axes, axis=0)
+    for i, t in enumerate(tensor_list):
+        _same_dtype("all_gather", t, tensor)
+        _in_place(t, gathered[i], "all_gather")
+    return _done(async_op, *tensor_list)
 
 
 def _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    _in_place(output, reduce_scatter_tensor(input._value(), _op_name(op), None, _group_of(group)))
+    _same_dtype("reduce_scatter_tensor", output, input)
+    n = _size(_axes(group))
+    if input.shape[0] % n:
+        raise ValueError(f"torch2jax: reduce_scatter_tensor: the input's first dimension ({input.shape[0]}) is not "
+                         f"divisible by the group's {n} members")
+    _in_place(output, reduce_scatter_tensor(input._value(), _op_name(op), None, _group_of(group)),
+              "reduce_scatter_tensor")
+    return _done(async_op, output)
 
 
 def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    _same_dtype("all_to_all_single", output, input)
     sizes = output_split_sizes or []
-    _in_place(output, all_to_all_single(input._value(), sizes, input_split_sizes or [], _group_of(group)))
+    _in_place(output, all_to_all_single(input._value(), sizes, input_split_sizes or [], _group_of(group)),
+              "all_to_all_single")
+    return _done(async_op, output)
 
 
-def _broadcast(tensor, src, group=None, async_op=False):
-    _in_place(tensor, broadcast(tensor._value(), src, _group_of(group)))
+def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    axes = _axes(group)
+    if (src is None) == (group_src is None):
+        raise ValueError("torch2jax: broadcast takes exactly one of src (a global rank) and group_src")
+    rank = group_src if group_src is not None else _group_rank_of(src, axes, "broadcast: src")
+    _in_place(tensor, broadcast(tensor._value(), rank, _group_of(group)), "broadcast")
+    return _done(async_op, tensor)
+
+
+def _reduce_to(tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False, group_dst=None):
+    axes = _axes(group)
+    if (dst is None) == (group_dst is None):
+        raise ValueError("torch2jax: reduce takes exactly one of dst (a global rank) and group_dst")
+    rank = group_dst if group_dst is not None else _group_rank_of(dst, axes, "reduce: dst")
+    value = tensor._value()
+    reduced = _reduce(value, _op_name(op), axes)
+    _in_place(tensor, jax.numpy.where(jax.lax.axis_index(axes) == rank, reduced, value), "reduce")
+    return _done(async_op, tensor)
+
+
+def _barrier(group=None, async_op=False, device_ids=None):
+    _axes(group)  # (inside a program the devices run in lockstep: nothing to wait for)
+    return _done(async_op)
 
 
 def _group_of(group):
@@ -197,6 +320,9 @@ def _get_world_size(group=None):
 _PATCHES = {
     "all_reduce": _all_reduce,
     "all_gather_into_tensor": _all_gather_into_tensor,
+    "all_gather": _all_gather,
+    "reduce": _reduce_to,
+    "barrier": _barrier,
     "reduce_scatter_tensor": _reduce_scatter_tensor,
     "all_to_all_single": _all_to_all_single,
     "broadcast": _broadcast,

@@ -30,6 +30,8 @@ def _spec(s):
 
 
 def _specs(specs):
+    if isinstance(specs, dict):  # one spec per output of a dict of outputs
+        return {k: _spec(v) for k, v in specs.items()}
     if isinstance(specs, list):
         return [_spec(s) for s in specs]
     if isinstance(specs, tuple) and all(isinstance(s, (tuple, list, PartitionSpec, type(None))) or isinstance(s, str)
@@ -42,7 +44,8 @@ def shard_map(torch_fn, mesh, in_specs, out_specs, check_vma: bool = False):
     """Run ``torch_fn`` once per device on its shards (``jax.shard_map`` for torch).
 
     ``in_specs`` has one partition spec per positional argument (a tuple of mesh axis
-    names / None per dimension; ``()`` replicates), ``out_specs`` one per output.
+    names / None per dimension; ``()`` replicates), ``out_specs`` one per output (a tuple
+    or list of them, or a dict of them for a dict of outputs).
     Inside, torch.distributed collectives act over the mesh axes of their process
     group (`new_group`; ``group=None`` is every axis). Differentiable (a torch
     autograd node whose backward is JAX's), and usable inside `t2j.jit`.
