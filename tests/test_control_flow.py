@@ -533,3 +533,37 @@ def test_checkpoint_complex_gradient_in_torch_convention():
     f(z_cpu).backward()
     t2j.checkpoint(f)(z).backward()
     torch.testing.assert_close(z.grad.cpu(), z_cpu.grad)
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("how", ["scan", "fori_loop", "cond", "checkpoint"])
+@pytest.mark.parametrize("jitted", [False, True])
+def test_state_a_body_can_reach_but_does_not_use_gets_no_gradient(how, jitted):
+    # torch leaves .grad None for a parameter no output depends on, and AdamW then leaves it alone
+    torch.manual_seed(0)
+    model = _TwoLayers().to("jax")
+    unused_before = model.unused.weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    x = torch.randn(3, 4, device="jax")
+    bodies = {
+        "scan": lambda: t2j.scan(lambda c, xt: (model.used(c + xt), c.sum()), torch.zeros(4, device="jax"), x)[0],
+        "fori_loop": lambda: t2j.fori_loop(0, 2, lambda i, c: model.used(c), x),
+        "cond": lambda: t2j.cond(x.sum() > 0, lambda v: model.used(v), lambda v: model.used(v) * 2, x),
+        "checkpoint": lambda: t2j.checkpoint(lambda v: model.used(v))(x),
+    }
+
+    def step():
+        opt.zero_grad()
+        bodies[how]().sum().backward()
+        opt.step()
+
+    for _ in range(2):
+        (t2j.jit(step) if jitted else step)()
+    assert model.unused.weight.grad is None and model.used.weight.grad is not None
+    assert model.unused.weight not in opt.state
+    assert torch.equal(model.unused.weight.detach().cpu(), unused_before.cpu())

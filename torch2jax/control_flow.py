@@ -35,6 +35,7 @@ import torch
 import torch.utils.checkpoint
 import torch.utils._pytree as torch_pytree
 
+from jax.extend.core import jaxpr_as_fun
 from jax.extend.core import primitives as _prims
 
 from . import dispatch as _dispatch
@@ -42,7 +43,7 @@ from . import gradcut as _gradcut
 from . import tensor as _tensor
 from .env import default_rng as _rng
 from .interop import _torch_context, differentiable_vjp, torch_pullback, zero_cotangent
-from .jit import _Capture, _find_roots, _Retrace
+from .jit import _Capture, _find_roots, _inputs_reaching, _Retrace
 from .tensor import Tensor, jax_array, new_tensor
 
 
@@ -271,7 +272,13 @@ class _Program(torch.autograd.Function):
             return run([next(it) if m else a for a, m in zip(arrays, diff)])
 
         with jax.enable_x64(True):
-            outs, ctx.vjp = jax.vjp(primal, *[a for a, m in zip(arrays, diff) if m])
+            # traced once, as a jaxpr: it tells which inputs reach an output. State the body can
+            # reach but does not use (a closed-over module's other parameters) gets no gradient,
+            # None, as in torch, not zeros an optimizer's weight decay would act on
+            primals = [a for a, m in zip(arrays, diff) if m]
+            closed = jax.make_jaxpr(primal)(*primals)
+            outs, ctx.vjp = jax.vjp(jaxpr_as_fun(closed), *primals)
+        ctx.reaching = _inputs_reaching(closed.jaxpr, range(len(outs)))
         ctx.primal = primal
         ctx.avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
         return tuple(new_tensor(o) for o in outs)
@@ -279,12 +286,12 @@ class _Program(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         if _gradcut.creates_graph((*ctx.inputs, *grads)):
-            got = iter(differentiable_vjp(lambda ps, cs: jax.vjp(ctx.primal, *ps)[1](cs), ctx.inputs, grads,
-                                          ctx.avals))
+            got = differentiable_vjp(lambda ps, cs: jax.vjp(ctx.primal, *ps)[1](cs), ctx.inputs, grads, ctx.avals)
         else:
             cot = [zero_cotangent(a) if g is None else _value(g) for g, a in zip(grads, ctx.avals)]
             with jax.enable_x64(True):
-                got = iter(new_tensor(g) for g in torch_pullback(lambda _, c: ctx.vjp(c), None, cot))
+                got = [new_tensor(g) for g in torch_pullback(lambda _, c: ctx.vjp(c), None, cot)]
+        got = iter(g if i in ctx.reaching else None for i, g in enumerate(got))
         return (None, *[next(got) if m else None for m in ctx.diff])
 
 

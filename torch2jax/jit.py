@@ -2090,20 +2090,40 @@ def _used_inputs(jaxpr) -> set:
 
 def _inputs_reaching(jaxpr, outputs) -> set:
     """The indices of the inputs of ``jaxpr`` that some of its ``outputs`` depend on."""
-    deps = {v: 1 << i for i, v in enumerate(jaxpr.invars)}
-    for eqn in jaxpr.eqns:
-        d = 0
-        for v in eqn.invars:
-            if not isinstance(v, jax.extend.core.Literal):
-                d |= deps.get(v, 0)
-        for v in eqn.outvars:
-            deps[v] = d
-    d = 0
-    for k in outputs:
-        v = jaxpr.outvars[k]
-        if not isinstance(v, jax.extend.core.Literal):
-            d |= deps.get(v, 0)
+    deps = _output_dependencies(jaxpr, [1 << i for i in range(len(jaxpr.invars))])
+    d = functools.reduce(operator.or_, (deps[k] for k in outputs), 0)
     return {i for i in range(len(jaxpr.invars)) if d >> i & 1}
+
+
+def _output_dependencies(jaxpr, in_deps: list) -> list:
+    """Per output of ``jaxpr``, the union (a bit set) of ``in_deps`` of the inputs it depends on."""
+    deps = dict(zip(jaxpr.invars, in_deps))
+
+    def of(v):
+        return 0 if isinstance(v, jax.extend.core.Literal) else deps.get(v, 0)
+
+    for eqn in jaxpr.eqns:
+        for v, d in zip(eqn.outvars, _equation_dependencies(eqn, list(map(of, eqn.invars)))):
+            deps[v] = d
+    return list(map(of, jaxpr.outvars))
+
+
+def _equation_dependencies(eqn, ins: list) -> list:
+    """`_output_dependencies` of one equation, looking into the branches of a ``cond`` and the
+    body of a call (remat, a nested jit), where the control-flow functions pass all the state a
+    function can reach: a parameter one branch or body does not read reaches no output."""
+    if eqn.primitive.name == "cond":
+        outs = [ins[0]] * len(eqn.outvars)  # every output depends on the branch index
+        for branch in eqn.params["branches"]:
+            outs = [a | b for a, b in zip(outs, _output_dependencies(branch.jaxpr, ins[1:]))]
+        return outs
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    if isinstance(inner, jax.extend.core.Jaxpr) and len(inner.invars) == len(ins) \
+            and len(inner.outvars) == len(eqn.outvars):
+        return _output_dependencies(inner, ins)
+    every = functools.reduce(operator.or_, ins, 0)
+    return [every] * len(eqn.outvars)
 
 
 def _dual_arguments(args, kwargs) -> bool:
