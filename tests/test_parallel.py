@@ -300,3 +300,30 @@ def test_shard_map_collectives_reduce_ops_ranks_async_and_checks():
     assert r["reduced"] == [sum(col[m]) if d == 0 else 2 * d + m + 1.0 for d, m in rows]
     assert r["errors"] == [3.0] * 8
     assert "shape [3, 1]" in r["messages"][0] and "same dtype" in r["messages"][1] and "src=8" in r["messages"][2]
+
+
+def test_jit_follows_a_parameter_resharded_between_calls():
+    r = run_8("""
+        mesh = P.make_mesh({"data": 8})
+        torch.manual_seed(0)
+        net = torch.nn.Linear(16, 64).to("jax")
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        @t2j.jit
+        def step(a):
+            opt.zero_grad()
+            loss = net(a).square().mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        specs = []
+        for spec in [("data", None), (None, "data"), ("data", None), (None, "data")]:
+            P.shard_model(net, mesh, [(r"weight", spec)])
+            step(torch.randn(8, 16))
+            specs.append(str(P.sharding_of(net.weight).spec))
+        print(json.dumps({"specs": specs, "traces": step.stats["traces"], "why": t2j.explain_recompiles()[-1]}))
+    """)
+    assert r["specs"] == ["P('data',)", "P(None, 'data')", "P('data',)", "P(None, 'data')"]
+    # the first call traces without .grad arrays; the fourth finds the second's program again
+    assert r["traces"] == 3 and "resharded" in r["why"]

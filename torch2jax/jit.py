@@ -1496,6 +1496,9 @@ class _Entry:
     undo: object = None
     draws: tuple = ()  # per draw from an explicit torch.Generator: its `torch2jax.env.GeneratorDraws` source
     reseeded: tuple = ()  # (source, state) per generator re-seeded inside the function: its state after a call
+    # (storage index, sharding) per sharded state array the program keeps in the sharding it had: a call
+    # whose array has another (resharded since) needs a program of its own
+    shardings: tuple = ()
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -1674,7 +1677,7 @@ class JitFunction:
             if key in self._eager:
                 return _Eager(key, self._eager[key]), leaves, slots, storages
             entries = self._cache.get(key, ())
-            entry = _guarded(entries, slots)
+            entry = _guarded(entries, slots, storages)
             if entry is not None:
                 self.stats["hits"] += 1
                 _debug.count("cache_hits")
@@ -1692,6 +1695,9 @@ class JitFunction:
             slots.lifted = slots.lifted + [site for site, _ in numbers]
             if not entries:
                 self._explain(key, slots)
+            elif any(not all(_same_sharding(storages[i].array, sh) for i, sh in e.shardings) for e in entries):
+                self._log("state it writes was resharded since it was traced (its program keeps each array's "
+                          "sharding)")
             else:
                 self._log("a branch it took on an optimizer hyperparameter (e.g. `if momentum != 0`) "
                           "goes the other way with the new values")
@@ -1898,6 +1904,7 @@ class JitFunction:
         return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
                       info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start, info["guards"],
                       program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
+                      shardings=tuple(info["shardings"]),
                       draws=info["draws"], reseeded=info["reseeded"])
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -1991,10 +1998,12 @@ class JitFunction:
             gc.collect()
             input_ids = {id(a) for a in inputs}
             written = [i for i, st in enumerate(storages) if st.array is not inputs[i]]
+            info["shardings"] = []
             for i in written:  # state keeps its sharding from step to step
                 sharding = getattr(saved[i][1], "sharding", None)
                 if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
                     storages[i].array = jax.lax.with_sharding_constraint(storages[i].array, sharding)
+                    info["shardings"].append((i, sharding))
             new_storages = [st for st in list(capture.new) if isinstance(st.array, jax.core.Tracer)
                             and id(st.array) not in input_ids]
             post = _repointed(slots, post_slots, pre_index)
@@ -2350,12 +2359,19 @@ class _DifferentiableCall(torch.autograd.Function):
         return (None, *_gradcut.once_differentiable("t2j.jit", out, (*ctx.inputs, *grads)))
 
 
-def _guarded(entries, slots):
-    """The entry whose guards hold for the current hyperparameter values, if any."""
-    if len(entries) == 1 and not entries[0].guards:
+def _guarded(entries, slots, storages):
+    """The entry whose guards hold for the current hyperparameter values and whose sharded
+    state still has the shardings it was traced with, if any."""
+    if len(entries) == 1 and not entries[0].guards and not entries[0].shardings:
         return entries[0]
     values = _hyper_values(slots)
-    return next((e for e in entries if _sym.guards_hold(e.guards, values)), None)
+    return next((e for e in entries if _sym.guards_hold(e.guards, values)
+                 and all(_same_sharding(storages[i].array, s) for i, s in e.shardings)), None)
+
+
+def _same_sharding(array, sharding) -> bool:
+    # (a spec with trailing Nones is the one without them)
+    return array.sharding == sharding or sharding.is_equivalent_to(array.sharding, array.ndim)
 
 
 def _hyper_values(slots):
