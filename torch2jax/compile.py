@@ -23,7 +23,7 @@ import torch.utils._pytree as torch_pytree
 from . import debug as _debug
 from . import gradcut as _gradcut
 from .env import default_rng as _rng
-from .interop import differentiable_vjp, functionalize, torch_pullback, zero_cotangent
+from .interop import Functional, differentiable_vjp, torch_pullback, zero_cotangent
 from .jit import JitFunction, _static_key
 from .tensor import Tensor, jax_array, new_tensor
 
@@ -69,7 +69,7 @@ class _Program:
     """Jitted forward and VJP of the functionalized module for one argument structure."""
 
     def __init__(self, module, spec, leaves, tensor_positions, floating, param_names, buffer_names):
-        fn, _ = functionalize(module)
+        fn = Functional(module, x64=True)
         self.module = module
         # the program is traced lazily, outside the caller's autocast region: keep its state
         amp_enabled, amp_dtype = torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax")

@@ -41,7 +41,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from . import dtypes as _dt
 from . import fx
 from .env import default_rng
-from .interop import functionalize
+from .interop import Functional, functionalize
 from .pytree import ensure_jax_pytree
 from .tensor import Tensor, jax_array, torch_cpu
 
@@ -80,7 +80,8 @@ def export(module, *args, dynamic_shapes=None, platforms=None, **kwargs) -> jax_
         module = module.module()
     if dynamic_shapes is not None:
         return _export_symbolic(module, args, kwargs, dynamic_shapes, platforms)
-    fn, state = functionalize(module)
+    _, state = functionalize(module)
+    fn = Functional(module, x64=True)
 
     def run(state, key, *arrays):
         # random ops draw from `key`; the advanced key is an output

@@ -359,8 +359,11 @@ def call_torch(torch_fn, *args, **kwargs):
 class Functional:
     """A module as a pure function of its state (see `functionalize`)."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, x64: bool | None = None):
         self.module = module
+        # whether the JAX code calling it has 64-bit types (None: JAX's configuration, for users'
+        # JAX code; torch2jax's own programs, t2j.compile and t2j.export, keep torch's dtypes)
+        self.x64 = x64
 
     def __call__(self, state, *args, rng=None, **kwargs):
         return self.apply(state, *args, rng=rng, **kwargs)[0]
@@ -375,7 +378,7 @@ class Functional:
         tensors = {name: new_tensor(a) for name, a in state.get("params", {}).items()}
         buffers = {name: new_tensor(a) for name, a in state.get("buffers", {}).items()}
         tensors.update(buffers)
-        x64 = _jax_config.enable_x64.get_global()
+        x64 = _jax_config.enable_x64.get_global() if self.x64 is None else self.x64
         args, kwargs = torch_view((args, kwargs))
         rng_scope = _rng.traced_key(rng) if rng is not None else contextlib.nullcontext()
         with _jax_differentiated(), rng_scope, _tensor.call_local([t._t2j_storage for t in tensors.values()]):
