@@ -294,6 +294,12 @@ _VALUE_CASES = [
                 "out of range: tried to access index -9 on a tensor of 6 elements."),
     _value_case("take", lambda d: (_t(_X, d), _t([6], d)), lambda x, i: x.take(i), IndexError,
                 "out of range: tried to access index 6 on a tensor of 6 elements."),
+    _value_case("embedding_bag first offset", lambda d: (_t(_X, d), _t([0, 1, 1], d), _t([1, 2], d)),
+                lambda w, i, o: F.embedding_bag(i, w, o), RuntimeError, "offsets[0] has to be 0, i.e., the first "
+                "sequence in the mini-batch has to start from position 0. However, got 1"),
+    _value_case("embedding_bag last offset", lambda d: (_t(_X, d), _t([0, 1, 1], d), _t([0, 5], d)),
+                lambda w, i, o: F.embedding_bag(i, w, o), RuntimeError,
+                "offsets[-1] can not be greater than input's length 3 but got offsets[-1] of 5"),
     _value_case("embedding", lambda d: (_t(_X, d), _t([1, 2], d)), lambda w, i: F.embedding(i, w), IndexError,
                 "index out of range in self"),
     _value_case("nll_loss target", lambda d: (_t(_X, d), _t([0, 3], d)), lambda x, t: F.nll_loss(x, t), IndexError,
@@ -741,3 +747,9 @@ def test_complex_to_real_copy_warns_once(monkeypatch):
         z.float()
         torch.zeros(1, device="jax").copy_(z)
     assert sum("Casting complex" in str(w.message) for w in record) == 1
+
+
+def test_embedding_bag_refuses_decreasing_offsets():
+    # (torch CPU fails an internal assert; a bag would start before the previous one)
+    with pytest.raises(RuntimeError, match="offsets must be non-decreasing"):
+        F.embedding_bag(_t([0, 1, 2], "jax"), _ones(5, 3, device="jax"), _t([0, 2, 1], "jax"))

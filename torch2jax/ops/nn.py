@@ -983,6 +983,7 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
     check_values(indices, lambda i: (i < 0) | (i >= num_weights), lambda k, i: TorchRuntimeError(
         f"Index {k} of input takes value {i} which is not in the valid range [0, {num_weights})"), with_position=True)
     n = indices.shape[0]
+    _check_bag_offsets(offsets, n)
     bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
     offset2bag = jnp.searchsorted(offsets, jnp.arange(n), side="right").astype(np.int64) - 1
     valid = _in_bag(indices, offset2bag, bags, padding_idx)
@@ -1002,6 +1003,19 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
         out = out / jnp.maximum(count, 1)[:, None]
     bag_size = count if mode == 1 else jnp.zeros(bags, np.int64)
     return out.astype(weight.dtype), offset2bag, bag_size, bag_size
+
+
+def _check_bag_offsets(offsets, n):
+    """torch's checks of embedding_bag's ``offsets`` (bag starts into ``n`` indices)."""
+    if offsets.shape[0] == 0:
+        return
+    check_values(offsets[:1], lambda o: o != 0, lambda o: TorchRuntimeError(
+        "offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start from position 0. "
+        f"However, got {o}"))
+    check_values(offsets[-1:], lambda o: o > n, lambda o: TorchRuntimeError(
+        f"offsets[-1] can not be greater than input's length {n} but got offsets[-1] of {o}"))
+    check_values(offsets[1:] - offsets[:-1], lambda d: d < 0, lambda d: TorchRuntimeError(
+        "embedding_bag: offsets must be non-decreasing (each bag starts where the previous one ends or later)"))
 
 
 def _in_bag(indices, offset2bag, bags, padding_idx):
