@@ -753,3 +753,18 @@ def test_embedding_bag_refuses_decreasing_offsets():
     # (torch CPU fails an internal assert; a bag would start before the previous one)
     with pytest.raises(RuntimeError, match="offsets must be non-decreasing"):
         F.embedding_bag(_t([0, 1, 2], "jax"), _ones(5, 3, device="jax"), _t([0, 2, 1], "jax"))
+
+
+@pytest.mark.parametrize("bad", ["input_lengths", "target_width", "concatenated"])
+def test_ctc_loss_length_checks_run_inside_jit_when_asked(bad):
+    log_probs = torch.randn(5, 2, 4).log_softmax(-1).to("jax")
+    targets, input_lengths, target_lengths = _t([[1, 2, 3], [1, 1, 2]], "jax"), _t([5, 5], "jax"), _t([3, 3], "jax")
+    if bad == "input_lengths":
+        input_lengths, message = _t([6, 5], "jax"), "Expected input_lengths to have value at most 5, but got value 6"
+    elif bad == "target_width":
+        target_lengths, message = _t([3, 4], "jax"), "Expected tensor to have size at least 4 at dimension 1"
+    else:
+        targets, message = _t([1, 2, 3, 1, 1], "jax"), "Expected tensor to have size 6 at dimension 0"
+    loss = t2j.jit(lambda *a: F.ctc_loss(*a, reduction="none"))
+    with t2j.env(check_indices="always"), pytest.raises(RuntimeError, match=re.escape(message)):
+        loss(log_probs, targets, input_lengths, target_lengths)

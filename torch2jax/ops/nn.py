@@ -1531,7 +1531,8 @@ _CTC_CHECK = " (while checking arguments for ctc_loss_allocate_outputs)"
 def _check_ctc(log_probs, targets, input_lengths, target_lengths, blank):
     """torch's checks of ctc_loss's arguments, in its order and with its messages: XLA would
     read a target past its row (or past the concatenated targets) as padding, an input step
-    past the end as the last one. The lengths' values are checked in eager mode."""
+    past the end as the last one. The lengths' values are checked in eager mode, and when a traced
+    program runs under ``check_indices="always"``."""
     if log_probs.ndim != 3:
         raise TorchRuntimeError(f"Expected 3-dimensional tensor, but got {log_probs.ndim}-dimensional tensor for "
                                 f"argument #1 'log_probs'{_CTC_CHECK}")
@@ -1544,30 +1545,24 @@ def _check_ctc(log_probs, targets, input_lengths, target_lengths, blank):
     for name, lengths in (("input_lengths", input_lengths), ("target_lengths", target_lengths)):
         if np.size(lengths) != batch:
             raise TorchRuntimeError(f"{name} must be of size batch_size")
-    known = _env.config().check_indices and not any(
-        isinstance(v, jax.core.Tracer) for v in (input_lengths, target_lengths))
-    tg_len = np.asarray(target_lengths).reshape(-1) if known else None
-    if known and (tg_len < 0).any():
-        raise TorchRuntimeError(f"Expected target_lengths to have value at least 0, but got value "
-                                f"{tg_len[tg_len < 0][0]}{_CTC_CHECK}")
+    # the lengths' values: checked now, or inside a traced program when it runs (`check_values`)
+    tg_len = jnp.asarray(target_lengths).reshape(-1)
+    check_values(tg_len, lambda v: v < 0, lambda v: TorchRuntimeError(
+        f"Expected target_lengths to have value at least 0, but got value {v}{_CTC_CHECK}"))
     if targets.ndim == 1:
-        if known and targets.shape[0] != tg_len.sum():
-            raise TorchRuntimeError(f"Expected tensor to have size {tg_len.sum()} at dimension 0, but got size "
-                                    f"{targets.shape[0]} for argument #2 'targets'{_CTC_CHECK}")
+        check_values(jnp.sum(tg_len)[None], lambda n: n != targets.shape[0], lambda n: TorchRuntimeError(
+            f"Expected tensor to have size {n} at dimension 0, but got size {targets.shape[0]} for argument #2 "
+            f"'targets'{_CTC_CHECK}"))
     elif targets.shape[0] != batch:
         raise TorchRuntimeError(f"Expected tensor to have size {batch} at dimension 0, but got size "
                                 f"{targets.shape[0]} for argument #2 'targets'{_CTC_CHECK}")
-    elif known and batch and tg_len.max() > targets.shape[1]:
-        raise TorchRuntimeError(f"Expected tensor to have size at least {tg_len.max()} at dimension 1, but got size "
-                                f"{targets.shape[1]} for argument #2 'targets'{_CTC_CHECK}")
-    if not known:
-        return
-    in_len = np.asarray(input_lengths).reshape(-1)
-    bad = (in_len < 0) | (in_len > steps)
-    if bad.any():
-        v = in_len[bad][0]
-        bound = "least 0" if v < 0 else f"most {steps}"
-        raise TorchRuntimeError(f"Expected input_lengths to have value at {bound}, but got value {v}{_CTC_CHECK}")
+    elif batch:
+        check_values(jnp.max(tg_len)[None], lambda n: n > targets.shape[1], lambda n: TorchRuntimeError(
+            f"Expected tensor to have size at least {n} at dimension 1, but got size {targets.shape[1]} for "
+            f"argument #2 'targets'{_CTC_CHECK}"))
+    check_values(jnp.asarray(input_lengths).reshape(-1), lambda v: (v < 0) | (v > steps), lambda v: TorchRuntimeError(
+        f"Expected input_lengths to have value at {'least 0' if v < 0 else f'most {steps}'}, but got value "
+        f"{v}{_CTC_CHECK}"))
 
 
 @register(aten._ctc_loss.default, aten._ctc_loss.Tensor)
