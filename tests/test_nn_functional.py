@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,3 +123,18 @@ def test_loss_gradients_where_the_loss_is_flat_match_torch(loss):
         loss(leaf, target.to(device)).backward()
         grads.append(leaf.grad.cpu())
     torch.testing.assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_embedding_max_norm_renormalizes_the_weight_in_place_without_the_host(norm_type):
+    torch.manual_seed(0)
+    weight = torch.randn(6, 3) * 3
+    indices = torch.tensor([[0, 2], [2, 5]])
+    want_weight = weight.clone()
+    want = torch.nn.functional.embedding(indices, want_weight, max_norm=1.0, norm_type=norm_type)
+    got_weight = weight.to("jax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no host fallback
+        got = torch.nn.functional.embedding(indices.to("jax"), got_weight, max_norm=1.0, norm_type=norm_type)
+    torch.testing.assert_close(got.cpu(), want)
+    torch.testing.assert_close(got_weight.cpu(), want_weight)  # rows 0, 2, 5 scaled once each

@@ -452,6 +452,20 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return jnp.take(weight, indices, axis=0)
 
 
+@register(aten.embedding_renorm.default)
+def embedding_renorm(weight, indices, max_norm, norm_type):
+    """``embedding(max_norm=...)``'s renormalization: each row that ``indices`` names (once,
+    however often it appears) whose ``norm_type``-norm exceeds ``max_norm`` is scaled by
+    max_norm / (norm + 1e-7), as torch's kernel scales it."""
+    _check_range(indices, weight.shape[0], _index_out_of_range_in_self, negative=False)
+    acc = np.dtype(np.float32) if weight.dtype in _HALF else weight.dtype
+    rows = weight.astype(acc)
+    norm = jnp.linalg.norm(rows, ord=norm_type, axis=1)
+    named = jnp.zeros(weight.shape[0], bool).at[indices.reshape(-1)].set(True)
+    scale = jnp.where(named & (norm > max_norm), max_norm / (norm + 1e-7), 1.0)
+    return (rows * scale[:, None].astype(acc)).astype(weight.dtype)
+
+
 @register(aten.embedding_dense_backward.default)
 def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
     idx = indices.reshape(-1)
