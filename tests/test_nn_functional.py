@@ -138,3 +138,19 @@ def test_embedding_max_norm_renormalizes_the_weight_in_place_without_the_host(no
         got = torch.nn.functional.embedding(indices.to("jax"), got_weight, max_norm=1.0, norm_type=norm_type)
     torch.testing.assert_close(got.cpu(), want)
     torch.testing.assert_close(got_weight.cpu(), want_weight)  # rows 0, 2, 5 scaled once each
+
+
+@pytest.mark.parametrize("q_shape,kv_shape", [((2, 4, 5, 8), (2, 1, 5, 8)), ((1, 5, 8), (3, 5, 8))])
+def test_sdpa_broadcasts_batch_and_head_dimensions_as_torch(q_shape, kv_shape):
+    # one key / value head for every query head: multi-query attention (Falcon's default)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape)
+    cpu = [t.clone().requires_grad_() for t in (q, k, v)]
+    jx = [t.to("jax").requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*cpu)
+    got = F.scaled_dot_product_attention(*jx)
+    torch.testing.assert_close(got.detach().cpu(), want.detach(), atol=1e-5, rtol=1e-5)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for a, b in zip(jx, cpu):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, atol=1e-5, rtol=1e-5)

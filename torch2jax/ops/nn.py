@@ -1373,11 +1373,19 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
                                                        enable_gqa=enable_gqa)[0]
     if attn_mask is not None and is_causal and not _flash_on_cpu(q, k, v, attn_mask, dropout_p):
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
-    if k.shape[-3] != q.shape[-3] and not (enable_gqa and q.shape[-3] % k.shape[-3] == 0):
-        raise RuntimeError(
-            f"scaled_dot_product_attention: query has {q.shape[-3]} heads but key has {k.shape[-3]}; "
-            f"pass enable_gqa=True for grouped-query attention"
-        )
+    grouped = k.dim() >= 3 and k.shape[-3] != q.shape[-3] and enable_gqa and q.shape[-3] % k.shape[-3] == 0
+    if not grouped and not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        # torch broadcasts the batch and head dimensions (one key / value head for all query heads:
+        # multi-query attention, as Falcon calls it)
+        try:
+            lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        except RuntimeError:
+            raise RuntimeError(
+                f"scaled_dot_product_attention: query, key and value have batch and head dimensions "
+                f"{list(q.shape[:-2])}, {list(k.shape[:-2])} and {list(v.shape[:-2])}, which do not broadcast; "
+                f"pass enable_gqa=True for grouped-query attention"
+            ) from None
+        q, k, v = (t.expand(*lead, *t.shape[-2:]) for t in (q, k, v))
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
             attn_mask.logical_not(), float("-inf")
