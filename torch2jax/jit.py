@@ -124,6 +124,11 @@ def _constant_array(v) -> bool:
     return isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)
 
 
+def _watched(v) -> bool:
+    """A closure cell's or global's value a cache key holds (`_Roots.python_values`)."""
+    return _guardable(v) or _constant_array(v)
+
+
 @functools.lru_cache(maxsize=1024)
 def _global_names(code: types.CodeType) -> tuple:
     names = set(code.co_names)
@@ -216,7 +221,7 @@ class _Roots:
                     value = cell.cell_contents
                 except ValueError:  # an empty cell
                     continue
-                if _guardable(value) or _constant_array(value):
+                if _watched(value):
                     self.values.append((f"{fn.__qualname__}: {name}", cell, None))
                 self.add(value, depth)
         self.add(fn.__defaults__, depth)
@@ -227,14 +232,15 @@ class _Roots:
         for name in names:
             if name in g:
                 value = g[name]
-                if (_guardable(value) or _constant_array(value)) and not name.startswith("__"):
+                if _watched(value) and not name.startswith("__"):
                     self.values.append((f"global {name}", g, name))
                 self.add(value, depth)
 
     def python_values(self, lift=None, raw: bool = False) -> tuple:
         """The Python numbers, strings and flags (and jax.Arrays, by identity: `_Same`) the
-        functions read as constants: closure cells and globals their code names, attributes of the objects they reach that their
-        code names (``cfg.scale``) and the items of dicts they reach (``CONFIG["scale"]``).
+        functions read as constants: closure cells and globals their code names, attributes of
+        the objects they reach that their code names (``cfg.scale``) and the items of dicts they
+        reach (``CONFIG["scale"]``).
         Each new value traces again, as torch.compile guards on them, but a number that
         changes from call to call becomes a program input (`lifts`): `_LiftedNumber` stands
         in the result for it, and ``lift(site, id)`` is called with its `_ValueSite`. ``raw``:
@@ -1695,7 +1701,7 @@ class JitFunction:
             slots.lifted = slots.lifted + [site for site, _ in numbers]
             if not entries:
                 self._explain(key, slots)
-            elif any(not all(_same_sharding(storages[i].array, sh) for i, sh in e.shardings) for e in entries):
+            elif not all(_shardings_hold(e, storages) for e in entries):
                 self._log("state it writes was resharded since it was traced (its program keeps each array's "
                           "sharding)")
             else:
@@ -2365,13 +2371,17 @@ def _guarded(entries, slots, storages):
     if len(entries) == 1 and not entries[0].guards and not entries[0].shardings:
         return entries[0]
     values = _hyper_values(slots)
-    return next((e for e in entries if _sym.guards_hold(e.guards, values)
-                 and all(_same_sharding(storages[i].array, s) for i, s in e.shardings)), None)
+    return next((e for e in entries if _sym.guards_hold(e.guards, values) and _shardings_hold(e, storages)), None)
 
 
-def _same_sharding(array, sharding) -> bool:
-    # (a spec with trailing Nones is the one without them)
-    return array.sharding == sharding or sharding.is_equivalent_to(array.sharding, array.ndim)
+def _shardings_hold(entry, storages) -> bool:
+    """Whether the sharded state ``entry`` writes still has the shardings it was traced with
+    (a spec with trailing Nones is the one without them)."""
+    for i, sharding in entry.shardings:
+        array = storages[i].array
+        if array.sharding != sharding and not sharding.is_equivalent_to(array.sharding, array.ndim):
+            return False
+    return True
 
 
 def _hyper_values(slots):

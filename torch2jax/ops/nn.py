@@ -1553,22 +1553,23 @@ def _check_ctc(log_probs, targets, input_lengths, target_lengths, blank):
     for name, lengths in (("input_lengths", input_lengths), ("target_lengths", target_lengths)):
         if np.size(lengths) != batch:
             raise TorchRuntimeError(f"{name} must be of size batch_size")
-    # the lengths' values: checked now, or inside a traced program when it runs (`check_values`)
-    tg_len = jnp.asarray(target_lengths).reshape(-1)
+    # the lengths' values: read once and checked now, or checked when a traced program runs (`check_values`)
+    tg_len, in_len = (v.reshape(-1) if isinstance(v, jax.core.Tracer) else np.asarray(v).reshape(-1)
+                      for v in (target_lengths, input_lengths))
     check_values(tg_len, lambda v: v < 0, lambda v: TorchRuntimeError(
         f"Expected target_lengths to have value at least 0, but got value {v}{_CTC_CHECK}"))
     if targets.ndim == 1:
-        check_values(jnp.sum(tg_len)[None], lambda n: n != targets.shape[0], lambda n: TorchRuntimeError(
+        check_values(tg_len.sum()[None], lambda n: n != targets.shape[0], lambda n: TorchRuntimeError(
             f"Expected tensor to have size {n} at dimension 0, but got size {targets.shape[0]} for argument #2 "
             f"'targets'{_CTC_CHECK}"))
     elif targets.shape[0] != batch:
         raise TorchRuntimeError(f"Expected tensor to have size {batch} at dimension 0, but got size "
                                 f"{targets.shape[0]} for argument #2 'targets'{_CTC_CHECK}")
     elif batch:
-        check_values(jnp.max(tg_len)[None], lambda n: n > targets.shape[1], lambda n: TorchRuntimeError(
+        check_values(tg_len.max()[None], lambda n: n > targets.shape[1], lambda n: TorchRuntimeError(
             f"Expected tensor to have size at least {n} at dimension 1, but got size {targets.shape[1]} for "
             f"argument #2 'targets'{_CTC_CHECK}"))
-    check_values(jnp.asarray(input_lengths).reshape(-1), lambda v: (v < 0) | (v > steps), lambda v: TorchRuntimeError(
+    check_values(in_len, lambda v: (v < 0) | (v > steps), lambda v: TorchRuntimeError(
         f"Expected input_lengths to have value at {'least 0' if v < 0 else f'most {steps}'}, but got value "
         f"{v}{_CTC_CHECK}"))
 

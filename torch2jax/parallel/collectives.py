@@ -100,8 +100,13 @@ _GATHERED_REDUCTIONS = {
 }
 
 
+def _op_key(op) -> str:
+    """A reduce op (``"sum"``, ``ReduceOp.SUM``, ``"ReduceOp.SUM"``) as its lowercase name."""
+    return str(op).lower().rsplit(".", 1)[-1]
+
+
 def _reduce(value, op, axes):
-    op = str(op).lower().rsplit(".", 1)[-1]
+    op = _op_key(op)
     if op in ("sum",):
         return jax.lax.psum(value, axes)
     if op in ("avg", "mean"):
@@ -159,7 +164,7 @@ def all_gather_into_tensor(x, group_size, group_name):
 @register(_c10d.reduce_scatter_tensor.default)
 def reduce_scatter_tensor(x, reduce_op, group_size, group_name):
     axes = _axes(group_name)
-    op = str(reduce_op).lower().rsplit(".", 1)[-1]
+    op = _op_key(reduce_op)
     if op in ("sum", "avg", "mean"):
         out = jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
         return out / _size(axes) if op != "sum" else out
@@ -200,7 +205,7 @@ def _in_place(t: torch.Tensor, value, what: str):
     if tuple(t.shape) != tuple(value.shape):
         raise ValueError(f"torch2jax: {what}: the output tensor has shape {list(t.shape)}, the result has shape "
                          f"{list(value.shape)}")
-    t._assign(value)
+    t._assign(value.astype(t._value().dtype))  # (an AVG of integers, as torch writes it into them)
 
 
 def _same_dtype(what, output, input):
