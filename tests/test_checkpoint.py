@@ -58,6 +58,20 @@ def test_plain_tensors_round_trip(tmp_path):
     assert back["i"].dtype == torch.int64 and back["i"].tolist() == [1, 2] and back["n"] == 7
 
 
+def test_cpu_tensors_and_jax_arrays_come_back_as_they_were_saved(tmp_path):
+    torch.manual_seed(3)
+    state = {"rng": torch.get_rng_state(), "i": torch.tensor([1, 2]), "w": torch.ones(2, device="jax"),
+             "a": jax.numpy.arange(3.0)}
+    want = torch.rand(4)
+    t2j.save(state, str(tmp_path / "c"))
+    back = t2j.load(str(tmp_path / "c"))
+    assert back["rng"].device.type == "cpu" and back["rng"].dtype == torch.uint8
+    assert back["i"].device.type == "cpu" and back["w"].device.type == "jax"
+    assert isinstance(back["a"], jax.Array) and back["a"].tolist() == [0.0, 1.0, 2.0]
+    torch.set_rng_state(back["rng"])  # torch takes only a CPU ByteTensor here
+    torch.testing.assert_close(torch.rand(4), want)
+
+
 # -- safetensors -------------------------------------------------------------------
 
 transformers.logging.set_verbosity_error()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import warnings
 
@@ -1570,3 +1571,216 @@ def test_forward_mode_ad_with_python_scalars_stays_one_program():
     for got, want in zip(jvp(x.to("jax")), torch.func.jvp(lambda x: x * 2 + 1, (x,), (torch.ones_like(x),))):
         torch.testing.assert_close(got.cpu(), want)
     assert t2j.jit(lambda x: x.to("meta").shape, fullgraph=True)(x.to("jax")) == (3,)
+
+
+
+class _Holder:
+    pass
+
+
+class _Accumulating(nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.lin = nn.Linear(3, 3).to(device)
+        self.total = torch.zeros(3, device=device)  # a plain attribute: neither parameter nor buffer
+
+    def forward(self, x):
+        self.total = self.total + self.lin(x)
+        return self.total * 2
+
+
+def _store_module_attribute(device):
+    m = _Accumulating(device)
+    return m, lambda: m.total
+
+
+def _store_module_output(device):
+    lin = nn.Linear(3, 3).to(device)
+    holder = _Holder()
+    holder.last = None
+
+    def f(x):
+        y = lin(x)
+        holder.last = y.detach()
+        return y.sum()
+    return f, lambda: holder.last
+
+
+def _store_argument(device):
+    holder = _Holder()
+
+    def f(x):
+        holder.seen = x
+        return x + 1
+    return f, lambda: holder.seen
+
+
+def _store_view_of_argument(device):
+    holder = _Holder()
+
+    def f(x):
+        holder.tail = x[1:]
+        return x * 2
+    return f, lambda: holder.tail
+
+
+def _store_none(device):
+    holder = _Holder()
+    holder.bias = torch.ones(3, device=device)
+
+    def f(x):
+        y = x if holder.bias is None else x + holder.bias
+        holder.bias = None
+        return y
+    return f, lambda: holder.bias
+
+
+def _store_in_closure_cell(device):
+    total = torch.zeros(3, device=device)
+
+    def f(x):
+        nonlocal total
+        total = total * 0.5 + x
+        return total.sum()
+    return f, lambda: total
+
+
+_GLOBAL_TOTAL = None
+
+
+def _store_in_global(device):
+    global _GLOBAL_TOTAL
+    _GLOBAL_TOTAL = torch.zeros(3, device=device)
+
+    def f(x):
+        global _GLOBAL_TOTAL
+        _GLOBAL_TOTAL = _GLOBAL_TOTAL - x
+        return x
+    return f, lambda: _GLOBAL_TOTAL
+
+
+def _store_in_dict_item(device):
+    cache = {"k": torch.zeros(3, device=device)}
+
+    def f(x):
+        cache["k"] = cache["k"] + x
+        return x
+    return f, lambda: cache["k"]
+
+
+def _store_in_argument_object(device):
+    holder = _Holder()
+    holder.total = torch.zeros(3, device=device)
+
+    def f(x, h):
+        h.total = h.total + x
+        return x.sum()
+    return functools.partial(_call_with, f, holder), lambda: holder.total
+
+
+def _call_with(f, holder, x):
+    return f(x, holder)
+
+
+@pytest.mark.parametrize("make", [
+    _store_module_attribute, _store_module_output, _store_argument, _store_view_of_argument, _store_none,
+    _store_in_closure_cell, _store_in_global, _store_in_dict_item, _store_in_argument_object,
+])
+def test_tensors_stored_by_assignment_are_stored_again_on_cached_calls(make):
+    # a cached call runs no Python: the stores its trace made are repeated after it, with this call's values
+    def run(device, jit):
+        torch.manual_seed(0)
+        fn, read = make(device)
+        g = t2j.jit(fn) if jit else fn
+        seen = []
+        for i in range(3):
+            x = torch.arange(3.0, device=device) + i
+            out = g(x)
+            stored = read()
+            seen.append((out, stored))
+            x.add_(10)  # (where the argument itself or a view of it was stored, the write reaches it)
+        return [(o.cpu(), None if s is None else s.cpu()) for o, s in seen], g
+    want, _ = run("cpu", False)
+    got, g = run("jax", True)
+    for (o1, s1), (o2, s2) in zip(want, got):
+        torch.testing.assert_close(o2, o1)
+        assert (s1 is None) == (s2 is None)
+        if s1 is not None:
+            torch.testing.assert_close(s2, s1)
+    # (a place that held no tensor before the first call holds new state after it: one more trace)
+    assert g.stats["hits"] >= 1
+
+
+class _WithAuxLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.aux_loss = None
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.aux_loss = h.pow(2).mean()  # read by the training loop after the forward, as MoE layers do
+        self.last = h
+        return h
+
+
+def test_stored_tensors_carry_the_calls_gradient():
+    def losses(device, jit):
+        torch.manual_seed(0)
+        m = _WithAuxLoss().to(device)
+        fwd = t2j.jit(m) if jit else m
+        for _ in range(3):
+            m.zero_grad()
+            out = fwd(torch.arange(6.0, device=device).view(2, 3))
+            assert m.last is out
+            (out.sum() + m.aux_loss).backward()
+        return m.aux_loss.detach().cpu(), m.lin.weight.grad.cpu()
+    for want, got in zip(losses("cpu", False), losses("jax", True)):
+        torch.testing.assert_close(got, want)
+
+
+_UNRELATED_GLOBAL = "kept"
+
+
+def test_a_stopped_trace_leaves_the_functions_globals_alone():
+    def f(x):
+        if x.sum() > 0:  # a value-dependent branch: the trace stops, the call runs eagerly
+            return x * 2
+        return x
+
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        t2j.jit(f)(torch.ones(2, device="jax"))
+    assert _UNRELATED_GLOBAL == "kept"
+
+
+def test_packed_sequence_with_lengths_on_the_cpu_compiles():
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(3, 4, batch_first=True)
+
+    def f(lstm, x, lengths):
+        packed = pack_padded_sequence(x, lengths, batch_first=True)
+        out, _ = lstm(packed)
+        return pad_packed_sequence(out, batch_first=True)[0].sum(1)
+
+    x = torch.randn(2, 5, 3)
+    jlstm = copy.deepcopy(lstm).to("jax")
+    g = t2j.jit(functools.partial(f, jlstm))
+    for lengths in ([5, 3], [5, 3], [4, 4]):
+        lengths = torch.tensor(lengths)  # on the CPU, as torch wants it: its values are constants of the program
+        torch.testing.assert_close(g(x.to("jax"), lengths).cpu(), f(lstm, x, lengths), rtol=1e-5, atol=1e-5)
+    assert g.stats["eager_calls"] == 0 and g.stats["hits"] == 1
+
+
+def test_nan_times_a_false_mask_stays_nan_in_a_program():
+    # XLA turns x * convert(mask) into a select that drops x's NaN and inf where the mask is False
+    def f(x, mask):
+        return x * mask, (x * mask).sum(), x * mask.float(), mask.to(x.dtype) * x
+
+    x = torch.tensor([float("nan"), 1.0, float("inf"), -2.0])
+    mask = torch.tensor([False, False, True, False])
+    want = f(x, mask)
+    got = t2j.jit(f)(x.to("jax"), mask.to("jax"))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu(), b, equal_nan=True)

@@ -97,6 +97,28 @@ def test_fsdp_times_tensor_parallel_on_a_2d_mesh():
     assert r["qkv_shard"] == [192 // 4, 64 // 2]
 
 
+def test_rules_apply_to_stacked_layers_and_fsdp_says_what_it_leaves_replicated():
+    r = run_8("""
+        import warnings
+        base = gpt_model()
+        ref, _, _ = train(base)
+        stacked = copy.deepcopy(base)
+        t2j.use_scan_layers(stacked, stack_parameters=True)
+        mesh = P.make_mesh({"data": 2, "model": 4})
+        losses, m, _ = train(stacked, mesh, P.tensor_parallel("model", fsdp_axis="data"))
+        qkv = m.blocks.stacked_qkv__weight
+        odd = torch.nn.Linear(7, 300, bias=False).to("jax")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            P.shard_model(odd, P.make_mesh({"data": 8}), P.fsdp("data", min_size=16))
+        print(json.dumps({"ref": ref, "tp": losses, "qkv": str(P.sharding_of(qkv).spec),
+                          "warnings": [str(w.message) for w in caught]}))
+    """)
+    assert r["tp"] == pytest.approx(r["ref"], abs=1e-4)
+    assert r["qkv"] == "P(None, 'model', 'data')"
+    assert len(r["warnings"]) == 1 and "weight (300, 7)" in r["warnings"][0] and "replicated" in r["warnings"][0]
+
+
 @pytest.mark.slow  # ~40 s; FSDP x TP on a 2-D mesh stays in CI
 def test_tensor_parallel_hf_llama():
     r = run_8("""
@@ -300,6 +322,52 @@ def test_shard_map_collectives_reduce_ops_ranks_async_and_checks():
     assert r["reduced"] == [sum(col[m]) if d == 0 else 2 * d + m + 1.0 for d, m in rows]
     assert r["errors"] == [3.0] * 8
     assert "shape [3, 1]" in r["messages"][0] and "same dtype" in r["messages"][1] and "src=8" in r["messages"][2]
+
+
+def test_shard_map_closed_over_parameters_in_place_arguments_and_spec_errors():
+    r = run_8("""
+        import torch.distributed as dist
+        mesh = P.make_mesh({"data": 4, "model": 2})
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(2, 3)
+        x = torch.randn(8, 2)
+        want = lin(x).pow(2).sum()
+        want.backward()
+        jlin = copy.deepcopy(lin).to("jax")
+        jlin.zero_grad()
+
+        def local_loss(xs):                 # jlin is closed over: its parameters are passed in replicated
+            part = jlin(xs).pow(2).sum().reshape(1)
+            dist.all_reduce(part, group=P.new_group("data"))
+            return part
+
+        got = P.shard_map(local_loss, mesh, in_specs=(("data",),), out_specs=())(x.to("jax"))
+        got.sum().backward()
+
+        def summed_in_place(v):
+            dist.all_reduce(v, group=P.new_group("data"))
+            return v * 1
+
+        v = torch.arange(8.0, device="jax").reshape(4, 2)
+        P.shard_map(summed_in_place, mesh, in_specs=(("data", "model"),), out_specs=("data", "model"))(v)
+        one = P.shard_map(lambda a: a * 2, mesh, in_specs=((None, "model"),), out_specs=(None, "model"))(
+            torch.ones(4, 2, device="jax"))
+        errors = []
+        for bad in (lambda: P.shard_map(lambda a, b: a, mesh, in_specs=(("data",),), out_specs=())(x, x),
+                    lambda: P.shard_map(lambda a: a, mesh, in_specs=(("data",),), out_specs=())(torch.ones(6, 2))):
+            try:
+                bad()
+            except ValueError as e:
+                errors.append(str(e))
+        print(json.dumps({"loss": [got.item(), want.item()], "grad": [jlin.weight.grad.cpu().tolist(),
+                          lin.weight.grad.tolist()], "v": v.tolist(), "one": list(one.shape), "errors": errors}))
+    """)
+    assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5)
+    assert sum(r["grad"][0], []) == pytest.approx(sum(r["grad"][1], []), rel=1e-5)
+    assert r["v"] == [[12.0, 16.0]] * 4                     # each column summed over the data axis, in place
+    assert r["one"] == [4, 2]
+    assert "1 in_specs for 2 arguments" in r["errors"][0]
+    assert "argument 0" in r["errors"][1] and "not divisible by 4" in r["errors"][1]
 
 
 def test_jit_follows_a_parameter_resharded_between_calls():

@@ -556,6 +556,25 @@ LAYOUT_PROGRAMS = {
         memory_format=torch.channels_last).to(dev),
     "transposed_to_cpu": lambda dev: torch.arange(12.0, device=dev).reshape(3, 4).t().cpu(),
     "empty_strided": lambda dev: torch.empty_strided((2, 3), (1, 2), device=dev).fill_(1),
+    "channels_last_channel_shuffle": lambda dev: F.channel_shuffle(_channels_last(dev)[:, :2], 2),
+    "channels_last_glu": lambda dev: F.glu(_channels_last(dev)[:, :2], 1),
+    "channels_last_glu_last_dim": lambda dev: F.glu(_channels_last(dev)[..., :4], -1),
+    "channels_last_prelu": lambda dev: F.prelu(_channels_last(dev), torch.full((3,), 0.1, device=dev)),
+    "channels_last_hardswish": lambda dev: F.hardswish(_channels_last(dev)),
+    "channels_last_max_unpool": lambda dev: F.max_unpool2d(*F.max_pool2d(_channels_last(dev), 2, return_indices=True),
+                                                           2, output_size=(4, 5)),
+    "channels_last_stack": lambda dev: torch.stack([_channels_last(dev)] * 2, 1),
+    "channels_last_index_put": lambda dev: _channels_last(dev).index_put((torch.tensor([1], device=dev),),
+                                                                         torch.tensor(0.0, device=dev)),
+    "channels_last_index_fill": lambda dev: _channels_last(dev).index_fill(1, torch.tensor([0], device=dev), 0.0),
+    "channels_last_mse_loss": lambda dev: F.mse_loss(_channels_last(dev), torch.zeros(5, device=dev), reduction="none"),
+    "channels_last_huber_loss": lambda dev: F.huber_loss(_channels_last(dev), torch.zeros(5, device=dev),
+                                                         reduction="none"),
+    "channels_last_bce_logits": lambda dev: F.binary_cross_entropy_with_logits(
+        _channels_last(dev), torch.full((2, 3, 4, 5), 0.5, device=dev), reduction="none"),
+    "channels_last_polar_as_real": lambda dev: torch.view_as_real(torch.polar(_channels_last(dev).abs(),
+                                                                              _channels_last(dev))),
+    "channels_last_complex_angle_is_contiguous": lambda dev: torch.complex(*[_channels_last(dev)] * 2).angle(),
 }
 
 

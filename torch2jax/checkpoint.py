@@ -32,16 +32,18 @@ import orbax.checkpoint as ocp
 import torch
 
 from . import dtypes as _dt
-from .tensor import Tensor, jax_array, new_tensor
+from .tensor import Tensor, jax_array, new_tensor, torch_cpu
 
 _SKELETON = "torch2jax_structure.pkl"
 
 
 class _Array:
-    """Placeholder in the saved structure for the array stored under ``key``."""
+    """Placeholder in the saved structure for the array stored under ``key``; ``kind`` says
+    what it was and comes back as: a jax-device tensor ("jax"), a CPU tensor ("cpu", e.g.
+    ``torch.get_rng_state()``) or a jax.Array ("array")."""
 
-    def __init__(self, key, dtype):
-        self.key, self.dtype = key, dtype
+    def __init__(self, key, dtype, kind="jax"):
+        self.key, self.dtype, self.kind = key, dtype, kind
 
 
 def _split(obj, arrays, prefix):
@@ -54,7 +56,8 @@ def _split(obj, arrays, prefix):
         key = prefix.rstrip("/").replace(".", "_") or "value"
         array = obj._value() if isinstance(obj, Tensor) else obj if isinstance(obj, jax.Array) else jax_array(obj)
         arrays[key] = array
-        return _Array(key, obj.dtype)
+        kind = "jax" if isinstance(obj, Tensor) else "array" if isinstance(obj, jax.Array) else "cpu"
+        return _Array(key, obj.dtype, kind)
     if isinstance(obj, dict):
         return {k: _split(v, arrays, f"{prefix}{k}/") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -128,7 +131,11 @@ def _abstract(arrays_meta, targets):
 
 def _join(skeleton, arrays):
     if isinstance(skeleton, _Array):
-        return new_tensor(arrays[skeleton.key])
+        kind = getattr(skeleton, "kind", "jax")  # (checkpoints written before kinds were saved)
+        array = arrays[skeleton.key]
+        if kind == "array":
+            return array
+        return torch_cpu(array) if kind == "cpu" else new_tensor(array)
     if isinstance(skeleton, dict):
         return {k: _join(v, arrays) for k, v in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):
@@ -159,8 +166,9 @@ def _apply(restored, target):
 def load(path: str, target=None):
     """Read a checkpoint written by `save`. Modules and optimizers in ``target`` (the
     same nesting as when saved) are loaded in place, each array placed with the
-    sharding of the live tensor it replaces; everything is also returned (tensors on
-    the jax device, modules and optimizers as the target objects or as state dicts).
+    sharding of the live tensor it replaces; everything is also returned (tensors where
+    they were saved from: the jax device or the CPU, as ``torch.set_rng_state`` needs; jax
+    arrays as jax arrays; modules and optimizers as the target objects or as state dicts).
 
     >>> state = t2j.load("ckpt/step_100", {"model": model, "optimizer": opt})
     >>> state["step"]

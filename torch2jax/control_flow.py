@@ -857,6 +857,23 @@ def _stack_loaded_state_dict(layers, state_dict, prefix, *args):
             state_dict[prefix + key] = torch.stack([state_dict.pop(k) for k in per_layer])
 
 
+def stacked_parameter_names(module: torch.nn.Module) -> dict:
+    """For each parameter of ``module`` that holds a stack of layers' parameters
+    (`use_scan_layers` with ``stack_parameters=True``), its name in ``named_parameters()`` ->
+    the name of the first layer's parameter it replaces: sharding rules written for one
+    layer's parameters apply to the stack's trailing dimensions.
+
+    >>> stacked_parameter_names(model)["model.layers.stacked_mlp__up_proj__weight"]
+    'model.layers.0.mlp.up_proj.weight'
+    """
+    out = {}
+    for prefix, sub in module.named_modules():
+        for name, key in (getattr(sub, "_t2j_stacked", None) or {}).items():
+            where = f"{prefix}." if prefix else ""
+            out[f"{where}{key}"] = f"{where}0.{name}"
+    return out
+
+
 def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h", "blocks", "layer"),
                     stack_parameters: bool = False):
     """Make ``model`` run its stack of identical layers with `scan_layers`, in place.

@@ -661,6 +661,9 @@ _LAYOUT_OPS = frozenset({
     "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
     "upsample_trilinear3d", "constant_pad_nd", "reflection_pad2d", "reflection_pad3d", "replication_pad2d",
     "replication_pad3d", "native_group_norm", "sort", "flip", "roll", "tril", "triu",
+    # elementwise in all but name (losses without reduction, glu's halves, stack's slices, index fills)
+    "glu", "hardswish", "polar", "complex", "mse_loss", "binary_cross_entropy_with_logits", "smooth_l1_loss",
+    "huber_loss", "stack", "index_put", "index_fill", "_prelu_kernel",
 })
 # Ops whose CPU kernels give a channels_last result for a channels_last input where their
 # meta kernels do not (torch's suggest_memory_format of the input)

@@ -147,6 +147,8 @@ class _Roots:
         self.generators = []  # torch.Generators: a trace must not draw from them on the host (`GeneratorDraws`)
         self.objects = []  # other objects whose attributes were searched (see _python_state)
         self.values = []  # (where, cell or globals dict, name): Python values the functions read (`python_values`)
+        self.cells = []  # the closure cells of the functions (`_Places`)
+        self.globals = []  # (globals dict, the names a function's code uses) (`_Places`)
         self.names = set()  # the global and attribute names the functions' code uses
         self.unguarded = frozenset()  # values the function itself changes when traced: not guarded
         self.lifts: _Hyperparameters | None = None  # which numbers among the values are program inputs
@@ -163,7 +165,7 @@ class _Roots:
                 # an optimizer stepped by a parameter's hook ("optimizer step in backward")
                 for hook in _parameter_hooks(obj):
                     self.add(hook, depth)
-                for t in _cpu_attributes(obj):
+                for t in _tensor_attributes(obj):
                     self.add(t, depth)
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
@@ -223,12 +225,14 @@ class _Roots:
                     continue
                 if _watched(value):
                     self.values.append((f"{fn.__qualname__}: {name}", cell, None))
+                self.cells.append(cell)
                 self.add(value, depth)
         self.add(fn.__defaults__, depth)
         self.add(fn.__kwdefaults__, depth)
         g = fn.__globals__
         names = _global_names(fn.__code__)
         self.names.update(names)
+        self.globals.append((g, names))
         for name in names:
             if name in g:
                 value = g[name]
@@ -425,7 +429,9 @@ def _find_roots(fn, args, kwargs) -> _Roots:
     roots = _Roots()
     roots.add(fn)
     for leaf in torch_pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer)):
+        # (an object among the arguments holds state as a closed-over one does: ``f(x, cache)``)
+        if not isinstance(leaf, torch.Tensor) and (isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer))
+                                                   or hasattr(leaf, "__dict__")):
             roots.add(leaf)
     return roots
 
@@ -935,19 +941,20 @@ def _sorted_keys(st: dict) -> tuple:
     return order
 
 
-_CPU_ATTRIBUTES_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (writes, tensors)
+_TENSOR_ATTRIBUTES_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (writes, tensors)
 
 
-def _cpu_attributes(module) -> list:
-    """The CPU tensors that ``module`` and its submodules hold as plain attributes
-    (``self.scale = torch.tensor(2.0)``, which ``module.to("jax")`` leaves on the CPU): a
-    trace reads their values, so they are guarded as closed-over CPU tensors are (an
-    in-place ``fill_`` retraces). Read again only after an attribute write (`_ATTRIBUTE_WRITES`)."""
-    seen = _CPU_ATTRIBUTES_SEEN.get(module)
+def _tensor_attributes(module) -> list:
+    """The tensors that ``module`` and its submodules hold as plain attributes, neither
+    parameters nor buffers (``self.cache = x``, ``self.scale = torch.tensor(2.0)``): state like
+    any other. One on the jax device is a slot (its replacement, ``self.cache = self.cache + x``,
+    is written back on every call: `_Places`); one on the CPU, which ``module.to("jax")``
+    leaves there, is read at trace time and guarded as closed-over CPU tensors are (an in-place
+    ``fill_`` retraces). Read again only after an attribute write (`_ATTRIBUTE_WRITES`)."""
+    seen = _TENSOR_ATTRIBUTES_SEEN.get(module)
     if seen is None or seen[0] != _ATTRIBUTE_WRITES[0]:
-        tensors = [v for sub in _submodules(module) for v in sub.__dict__.values()
-                   if isinstance(v, torch.Tensor) and not isinstance(v, Tensor)]
-        seen = _CPU_ATTRIBUTES_SEEN[module] = (_ATTRIBUTE_WRITES[0], tensors)
+        tensors = [v for sub in _submodules(module) for v in sub.__dict__.values() if isinstance(v, torch.Tensor)]
+        seen = _TENSOR_ATTRIBUTES_SEEN[module] = (_ATTRIBUTE_WRITES[0], tensors)
     return seen[1]
 
 
@@ -1425,6 +1432,71 @@ def _laid_out_as(t, order):
     return t.permute(order).contiguous().permute(*np.argsort(order).tolist())
 
 
+class _Outputs:
+    """What a traced call gives back, and how each call makes it again (`_output`): the
+    arrays a program returns, and per output a kind (see `_Entry.out_leaves`)."""
+
+    def __init__(self, slots, storages, pre_index, arg_index):
+        self.slots, self.storages, self.pre_index, self.arg_index = slots, storages, pre_index, arg_index
+        self.arrays, self.grad_outs = [], []
+        self.leaves = {}  # id of an output tensor -> its position among the output leaves
+
+    def kind(self, leaf) -> tuple:
+        """The kind of output leaf ``leaf``, adding its value to the program's outputs where it has one."""
+        if isinstance(leaf, Tensor):
+            self.leaves[id(leaf)] = len(self.leaves)
+        return self._kind(leaf)
+
+    def stored(self, value) -> tuple:
+        """The kind of a value the trace stored in a place: an output leaf it also returned is stored
+        as the same tensor (``("leaf", position)``)."""
+        if isinstance(value, Tensor) and id(value) in self.leaves:
+            return "leaf", self.leaves[id(value)]
+        return self._kind(value)
+
+    def _kind(self, leaf) -> tuple:
+        outs = self.arrays
+        if not isinstance(leaf, Tensor):
+            if _sym.is_traced_number(leaf):
+                outs.append(jax.numpy.asarray(_sym.value_of(leaf)))
+                return "number", len(outs) - 1
+            return "const", leaf
+        if id(leaf) in self.arg_index:
+            return "arg", self.arg_index[id(leaf)]
+        if id(leaf) in self.pre_index:
+            return "pre", self.pre_index[id(leaf)]
+        if (view := _view_of_slot(leaf, self.slots.tensors, self.storages)) is not None:
+            return "view", view
+        if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
+            self.grad_outs.append(len(outs))
+        order = _dense_order(leaf)
+        outs.append(leaf._value())
+        k = len(outs) - 1
+        return ("array32", k) if leaf.dtype is torch.complex32 else ("array", k) if order is None \
+            else ("laid_out", (k, order))
+
+
+def _output(kind, v, arrays, slots, leaves):
+    """One output of a call, of kind ``kind`` (`_Outputs`), from the program's ``arrays``."""
+    if kind == "array":
+        return arrays[v]
+    if kind == "number":  # a traced Python number (``x.sum().item()``) comes back as one
+        return arrays[v].item()
+    if kind == "array32":  # held as complex64 (torch2jax/complex32.py)
+        return _complex32.retag(arrays[v])
+    if kind == "laid_out":
+        return _laid_out_as(arrays[v[0]], v[1])
+    if kind == "view":
+        slot, size, stride, offset, grad = v
+        with torch.set_grad_enabled(grad):
+            return slots.tensors[slot].as_strided(size, stride, offset)
+    if kind == "pre":
+        return slots.tensors[v]
+    if kind == "arg":
+        return leaves[v]
+    return v
+
+
 class _Capture:
     """Watches a trace: storages created, and tensors read that are not inputs."""
 
@@ -1481,6 +1553,9 @@ class _Entry:
     # per output leaf: ("array" | "array32" | "number", k) | ("laid_out", (k, order)) | ("pre", slot)
     # | ("arg", k) | ("view", `_view_of_slot`) | ("const", value)
     out_leaves: list
+    # (setter, output kind | ("leaf", position)) per place the trace stored a tensor in (`_Places`),
+    # stored again after every call
+    stores: list
     uses_rng: bool
     names: list  # slot names, to explain a later cache miss
     trace_s: float
@@ -1572,6 +1647,9 @@ class JitFunction:
         self._draws = 0  # seed rows the last trace took from explicit torch.Generators: the next one's first guess
         self._value_retraces = 0  # traces caused by a new value of a Python number it reads
         self._unguarded = frozenset()  # Python values its traces change (`_Roots.unguarded`)
+        # positions of the CPU tensor arguments the trace needs the values of (`_value_arguments`), once
+        # a trace with them on the device stopped; None until then
+        self._by_value = None
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0, "eager_calls": 0}
         functools.update_wrapper(self, fn)
 
@@ -1665,10 +1743,11 @@ class JitFunction:
         return self._lower(target, args, kwargs)
 
     def _lookup(self, args, kwargs):
-        leaves, spec = torch_pytree.tree_flatten((args, kwargs))
-        leaves = [_to_device(x) for x in leaves]
+        given, spec = torch_pytree.tree_flatten((args, kwargs))
+        leaves = self._device_leaves(given)
         roots = _find_roots(self.fn, args, kwargs)
         roots.unguarded, roots.lifts = self._unguarded, self._hypers
+        retried = ()
         for _ in range(4):
             slots = _collect(leaves, roots, memo=self._roots_memo, hypers=self._hypers)
             numbers = self._number_arguments(leaves)
@@ -1677,7 +1756,7 @@ class JitFunction:
             extra = [s for s in (r() for r in self._extra) if s is not None]
             extra = [s for s in extra if not any(s is st for st in slots.storages)]
             storages = slots.storages + extra
-            key = (spec, _static_key(leaves, numbers), slots.key, tuple(id(s) for s in extra),
+            key = (spec, _static_key(leaves, numbers, self._by_value), slots.key, tuple(id(s) for s in extra),
                    tuple((tuple(s.array.shape), s.array.dtype) for s in extra), _config(), torch.is_grad_enabled(),
                    torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
             if key in self._eager:
@@ -1725,6 +1804,15 @@ class JitFunction:
                 if not new:
                     if self.fullgraph or not isinstance(e, _GRAPH_BREAKS) or isinstance(e, JitError):
                         raise
+                    if self._by_value is None and (values := _value_arguments(given)):
+                        self._by_value = retried = values
+                        self._log(f"the trace stopped at {type(e).__name__}: {e}; the integer CPU argument(s) "
+                                  f"{sorted(values)} stay on the CPU, their values constants of the program (each "
+                                  "new value traces again)")
+                        leaves = self._device_leaves(given)
+                        continue
+                    if retried:  # their values did not help: on the device, as before
+                        self._by_value = frozenset()
                     reason = f"{type(e).__name__}: {e}"
                     self._breaks += 1
                     self._last_break = reason
@@ -1752,6 +1840,12 @@ class JitFunction:
             return entry, leaves, slots, storages
         raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
 
+    def _device_leaves(self, given) -> list:
+        """The argument leaves the trace sees: tensors on the jax device, but for the CPU tensors
+        whose values it needs (`_value_arguments`)."""
+        by_value = self._by_value or ()
+        return [x if i in by_value else _to_device(x) for i, x in enumerate(given)]
+
     def _number_arguments(self, leaves) -> list:
         """(`_ArgSite`, id) of the Python numbers among the arguments that are program inputs."""
         lifts = self._hypers
@@ -1772,26 +1866,9 @@ class JitFunction:
         else:
             arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves),
                                                            donated=True)]
-        result = []
-        for kind, v in entry.out_leaves:
-            if kind == "array":
-                result.append(arrays[v])
-            elif kind == "number":  # a traced Python number (``x.sum().item()``) comes back as one
-                result.append(arrays[v].item())
-            elif kind == "array32":  # held as complex64 (torch2jax/complex32.py)
-                result.append(_complex32.retag(arrays[v]))
-            elif kind == "laid_out":
-                result.append(_laid_out_as(arrays[v[0]], v[1]))
-            elif kind == "view":
-                slot, size, stride, offset, grad = v
-                with torch.set_grad_enabled(grad):
-                    result.append(slots.tensors[slot].as_strided(size, stride, offset))
-            elif kind == "pre":
-                result.append(slots.tensors[v])
-            elif kind == "arg":
-                result.append(leaves[v])
-            else:
-                result.append(v)
+        result = [_output(kind, v, arrays, slots, leaves) for kind, v in entry.out_leaves]
+        for setter, (kind, v) in entry.stores:
+            setter(result[v] if kind == "leaf" else _output(kind, v, arrays, slots, leaves))
         return torch_pytree.tree_unflatten(result, entry.out_def)
 
     def _execute(self, entry, slots, storages, jitted, keys, donated):
@@ -1831,7 +1908,8 @@ class JitFunction:
         if entry.uses_rng:
             _rng.key = key
         for setter, target, slot in entry.post:
-            target = slots.tensors[target] if isinstance(target, int) else target
+            if isinstance(target, int):
+                target = slots.tensors[target]
             # from the second call on, a .grad already holds the tensor the trace made: setting it again
             # costs torch's checks for every parameter
             if slot is None or slots.tensors[slot] is not target:
@@ -1908,8 +1986,8 @@ class JitFunction:
         out_avals = closed.out_avals[n_out:n_out + n_written]
         keeps = all(_same_aval(closed.in_avals[i], a) for i, a in zip(written, out_avals))
         return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
-                      info["out_leaves"], uses_rng, slots.names, time.perf_counter() - start, info["guards"],
-                      program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
+                      info["out_leaves"], info["stores"], uses_rng, slots.names, time.perf_counter() - start,
+                      info["guards"], program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
                       shardings=tuple(info["shardings"]),
                       draws=info["draws"], reseeded=info["reseeded"])
 
@@ -1978,26 +2056,13 @@ class JitFunction:
             del out
             pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}
             arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
-            outs, kinds, grad_outs, leaf = [], [], [], None
-            for leaf in out_leaves:
-                if isinstance(leaf, Tensor) and id(leaf) in arg_index:
-                    kinds.append(("arg", arg_index[id(leaf)]))
-                elif isinstance(leaf, Tensor) and id(leaf) in pre_index:
-                    kinds.append(("pre", pre_index[id(leaf)]))
-                elif isinstance(leaf, Tensor) and (view := _view_of_slot(leaf, slots.tensors, storages)) is not None:
-                    kinds.append(("view", view))
-                elif isinstance(leaf, Tensor):
-                    order = _dense_order(leaf)
-                    kinds.append(("array32", len(outs)) if leaf.dtype is torch.complex32
-                                 else ("array", len(outs)) if order is None else ("laid_out", (len(outs), order)))
-                    if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
-                        grad_outs.append(len(outs))
-                    outs.append(leaf._value())
-                elif _sym.is_traced_number(leaf):
-                    kinds.append(("number", len(outs)))
-                    outs.append(jax.numpy.asarray(_sym.value_of(leaf)))
-                else:
-                    kinds.append(("const", leaf))
+            made = _Outputs(slots, storages, pre_index, arg_index)
+            kinds = [made.kind(leaf) for leaf in out_leaves]
+            # tensors it stored in places (`_Places`) are outputs too, given to the same places after each call
+            stores = [(functools.partial(_put, kind, container, key), made.stored(t))
+                      for kind, container, key, t in saved_slots[2].moved()]
+            saved_slots[2].restore()  # (the tensors the trace stored hold tracers, and their histories its graph)
+            outs, grad_outs, leaf = made.arrays, made.grad_outs, None
             del out_leaves, leaf
             post_slots = _collect(leaves, roots, full=True)
             del args, kwargs
@@ -2016,7 +2081,7 @@ class JitFunction:
             rebased = [(written.index(slot_storage[k]), k) for k, _, _, node in info["own_histories"]
                        if slot_storage[k] in written and slots.tensors[k].grad_fn is not node]
             info.update(undo=saved_slots if post else None, rebased=rebased,
-                written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds,
+                written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds, stores=stores,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
                 draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
@@ -2458,14 +2523,25 @@ class _GeneratorArgument(NamedTuple):
     device: str
 
 
-def _static_key(leaves, numbers=()):
+def _value_arguments(leaves) -> frozenset:
+    """Positions of the arguments a trace may need the values of: short 1-D integer CPU
+    tensors, which torch itself wants on the CPU (pack_padded_sequence's ``lengths``, split
+    sizes). A trace stopped by a value it could not read tries again with these kept on the
+    CPU, their values constants of the program and part of the cache key."""
+    return frozenset(i for i, x in enumerate(leaves)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, Tensor) and x.device.type == "cpu"
+                     and x.dim() == 1 and x.numel() <= 1024 and not (x.is_floating_point() or x.is_complex()))
+
+
+def _static_key(leaves, numbers=(), by_value=None):
     """The arguments that are not tensors, as the cache key holds them; ``numbers`` (from
-    `JitFunction._number_arguments`) are program inputs, keyed by their type alone."""
+    `JitFunction._number_arguments`) are program inputs, keyed by their type alone; the CPU
+    tensors at positions ``by_value`` by their values."""
     out = []
     lifted = {site.index for site, _ in numbers}
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
-            out.append(None)
+            out.append((x.dtype, tuple(x.tolist())) if by_value and i in by_value else None)
             continue
         if i in lifted:
             out.append(_LiftedNumber(type(x)))
@@ -2482,19 +2558,99 @@ def _static_key(leaves, numbers=()):
 
 
 def _snapshot(slots, roots):
-    """What a failed trace must put back: slot contents and optimizer state dicts."""
+    """What a failed trace must put back: slot contents, optimizer state dicts and the
+    tensors in the places the function can assign to (`_Places`)."""
     pointed = [(setter, t) for setter, t in zip(slots.setters, slots.tensors) if setter is not None]
     opt_states = [(opt, {p: dict(st) for p, st in opt.state.items()}) for opt in roots.optimizers]
-    return pointed, opt_states
+    return pointed, opt_states, _Places(roots)
 
 
 def _restore(snapshot):
-    pointed, opt_states = snapshot
+    pointed, opt_states, places = snapshot
     for setter, t in pointed:
         setter(t)
     for opt, states in opt_states:
         opt.state.clear()
         opt.state.update(states)
+    places.restore()
+
+
+def _put(kind, container, key, value):
+    """Store ``value`` at a place (`_Places`): ``_MISSING`` deletes what is there."""
+    if kind == "attr":
+        now = getattr(container, key, _MISSING)
+        if now is value:
+            return
+        if value is _MISSING:
+            delattr(container, key)
+        else:
+            setattr(container, key, value)
+    elif kind == "cell":
+        if value is _MISSING:
+            del container.cell_contents
+        elif _cell_value(container) is not value:
+            container.cell_contents = value
+    elif value is _MISSING:
+        container.pop(key, None)
+    elif key not in container or container[key] is not value:
+        container[key] = value
+
+
+class _Places:
+    """The places where a function can store a tensor by plain assignment, as they were:
+    plain attributes of its modules and of the objects it reaches, items of its lists and
+    dicts, its closure cells and the globals its code names. After a trace, `moved` lists
+    each place that got another tensor (or lost one): ``self.cache = self.cache + x``, the
+    program's output stored in a module. A cached call must repeat that store, or the next
+    call would read the tensor the trace left there."""
+
+    def __init__(self, roots: _Roots):
+        # (kind, container, its values then, whether only those keys count: a module's globals)
+        self.places = [("attr", sub, dict(sub.__dict__), False) for m in roots.modules for sub in _submodules(m)]
+        for o in roots.objects:
+            if isinstance(o, dict):
+                self.places.append(("item", o, dict(o), False))
+            elif isinstance(o, list):
+                self.places.append(("item", o, dict(enumerate(o)), False))
+            else:
+                self.places.append(("attr", o, dict(vars(o)), False))
+        self.places += [("cell", cell, {None: _cell_value(cell)}, True) for cell in roots.cells]
+        self.places += [("item", g, {n: g.get(n, _MISSING) for n in names}, True) for g, names in roots.globals]
+
+    def _now(self, kind, container, before):
+        if kind == "cell":
+            return {None: _cell_value(container)}
+        if kind == "attr":
+            return vars(container)
+        if isinstance(container, list):
+            # an append changes the list's length, and so the slots: a new trace, not a store
+            return dict(enumerate(container)) if len(container) == len(before) else before
+        return container
+
+    def moved(self) -> list:
+        """(kind, container, key, value) per place whose tensor is another now (``value``:
+        ``_MISSING`` where it was deleted)."""
+        out = []
+        for kind, container, before, fixed in self.places:
+            now = self._now(kind, container, before)
+            for key in before.keys() if fixed else before.keys() | now.keys():
+                old, new = before.get(key, _MISSING), now.get(key, _MISSING)
+                if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
+                    out.append((kind, container, key, new))
+        return out
+
+    def restore(self):
+        """Put back the tensors that were in these places (a failed or unexecuted trace)."""
+        then = {id(container): before for _, container, before, _ in self.places}
+        for kind, container, key, _ in self.moved():
+            _put(kind, container, key, then[id(container)].get(key, _MISSING))
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _MISSING
 
 
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks", "_backward_hooks",

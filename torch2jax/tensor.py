@@ -758,10 +758,14 @@ def jax_array(t: torch.Tensor):
         host = bits.view(dtype)
     else:
         host = _host_view(t)
-    if host.dtype.itemsize >= 8:  # int64 / float64 stay 64-bit wherever this is called (DESIGN.md, decision 6)
-        with jax.enable_x64(True):
-            return jnp.asarray(host)
-    return jnp.asarray(host)
+    # a concrete array even while a program is traced: a CPU tensor's value is a constant of it, which
+    # lowerings that need values (pack_padded_sequence's lengths) can read;
+    # int64 / float64 stay 64-bit wherever this is called (DESIGN.md, decision 6)
+    with jax.ensure_compile_time_eval():
+        if host.dtype.itemsize >= 8:
+            with jax.enable_x64(True):
+                return jnp.asarray(host)
+        return jnp.asarray(host)
 
 
 def from_torch_cpu(t: torch.Tensor) -> Tensor:

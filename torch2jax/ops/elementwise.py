@@ -20,7 +20,7 @@ from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
 from .registry import (as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote, register,
-                       true_divide, view, warning)
+                       strides, true_divide, view, warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -783,6 +783,14 @@ def _neg_view(x):
     """The negated view torch makes in its complex formulas (``z.conj().imag``); its values are
     computed negated, as `_conj`'s are conjugated."""
     return jnp.negative(x)
+
+
+@strides(aten.angle.default)
+def angle_strides(args, kwargs, results):
+    """torch's CPU kernel gives the angle of a complex tensor in row-major order whatever its
+    layout (its meta kernel keeps the layout); a real tensor's keeps the layout."""
+    x = args[0]
+    return (None if x.is_complex() else torch.empty_like(x, device="meta").stride(),)
 
 
 @register(aten.angle)

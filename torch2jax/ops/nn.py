@@ -951,6 +951,14 @@ def pixel_unshuffle(x, downscale_factor):
     return _TORCH_DECOMPOSITIONS[aten.pixel_unshuffle.default](x, downscale_factor)
 
 
+@decomposition(aten.channel_shuffle.default)
+def channel_shuffle(x, groups):
+    """torch's decomposition, laid out as torch's CPU kernel lays the result out: as the input
+    (channels_last stays so)."""
+    out = _TORCH_DECOMPOSITIONS[aten.channel_shuffle.default](x, groups)
+    return out.contiguous(memory_format=torch._prims_common.suggest_memory_format(x))
+
+
 # -- max_unpool -------------------------------------------------------------------------
 #
 # torch's decompositions scatter into the output with the indices unchecked; JAX drops an
@@ -964,7 +972,9 @@ def max_unpool(x, indices, output_size, *args):
         size = math.prod(output_size)
         check_values(indices.jax(), lambda i: (i < 0) | (i >= size), lambda i: TorchRuntimeError(
             f"Found an invalid max index: {i} (output volumes are of size {'x'.join(map(str, output_size))})"))
-    return _TORCH_DECOMPOSITIONS[op](x, indices, output_size, *args)
+    out = _TORCH_DECOMPOSITIONS[op](x, indices, output_size, *args)
+    # torch's CPU kernels lay the result out as the input (channels_last stays so)
+    return out.contiguous(memory_format=torch._prims_common.suggest_memory_format(x))
 
 
 # -- embedding bag -----------------------------------------------------------------------

@@ -196,13 +196,22 @@ def cast(x, dtype):
             upper = jnp.where(high, t - 2.0 ** 63, 0).astype(wide).astype(dtype) + np.uint64(2 ** 63)
             return jnp.where(high, upper, out.astype(dtype))
         x = out
+    return _astype(x, dtype)
+
+
+def _astype(x, dtype):
+    """``x.astype(dtype)``; a boolean array becomes floats through a select: XLA rewrites a
+    product with converted booleans, ``x * mask.float()``, into a select that loses ``x``'s
+    NaN and infinity where the mask is False (torch gives ``nan * 0 = nan``)."""
+    if x.dtype == np.bool_ and (jnp.issubdtype(dtype, jnp.inexact)):
+        return jnp.where(x, jnp.ones((), dtype), jnp.zeros((), dtype))
     return x.astype(dtype)
 
 
 def as_dtype(a, dtype):
     """``a`` (array or Python number) as an array of ``dtype``; numbers wrap like torch's casts."""
     if hasattr(a, "dtype"):
-        return a if a.dtype == dtype else a.astype(dtype)
+        return a if a.dtype == dtype else _astype(a, dtype)
     if np.dtype(dtype) == np.bool_:  # any nonzero number is True (0.5, 1j), not its truncation
         return np.array(a != 0)
     if isinstance(a, complex) and not _dt.is_complex(dtype):

@@ -10,15 +10,23 @@ Example::
         return s / (x.shape[0] * dist.get_world_size())
 
     f = t2j.parallel.shard_map(local_mean, mesh, in_specs=("data",), out_specs=())
+
+The function may also use parameters it does not receive (a closed-over module's):
+they are passed in replicated, and their gradients flow. An argument it writes in place
+(``dist.all_reduce(x)``) is written back to the caller's tensor, as torch does.
 """
 
 from __future__ import annotations
 
 import jax
+import torch
 from jax.sharding import PartitionSpec
 
-from ..interop import call_jax_64, jax_view
+from ..interop import call_jax_64
+from ..jit import _find_roots
+from ..tensor import Tensor, new_tensor
 from .collectives import collectives
+from .sharding import ShardingError, named_sharding
 
 
 def _spec(s):
@@ -29,15 +37,93 @@ def _spec(s):
     return PartitionSpec(*s)
 
 
-def _specs(specs):
+def _is_entry(s) -> bool:
+    """One dimension's entry of a partition spec: a mesh axis name, None or a tuple of names."""
+    return s is None or isinstance(s, str) or (isinstance(s, tuple) and all(isinstance(a, str) for a in s))
+
+
+def _out_specs(specs, out):
+    """``out_specs`` as a pytree of PartitionSpecs for output ``out`` (one traced call's).
+
+    A tuple is per output where the function returns a tuple of as many values, and one
+    output's spec where it returns a single tensor: ``(None, "model")`` is both two
+    outputs' specs and one 2-D output's."""
     if isinstance(specs, dict):  # one spec per output of a dict of outputs
         return {k: _spec(v) for k, v in specs.items()}
     if isinstance(specs, list):
         return [_spec(s) for s in specs]
-    if isinstance(specs, tuple) and all(isinstance(s, (tuple, list, PartitionSpec, type(None))) or isinstance(s, str)
-                                        for s in specs) and any(not isinstance(s, str) for s in specs):
+    if isinstance(specs, tuple) and specs:
+        if isinstance(out, (tuple, list)) and len(out) == len(specs):
+            per_output = [_spec(s) for s in specs]
+            return out._make(per_output) if hasattr(out, "_make") else type(out)(per_output)
+        if all(_is_entry(s) for s in specs):
+            return _spec(specs)
         return tuple(_spec(s) for s in specs)
     return _spec(specs)
+
+
+def _check_arguments(tensors, in_specs, mesh):
+    if len(tensors) != len(in_specs):
+        raise ShardingError(f"shard_map: {len(in_specs)} in_specs for {len(tensors)} arguments: give one partition "
+                            "spec per positional argument (() for a replicated one)")
+    for i, (t, spec) in enumerate(zip(tensors, in_specs)):
+        if not isinstance(t, torch.Tensor):
+            raise ShardingError(f"shard_map: argument {i} is a {type(t).__name__}, not a tensor: close over "
+                                "values that are not tensors (functools.partial)")
+        named_sharding(tuple(t.shape), mesh, spec, f"shard_map: argument {i}")
+
+
+def _closed_over(fn, tensors) -> list:
+    """The tensors requiring grad that ``fn`` reaches without receiving them: its modules'
+    parameters and the tensors it closes over (as `t2j.jit` finds its state)."""
+    roots = _find_roots(fn, (), {})
+    given = {id(t) for t in tensors}
+    out, seen = [], set()
+    for t in [*(p for m in roots.modules for p in m.parameters()), *roots.tensors]:
+        if isinstance(t, Tensor) and t.requires_grad and t.is_leaf and id(t) not in given and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+class _Program:
+    """``torch_fn`` per device for one set of argument shapes: the JAX shard_map, and which
+    arguments it writes in place."""
+
+    def __init__(self, torch_fn, mesh, in_specs, out_specs, check_vma, tensors, lifted):
+        self.torch_fn, self.mesh, self.lifted = torch_fn, mesh, lifted
+        self.n = len(tensors)
+        specs = (*in_specs, *(PartitionSpec() for _ in lifted))
+        found = {}
+        probe = jax.shard_map(lambda *a: self._body(a, found)[0], mesh=mesh, in_specs=specs,
+                              out_specs=PartitionSpec(), check_vma=False)
+        with jax.enable_x64(True):  # (as call_jax_64 runs it)
+            jax.eval_shape(probe, *(jax.ShapeDtypeStruct(t.shape, t._value().dtype) for t in (*tensors, *lifted)))
+        self.written = found["written"]
+        out = (_out_specs(out_specs, found["out"]), [in_specs[i] for i in self.written])
+        self.mapped = jax.shard_map(self._run, mesh=mesh, in_specs=specs, out_specs=out, check_vma=check_vma)
+
+    def _body(self, arrays, found):
+        """Run the torch function on this device's arrays: (outputs, arguments it wrote)."""
+        tensors = [new_tensor(a) for a in arrays[:self.n]]
+        bound = [(t._t2j_storage, t._t2j_storage.array) for t in self.lifted]
+        try:
+            for (st, _), a in zip(bound, arrays[self.n:]):
+                st.array = a
+            with collectives(self.mesh):
+                out = self.torch_fn(*tensors)
+        finally:
+            for st, a in bound:
+                st.array = a
+        found["out"] = out
+        found["written"] = [i for i, (t, a) in enumerate(zip(tensors, arrays)) if t._value() is not a]
+        return jax.tree.map(lambda t: t._value() if isinstance(t, Tensor) else t, out,
+                            is_leaf=lambda t: isinstance(t, torch.Tensor)), [tensors[i] for i in found["written"]]
+
+    def _run(self, *arrays):
+        found = {}
+        out, written = self._body(arrays, found)
+        return out, [t._value() for t in written]
 
 
 def shard_map(torch_fn, mesh, in_specs, out_specs, check_vma: bool = False):
@@ -45,23 +131,30 @@ def shard_map(torch_fn, mesh, in_specs, out_specs, check_vma: bool = False):
 
     ``in_specs`` has one partition spec per positional argument (a tuple of mesh axis
     names / None per dimension; ``()`` replicates), ``out_specs`` one per output (a tuple
-    or list of them, or a dict of them for a dict of outputs).
+    or list of them, or a dict of them for a dict of outputs; a single output's spec where
+    the function returns one tensor).
     Inside, torch.distributed collectives act over the mesh axes of their process
     group (`new_group`; ``group=None`` is every axis). Differentiable (a torch
-    autograd node whose backward is JAX's), and usable inside `t2j.jit`.
+    autograd node whose backward is JAX's), also for the parameters the function reaches
+    without receiving them, and usable inside `t2j.jit`. Arguments it writes in place are
+    written back.
 
     >>> f = t2j.parallel.shard_map(lambda x: x * 2, mesh, in_specs=(("data",),), out_specs=("data",))
     """
     in_specs = tuple(_spec(s) for s in in_specs)
-    out = _specs(out_specs)
+    programs: dict = {}
 
-    def body(*arrays):
-        with collectives(mesh):
-            return jax_view(torch_fn)(*arrays)
-
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out, check_vma=check_vma)
-
-    def call(*tensors):
-        return call_jax_64(mapped, *tensors)
+    def call(*given):
+        _check_arguments(given, in_specs, mesh)
+        tensors = [t if isinstance(t, Tensor) else t.to("jax") for t in given]
+        lifted = _closed_over(torch_fn, tensors)
+        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), tuple(map(id, lifted)))
+        program = programs.get(key)
+        if program is None:
+            program = programs[key] = _Program(torch_fn, mesh, in_specs, out_specs, check_vma, tensors, lifted)
+        out, written = call_jax_64(program.mapped, *tensors, *lifted)
+        for i, value in zip(program.written, written):
+            given[i].copy_(value)
+        return out
 
     return call

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import jax
 import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..tensor import Tensor, from_torch_cpu
+from ..control_flow import stacked_parameter_names
+from ..tensor import Tensor, from_torch_cpu, new_tensor
 
 
 class ShardingError(ValueError):
@@ -111,8 +113,6 @@ def shard_batch(tensor: torch.Tensor, mesh: Mesh, axis="data") -> torch.Tensor:
     t = tensor if isinstance(tensor, Tensor) else from_torch_cpu(tensor)
     spec = (axis,) + (None,) * (t.dim() - 1)
     sharding = named_sharding(tuple(t.shape), mesh, spec, "shard_batch")
-    from ..tensor import new_tensor
-
     return new_tensor(jax.device_put(t._value(), sharding))
 
 
@@ -135,6 +135,10 @@ def fsdp(axis: str = "data", min_size: int = 1024):
         for d in dims:
             if shape[d] % size == 0:
                 return tuple(axis if i == d else None for i in range(len(shape)))
+        # every device then holds all of it: say so, rather than let memory grow unnoticed
+        warnings.warn(f"fsdp: {name} {tuple(shape)} has no dimension divisible by {size}, the size of mesh axis "
+                      f"{axis!r}: it stays replicated on every device (pad it, e.g. the vocabulary to a multiple of "
+                      f"{size}, or give it a rule of its own)", stacklevel=3)
         return None
 
     return rule
@@ -192,6 +196,7 @@ def shard_model(module: torch.nn.Module, mesh: Mesh, rules) -> torch.nn.Module:
             return None
     else:
         rule = rules
+    stacked = stacked_parameter_names(module)
     seen = set()
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if id(t) in seen:
@@ -199,7 +204,11 @@ def shard_model(module: torch.nn.Module, mesh: Mesh, rules) -> torch.nn.Module:
         seen.add(id(t))
         if not isinstance(t, Tensor):
             raise ShardingError(f"shard_model: {name} is on {t.device}; move the module to the jax device first")
-        spec = rule(name, tuple(t.shape), mesh)
+        if name in stacked:  # one layer's rule for each slice of the stack (use_scan_layers(stack_parameters=True))
+            spec = rule(stacked[name], tuple(t.shape[1:]), mesh)
+            spec = (None, *spec) if spec is not None else None
+        else:
+            spec = rule(name, tuple(t.shape), mesh)
         spec = spec if spec is not None else ()
         spec = tuple(s for s in spec)
         while spec and spec[-1] is None:
