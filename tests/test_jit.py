@@ -1784,3 +1784,23 @@ def test_nan_times_a_false_mask_stays_nan_in_a_program():
     got = t2j.jit(f)(x.to("jax"), mask.to("jax"))
     for a, b in zip(got, want):
         torch.testing.assert_close(a.cpu(), b, equal_nan=True)
+
+
+def test_distribution_validation_becomes_a_check_of_the_program():
+    import torch.distributions as D
+
+    def log_prob(loc, scale, validate):
+        return D.Normal(loc, scale, validate_args=validate).log_prob(loc + 1)
+
+    loc, good, bad = torch.zeros(3, device="jax"), torch.ones(3, device="jax"), -torch.ones(3, device="jax")
+    asked = t2j.jit(functools.partial(log_prob, validate=True))
+    torch.testing.assert_close(asked(loc, good).cpu(), log_prob(loc.cpu(), good.cpu(), True))
+    with pytest.raises(ValueError, match="does not satisfy its constraint"):
+        asked(loc, bad)
+    assert asked.stats["eager_calls"] == 0 and asked.stats["traces"] == 1
+    default = t2j.jit(functools.partial(log_prob, validate=None))
+    assert default(loc, bad).isnan().all()  # torch's default validation costs a host sync per step: off
+    with t2j.env(check_indices="always"):
+        checked = t2j.jit(functools.partial(log_prob, validate=None))
+        with pytest.raises(ValueError, match="does not satisfy its constraint"):
+            checked(loc, bad)

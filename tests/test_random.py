@@ -552,6 +552,22 @@ def test_generator_noise_under_jit_is_differentiated_with_the_forwards_draws():
     assert torch.equal(w.grad.cpu(), expected)
 
 
+def test_generator_draws_in_loop_bodies_differ_per_iteration_and_call():
+    g = torch.Generator(device="jax").manual_seed(0)
+
+    @torch2jax.jit
+    def noise(x):
+        _, ys = torch2jax.scan(lambda c, _: (c, torch.randn(64, device="jax", generator=g)), x, None, length=4)
+        summed = torch2jax.fori_loop(0, 4, lambda i, c: c + torch.rand(64, device="jax", generator=g), x)
+        return ys, summed
+
+    x = torch.zeros(64, device="jax")
+    (ys, summed), (ys2, _) = noise(x), noise(x)
+    assert len({tuple(row.tolist()) for row in ys.cpu()}) == 4      # one draw per iteration, not one per trace
+    assert not torch.equal(ys.cpu(), ys2.cpu())                     # and new ones per call
+    assert 1.0 < summed.mean().item() < 3.0                         # four uniform draws summed: mean 2, not 4 * u
+
+
 def test_lowering_a_jitted_function_leaves_its_generator_alone():
     import torch2jax as t2j
 

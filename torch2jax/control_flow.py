@@ -222,12 +222,17 @@ def _carried(state):
     return [i for i, t in enumerate(state.tensors) if id(t._t2j_storage) in written]
 
 
-def _run_body(state, values, carried, key, call):
+def _run_body(state, values, carried, key, call, loop=False):
     """Trace ``call()`` (torch code) with the state holding ``values``; returns its
-    result, the new values of the carried state and the key after its draws."""
-    with _Installed(state, values) as inst, _torch_context(), _rng.traced_key(key) as rng:
-        result = call()
-        after = inst.new_values()
+    result, the new values of the carried state and the key after its draws. ``loop``:
+    a loop's body, whose draws from explicit generators differ from iteration to iteration."""
+    _rng.loop_bodies += loop
+    try:
+        with _Installed(state, values) as inst, _torch_context(), _rng.traced_key(key) as rng:
+            result = call()
+            after = inst.new_values()
+    finally:
+        _rng.loop_bodies -= loop
     newly = [i for i, (a, b) in enumerate(zip(values, after)) if a is not b and i not in carried]
     if newly:
         raise _NeedCarry(newly)
@@ -364,10 +369,10 @@ def scan(fn, init, xs=None, length: int | None = None, reverse: bool = False, un
 
                 def call():
                     new_carry, y = fn(_rebuild(init_leaves, init_spec, init_pos, user_c),
-                                      _rebuild(xs_leaves, xs_spec, xs_pos, x))
+                                      _rebuild(xs_leaves, xs_spec, xs_pos, x if n_xs else ()))
                     return carry_out.flatten(new_carry, "scan carry"), ys.flatten(y, "scan output")
 
-                (new_c, y_a), carried_new, k = _run_body(state, values, carried, k, call)
+                (new_c, y_a), carried_new, k = _run_body(state, values, carried, k, call, loop=True)
                 _check_carry("scan", user_c, new_c)
                 return (new_c, carried_new, k), y_a
 
@@ -431,7 +436,7 @@ def while_loop(cond_fn, body_fn, init):
             def call():
                 return carry_out.flatten(body_fn(_rebuild(leaves, spec, pos, user_c)), "while_loop carry")
 
-            new_c, carried_new, k = _run_body(state, values_of(carried_c), carried, k, call)
+            new_c, carried_new, k = _run_body(state, values_of(carried_c), carried, k, call, loop=True)
             _check_carry("while_loop", user_c, new_c)
             return new_c, carried_new, k
 
@@ -632,7 +637,7 @@ def _scan_layers(layers, hidden, args, kwargs, remat, stacked=None):
                     kind["tuple"] = not isinstance(out, torch.Tensor)
                     return out_struct.flatten(new_h, "layer output"), [tensors[n]._value() for n in bnames]
 
-                (new_h, new_bufs), carried_new, k = _run_body(state, values, carried, k, call)
+                (new_h, new_bufs), carried_new, k = _run_body(state, values, carried, k, call, loop=True)
                 _check_carry("scan_layers", [h], new_h)
                 return (new_h[0], carried_new, k), new_bufs
 

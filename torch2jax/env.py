@@ -127,6 +127,7 @@ class RngState:
         self._traced = None
         self.draws = 0  # draws from the traced key in the innermost `traced_key` block
         self.generator_draws = None  # inside a t2j.jit trace: its `GeneratorDraws`
+        self.loop_bodies = 0  # loop bodies (t2j.scan, fori_loop, while_loop, scan_layers) being traced
 
     def seed(self, seed: int) -> None:
         self.initial_seed = int(seed)
@@ -297,6 +298,14 @@ class GeneratorDraws:
         return any(generator is g for g in self.created) or any(generator is g for g, _ in self.before)
 
     def key(self, generator):
+        key = self._key(generator)
+        if default_rng.loop_bodies:
+            # a draw in a loop body runs once per iteration: each gets numbers of its own, told
+            # apart by a draw from the loop's key (which the loop carries from iteration to iteration)
+            key = jax.random.fold_in(key, jax.random.bits(default_rng.next_key(), (), np.uint32))
+        return key
+
+    def _key(self, generator):
         if self._fixed(generator):
             low, high = draw_seed(generator)
             with jax.ensure_compile_time_eval():

@@ -567,19 +567,33 @@ def _wide_step_counters(optimizers):
 
 
 @contextlib.contextmanager
-def _no_distribution_validation():
-    """While tracing, torch.distributions' default argument validation is off. It checks
-    the values of its parameters in Python (``if not valid.all(): raise``), which a
-    trace cannot do, so every distribution built in a jitted step (a VAE's posterior)
-    would stop the trace. A distribution built with ``validate_args=True`` still asks."""
+def _distribution_validation():
+    """While tracing, torch.distributions' argument validation (``if not valid.all(): raise``,
+    which a trace cannot decide) becomes a check the program makes when it runs, as index
+    checks do (`symbolic.check_when_run`): for distributions built with ``validate_args=True``,
+    and for all of them under ``check_indices="always"``. Otherwise torch's default
+    validation is off in a trace: each would cost every step a host sync."""
     from torch.distributions import Distribution
 
-    before = Distribution._validate_args
-    Distribution.set_default_validate_args(False)
+    before, all_true = Distribution._validate_args, torch._is_all_true
+    if _config().check_indices != "always":
+        Distribution.set_default_validate_args(False)
+    torch._is_all_true = functools.partial(_all_true_when_run, all_true)
     try:
         yield
     finally:
+        torch._is_all_true = all_true
         Distribution.set_default_validate_args(before)
+
+
+def _all_true_when_run(all_true, valid):
+    value = valid._value() if isinstance(valid, Tensor) else None
+    if not isinstance(value, jax.core.Tracer):
+        return all_true(valid)
+    _sym.check_when_run(~jax.numpy.all(value), lambda _: ValueError(
+        "torch.distributions: a parameter or value of a distribution does not satisfy its constraint (the "
+        "program's argument validation failed)"), jax.numpy.zeros((), np.int32))
+    return torch.tensor(True)
 
 
 @contextlib.contextmanager
@@ -2025,7 +2039,7 @@ class JitFunction:
             key, seeds = keys
             with _rng.traced_key(key) as rng, _generator_draws(seeds, leaves, roots.generators) as generators, \
                     torch.autograd.set_multithreading_enabled(False), \
-                    _no_distribution_validation(), _scaler_steps_in_program(), \
+                    _distribution_validation(), _scaler_steps_in_program(), \
                     _numbers_stay_off_the_host(slots.lifted), _wide_step_counters(roots.optimizers):
                 out = self.fn(*args, **kwargs)
             if generators.drew_on_the_host:
