@@ -1786,8 +1786,10 @@ def test_nan_times_a_false_mask_stays_nan_in_a_program():
         torch.testing.assert_close(a.cpu(), b, equal_nan=True)
 
 
-def test_distribution_validation_becomes_a_check_of_the_program():
+def test_distribution_validation_becomes_a_check_of_the_program(monkeypatch):
     import torch.distributions as D
+
+    monkeypatch.setattr(D.Distribution, "_validate_args", True)  # (importing torch._dynamo turns it off)
 
     def log_prob(loc, scale, validate):
         return D.Normal(loc, scale, validate_args=validate).log_prob(loc + 1)
