@@ -39,6 +39,31 @@ def test_functionalize_grad_matches_torch():
         np.testing.assert_allclose(grads["params"][name], p.grad.numpy(), atol=1e-5, rtol=1e-5)
 
 
+def test_functionalize_hf_decoding_with_its_kv_cache_under_jax_jit():
+    # use_cache=True returns a DynamicCache: an object holding tensors, which crosses jax.jit as a pytree
+    import copy
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.arange(8).reshape(1, 8)
+    with torch.no_grad():
+        first = model(input_ids=ids, use_cache=True)
+        want = model(input_ids=torch.tensor([[3]]), past_key_values=first.past_key_values, use_cache=True).logits
+    fn, state = t2j.functionalize(copy.deepcopy(model).to("jax"))
+    prefill = jax.jit(lambda s, i: fn(s, input_ids=i, use_cache=True))
+    decode = jax.jit(lambda s, i, cache: fn(s, input_ids=i, past_key_values=cache, use_cache=True))
+    cache = prefill(state, jnp.asarray(ids.numpy()))["past_key_values"]
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(cache))
+    got = decode(state, jnp.asarray([[3]]), cache)
+    np.testing.assert_allclose(np.asarray(got["logits"]), want.numpy(), rtol=1e-5, atol=1e-5)
+    assert [leaf.shape[2] for leaf in jax.tree.leaves(got["past_key_values"])] == [9] * 4  # keys, values per layer
+
+
 def test_functionalize_vmap_and_scan():
     fn, state = t2j.functionalize(_mlp())
     x = _x(6, 4)

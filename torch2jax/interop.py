@@ -30,7 +30,7 @@ from . import dtypes as _dt
 from . import gradcut as _gradcut
 from .dispatch import inexact as _inexact
 from . import tensor as _tensor
-from .pytree import ensure_jax_pytree
+from .pytree import ensure_jax_pytree, with_arrays
 from .env import default_rng as _rng
 from .tensor import Tensor, jax_array, new_tensor
 
@@ -57,7 +57,10 @@ def _to_jax(x):
         return x._value()
     if isinstance(x, torch.Tensor):
         return jax_array(x)
-    return x
+    if isinstance(x, (int, float, bool, str, type(None))):
+        return x
+    converted = with_arrays(x, _to_jax)  # an object holding tensors (an HF DynamicCache)
+    return x if converted is None else converted
 
 
 def _to_torch(x):

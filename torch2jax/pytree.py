@@ -2,12 +2,15 @@
 
 torch's named-tuple results (``torch.return_types.max``, ``sort``, ...) are
 registered so results of multi-output ops flow through `jax.tree_util`,
-`jax.jit` outputs and the interop helpers unchanged.
+`jax.jit` outputs and the interop helpers unchanged. So are the classes of other
+objects that hold tensors (a Hugging Face ``DynamicCache``, returned with
+``use_cache=True``): their tensors are the leaves, the rest is static.
 """
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 import torch
 
 
@@ -37,6 +40,8 @@ def ensure_jax_pytree(tree) -> None:
     cls = type(tree)
     node = tp.SUPPORTED_NODES.get(cls)
     if node is None:
+        if _is_object(tree) and _holds_tensors(tree):
+            _register_object_class(cls)
         return
     if cls not in _registered and cls not in (list, tuple, dict):
         _registered.add(cls)
@@ -55,3 +60,103 @@ def ensure_jax_pytree(tree) -> None:
 def _children_and_context(node, tree):
     children, context = node.flatten_fn(tree)
     return list(children), context
+
+
+# -- objects holding tensors ---------------------------------------------------------
+#
+# An object is flattened through its attributes, and lists, tuples and dicts in them, to the
+# tensors and arrays it holds; its skeleton (classes, attribute names, other values) is the
+# static part, compared by value so that the same structure gives the same treedef.
+
+_OBJECT_CLASSES: set = set()
+_ARRAY = "array"
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (torch.Tensor, jax.Array, jax.core.Tracer, np.ndarray))
+
+
+def _is_object(x) -> bool:
+    """An instance of a user class (not an array, module, class or function)."""
+    return hasattr(x, "__dict__") and not _is_array(x) and not isinstance(x, (type, torch.nn.Module)) \
+        and not callable(x)
+
+
+def _holds_tensors(x, depth=0) -> bool:
+    if depth > 4:
+        return False
+    if _is_array(x):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_holds_tensors(v, depth + 1) for v in x)
+    if isinstance(x, dict):
+        return any(_holds_tensors(v, depth + 1) for v in x.values())
+    return _is_object(x) and any(_holds_tensors(v, depth + 1) for v in vars(x).values())
+
+
+def _static(value):
+    try:
+        hash(value)
+        return "value", value
+    except TypeError:  # compared by identity
+        return "id", id(value)
+
+
+def _skeleton(x, leaves, top=False):
+    """The static structure of ``x``, its tensors and arrays appended to ``leaves``."""
+    if top:
+        return "object", type(x), tuple((k, _skeleton(v, leaves)) for k, v in vars(x).items())
+    if _is_array(x):
+        leaves.append(x)
+        return _ARRAY
+    if type(x) in (list, tuple):
+        return type(x), tuple(_skeleton(v, leaves) for v in x)
+    if type(x) is dict:
+        return dict, tuple((k, _skeleton(v, leaves)) for k, v in x.items())
+    if _is_object(x) and _holds_tensors(x):
+        return "object", type(x), tuple((k, _skeleton(v, leaves)) for k, v in vars(x).items())
+    return _static(x)
+
+
+def _rebuild(skeleton, leaves):
+    if skeleton == _ARRAY:
+        return next(leaves)
+    kind = skeleton[0]
+    if kind in (list, tuple):
+        return kind(_rebuild(v, leaves) for v in skeleton[1])
+    if kind is dict:
+        return {k: _rebuild(v, leaves) for k, v in skeleton[1]}
+    if kind == "object":
+        obj = skeleton[1].__new__(skeleton[1])
+        obj.__dict__.update({k: _rebuild(v, leaves) for k, v in skeleton[2]})
+        return obj
+    return skeleton[1]
+
+
+def with_arrays(x, convert):
+    """``x``, an object holding tensors (not a tensor or container), as a copy holding
+    ``convert(tensor)`` in their places, its class registered with JAX; None for anything else.
+
+    >>> with_arrays(DynamicCache(...), lambda t: t.jax())   # a copy holding jax arrays
+    """
+    if not _is_object(x) or not _holds_tensors(x):
+        return None
+    _register_object_class(type(x))
+    return jax.tree.map(convert, x, is_leaf=_is_array)
+
+
+def _register_object_class(cls) -> None:
+    """Register ``cls`` with JAX: an instance's leaves are the tensors and arrays in its attributes."""
+    if cls in _OBJECT_CLASSES:
+        return
+    _OBJECT_CLASSES.add(cls)
+
+    def flatten(obj):
+        leaves = []
+        skeleton = _skeleton(obj, leaves, top=True)
+        return leaves, skeleton
+
+    try:
+        jax.tree_util.register_pytree_node(cls, flatten, lambda skeleton, leaves: _rebuild(skeleton, iter(leaves)))
+    except ValueError:  # JAX knows it already
+        pass
