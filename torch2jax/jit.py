@@ -30,6 +30,9 @@ How state is found and carried:
 * A tensor read during the trace that was not found as a slot is added to the
   function's inputs and the function is traced again, so nothing the program
   reads is silently frozen into it.
+* A tensor the trace stores by plain assignment (``self.cache = self.cache + x``,
+  ``holder.last = y``, a dict item, a closure cell, a global: `_Places`) is an output,
+  stored in the same place after every call (`_Entry.stores`).
 * Python values the trace takes as constants are guarded, as torch.compile guards
   them: numbers, strings and flags in the closure cells and globals the function
   names, named attributes of the objects it reaches, items of dicts it reaches,
