@@ -336,25 +336,55 @@ def test_function_returning_nothing_or_an_empty_tuple():
     assert lin.weight.abs().sum().item() == 0.0
 
 
-def test_python_state_changed_by_a_trace_is_reported():
-    # a cached call runs only the tensor program: Python bookkeeping in the function
-    # happens once, at trace time, and t2j.jit says so instead of staying silent
+def test_python_numbers_a_trace_changes_are_program_outputs():
+    # a cached call runs only the tensor program: a counter the function advances becomes a program
+    # input whose new value is an output, stored back after every call (one extra trace finds it)
     class Trainer:
         def __init__(self):
             self.calls = 0
+            self.lin = nn.Linear(3, 2).to("jax")
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def forward(self, x):
+            self.seen += x.shape[0]
+            return x
+
+    trainer, counting, total = Trainer(), Counting().to("jax"), {"loss": 0.0}
+
+    @t2j.jit
+    def step(x):
+        trainer.calls += 1
+        loss = trainer.lin(counting(x)).sum()
+        total["loss"] += loss.item()  # a traced number, accumulated in the program
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        losses = [step(torch.full((4, 3), float(i), device="jax")).item() for i in range(3)]
+    assert trainer.calls == 3 and counting.seen == 12
+    assert total["loss"] == pytest.approx(sum(losses), rel=1e-6)
+    assert step.stats["hits"] == 2
+
+
+def test_python_state_changed_by_a_trace_is_reported():
+    class Trainer:
+        def __init__(self):
+            self.phase = "warmup"
             self.lin = nn.Linear(3, 2).to("jax")
 
     trainer = Trainer()
 
     @t2j.jit
     def step(x):
-        trainer.calls += 1
+        trainer.phase = "main"  # not a number: cached calls cannot repeat it
         return trainer.lin(x).sum()
 
-    with pytest.warns(UserWarning, match=r"changed Python attributes \(Trainer.calls\)"):
+    with pytest.warns(UserWarning, match=r"changed Python attributes \(Trainer.phase\)"):
         step(torch.ones(4, 3, device="jax"))
-    step(torch.ones(4, 3, device="jax"))
-    assert trainer.calls == 1 and step.stats["traces"] == 1
 
 
 def test_containers_changed_by_a_trace_are_reported():

@@ -37,7 +37,9 @@ How state is found and carried:
   them: numbers, strings and flags in the closure cells and globals the function
   names, named attributes of the objects it reaches, items of dicts it reaches,
   its modules' plain attributes and hooks, CPU tensors (by version). A new value
-  retraces; a value the trace itself changes (a counter it increments) is not guarded.
+  retraces. A number the trace itself changes (``self.step += 1``) becomes a program
+  input whose new value is an output, stored back after every call (`_LiftNumbers`);
+  another value it changes is not guarded, with a warning.
   A Python number (among the arguments too) that changes between calls becomes a
   program input instead, as optimizer hyperparameters do (below), unless the trace
   needs its exact value (a size, ``range(n)``).
@@ -252,18 +254,9 @@ class _Roots:
         changes from call to call becomes a program input (`lifts`): `_LiftedNumber` stands
         in the result for it, and ``lift(site, id)`` is called with its `_ValueSite`. ``raw``:
         the values themselves, none lifted."""
-        values = [(where, source.cell_contents if name is None else source.get(name), source, name)
-                  for where, source, name in self.values]
-        for obj in self.objects:
-            if isinstance(obj, dict):
-                if len(obj) <= 32:
-                    values += [(f"dict item {k!r}", v, obj, k) for k, v in obj.items()]
-            elif not isinstance(obj, list):
-                attrs = vars(obj)
-                values += [(f"{type(obj).__name__}.{k}", attrs[k], obj, k) for k in self.names.intersection(attrs)]
         out = []
         lifts = None if raw else self.lifts
-        for where, v, source, name in values:
+        for where, v, source, name in self._read_values():
             if _constant_array(v) and where not in self.unguarded:
                 out.append((where, _Same(v)))
                 continue
@@ -276,6 +269,32 @@ class _Roots:
             else:
                 out.append((where, _python_value(v)))
         return tuple(out)
+
+
+    def _read_values(self) -> list:
+        """(where, value, source, name) of each value `python_values` considers."""
+        values = [(where, source.cell_contents if name is None else source.get(name), source, name)
+                  for where, source, name in self.values]
+        for obj in self.objects:
+            if isinstance(obj, dict):
+                if len(obj) <= 32:
+                    values += [(f"dict item {k!r}", v, obj, k) for k, v in obj.items()]
+            elif not isinstance(obj, list):
+                attrs = vars(obj)
+                values += [(f"{type(obj).__name__}.{k}", attrs[k], obj, k) for k in self.names.intersection(attrs)]
+        return values
+
+    def number_sites(self) -> list:
+        """(lifted id, `_ValueSite`, value) of each Python number (int or float) the function
+        reads that it may also change (``self.step += 1``): the values of `python_values` and
+        its modules' plain attributes."""
+        out = [(("value", where), _ValueSite(source, name, where), v)
+               for where, v, source, name in self._read_values() if type(v) in (int, float)]
+        for k, m in enumerate(self.modules):
+            for si, sub in enumerate(_submodules(m)):
+                out += [(("module attribute", k, si, name), _ValueSite(sub, name, f"{type(sub).__name__}.{name}"), v)
+                        for name, v in sub.__dict__.items() if type(v) in (int, float) and name[0] != "_"]
+        return out
 
 
 _HOOKS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (registrations, its hooks)
@@ -816,6 +835,11 @@ class _ArgSite(NamedTuple):
 def _lifted_number(v) -> bool:
     """Whether ``v`` may become a program input: a float, or an int within int64."""
     return type(v) is float or (type(v) is int and -(2 ** 63) <= v < 2 ** 63)
+
+
+def _is_number(v) -> bool:
+    """A Python number or a traced one (what a lifted number becomes by arithmetic in a trace)."""
+    return _lifted_number(v) or _sym.is_traced_number(v)
 
 
 def _is_cpu_scalar(v) -> bool:
@@ -1549,6 +1573,14 @@ class _Retrace(Exception):
         self.found = found
 
 
+class _LiftNumbers(Exception):
+    """A trace changed Python numbers it read as constants (``self.step += 1``): trace again
+    with them as program inputs (`_Hyperparameters`), whose new values are outputs."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+
 class _MoreDraws(Exception):
     """A trace drew ``count`` times from explicit torch.Generators, not the number of seed
     rows it was given; trace again with that many (`torch2jax.env.GeneratorDraws`)."""
@@ -1807,6 +1839,11 @@ class JitFunction:
             values = dict(roots.python_values(raw=True))
             try:
                 entry = self._trace(leaves, spec, roots, slots, storages)
+            except _LiftNumbers as n:
+                self._hypers.lifted.update(n.ids)
+                self._log(f"it changes the Python number(s) {[_lifted_name(h) for h in n.ids]}: now program inputs, "
+                          "their new values outputs stored back after every call")
+                continue
             except _Retrace as r:
                 self._extra.extend(weakref.ref(s) for s in r.found)
                 msg = (f"t2j.jit: retracing {getattr(self.fn, '__qualname__', self.fn)}: it read {len(r.found)} "
@@ -2019,6 +2056,8 @@ class JitFunction:
         layout_storages = [None if t is None else t._t2j_storage for t in slots.tensors]
         bindings = [(t, _binding(t)) for t in slots.tensors if t is not None]
         saved_numbers = dict(site.saved() for site in slots.lifted)
+        numbers = [(where, site, v) for where, site, v in roots.number_sites()
+                   if where not in self._hypers.lifted and where not in self._hypers.blocked]
         python_state = _python_state(roots.objects)
         capture = _Capture(storages)
         values = [_hyper_input(where, a, i, hint) for i, (where, a, hint) in enumerate(zip(slots.lifted, hypers, hints))]
@@ -2056,8 +2095,15 @@ class JitFunction:
                 raise _MoreDraws(len(generators.sources))
             backward = _device.backward_passes != backward_passes
             _tensor.CAPTURE = _sym.GUARDS = None
+            if changed := [(where, site, v) for where, site, v in numbers if site.read() is not v]:
+                for _, site, v in changed:
+                    site.write(v)
+                raise _LiftNumbers([where for where, _, _ in changed])
+            numbers_stored = []
             for site, v, a in zip(slots.lifted, values, arrays):
-                if site.changed(v) or (a is not None and v._t2j_storage.array is not a):
+                if isinstance(site, _ValueSite) and site.changed(v) and _is_number(new := site.read()):
+                    numbers_stored.append((site, new))  # (a counter the function advances)
+                elif site.changed(v) or (a is not None and v._t2j_storage.array is not a):
                     raise JitError(
                         f"t2j.jit: {site.what()} changed inside the jitted function (an LR scheduler stepping "
                         "inside it?); its Python state would be frozen into the program. Call scheduler.step() "
@@ -2078,6 +2124,7 @@ class JitFunction:
             # tensors it stored in places (`_Places`) are outputs too, given to the same places after each call
             stores = [(functools.partial(_put, kind, container, key), made.stored(t))
                       for kind, container, key, t in saved_slots[2].moved()]
+            stores += [(site.write, made.stored(new)) for site, new in numbers_stored]
             saved_slots[2].restore()  # (the tensors the trace stored hold tracers, and their histories its graph)
             outs, grad_outs, leaf = made.arrays, made.grad_outs, None
             del out_leaves, leaf
