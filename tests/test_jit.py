@@ -1783,6 +1783,22 @@ def test_a_stopped_trace_leaves_the_functions_globals_alone():
     assert _UNRELATED_GLOBAL == "kept"
 
 
+def test_values_computed_from_constants_are_known_to_the_trace():
+    # ops on constants run at trace time (small results): reading their values does not stop the trace
+    def f(x):
+        idx = torch.arange(x.shape[0], device=x.device)
+        mask = torch.tensor([True, False, True, True], device=x.device)
+        return x[mask] * int(idx.sum()) + torch.nonzero(mask).sum(), idx.tolist()
+
+    x = torch.arange(4.0)
+    g = t2j.jit(f)
+    for _ in range(2):
+        out, idx = g(x.to("jax"))
+    want, want_idx = f(x)
+    torch.testing.assert_close(out.cpu(), want)
+    assert idx == want_idx and g.stats["eager_calls"] == 0 and g.stats["hits"] == 1
+
+
 def test_packed_sequence_with_lengths_on_the_cpu_compiles():
     from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
@@ -1790,14 +1806,14 @@ def test_packed_sequence_with_lengths_on_the_cpu_compiles():
     lstm = nn.LSTM(3, 4, batch_first=True)
 
     def f(lstm, x, lengths):
-        packed = pack_padded_sequence(x, lengths, batch_first=True)
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
         out, _ = lstm(packed)
         return pad_packed_sequence(out, batch_first=True)[0].sum(1)
 
     x = torch.randn(2, 5, 3)
     jlstm = copy.deepcopy(lstm).to("jax")
     g = t2j.jit(functools.partial(f, jlstm))
-    for lengths in ([5, 3], [5, 3], [4, 4]):
+    for lengths in ([5, 3], [5, 3], [4, 4], [3, 5]):
         lengths = torch.tensor(lengths)  # on the CPU, as torch wants it: its values are constants of the program
         torch.testing.assert_close(g(x.to("jax"), lengths).cpu(), f(lstm, x, lengths), rtol=1e-5, atol=1e-5)
     assert g.stats["eager_calls"] == 0 and g.stats["hits"] == 1

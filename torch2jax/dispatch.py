@@ -608,6 +608,26 @@ def _lowering_handler(func, lowering, cpu_args=None):
     return run_keeping_layout
 
 
+# While `t2j.jit` traces, an op whose operands are all constants (none depends on the program's
+# inputs: ``torch.arange(n, device=x.device)``, indices computed from CPU lengths) is computed at
+# trace time where its results are small: its values are then known to the trace, which can read
+# them (``.tolist()``, ``.cpu()``, a boolean mask) instead of stopping, as torch.compile folds
+# constants. A large result is traced as usual, to stay out of the program's constants.
+_FOLD_LIMIT = 4096
+
+
+def _constant_operands(uargs, ukwargs) -> bool:
+    return not any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((uargs, ukwargs)))
+
+
+def _folded(lowering, uargs, ukwargs):
+    with jax.ensure_compile_time_eval():
+        out = lowering(*uargs, **ukwargs)
+    if all(np.size(o) <= _FOLD_LIMIT for o in jax.tree.leaves(out) if hasattr(o, "shape")):
+        return out
+    return lowering(*uargs, **ukwargs)
+
+
 def _plain_lowering_handler(func, lowering, cpu_args=None):
     compiled = _Compiled(lowering) if _jittable(func, lowering) else None
 
@@ -630,7 +650,10 @@ def _plain_lowering_handler(func, lowering, cpu_args=None):
                 ukwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
             else:
                 uargs, ukwargs = _unwrap_call(cpu_args, args, kwargs)
-            out = lowering(*uargs, **ukwargs)
+            if _tensor.CAPTURE is not None and _constant_operands(uargs, ukwargs):
+                out = _folded(lowering, uargs, ukwargs)
+            else:
+                out = lowering(*uargs, **ukwargs)
         except HostFallback:
             return _host_handler(func, args, kwargs, " for these inputs")
         return _wrap(_unshared(out, uargs) if type(out) is _ArrayImpl else _unshared_all(out, uargs))
