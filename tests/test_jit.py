@@ -1852,3 +1852,66 @@ def test_distribution_validation_becomes_a_check_of_the_program(monkeypatch):
         checked = t2j.jit(functools.partial(log_prob, validate=None))
         with pytest.raises(ValueError, match="does not satisfy its constraint"):
             checked(loc, bad)
+
+
+def test_modes_set_inside_are_set_again_by_cached_calls():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)).to("jax")
+
+    @t2j.jit
+    def evaluate(x):
+        model.eval()
+        return model(x).sum()
+
+    for _ in range(3):
+        model.train()  # as a training loop does between evaluations
+        evaluate(torch.ones(2, 3, device="jax"))
+        assert not model.training and not model[1].training
+
+
+def test_outputs_that_alias_each_other_or_state_are_those_tensors():
+    lin = nn.Linear(2, 2).to("jax")
+    opt = torch.optim.Adam(lin.parameters(), lr=0.1)
+
+    @t2j.jit
+    def f(x):
+        y = x * 2
+        return y, y, y.view(2, 2)
+
+    @t2j.jit
+    def step(x):
+        opt.zero_grad()
+        lin(x).sum().backward()
+        opt.step()
+        return lin.weight.grad, opt.state[lin.weight]["exp_avg"]
+
+    for _ in range(3):
+        a, b, c = f(torch.arange(4.0, device="jax"))
+        a.add_(100)
+        assert a is b and c.tolist() == [[100.0, 102.0], [104.0, 106.0]]
+        grad, exp_avg = step(torch.ones(3, 2, device="jax"))
+        assert grad is lin.weight.grad and exp_avg is opt.state[lin.weight]["exp_avg"]
+
+
+class _Ring:
+    def __init__(self):
+        self.items, self.ptr, self.count = [None] * 3, 0, 0
+
+    def push(self, t):
+        self.items[self.ptr] = t
+        self.ptr = (self.ptr + 1) % 3
+        self.count += 1
+
+
+def test_state_a_method_of_a_reached_object_changes_is_replayed():
+    def run(device, jit):
+        ring = _Ring()
+
+        def f(x):
+            ring.push(x * 2)
+            return sum(t for t in ring.items if t is not None)
+
+        g = t2j.jit(f) if jit else f
+        sums = [g(torch.full((2,), float(i + 1), device=device)).cpu().tolist() for i in range(5)]
+        return sums, ring.ptr, ring.count
+
+    assert run("jax", True) == run("cpu", False)

@@ -280,8 +280,11 @@ class _Roots:
                 if len(obj) <= 32:
                     values += [(f"dict item {k!r}", v, obj, k) for k, v in obj.items()]
             elif not isinstance(obj, list):
-                attrs = vars(obj)
-                values += [(f"{type(obj).__name__}.{k}", attrs[k], obj, k) for k in self.names.intersection(attrs)]
+                attrs, kind = vars(obj), type(obj).__name__
+                lifted = self.lifts.lifted if self.lifts is not None else ()
+                # the attributes its code names, and numbers its methods advance (`number_sites`)
+                values += [(f"{kind}.{k}", attrs[k], obj, k) for k in attrs
+                           if k in self.names or ("value", f"{kind}.{k}") in lifted]
         return values
 
     def number_sites(self) -> list:
@@ -290,6 +293,13 @@ class _Roots:
         its modules' plain attributes."""
         out = [(("value", where), _ValueSite(source, name, where), v)
                for where, v, source, name in self._read_values() if type(v) in (int, float)]
+        named = {id(site.source) for _, site, _ in out}
+        for obj in self.objects:  # (attributes a method of the object changes: ``meter.update(k)``)
+            if not isinstance(obj, (dict, list)):
+                where = type(obj).__name__
+                out += [(("value", f"{where}.{k}"), _ValueSite(obj, k, f"{where}.{k}"), v)
+                        for k, v in vars(obj).items()
+                        if type(v) in (int, float) and (id(obj) not in named or k not in self.names)]
         for k, m in enumerate(self.modules):
             for si, sub in enumerate(_submodules(m)):
                 out += [(("module attribute", k, si, name), _ValueSite(sub, name, f"{type(sub).__name__}.{name}"), v)
@@ -1481,12 +1491,42 @@ class _Outputs:
         self.slots, self.storages, self.pre_index, self.arg_index = slots, storages, pre_index, arg_index
         self.arrays, self.grad_outs = [], []
         self.leaves = {}  # id of an output tensor -> its position among the output leaves
+        self.kept = {}  # id -> the output tensor (alive while the trace's outputs are classified)
 
     def kind(self, leaf) -> tuple:
-        """The kind of output leaf ``leaf``, adding its value to the program's outputs where it has one."""
+        """The kind of output leaf ``leaf``, adding its value to the program's outputs where it has one.
+        A tensor returned twice is the same tensor twice; a view of an earlier output, a view of it."""
+        position = self.position = getattr(self, "position", -1) + 1
         if isinstance(leaf, Tensor):
-            self.leaves[id(leaf)] = len(self.leaves)
+            if id(leaf) in self.leaves:
+                return "leaf", self.leaves[id(leaf)]
+            view = self._view_of_output(leaf)
+            self.leaves[id(leaf)] = position
+            self.kept[id(leaf)] = leaf
+            if view is not None:
+                return view
         return self._kind(leaf)
+
+    def _view_of_output(self, leaf):
+        for k, other in self.kept.items():
+            # (of a base tensor the program returns as it is: the call's output has its layout)
+            if other._t2j_storage is leaf._t2j_storage and not other._t2j_view and other.dtype == leaf.dtype \
+                    and _tensor.strided_steps(leaf._t2j_view):
+                return "view_of_leaf", (self.leaves[k], tuple(leaf.shape), tuple(leaf.stride()),
+                                        leaf.storage_offset(), leaf.requires_grad)
+        return None
+
+    def release(self):
+        """Hold the outputs weakly from now on: those no slot keeps die with the trace."""
+        self.kept = {k: weakref.ref(t) for k, t in self.kept.items()}
+
+    def repointed(self, kinds, post):
+        """Outputs that a slot points to after the call (a new ``.grad``, new optimizer state
+        returned by the function) are that tensor, not a copy of it."""
+        for _, target, _ in post:
+            ref = self.kept.get(id(target)) if isinstance(target, Tensor) else None
+            if ref is not None and ref() is target:
+                kinds[self.leaves[id(target)]] = ("const", target)
 
     def stored(self, value) -> tuple:
         """The kind of a value the trace stored in a place: an output leaf it also returned is stored
@@ -1920,7 +1960,16 @@ class JitFunction:
         else:
             arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves),
                                                            donated=True)]
-        result = [_output(kind, v, arrays, slots, leaves) for kind, v in entry.out_leaves]
+        result = []
+        for kind, v in entry.out_leaves:
+            if kind == "leaf":
+                result.append(result[v])
+            elif kind == "view_of_leaf":
+                position, size, stride, offset, grad = v
+                with torch.set_grad_enabled(grad):
+                    result.append(result[position].as_strided(size, stride, offset))
+            else:
+                result.append(_output(kind, v, arrays, slots, leaves))
         for setter, (kind, v) in entry.stores:
             setter(result[v] if kind == "leaf" else _output(kind, v, arrays, slots, leaves))
         return torch_pytree.tree_unflatten(result, entry.out_def)
@@ -2052,6 +2101,7 @@ class JitFunction:
         slot_storage = [None if t is None else index[id(t._t2j_storage)] for t in slots.tensors]
         saved_slots = _snapshot(slots, roots)
         structure = _module_structure(roots)
+        modes = [(sub, sub.training) for sub, _, _ in structure]
         layouts = list(map(_layout, slots.tensors))
         layout_storages = [None if t is None else t._t2j_storage for t in slots.tensors]
         bindings = [(t, _binding(t)) for t in slots.tensors if t is not None]
@@ -2125,8 +2175,12 @@ class JitFunction:
             stores = [(functools.partial(_put, kind, container, key), made.stored(t))
                       for kind, container, key, t in saved_slots[2].moved()]
             stores += [(site.write, made.stored(new)) for site, new in numbers_stored]
+            # m.eval() / m.train() inside: each call leaves the modes as the trace left them
+            stores += [(functools.partial(_set_mode, sub), ("const", sub.training)) for sub, mode in modes
+                       if sub.training != mode]
             saved_slots[2].restore()  # (the tensors the trace stored hold tracers, and their histories its graph)
             outs, grad_outs, leaf = made.arrays, made.grad_outs, None
+            made.release()
             del out_leaves, leaf
             post_slots = _collect(leaves, roots, full=True)
             del args, kwargs
@@ -2142,6 +2196,7 @@ class JitFunction:
             new_storages = [st for st in list(capture.new) if isinstance(st.array, jax.core.Tracer)
                             and id(st.array) not in input_ids]
             post = _repointed(slots, post_slots, pre_index)
+            made.repointed(kinds, post)
             rebased = [(written.index(slot_storage[k]), k) for k, _, _, node in info["own_histories"]
                        if slot_storage[k] in written and slots.tensors[k].grad_fn is not node]
             info.update(undo=saved_slots if post else None, rebased=rebased,
@@ -2639,6 +2694,10 @@ def _restore(snapshot):
     places.restore()
 
 
+def _set_mode(module, training):
+    module.training = training
+
+
 def _put(kind, container, key, value):
     """Store ``value`` at a place (`_Places`): ``_MISSING`` deletes what is there."""
     if kind == "attr":
@@ -2654,6 +2713,9 @@ def _put(kind, container, key, value):
             del container.cell_contents
         elif _cell_value(container) is not value:
             container.cell_contents = value
+    elif isinstance(container, list):  # (an item replaced: a list that grows or shrinks traces again)
+        if key < len(container) and value is not _MISSING and container[key] is not value:
+            container[key] = value
     elif value is _MISSING:
         container.pop(key, None)
     elif key not in container or container[key] is not value:
@@ -2678,6 +2740,12 @@ class _Places:
                 self.places.append(("item", o, dict(enumerate(o)), False))
             else:
                 self.places.append(("attr", o, dict(vars(o)), False))
+                # and the lists and dicts it holds (a ring buffer's ``self.items[self.ptr] = t``)
+                for v in vars(o).values():
+                    if type(v) is dict:
+                        self.places.append(("item", v, dict(v), False))
+                    elif type(v) is list:
+                        self.places.append(("item", v, dict(enumerate(v)), False))
         self.places += [("cell", cell, {None: _cell_value(cell)}, True) for cell in roots.cells]
         self.places += [("item", g, {n: g.get(n, _MISSING) for n in names}, True) for g, names in roots.globals]
 
