@@ -1492,11 +1492,13 @@ class _Outputs:
         self.arrays, self.grad_outs = [], []
         self.leaves = {}  # id of an output tensor -> its position among the output leaves
         self.kept = {}  # id -> the output tensor (alive while the trace's outputs are classified)
+        self.position = -1  # of the output leaf being classified
 
     def kind(self, leaf) -> tuple:
         """The kind of output leaf ``leaf``, adding its value to the program's outputs where it has one.
         A tensor returned twice is the same tensor twice; a view of an earlier output, a view of it."""
-        position = self.position = getattr(self, "position", -1) + 1
+        self.position += 1
+        position = self.position
         if isinstance(leaf, Tensor):
             if id(leaf) in self.leaves:
                 return "leaf", self.leaves[id(leaf)]
