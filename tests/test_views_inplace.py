@@ -567,8 +567,9 @@ LAYOUT_PROGRAMS = {
     "channels_last_index_put": lambda dev: _channels_last(dev).index_put((torch.tensor([1], device=dev),),
                                                                          torch.tensor(0.0, device=dev)),
     "channels_last_index_fill": lambda dev: _channels_last(dev).index_fill(1, torch.tensor([0], device=dev), 0.0),
-    "channels_last_mse_loss": lambda dev: F.mse_loss(_channels_last(dev), torch.zeros(5, device=dev), reduction="none"),
-    "channels_last_huber_loss": lambda dev: F.huber_loss(_channels_last(dev), torch.zeros(5, device=dev),
+    "channels_last_mse_loss": lambda dev: F.mse_loss(_channels_last(dev), torch.zeros(2, 3, 4, 5, device=dev),
+                                                     reduction="none"),
+    "channels_last_huber_loss": lambda dev: F.huber_loss(_channels_last(dev), torch.zeros(2, 3, 4, 5, device=dev),
                                                          reduction="none"),
     "channels_last_bce_logits": lambda dev: F.binary_cross_entropy_with_logits(
         _channels_last(dev), torch.full((2, 3, 4, 5), 0.5, device=dev), reduction="none"),
