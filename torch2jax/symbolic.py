@@ -282,7 +282,8 @@ class TracedScalar:
         if self.replay is not None and other.replay is not None:
             on_hint, a, b = _on_hints(fn), self.replay, other.replay
             replay, hint = (lambda vals: on_hint(a(vals), b(vals))), on_hint(self.hint, other.hint)
-        return TracedScalar(fn(self.value, other.value), kind, replay, hint, self.inputs | other.inputs)
+        x, y = (_python_float(self.value), _python_float(other.value)) if kind is float else (self.value, other.value)
+        return TracedScalar(fn(x, y), kind, replay, hint, self.inputs | other.inputs)
 
     # -- what cannot be done with a traced value -----------------------------
 
@@ -337,6 +338,14 @@ class TracedScalar:
 
     def bool_(self):
         return self._concrete("bool()", bool)
+
+
+def _python_float(value):
+    """``value`` as a Python float computes: in double precision (``total += loss.item()``
+    adds a float32 loss to a float64 total), where the trace has 64-bit types."""
+    if hasattr(value, "dtype") and jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+        return value.astype(jax.dtypes.canonicalize_dtype(np.float64))
+    return value
 
 
 def _constant(num, kind):
