@@ -1559,6 +1559,12 @@ class _Outputs:
             else ("laid_out", (k, order))
 
 
+def _view_of(base, size, stride, offset, requires_grad):
+    """The view of ``base`` an output is (`_view_of_slot`, ``"view_of_leaf"``), with its grad mode."""
+    with torch.set_grad_enabled(requires_grad):
+        return base.as_strided(size, stride, offset)
+
+
 def _output(kind, v, arrays, slots, leaves):
     """One output of a call, of kind ``kind`` (`_Outputs`), from the program's ``arrays``."""
     if kind == "array":
@@ -1570,9 +1576,7 @@ def _output(kind, v, arrays, slots, leaves):
     if kind == "laid_out":
         return _laid_out_as(arrays[v[0]], v[1])
     if kind == "view":
-        slot, size, stride, offset, grad = v
-        with torch.set_grad_enabled(grad):
-            return slots.tensors[slot].as_strided(size, stride, offset)
+        return _view_of(slots.tensors[v[0]], *v[1:])
     if kind == "pre":
         return slots.tensors[v]
     if kind == "arg":
@@ -1967,9 +1971,7 @@ class JitFunction:
             if kind == "leaf":
                 result.append(result[v])
             elif kind == "view_of_leaf":
-                position, size, stride, offset, grad = v
-                with torch.set_grad_enabled(grad):
-                    result.append(result[position].as_strided(size, stride, offset))
+                result.append(_view_of(result[v[0]], *v[1:]))
             else:
                 result.append(_output(kind, v, arrays, slots, leaves))
         for setter, (kind, v) in entry.stores:
@@ -2178,8 +2180,8 @@ class JitFunction:
                       for kind, container, key, t in saved_slots[2].moved()]
             stores += [(site.write, made.stored(new)) for site, new in numbers_stored]
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
-            stores += [(functools.partial(_set_mode, sub), ("const", sub.training)) for sub, mode in modes
-                       if sub.training != mode]
+            stores += [(functools.partial(_put, "attr", sub, "training"), ("const", sub.training))
+                       for sub, mode in modes if sub.training != mode]
             saved_slots[2].restore()  # (the tensors the trace stored hold tracers, and their histories its graph)
             outs, grad_outs, leaf = made.arrays, made.grad_outs, None
             made.release()
@@ -2694,10 +2696,6 @@ def _restore(snapshot):
         opt.state.clear()
         opt.state.update(states)
     places.restore()
-
-
-def _set_mode(module, training):
-    module.training = training
 
 
 def _put(kind, container, key, value):

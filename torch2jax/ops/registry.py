@@ -203,7 +203,7 @@ def _astype(x, dtype):
     """``x.astype(dtype)``; a boolean array becomes floats through a select: XLA rewrites a
     product with converted booleans, ``x * mask.float()``, into a select that loses ``x``'s
     NaN and infinity where the mask is False (torch gives ``nan * 0 = nan``)."""
-    if x.dtype == np.bool_ and (jnp.issubdtype(dtype, jnp.inexact)):
+    if x.dtype == np.bool_ and jnp.issubdtype(dtype, jnp.inexact):
         return jnp.where(x, jnp.ones((), dtype), jnp.zeros((), dtype))
     return x.astype(dtype)
 
