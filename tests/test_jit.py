@@ -931,6 +931,24 @@ def test_optimizer_state_holding_lists_runs_eagerly():
     assert step.stats["traces"] == 4
 
 
+def test_python_min_and_max_of_traced_values_stay_in_the_program():
+    def f(x):
+        s = x.sum().item()
+        scale = min(1.0, 1 / max(s, 1e-3))  # traced numbers
+        norm = max(x.norm(), 1.5)  # a traced one-element tensor and a number: a tensor
+        return x * scale, min([s, 2.0, 5.0]), max(i * i for i in range(3)), norm
+
+    step = t2j.jit(f, fullgraph=True)
+    for x in ([0.1, 0.2], [3.0, 4.0], [-2.0, 0.5]):  # each branch of each min / max, one program
+        x = torch.tensor(x)
+        got, want = step(x.to("jax")), f(x)
+        torch.testing.assert_close(got[0].cpu(), want[0])
+        assert got[1] == pytest.approx(want[1]) and got[2] == want[2]
+        assert float(got[3]) == pytest.approx(float(want[3]))
+    assert step.stats["traces"] == 1
+    assert min(3, 1, 2) == 1 and max([], default=7) == 7  # (Python's own again outside the trace)
+
+
 def test_a_traced_item_kept_outside_is_a_clear_error():
     model = torch.nn.Linear(3, 1).to("jax")
     x = torch.ones(4, 3, device="jax")

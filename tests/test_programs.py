@@ -87,10 +87,13 @@ OPTIMIZERS = {
     "radam": lambda p, **k: O.RAdam(p, lr=1e-2, **k),
     "asgd": lambda p, **k: O.ASGD(p, lr=1e-2, t0=2, **k),
     "rprop": lambda p, **k: O.Rprop(p, lr=1e-2, **k),
+    # its step computes with Python's min / max of `step.item()` (`traced_builtins`)
+    "adafactor": lambda p, **k: O.Adafactor(p, lr=1e-2, weight_decay=0.01, **k),
+    "adafactor_maximize": lambda p, **k: O.Adafactor(p, lr=1e-2, maximize=True, **k),
 }
 
 # jit variants of configurations close to another one's: the full run (`-m slow`) covers them
-_SLOW_JIT = {"sgd_dampening", "adam_wd_maximize", "nadam_decoupled", "adagrad", "adamax"}
+_SLOW_JIT = {"sgd_dampening", "adam_wd_maximize", "nadam_decoupled", "adagrad", "adamax", "adafactor_maximize"}
 
 
 def _optimizer_params(slow_jit):

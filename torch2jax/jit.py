@@ -594,7 +594,8 @@ def _wide_step_counters(optimizers):
         for opt in optimizers:  # and the scalars the trace created
             for st in opt.state.values():
                 for k, v in list(st.items()):
-                    if isinstance(v, Tensor) and v.dtype == torch.float64 and not v.dim() and (id(st), k) not in wide:
+                    if isinstance(v, torch.Tensor) and v.dtype == torch.float64 and not v.dim() \
+                            and (id(st), k) not in wide:  # (on the CPU, as Adafactor keeps its step)
                         st[k] = v.to(torch.float32)
 
 
@@ -1106,8 +1107,10 @@ class _Walk:
                         if not isinstance(sv, torch.Tensor):
                             values.append((sk, _guard(sv)))
                             continue
-                        # capturable: a step counter on the CPU would count traces, not calls
-                        sv = st[sk] = sv.to(_tensor.DEVICE)
+                        # capturable: a step counter on the CPU would count traces, not calls (one
+                        # a trace created holds a value known then: a constant, not a tracer)
+                        with jax.ensure_compile_time_eval():
+                            sv = st[sk] = sv.to(_tensor.DEVICE)
                     if full:
                         self.add(sv, ("opt_state", opt, k, pi, p, sk))
                     else:
@@ -2136,7 +2139,8 @@ class JitFunction:
             with _rng.traced_key(key) as rng, _generator_draws(seeds, leaves, roots.generators) as generators, \
                     torch.autograd.set_multithreading_enabled(False), \
                     _distribution_validation(), _scaler_steps_in_program(), \
-                    _numbers_stay_off_the_host(slots.lifted), _wide_step_counters(roots.optimizers):
+                    _numbers_stay_off_the_host(slots.lifted), _wide_step_counters(roots.optimizers), \
+                    _sym.traced_builtins():
                 out = self.fn(*args, **kwargs)
             if generators.drew_on_the_host:
                 raise OpError(

@@ -17,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import functools
 import logging
 import math
@@ -190,6 +192,17 @@ def _on_hints(fn):
     return fn
 
 
+def _checked_by_pow() -> bool:
+    """Whether the ``torch._check`` asking is the one ``SymFloat.__pow__`` makes of its base
+    (``base >= 0``, so that a power stays real): a traced base is taken as such, as Python
+    code computing ``step ** 0.5`` of a step counter means it."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name.startswith(("_check", "expect_true")):
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__") == "torch" \
+        and frame.f_code.co_name in ("__pow__", "__rpow__")
+
+
 class TracedScalar:
     """A torch SymNode whose value is a traced JAX scalar (or a Python constant).
 
@@ -328,6 +341,8 @@ class TracedScalar:
         return self._concrete("bool()", bool)
 
     def expect_true(self, file=None, line=None):
+        if _checked_by_pow():
+            return True
         return self._concrete("a check", bool)
 
     def expect_size(self, file=None, line=None):
@@ -501,6 +516,56 @@ class NumbersStayOffTheHost(torch.overrides.TorchFunctionMode):
                 "tensor to the jax device."
             )
         return out
+
+
+def _traced_tensor(x) -> bool:
+    """Whether ``x`` is a one-element jax-device tensor whose value is traced."""
+    from .tensor import Tensor
+
+    return isinstance(x, Tensor) and x.numel() == 1 and isinstance(x._value(), jax.core.Tracer)
+
+
+def _traced_extremum(builtin, sym, beats):
+    """``builtin`` (Python's min or max) that keeps traced values traced: ``min(lr, 1 / step ** 0.5)``
+    with a traced ``step`` is ``torch.sym_min`` of the two, where Python's would ask ``bool()`` of
+    their comparison. With a traced one-element tensor among them the result is a tensor (``b``
+    where ``beats(b, a)``, else ``a``, as Python picks). Anything else, keyword arguments
+    included, goes to ``builtin``."""
+
+    def pick(a, b):
+        if _traced_tensor(a) or _traced_tensor(b):
+            return torch.where(beats(b, a), b, a)
+        return sym(a, b)
+
+    @functools.wraps(builtin)
+    def extremum(*args, **kwargs):
+        if kwargs or not args:
+            return builtin(*args, **kwargs)
+        if len(args) == 1:
+            if not isinstance(args[0], (list, tuple)):
+                args = (list(args[0]),)  # (an iterator is read once, here)
+            items = args[0]
+        else:
+            items = args
+        if len(items) and any(is_traced_number(v) or _traced_tensor(v) for v in items):
+            return functools.reduce(pick, items)
+        return builtin(*args)
+
+    return extremum
+
+
+@contextlib.contextmanager
+def traced_builtins():
+    """While a trace runs: Python's ``min`` and ``max`` of traced numbers stay in the program
+    (`_traced_extremum`), as torch.compile traces them. They are replaced in `builtins`, so for
+    every module; calls without a traced number behave as before."""
+    saved = builtins.min, builtins.max
+    builtins.min = _traced_extremum(saved[0], torch.sym_min, operator.lt)
+    builtins.max = _traced_extremum(saved[1], torch.sym_max, operator.gt)
+    try:
+        yield
+    finally:
+        builtins.min, builtins.max = saved
 
 
 _WEAK = {int: np.dtype(np.int64), float: np.dtype(np.float64), bool: np.dtype(np.bool_)}
