@@ -395,3 +395,32 @@ def test_jit_follows_a_parameter_resharded_between_calls():
     assert r["specs"] == ["P('data',)", "P(None, 'data')", "P('data',)", "P(None, 'data')"]
     # the first call traces without .grad arrays; the fourth finds the second's program again
     assert r["traces"] == 3 and "resharded" in r["why"]
+
+
+def test_like_factories_and_in_place_writes_keep_a_sharding():
+    r = run_8("""
+        mesh = P.make_mesh({"data": 8})
+        net = torch.nn.Linear(16, 64).to("jax")
+        P.shard_model(net, mesh, [(r"weight", ("data", None))])
+        w = net.weight
+        specs = {name: str(P.sharding_of(make()).spec) for name, make in {
+            "zeros_like": lambda: torch.zeros_like(w), "empty_like": lambda: torch.empty_like(w),
+            "ones_like": lambda: torch.ones_like(w, dtype=torch.int32), "full_like": lambda: torch.full_like(w, 3),
+            "rand_like": lambda: torch.rand_like(w), "randn_like": lambda: torch.randn_like(w),
+            "randint_like": lambda: torch.randint_like(w, 5)}.items()}
+        opt = torch.optim.Adam(net.parameters())  # eager: its state is made by zeros_like
+        net(torch.randn(2, 16, device="jax")).sum().backward()
+        opt.step()
+        specs["exp_avg"] = str(P.sharding_of(opt.state[w]["exp_avg"]).spec)
+        with torch.no_grad():
+            w.normal_()
+            specs["normal_"] = str(P.sharding_of(w).spec)
+            w[0] = 3.0
+            specs["setitem"] = str(P.sharding_of(w).spec)
+        ref = torch.nn.Linear(16, 64)
+        net.load_state_dict(ref.state_dict())  # copy_ from CPU tensors
+        specs["load_state_dict"] = str(P.sharding_of(w).spec)
+        print(json.dumps({"specs": specs, "same": bool(torch.equal(w.cpu(), ref.weight.detach()))}))
+    """)
+    assert r["same"]
+    assert r["specs"] == dict.fromkeys(r["specs"], "P('data',)"), r["specs"]

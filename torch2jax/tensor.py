@@ -37,6 +37,7 @@ from jax._src.array import ArrayImpl as _ArrayImpl
 from . import device as _device
 from . import dtypes as _dt
 from . import gradcut as _gradcut
+from .ops.registry import placed_as
 
 _device.register()
 DEVICE = torch.device(_device.NAME, 0)
@@ -408,7 +409,7 @@ class Tensor(torch.Tensor):
         chain = self._t2j_view
         old = st.array
         if not chain:
-            st.array = value if type(old) is _ArrayImpl else _gradcut.written(old, value, False)
+            st.array = placed_as(old, value) if type(old) is _ArrayImpl else _gradcut.written(old, value, False)
             st.version += 1
             return
         bases = [old]
@@ -424,7 +425,7 @@ class Tensor(torch.Tensor):
             new = value
             for step, base in zip(reversed(chain), reversed(bases)):
                 new = step.inverse(base, new)
-        st.array = new if type(old) is _ArrayImpl else _gradcut.written(old, new, DETACHED in chain)
+        st.array = placed_as(old, new) if type(old) is _ArrayImpl else _gradcut.written(old, new, DETACHED in chain)
         st.version += 1
         if not repeats:  # else two places of ``value`` may name one element: read it back
             self._t2j_cache = value

@@ -11,7 +11,8 @@ import torch
 
 from .. import dtypes as _dt
 from ..symbolic import traced_number
-from .registry import _HALF, as_dtype, cast, checked_scalar, register, scalar_type_name, true_divide, warning
+from .registry import (_HALF, as_dtype, cast, checked_scalar, placed_as, register, scalar_type_name, true_divide,
+                       warning)
 
 aten = torch.ops.aten
 
@@ -88,20 +89,22 @@ def scalar_tensor(value, *, dtype=None, layout=None, device=None, pin_memory=Non
     return jnp.asarray(as_dtype(checked_scalar(value, dt), dt))
 
 
+# The *_like factories place their result as ``x`` is (`placed_as`): the Adam state of a sharded
+# parameter is sharded as it is.
 @register(aten.empty_like, aten.zeros_like)
 def zeros_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return jnp.zeros(x.shape, jax_dtype(dtype, x.dtype))
+    return placed_as(x, jnp.zeros(x.shape, jax_dtype(dtype, x.dtype)))
 
 
 @register(aten.ones_like)
 def ones_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return jnp.ones(x.shape, jax_dtype(dtype, x.dtype))
+    return placed_as(x, jnp.ones(x.shape, jax_dtype(dtype, x.dtype)))
 
 
 @register(aten.full_like)
 def full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     dt = jax_dtype(dtype, x.dtype)
-    return jnp.full(x.shape, as_dtype(checked_scalar(fill_value, dt), dt), dt)
+    return placed_as(x, jnp.full(x.shape, as_dtype(checked_scalar(fill_value, dt), dt), dt))
 
 
 @register(aten.fill.Scalar, aten.fill.Tensor)

@@ -21,7 +21,7 @@ from .. import dtypes as _dt
 from ..dispatch import TorchValueError
 from ..env import next_key
 from .creation import jax_dtype
-from .registry import broadcast_shapes, cast, check_values, decomposition, register, scalar_type_name, warning
+from .registry import broadcast_shapes, cast, check_values, decomposition, placed_as, register, scalar_type_name, warning
 
 aten = torch.ops.aten
 
@@ -183,7 +183,7 @@ def randn(size, *, generator=None, dtype=None, layout=None, device=None, pin_mem
 
 @register(aten.randn_like)
 def randn_like(x, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return randn(x.shape, generator=generator, dtype=_dt.to_torch(jax_dtype(dtype, x.dtype)))
+    return placed_as(x, randn(x.shape, generator=generator, dtype=_dt.to_torch(jax_dtype(dtype, x.dtype))))
 
 
 def _complex_scale(dtype):
@@ -199,7 +199,7 @@ def rand(size, *, generator=None, dtype=None, layout=None, device=None, pin_memo
 
 @register(aten.rand_like)
 def rand_like(x, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return rand(x.shape, generator=generator, dtype=_dt.to_torch(jax_dtype(dtype, x.dtype)))
+    return placed_as(x, rand(x.shape, generator=generator, dtype=_dt.to_torch(jax_dtype(dtype, x.dtype))))
 
 
 @register(aten.uniform.default)
@@ -527,7 +527,7 @@ def randint_like_low(x, low, high, *, generator=None, dtype=None, layout=None, d
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
     dtype = jax_dtype(dtype, x.dtype)
     _check_range(low, high - 1, dtype)
-    return _integers(generator, x.shape, low, high, dtype)
+    return placed_as(x, _integers(generator, x.shape, low, high, dtype))
 
 
 @register(aten.randperm.default, aten.randperm.generator)

@@ -479,3 +479,17 @@ def canonical_dims(dims, ndim: int) -> tuple:
     if isinstance(dims, int):
         dims = (dims,)
     return tuple(canonical_dim(d, ndim) for d in dims)
+
+
+def placed_as(reference, value):
+    """``value`` placed as the concrete array ``reference`` is where that is across devices or in
+    host memory: the result of a ``*_like`` factory, or a value written in place into a storage
+    holding ``reference`` (``p.normal_()``, the ``p.copy_(cpu_tensor)`` of ``load_state_dict``),
+    stays sharded as a sharded parameter is, as a CUDA tensor's stays on its device."""
+    if isinstance(reference, jax.core.Tracer) or isinstance(value, jax.core.Tracer):
+        return value
+    sharding = reference.sharding
+    if type(sharding) is jax.sharding.SingleDeviceSharding and sharding.memory_kind == "device" \
+            or value.sharding == sharding:
+        return value
+    return jax.device_put(value, sharding)
