@@ -353,8 +353,10 @@ def test_shard_map_closed_over_parameters_in_place_arguments_and_spec_errors():
         one = P.shard_map(lambda a: a * 2, mesh, in_specs=((None, "model"),), out_specs=(None, "model"))(
             torch.ones(4, 2, device="jax"))
         errors = []
+        inner = P.shard_map(lambda a: a * 2, mesh, in_specs=(("model",),), out_specs=("model",))
         for bad in (lambda: P.shard_map(lambda a, b: a, mesh, in_specs=(("data",),), out_specs=())(x, x),
-                    lambda: P.shard_map(lambda a: a, mesh, in_specs=(("data",),), out_specs=())(torch.ones(6, 2))):
+                    lambda: P.shard_map(lambda a: a, mesh, in_specs=(("data",),), out_specs=())(torch.ones(6, 2)),
+                    lambda: P.shard_map(inner, mesh, in_specs=(("data",),), out_specs=("data",))(torch.ones(8))):
             try:
                 bad()
             except ValueError as e:
@@ -368,6 +370,7 @@ def test_shard_map_closed_over_parameters_in_place_arguments_and_spec_errors():
     assert r["one"] == [4, 2]
     assert "1 in_specs for 2 arguments" in r["errors"][0]
     assert "argument 0" in r["errors"][1] and "not divisible by 4" in r["errors"][1]
+    assert "inside the function of another shard_map" in r["errors"][2]
 
 
 def test_jit_follows_a_parameter_resharded_between_calls():

@@ -86,6 +86,10 @@ def _closed_over(fn, tensors) -> list:
     return out
 
 
+# The programs whose torch function is running (being traced) now.
+_INSIDE: list = []
+
+
 class _Program:
     """``torch_fn`` per device for one set of argument shapes: the JAX shard_map, and which
     arguments it writes in place."""
@@ -107,12 +111,14 @@ class _Program:
         """Run the torch function on this device's arrays: (outputs, arguments it wrote)."""
         tensors = [new_tensor(a) for a in arrays[:self.n]]
         bound = [(t._t2j_storage, t._t2j_storage.array) for t in self.lifted]
+        _INSIDE.append(self)
         try:
             for (st, _), a in zip(bound, arrays[self.n:]):
                 st.array = a
             with collectives(self.mesh):
                 out = self.torch_fn(*tensors)
         finally:
+            _INSIDE.remove(self)
             for st, a in bound:
                 st.array = a
         found["out"] = out
@@ -145,6 +151,11 @@ def shard_map(torch_fn, mesh, in_specs, out_specs, check_vma: bool = False):
     programs: dict = {}
 
     def call(*given):
+        if _INSIDE:
+            raise ShardingError(
+                "shard_map: called inside the function of another shard_map, which already runs per device on "
+                "its shards: nesting is not supported. Call the inner function directly there, with "
+                "torch.distributed collectives over the mesh axes it needs (group=dist.new_group(...))")
         _check_arguments(given, in_specs, mesh)
         tensors = [t if isinstance(t, Tensor) else t.to("jax") for t in given]
         lifted = _closed_over(torch_fn, tensors)
