@@ -949,6 +949,34 @@ def test_python_min_and_max_of_traced_values_stay_in_the_program():
     assert min(3, 1, 2) == 1 and max([], default=7) == 7  # (Python's own again outside the trace)
 
 
+def test_an_optimizer_held_deeper_than_the_walk_is_found_by_its_step():
+    class Holder:
+        pass
+
+    def run(jit):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2).to("jax")
+        trainer = Holder()
+        trainer.state = Holder()
+        trainer.state.inner = Holder()
+        trainer.state.inner.opt = torch.optim.Adam(model.parameters(), lr=0.1)
+
+        def step(x):
+            opt = trainer.state.inner.opt
+            opt.zero_grad()
+            loss = model(x).pow(2).sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        f = t2j.jit(step) if jit else step
+        losses = [f(torch.full((3, 4), i + 1.0, device="jax")).item() for i in range(4)]
+        return losses, trainer.state.inner.opt.state[model.weight]["step"].item()
+
+    (jitted, steps), (eager, eager_steps) = run(True), run(False)
+    assert jitted == pytest.approx(eager, rel=1e-5) and steps == eager_steps == 4  # (its Adam state carried)
+
+
 def test_a_traced_item_kept_outside_is_a_clear_error():
     model = torch.nn.Linear(3, 1).to("jax")
     x = torch.ones(4, 3, device="jax")

@@ -82,6 +82,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 import torch.utils._pytree as torch_pytree
 from jax.extend.core import jaxpr_as_fun
 
@@ -1622,6 +1623,40 @@ class _Retrace(Exception):
         self.found = found
 
 
+class _MoreRoots(Exception):
+    """A trace stepped optimizers the walk from the function did not reach (held deeper in
+    objects than `_Roots` looks): trace again with them as roots."""
+
+    def __init__(self, found):
+        self.found = found
+
+
+@contextlib.contextmanager
+def _unreached_optimizers(roots):
+    """While a trace runs: an ``opt.step()`` of an optimizer on the jax device that is not among
+    ``roots`` raises `_MoreRoots` (its state would not be carried: the program would update
+    tensors it does not write back). Optimizers the function creates are its own."""
+    known = {id(o) for o in roots.optimizers}
+    created = weakref.WeakSet()
+    init = torch.optim.Optimizer.__init__
+
+    def creating(self, *args, **kwargs):
+        created.add(self)
+        init(self, *args, **kwargs)
+
+    def check(opt, args, kwargs):
+        if id(opt) not in known and opt not in created and _optimizer_on_jax(opt):
+            raise _MoreRoots([opt])
+
+    torch.optim.Optimizer.__init__ = creating
+    handle = register_optimizer_step_pre_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
+        torch.optim.Optimizer.__init__ = init
+
+
 class _LiftNumbers(Exception):
     """A trace changed Python numbers it read as constants (``self.step += 1``): trace again
     with them as program inputs (`_Hyperparameters`), whose new values are outputs."""
@@ -1739,6 +1774,7 @@ class JitFunction:
         self._warned = False
         self._cache: dict = {}  # key -> the entries traced for it, which differ only in their guards
         self._extra: list = []  # weakrefs to storages read but not found as slots
+        self._found_roots: list = []  # weakrefs to optimizers a trace stepped that the walk missed
         self._roots_memo: list = []  # the last call's _RootState
         self._hypers = _Hyperparameters()
         self._breaks = 0  # traces in a row that stopped at a value-dependent op
@@ -1844,6 +1880,8 @@ class JitFunction:
         given, spec = torch_pytree.tree_flatten((args, kwargs))
         leaves = self._device_leaves(given)
         roots = _find_roots(self.fn, args, kwargs)
+        for found in self._found_roots:
+            roots.add(found)
         roots.unguarded, roots.lifts = self._unguarded, self._hypers
         retried = ()
         for _ in range(4):
@@ -1892,6 +1930,13 @@ class JitFunction:
                 self._hypers.lifted.update(n.ids)
                 self._log(f"it changes the Python number(s) {[_lifted_name(h) for h in n.ids]}: now program inputs, "
                           "their new values outputs stored back after every call")
+                continue
+            except _MoreRoots as r:
+                self._found_roots.extend(weakref.ref(o) for o in r.found)
+                for o in r.found:
+                    roots.add(o)
+                self._log(f"it steps {len(r.found)} optimizer(s) found only while tracing (held deeper in objects "
+                          "than the walk from the function looks): now carried too")
                 continue
             except _Retrace as r:
                 self._extra.extend(weakref.ref(s) for s in r.found)
@@ -2140,7 +2185,7 @@ class JitFunction:
                     torch.autograd.set_multithreading_enabled(False), \
                     _distribution_validation(), _scaler_steps_in_program(), \
                     _numbers_stay_off_the_host(slots.lifted), _wide_step_counters(roots.optimizers), \
-                    _sym.traced_builtins():
+                    _sym.traced_builtins(), _unreached_optimizers(roots):
                 out = self.fn(*args, **kwargs)
             if generators.drew_on_the_host:
                 raise OpError(
