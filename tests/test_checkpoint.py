@@ -58,6 +58,27 @@ def test_plain_tensors_round_trip(tmp_path):
     assert back["i"].dtype == torch.int64 and back["i"].tolist() == [1, 2] and back["n"] == 7
 
 
+def test_names_that_differ_only_by_separators_keep_their_own_values(tmp_path):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.ModuleList([torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)])
+            self.fc_1 = torch.nn.Linear(3, 3)  # ("fc.1.weight" and "fc_1.weight")
+
+    torch.manual_seed(0)
+    net = Net().to("jax")
+    plain = {"a.b": torch.ones(2), "a_b": torch.zeros(2), "a/b": torch.full((2,), 2.0), "a": {"b": torch.full((2,), 3.0)}}
+    t2j.save({"model": net, "plain": plain}, str(tmp_path / "ckpt"))
+    torch.manual_seed(1)
+    fresh = Net().to("jax")
+    loaded = t2j.load(str(tmp_path / "ckpt"), {"model": fresh, "plain": None})
+    for name, value in net.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name].cpu(), value.cpu()), name
+    got = loaded["plain"]
+    assert [got[k].tolist() for k in ("a.b", "a_b", "a/b")] == [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
+    assert got["a"]["b"].tolist() == [3.0, 3.0]
+
+
 def test_cpu_tensors_and_jax_arrays_come_back_as_they_were_saved(tmp_path):
     torch.manual_seed(3)
     state = {"rng": torch.get_rng_state(), "i": torch.tensor([1, 2]), "w": torch.ones(2, device="jax"),

@@ -53,7 +53,11 @@ def _split(obj, arrays, prefix):
     if isinstance(obj, torch.optim.Optimizer):
         return {"__optimizer__": _split(obj.state_dict(), arrays, prefix + "optimizer/")}
     if isinstance(obj, torch.Tensor) or isinstance(obj, jax.Array):
-        key = prefix.rstrip("/").replace(".", "_") or "value"
+        key = base = prefix.rstrip("/").replace(".", "_") or "value"
+        n = 1
+        while key in arrays:  # ("fc.1" and "fc_1", or {"a/b": x} and {"a": {"b": y}}: one name each)
+            n += 1
+            key = f"{base}~{n}"
         array = obj._value() if isinstance(obj, Tensor) else obj if isinstance(obj, jax.Array) else jax_array(obj)
         arrays[key] = array
         kind = "jax" if isinstance(obj, Tensor) else "array" if isinstance(obj, jax.Array) else "cpu"
