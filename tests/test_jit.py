@@ -977,6 +977,55 @@ def test_an_optimizer_held_deeper_than_the_walk_is_found_by_its_step():
     assert jitted == pytest.approx(eager, rel=1e-5) and steps == eager_steps == 4  # (its Adam state carried)
 
 
+def test_a_flag_the_function_turns_takes_the_other_branch_on_the_next_call():
+    class ActNorm(torch.nn.Module):  # data-dependent initialization on the first call
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(3))
+            self.initialized = False
+
+        def forward(self, x):
+            if not self.initialized:
+                with torch.no_grad():
+                    self.scale.copy_(1 / x.std(0))
+                self.initialized = True
+            return x * self.scale
+
+    class State:
+        def __init__(self):
+            self.first = True
+
+    def make():
+        state, config = State(), {"warm": False}
+        norm = ActNorm()
+
+        def f(x):
+            y = norm(x)
+            if state.first:
+                state.first = False
+                y = y * 100
+            if not config["warm"]:
+                config["warm"] = True
+                y = y - 1
+            return y
+
+        return f, norm, lambda: (state.first, config["warm"], norm.initialized)
+
+    xs = [torch.randn(5, 3, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    f, norm, flags = make()
+    want = [f(x) for x in xs]
+    g, jnorm, jflags = make()
+    jnorm.to("jax")
+    step = t2j.jit(g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning that cached calls would not change them)
+        got = [step(x.to("jax")) for x in xs]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.detach().cpu(), b.detach())
+    assert jflags() == flags() == (False, True, True)
+    assert step.stats["traces"] == 2
+
+
 def test_a_traced_item_kept_outside_is_a_clear_error():
     model = torch.nn.Linear(3, 1).to("jax")
     x = torch.ones(4, 3, device="jax")

@@ -409,18 +409,23 @@ def _check_layouts(slots, before, storages, arguments):
                           f"({list(old[0])} -> {list(t.shape)}), which a compiled program cannot repeat")
 
 
-def _check_python_state(fn, objects, before):
+def _check_python_state(fn, objects, before, names=frozenset()):
     """Refuse a trace that changed the Python attributes of an object the function
-    reaches: a cached call replays only the tensor program, never those changes."""
+    reaches: a cached call replays only the tensor program, never those changes. A flag
+    its code names that it turns (``if not self.ready: ...; self.ready = True``) is guarded
+    by the value it had, so that the next call, finding the new one, traces again."""
     for obj, old, new in zip(objects, before, _python_state(objects)):
         # tensors a trace creates are outputs of the program (written back on every call)
         changed = sorted(
             k for k in old.keys() | new.keys()
             if old.get(k, _MISSING) != new.get(k, _MISSING) and _TENSOR not in (old.get(k), new.get(k))
+            and not (k in names and _is_flag_change(old.get(k), new.get(k)))
         )
         if not changed:
             continue
         name = getattr(fn, "__qualname__", fn)
+        if isinstance(obj, dict) and len(obj) <= 32 and _only_flags_turned(old["items"], new["items"]):
+            continue  # (its items are guarded values: `_Roots._read_values`)
         if isinstance(obj, (list, dict)):
             kind = type(obj).__name__
             if _count_tensors(new["items"]) > _count_tensors(old["items"]):
@@ -450,6 +455,17 @@ def _check_python_state(fn, objects, before):
 
 
 _MISSING, _TENSOR = object(), object()
+
+
+def _is_flag_change(old, new) -> bool:
+    """Whether a Python value went from one bool to the other (a flag the trace turned)."""
+    return type(old) is bool and type(new) is bool
+
+
+def _only_flags_turned(old_items, new_items) -> bool:
+    """Whether a dict's summarized items (`_python_value`) differ only by flags turned."""
+    return len(old_items) == len(new_items) and all(
+        a[0] == b[0] and (a[1] == b[1] or _is_flag_change(a[1], b[1])) for a, b in zip(old_items, new_items))
 
 
 def _count_tensors(summary) -> int:
@@ -1979,7 +1995,8 @@ class JitFunction:
                 continue
             self._hypers.proven.update(new)
             after = dict(roots.python_values(raw=True))
-            changed = {w for w in values.keys() | after.keys() if values.get(w, _MISSING) != after.get(w, _MISSING)}
+            changed = {w for w in values.keys() | after.keys() if values.get(w, _MISSING) != after.get(w, _MISSING)
+                       and not _is_flag_change(values.get(w), after.get(w))}
             if changed:  # the trace's own bookkeeping (warned of by _check_python_state): a cached call skips it
                 self._unguarded = roots.unguarded = self._unguarded | changed
                 key = _unguarding(key, changed)
@@ -2214,7 +2231,7 @@ class JitFunction:
                     )
             for restore in saved_numbers.values():  # before the check that nothing else changed
                 restore()
-            _check_python_state(self.fn, roots.objects, python_state)
+            _check_python_state(self.fn, roots.objects, python_state, roots.names)
             _check_layouts(slots, layouts, layout_storages, {id(x) for x in leaves if isinstance(x, torch.Tensor)})
             if capture.unknown:
                 raise _Retrace([t._t2j_storage for t in capture.unknown.values()])
