@@ -1026,20 +1026,73 @@ def test_a_flag_the_function_turns_takes_the_other_branch_on_the_next_call():
     assert step.stats["traces"] == 2
 
 
-def test_a_traced_item_kept_outside_is_a_clear_error():
-    model = torch.nn.Linear(3, 1).to("jax")
-    x = torch.ones(4, 3, device="jax")
-    kept = []
+def test_numbers_appended_to_a_list_are_appended_by_every_call():
+    class Meter:
+        def __init__(self):
+            self.history = []
 
-    @t2j.jit
-    def step(scale):
-        loss = model(x).sum() * scale
-        kept.append(loss.item() if not kept else kept[0] + loss.item())  # a traced number leaves the trace
-        return loss
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, meter = [], Meter()
 
-    step(1.0)
-    with pytest.raises(t2j.JitError, match="used a value traced by an earlier trace"):
-        step(2)  # an int: a new trace, which reads the first one's number
+        def step(x):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            meter.history.append(2 * loss.item())
+            return loss.detach()
+
+        return model, step, losses, meter
+
+    x = torch.randn(8, 4)
+    _, step, losses, meter = make()
+    for _ in range(3):
+        step(x)
+    model, jstep, jlosses, jmeter = make()
+    model.to("jax")
+    jitted = t2j.jit(jstep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            jitted(x.to("jax"))
+    assert all(type(v) is float for v in jlosses + jmeter.history)
+    assert jlosses == pytest.approx(losses, rel=1e-5) and jmeter.history == pytest.approx(meter.history, rel=1e-5)
+    assert jitted.stats["traces"] == 2  # (the second: with .grad)
+
+
+def test_a_traced_number_stored_in_a_new_attribute_is_stored_by_every_call():
+    class Holder:
+        pass
+
+    def make():
+        torch.manual_seed(0)
+        model, holder = torch.nn.Linear(3, 1), Holder()
+
+        def step(x, scale):
+            loss = model(x).sum() * scale
+            holder.total = loss.item() if not hasattr(holder, "total") else holder.total + loss.item()
+            return loss.detach()
+
+        return model, step, holder
+
+    x = torch.ones(4, 3)
+    _, step, holder = make()
+    want = []
+    for scale in (1.0, 2, 3, 4):
+        step(x, scale)
+        want.append(holder.total)
+    model, jstep, jholder = make()
+    model.to("jax")
+    jitted = t2j.jit(jstep)
+    got = []
+    for scale in (1.0, 2, 3, 4):
+        jitted(x.to("jax"), scale)
+        got.append(jholder.total)
+    assert all(type(v) is float for v in got) and got == pytest.approx(want, rel=1e-5)
 
 
 def _losses_both(build, steps=4):

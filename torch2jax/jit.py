@@ -362,7 +362,7 @@ class _Same:
 def _python_value(v, depth=0):
     """A comparable summary of the Python part of ``v`` (tensors and other objects
     stand for themselves by identity)."""
-    if isinstance(v, (torch.Tensor, jax.Array)):
+    if isinstance(v, (torch.Tensor, jax.Array)) or _sym.is_traced_number(v):  # (stored by every call: `_Places`)
         return _TENSOR
     if v is None or isinstance(v, (bool, int, str, enum.Enum)):
         return v
@@ -2215,6 +2215,7 @@ class JitFunction:
                 raise _MoreDraws(len(generators.sources))
             backward = _device.backward_passes != backward_passes
             _tensor.CAPTURE = _sym.GUARDS = None
+            appended = saved_slots[2].take_appended()
             if changed := [(where, site, v) for where, site, v in numbers if site.read() is not v]:
                 for _, site, v in changed:
                     site.write(v)
@@ -2245,6 +2246,8 @@ class JitFunction:
             stores = [(functools.partial(_put, kind, container, key), made.stored(t))
                       for kind, container, key, t in saved_slots[2].moved()]
             stores += [(site.write, made.stored(new)) for site, new in numbers_stored]
+            stores += [(functools.partial(_append, container), made.stored(v)) for container, items in appended
+                       for v in items]
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
             stores += [(functools.partial(_put, "attr", sub, "training"), ("const", sub.training))
                        for sub, mode in modes if sub.training != mode]
@@ -2789,7 +2792,7 @@ def _put(kind, container, key, value):
 
 
 class _Places:
-    """The places where a function can store a tensor by plain assignment, as they were:
+    """The places where a function can store a tensor (or a traced number) by plain assignment, as they were:
     plain attributes of its modules and of the objects it reaches, items of its lists and
     dicts, its closure cells and the globals its code names. After a trace, `moved` lists
     each place that got another tensor (or lost one): ``self.cache = self.cache + x``, the
@@ -2833,15 +2836,35 @@ class _Places:
             now = self._now(kind, container, before)
             for key in before.keys() if fixed else before.keys() | now.keys():
                 old, new = before.get(key, _MISSING), now.get(key, _MISSING)
-                if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
+                if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)
+                                       or _sym.is_traced_number(new)):
                     out.append((kind, container, key, new))
         return out
 
+    def take_appended(self) -> list:
+        """(list, items) per list the trace appended traced numbers to (``losses.append(loss.item())``),
+        taken off it: each call appends its own values (`_append`)."""
+        out = []
+        for kind, container, before, _ in self.places:
+            if isinstance(container, list) and len(container) > len(before) \
+                    and all(container[i] is v for i, v in before.items()):
+                items = container[len(before):]
+                if any(map(_sym.is_traced_number, items)) and not any(isinstance(v, torch.Tensor) for v in items):
+                    del container[len(before):]
+                    out.append((container, items))
+        return out
+
     def restore(self):
-        """Put back the tensors that were in these places (a failed or unexecuted trace)."""
+        """Put back the tensors that were in these places (a failed or unexecuted trace), and take
+        off the lists the traced numbers appended to them."""
         then = {id(container): before for _, container, before, _ in self.places}
         for kind, container, key, _ in self.moved():
             _put(kind, container, key, then[id(container)].get(key, _MISSING))
+        self.take_appended()
+
+
+def _append(container, value):
+    container.append(value)
 
 
 def _cell_value(cell):
