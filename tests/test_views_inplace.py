@@ -624,3 +624,33 @@ def _strided_layouts(d):
 
 def test_empty_strided_with_gaps_or_overlaps_and_resize_memory_format():
     assert _strided_layouts("jax") == _strided_layouts("cpu")
+
+
+_SPD = torch.tensor([[4.0, 1.0, 0.5], [1.0, 3.0, 0.2], [0.5, 0.2, 2.0]])
+_RHS = torch.tensor([[1.0, 2.0], [0.5, -1.0], [3.0, 0.0], [1.0, 1.0], [2.0, -2.0]])
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("inv", lambda a: (torch.linalg.inv(a),)),
+    ("cholesky", lambda a: (torch.linalg.cholesky(a),)),
+    ("qr", lambda a: torch.linalg.qr(a)),
+    ("eigh", lambda a: torch.linalg.eigh(a)),
+    ("eig", lambda a: torch.linalg.eig(a)),
+    ("svd", lambda a: torch.linalg.svd(a)),
+    ("svd_wide", lambda a: torch.linalg.svd(a[..., :2, :], full_matrices=False)),
+    ("lu_factor", lambda a: torch.linalg.lu_factor(a)),
+    ("solve", lambda a: (torch.linalg.solve(a, a[..., :2]),)),
+    ("lstsq_tall", lambda a: (torch.linalg.lstsq(torch.cat([a, a[..., :2, :]], -2), _RHS.to(a.device))[0],)),
+    ("cholesky_inverse", lambda a: (torch.cholesky_inverse(a),)),
+])
+@pytest.mark.parametrize("batched", [False, True])
+def test_lapack_results_are_column_major_as_on_the_cpu(name, fn, batched):
+    a = torch.stack([_SPD, 2 * _SPD]) if batched else _SPD
+    if name == "lstsq_tall" and batched:
+        pytest.skip("one right-hand side for one matrix")
+    want, got = fn(a), fn(a.to("jax"))
+    assert [t.stride() for t in got] == [t.stride() for t in want]
+    for w, g in zip(want, got):
+        if w.dim() >= 2 and not w.is_contiguous():  # torch.linalg.inv(A).view(-1) is an error on both
+            with pytest.raises(RuntimeError, match="view size is not compatible"):
+                g.view(-1)

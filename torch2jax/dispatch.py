@@ -587,6 +587,11 @@ def _lowering_handler(func, lowering, cpu_args=None):
             return _laid_out(out, strides(args, kwargs, (out,))[0])
 
         return run_laid_out
+    if _name_of(func) in _COLUMN_MAJOR_OPS:
+        def run_column_major(func, args, kwargs):
+            return _torch_layout(func, args, kwargs, run(func, args, kwargs))
+
+        return run_column_major
     if not _keeps_layout(func):
         return run
 
@@ -694,6 +699,20 @@ _SUGGESTED_FORMAT_OPS = frozenset({
     "native_group_norm", "roll", "reflection_pad2d", "reflection_pad3d", "replication_pad2d", "replication_pad3d",
 })
 _LAYOUTS: dict = {}
+# LAPACK-backed ops whose CPU results are column-major (``torch.linalg.inv(A).stride() == (1, n)``), as
+# their meta kernels say: their results always take the meta kernel's strides
+_COLUMN_MAJOR_OPS = frozenset({
+    "linalg_inv_ex", "linalg_cholesky_ex", "linalg_qr", "_linalg_eigh", "linalg_lu_factor_ex", "_linalg_solve_ex",
+    "linalg_lstsq", "cholesky_solve", "linalg_solve_triangular", "triangular_solve", "cholesky_inverse", "geqrf",
+    "linalg_householder_product", "orgqr", "ormqr", "linalg_ldl_factor_ex", "linalg_ldl_solve", "linalg_lu_solve",
+    "lu_solve", "linalg_lu",
+})
+
+
+def _name_of(func) -> str | None:
+    if isinstance(func, torch._ops.OpOverload) and func.namespace == "aten":
+        return func._schema.name.split("::")[1]
+    return None
 
 
 def _keeps_layout(func):

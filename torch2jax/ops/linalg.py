@@ -33,7 +33,7 @@ from jax.lax import linalg as lax_linalg
 
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
-from .registry import argmax_index, canonical_dim, cast, layout_keywords, register, scalar_type_name
+from .registry import argmax_index, canonical_dim, cast, layout_keywords, register, scalar_type_name, strides
 
 aten = torch.ops.aten
 
@@ -1316,6 +1316,31 @@ def _check_complex_type(dtype):
         raise TorchRuntimeError(f"Unknown Complex ScalarType for {scalar_type_name(dtype)}")
 
 
+def _column_major(t):
+    """The strides of a dense column-major matrix (batch) of ``t``'s shape; None below 2-D."""
+    if t.dim() < 2:
+        return None
+    rows, cols = t.shape[-2:]
+    step, batch = max(rows * cols, 1), []  # (an empty one's as torch makes it: ones)
+    for size in reversed(t.shape[:-2]):
+        batch.insert(0, step)
+        step *= max(size, 1)
+    return (*batch, 1, max(rows, 1))
+
+
+@strides(aten.linalg_eig.default)
+def linalg_eig_strides(args, kwargs, results):
+    """torch's CPU eigenvectors are column-major (LAPACK's layout), where its meta kernel says row-major."""
+    return None, _column_major(results[1])
+
+
+@strides(aten._linalg_svd.default)
+def _linalg_svd_strides(args, kwargs, results):
+    """torch's CPU singular vectors are column-major (LAPACK's layout), where its meta kernel says
+    row-major for Vh."""
+    return _column_major(results[0]), None, _column_major(results[2])
+
+
 @register(aten.linalg_eig.default)
 def linalg_eig(a):
     _check_complex_type(a.dtype)
@@ -1629,6 +1654,21 @@ def _check_lstsq(a, b, driver):
     if np.dtype(a.dtype) not in _LAPACK_DTYPES:
         raise TorchRuntimeError("This function doesn't handle types other than float and double")
     return vector
+
+
+@strides(aten.linalg_lstsq.default)
+def linalg_lstsq_strides(args, kwargs, results):
+    """torch's solution is the top of LAPACK's column-major right-hand side, ``max(m, n)`` rows
+    per column (no meta kernel says so)."""
+    x = results[0]
+    if x.dim() < 2:
+        return None, None, None, None
+    lead = max(args[0].shape[-2:])
+    step, batch = lead * x.shape[-1], []
+    for size in reversed(x.shape[:-2]):
+        batch.insert(0, step)
+        step *= size
+    return (*batch, 1, lead), None, None, None
 
 
 @register(aten.linalg_lstsq.default)
