@@ -654,3 +654,24 @@ def test_lapack_results_are_column_major_as_on_the_cpu(name, fn, batched):
         if w.dim() >= 2 and not w.is_contiguous():  # torch.linalg.inv(A).view(-1) is an error on both
             with pytest.raises(RuntimeError, match="view size is not compatible"):
                 g.view(-1)
+
+
+@pytest.mark.parametrize("view", [lambda z: z[0], lambda z: z.t(), lambda z: z.view(-1),
+                                  lambda z: z.narrow(1, 0, 2), lambda z: z.split(1)[0]])
+def test_views_of_an_inference_tensor_are_inference_tensors(view):
+    results = {}
+    for device in ("cpu", "jax"):
+        with torch.inference_mode():
+            z = torch.ones(2, 3, device=device)
+        v = view(z)
+        errors = []
+        for bad in (lambda: v.add_(1), lambda: (v * torch.ones(v.shape, device=device, requires_grad=True)).sum()
+                    .backward()):
+            try:
+                bad()
+                errors.append(None)
+            except RuntimeError as e:
+                errors.append(str(e).split(".")[0])
+        results[device] = (v.is_inference(), errors, z.tolist())
+    assert results["jax"] == results["cpu"]
+    assert results["cpu"][0] and None not in results["cpu"][1]

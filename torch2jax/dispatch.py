@@ -1212,10 +1212,12 @@ def _lazy_bits(view_op, run):
             meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
             torch._C._set_conj(meta, True)
             func(meta, *args[1:], **kwargs)  # torch's error
-        if torch.is_inference_mode_enabled() and not x.is_inference():
+        inference = x.is_inference()
+        if inference != torch.is_inference_mode_enabled():
             # torch's view of a normal tensor is a normal tensor (autograd then shares its
-            # version counter), also under inference_mode
-            with torch.inference_mode(False):
+            # version counter), also under inference_mode; a view of an inference tensor is
+            # one (torch refuses to write to it, or save it for backward, outside inference_mode)
+            with torch.inference_mode(inference):
                 out = run(func, args, kwargs)
         else:
             out = run(func, args, kwargs)
