@@ -272,3 +272,24 @@ def test_backward_runs_on_the_calling_thread():
     x.register_hook(lambda g: seen.append(threading.get_ident()))
     (x * 2).sum().backward()
     assert seen == [threading.get_ident()]
+
+
+@pytest.mark.parametrize("name, write", [
+    ("mask_setitem", lambda x, d: x.__setitem__(x > 5, torch.arange(5.0, device=d))),
+    ("index_setitem", lambda x, d: x.__setitem__(torch.tensor([0, 1], device=d), torch.ones(3, 4, device=d))),
+    ("index_add_count", lambda x, d: x.index_add_(1, torch.tensor([0, 1], device=d), torch.ones(2, 3, device=d))),
+    ("index_add_shape", lambda x, d: x.index_add_(0, torch.tensor([0], device=d), torch.ones(1, 3, device=d))),
+    ("index_copy_dims", lambda x, d: x.index_copy_(0, torch.tensor([0], device=d), torch.ones(4, device=d))),
+    ("index_copy_slice", lambda x, d: x.index_copy_(1, torch.tensor([0, 1], device=d), torch.ones(2, 3, device=d))),
+    ("index_copy_count", lambda x, d: x.index_copy_(1, torch.tensor([0, 1], device=d), torch.ones(3, 3, device=d))),
+])
+def test_indexed_writes_of_a_wrong_shape_raise_torchs_error(name, write):
+    # before: a wrapped JAX broadcasting error, or (index_add_ / index_copy_) a silently reshaped source
+    raised = {}
+    for device in ("cpu", "jax"):
+        x = torch.arange(12.0, device=device).reshape(3, 4)
+        with pytest.raises((RuntimeError, IndexError)) as info:
+            write(x, device)
+        raised[device] = (isinstance(info.value, IndexError), str(info.value))
+        assert x.tolist() == torch.arange(12.0).reshape(3, 4).tolist()
+    assert raised["jax"] == raised["cpu"]

@@ -185,6 +185,10 @@ def _index_put(x, indices, values, accumulate, check):
         return out
     xe, expanded = _expand_masks(x, indices, "aten.index_put (boolean mask indexing)")
     idx = _index_tuple(xe, expanded, check)
+    selected = jax.eval_shape(lambda a: a[idx], xe).shape
+    if values.ndim > len(selected) or any(v not in (1, s) for v, s in zip(values.shape[::-1], selected[::-1])):
+        raise TorchRuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
+                                f"indexing result of shape {list(selected)}")
     ref = x.at[idx]
     return _accumulate(ref, values, x.dtype) if accumulate else ref.set(values)
 
@@ -366,6 +370,39 @@ def _dim_index(x, dim, index, error, source=None, negative=False):
     return x1, (slice(None),) * d + (index,), source
 
 
+def _check_index_add_source(x, dim, index, source):
+    """torch's checks that ``source`` is ``x`` with ``index``'s length along ``dim`` (a 0-d source
+    and a 0-d ``x`` aside)."""
+    if x.ndim == 0:
+        return
+    d = dim % x.ndim
+    if d < source.ndim and source.shape[d] != index.size:
+        raise TorchRuntimeError(f"index_add_(): Number of indices ({index.size}) should be equal to source.size(dim): "
+                                f"({source.shape[d]}), for dim: {dim}")
+    if source.ndim != x.ndim or any(a != b for k, (a, b) in enumerate(zip(x.shape, source.shape)) if k != d):
+        raise TorchRuntimeError(f"source tensor shape must match self tensor shape, excluding the specified dimension. "
+                                f"Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}")
+
+
+def _check_index_copy_source(x, dim, index, source):
+    """torch's checks of index_copy_'s ``source`` against ``x`` and ``index``, with its words."""
+    if x.ndim == 0 or source.ndim == 0:
+        return
+    if source.ndim != x.ndim:
+        raise IndexError(f"index_copy_(): When source and destination are not scalars, their dimensionality must "
+                         f"match. Source dimensionality ({source.ndim}), destination dimensionality ({x.ndim})")
+    d = dim % x.ndim
+    rest = [k for k in range(x.ndim) if k != d]
+    if any(x.shape[k] != source.shape[k] for k in rest):
+        raise TorchRuntimeError(
+            "index_copy_(): Source/destination tensor must have same slice shapes. Destination slice shape: "
+            f"{' '.join(str(x.shape[k]) for k in rest)} at dimension {dim} and source slice shape: "
+            f"{' '.join(str(source.shape[k]) for k in rest)} at dimension 0.")
+    if source.shape[d] != index.size:
+        raise IndexError(f"index_copy_(): Number of indices ({index.size}) should be equal to source.size(dim) "
+                         f"({source.shape[d]})")
+
+
 def _index_select_error(x, d):
     """torch's CPU kernel words an out-of-range index by the path it takes: the one for
     dim 1 (and for an empty tensor) of a tensor of two or more dims names the index."""
@@ -392,6 +429,7 @@ def index_add(x, dim, index, source, *, alpha=1):
     # torch's 1-d kernel reports an out-of-range index as index_select does
     bad = (lambda d, n: _index_out_of_range_in_self) if x.ndim <= 1 else (
         lambda d, n: _out_of_bounds(d, n, TorchRuntimeError))
+    _check_index_add_source(x, dim, index, source)
     x1, idx, src = _dim_index(x, dim, index, bad, source)
     if alpha != 1:
         src = src * _value(alpha, x.dtype)
@@ -403,6 +441,7 @@ def index_copy(x, dim, index, source):
     if source.dtype != x.dtype:
         raise TorchRuntimeError("index_copy_(): self and source expected to have the same dtype, but got (self) "
                                 f"{scalar_type_name(x.dtype)} and (source) {scalar_type_name(source.dtype)}")
+    _check_index_copy_source(x, dim, index, source)
     x1, idx, src = _dim_index(x, dim, index, lambda d, n: _out_of_bounds(d, n, prefix="index_copy_(): "), source)
     return x1.at[idx].set(src).reshape(x.shape)
 
