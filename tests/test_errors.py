@@ -293,3 +293,18 @@ def test_indexed_writes_of_a_wrong_shape_raise_torchs_error(name, write):
         raised[device] = (isinstance(info.value, IndexError), str(info.value))
         assert x.tolist() == torch.arange(12.0).reshape(3, 4).tolist()
     assert raised["jax"] == raised["cpu"]
+
+
+@pytest.mark.parametrize("name, call", [
+    ("sign_complex", lambda d: torch.sign(torch.ones(2, dtype=torch.complex64, device=d))),
+    ("hypot_complex", lambda d: torch.hypot(*[torch.ones(2, dtype=torch.complex64, device=d)] * 2)),
+    ("logcumsumexp_long", lambda d: torch.ones(2, dtype=torch.long, device=d).logcumsumexp(0)),
+    ("round_decimals_long", lambda d: torch.ones(2, dtype=torch.long, device=d).round(decimals=1)),
+])
+def test_unsupported_dtypes_raise_torchs_not_implemented_error(name, call):
+    raised = {}
+    for device in ("cpu", "jax"):
+        with pytest.raises(NotImplementedError) as info:
+            call(device)
+        raised[device] = str(info.value)
+    assert raised["jax"] == raised["cpu"]

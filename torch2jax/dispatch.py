@@ -246,8 +246,7 @@ def _reraise_with_torch_message(func, args, kwargs, error):
     except Exception as torch_error:  # noqa: BLE001 - torch's own verdict on the input
         if type(torch_error) is not NotImplementedError and "meta" not in str(torch_error).lower():
             raise torch_error from None
-    if isinstance(error, TypeError):  # (how JAX refuses a dtype)
-        _raise_cpu_dtype_error(func, args, kwargs)
+    _raise_cpu_dtype_error(func, args, kwargs)  # (JAX refuses a dtype with a TypeError, or fails later)
     raise OpError(
         f"torch2jax: {func} failed on inputs {_describe(args, kwargs)}: {type(error).__name__}: {error}"
     ) from error

@@ -20,7 +20,7 @@ from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
 from .registry import (as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote, register,
-                       strides, true_divide, view, warning)
+                       scalar_type_name, strides, true_divide, view, warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -175,10 +175,8 @@ def absolute(x):
 @elementwise(aten.sign, prims.sign)
 def sign(x):
     if _is_complex(x):
-        raise OpError(
-            "torch2jax: Unlike NumPy, torch.sign is not intended to support complex numbers. Please use torch.sgn "
-            "instead."
-        )
+        raise NotImplementedError(
+            "Unlike NumPy, torch.sign is not intended to support complex numbers. Please use torch.sgn instead.")
     return sgn.compute(x)
 
 
@@ -220,7 +218,7 @@ elementwise(prims.round)(_rounding(jnp.round))
 def round_decimals(x, *, decimals=0):
     if _is_int(x):
         if decimals:
-            raise OpError(f'torch2jax: "round" with decimals is not implemented for {_dt.to_torch(x.dtype)}')
+            raise NotImplementedError(f'"round_cpu" not implemented for \'{scalar_type_name(x.dtype)}\'')
         return x
     if decimals == 0:
         return jnp.round(x)  # round half to even, as torch's nearbyint
