@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import math
 import warnings
 
 import pytest
@@ -1062,6 +1063,67 @@ def test_numbers_appended_to_a_list_are_appended_by_every_call():
     assert all(type(v) is float for v in jlosses + jmeter.history)
     assert jlosses == pytest.approx(losses, rel=1e-5) and jmeter.history == pytest.approx(meter.history, rel=1e-5)
     assert jitted.stats["traces"] == 2  # (the second: with .grad)
+
+
+class _Counter:
+    n = 0  # a class's default, which the first ``+=`` shadows on the instance
+
+
+def _counter_cases():
+    def list_item():
+        c = [0]
+
+        def f(x):
+            c[0] += 1
+            return x * c[0]
+        return f, lambda: c[0]
+
+    def new_dict_key():
+        d = {}
+
+        def f(x):
+            d["n"] = d.get("n", 0) + 1
+            return x * d["n"]
+        return f, lambda: d["n"]
+
+    def class_default():
+        t = _Counter()
+
+        def f(x):
+            t.n += 1
+            return x * t.n
+        return f, lambda: t.n
+
+    def math_of_a_counter():
+        t = _Counter()
+
+        def f(x):
+            t.n += 1
+            return x * math.exp(-t.n) + math.sqrt(t.n)
+        return f, lambda: t.n
+
+    def cpu_module_attribute():
+        m = torch.nn.Linear(1, 1)  # (on the CPU: not state, but its Python attributes are read)
+        m.calls = 0
+
+        def f(x):
+            m.calls += 1
+            return x * m.calls
+        return f, lambda: m.calls
+
+    return [list_item, new_dict_key, class_default, math_of_a_counter, cpu_module_attribute]
+
+
+@pytest.mark.parametrize("make", _counter_cases(), ids=lambda f: f.__name__)
+def test_python_counters_the_function_advances_advance_on_every_call(make):
+    f, count = make()
+    want = [f(torch.ones(2))[0].item() for _ in range(4)], count()
+    g, jcount = make()
+    step = t2j.jit(g)
+    got = [step(torch.ones(2, device="jax"))[0].item() for _ in range(4)], jcount()
+    assert got[1] == want[1] == 4
+    assert got[0] == pytest.approx(want[0])
+    assert step.stats["traces"] <= 3
 
 
 def test_a_traced_number_stored_in_a_new_attribute_is_stored_by_every_call():

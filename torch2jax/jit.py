@@ -166,7 +166,9 @@ class _Roots:
             return
         if isinstance(obj, torch.nn.Module):
             self._seen.add(id(obj))
-            if _on_jax(obj):
+            if not _on_jax(obj):  # (its Python attributes are read as any object's: ``m.calls += 1``)
+                self.objects.append(obj)
+            else:
                 self.modules.append(obj)
                 # an optimizer stepped by a parameter's hook ("optimizer step in backward")
                 for hook in _parameter_hooks(obj):
@@ -276,16 +278,23 @@ class _Roots:
         """(where, value, source, name) of each value `python_values` considers."""
         values = [(where, source.cell_contents if name is None else source.get(name), source, name)
                   for where, source, name in self.values]
+        lifted = self.lifts.lifted if self.lifts is not None else ()
         for obj in self.objects:
             if isinstance(obj, dict):
                 if len(obj) <= 32:
                     values += [(f"dict item {k!r}", v, obj, k) for k, v in obj.items()]
-            elif not isinstance(obj, list):
+            elif isinstance(obj, list):  # (only the numbers a trace advanced: `number_sites`)
+                values += [(where, v, obj, i) for i, v in enumerate(obj[:32])
+                           if ("value", where := _list_item(obj, i)) in lifted]
+            else:
                 attrs, kind = vars(obj), type(obj).__name__
-                lifted = self.lifts.lifted if self.lifts is not None else ()
                 # the attributes its code names, and numbers its methods advance (`number_sites`)
                 values += [(f"{kind}.{k}", attrs[k], obj, k) for k in attrs
                            if k in self.names or ("value", f"{kind}.{k}") in lifted]
+                # and the class's defaults of those the instance does not hold yet (``n = 0`` in the
+                # class body, then ``self.n += 1``)
+                values += [(f"{kind}.{k}", v, obj, k) for k in self.names if k not in attrs
+                           and type(v := getattr(type(obj), k, None)) in (int, float, bool, str)]
         return values
 
     def number_sites(self) -> list:
@@ -296,7 +305,11 @@ class _Roots:
                for where, v, source, name in self._read_values() if type(v) in (int, float)]
         named = {id(site.source) for _, site, _ in out}
         for obj in self.objects:  # (attributes a method of the object changes: ``meter.update(k)``)
-            if not isinstance(obj, (dict, list)):
+            if isinstance(obj, list):  # (``counts[0] += 1``)
+                out += [(("value", where), _ValueSite(obj, i, where), v) for i, v in enumerate(obj[:32])
+                        if type(v) in (int, float) and ("value", where := _list_item(obj, i)) not in
+                        {w for w, _, _ in out}]
+            elif not isinstance(obj, dict):
                 where = type(obj).__name__
                 out += [(("value", f"{where}.{k}"), _ValueSite(obj, k, f"{where}.{k}"), v)
                         for k, v in vars(obj).items()
@@ -415,6 +428,9 @@ def _check_python_state(fn, objects, before, names=frozenset()):
     its code names that it turns (``if not self.ready: ...; self.ready = True``) is guarded
     by the value it had, so that the next call, finding the new one, traces again."""
     for obj, old, new in zip(objects, before, _python_state(objects)):
+        if not isinstance(obj, (list, dict)):  # (an instance's attribute equal to its class's default is no change)
+            old = {**{k: _python_value(getattr(type(obj), k)) for k in new.keys() - old.keys()
+                      if type(getattr(type(obj), k, None)) in (int, float, bool, str)}, **old}
         # tensors a trace creates are outputs of the program (written back on every call)
         changed = sorted(
             k for k in old.keys() | new.keys()
@@ -823,6 +839,8 @@ class _ValueSite(NamedTuple):
             return self.source.cell_contents
         if isinstance(self.source, dict):
             return self.source[self.name]
+        if isinstance(self.source, list):
+            return self.source[self.name] if self.name < len(self.source) else _MISSING
         return getattr(self.source, self.name)
 
     def saved(self):
@@ -832,7 +850,7 @@ class _ValueSite(NamedTuple):
     def write(self, value):
         if self.name is None:
             self.source.cell_contents = value
-        elif isinstance(self.source, dict):
+        elif isinstance(self.source, (dict, list)):
             self.source[self.name] = value
         else:
             setattr(self.source, self.name, value)
@@ -863,6 +881,11 @@ class _ArgSite(NamedTuple):
 def _lifted_number(v) -> bool:
     """Whether ``v`` may become a program input: a float, or an int within int64."""
     return type(v) is float or (type(v) is int and -(2 ** 63) <= v < 2 ** 63)
+
+
+def _list_item(container, i) -> str:
+    """The name of a list's item among the values a function reads (lists have no names: by identity)."""
+    return f"list #{id(container):x} item {i}"
 
 
 def _is_number(v) -> bool:
@@ -1996,7 +2019,8 @@ class JitFunction:
             self._hypers.proven.update(new)
             after = dict(roots.python_values(raw=True))
             changed = {w for w in values.keys() | after.keys() if values.get(w, _MISSING) != after.get(w, _MISSING)
-                       and not _is_flag_change(values.get(w), after.get(w))}
+                       and not _is_flag_change(values.get(w), after.get(w))
+                       and not _is_number(values.get(w)) and not _is_number(after.get(w))}
             if changed:  # the trace's own bookkeeping (warned of by _check_python_state): a cached call skips it
                 self._unguarded = roots.unguarded = self._unguarded | changed
                 key = _unguarding(key, changed)

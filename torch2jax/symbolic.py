@@ -554,18 +554,43 @@ def _traced_extremum(builtin, sym, beats):
     return extremum
 
 
+def _traced_math(name, fn):
+    """``math.<name>`` that keeps a traced number traced (``math.exp(-self.t)`` of a counter that
+    is a program input); any other argument goes to ``fn``, Python's."""
+
+    @functools.wraps(fn)
+    def math_fn(x, *rest):
+        if not rest and is_traced_number(x):
+            return torch.SymFloat(x.node._unary(getattr(jnp, name), float))
+        return fn(x, *rest)
+
+    return math_fn
+
+
+# the math functions `traced_builtins` keeps traced (jax.numpy's of the same name)
+_MATH = ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "log2", "log10", "log1p", "expm1", "atan", "asin",
+         "acos", "sinh", "cosh")
+
+
 @contextlib.contextmanager
 def traced_builtins():
-    """While a trace runs: Python's ``min`` and ``max`` of traced numbers stay in the program
-    (`_traced_extremum`), as torch.compile traces them. They are replaced in `builtins`, so for
-    every module; calls without a traced number behave as before."""
+    """While a trace runs: Python's ``min`` and ``max`` of traced numbers (`_traced_extremum`) and
+    ``math.exp`` / ``log`` / ``sqrt`` / ... of one (`_traced_math`) stay in the program, as
+    torch.compile traces them. They are replaced in `builtins` and `math`, so for every module
+    (but code that imported ``from math import exp`` before); calls without a traced number
+    behave as before."""
     saved = builtins.min, builtins.max
+    saved_math = {name: getattr(math, name) for name in _MATH}
     builtins.min = _traced_extremum(saved[0], torch.sym_min, operator.lt)
     builtins.max = _traced_extremum(saved[1], torch.sym_max, operator.gt)
+    for name, fn in saved_math.items():
+        setattr(math, name, _traced_math(name, fn))
     try:
         yield
     finally:
         builtins.min, builtins.max = saved
+        for name, fn in saved_math.items():
+            setattr(math, name, fn)
 
 
 _WEAK = {int: np.dtype(np.int64), float: np.dtype(np.float64), bool: np.dtype(np.bool_)}
