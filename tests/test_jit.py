@@ -1126,6 +1126,24 @@ def test_python_counters_the_function_advances_advance_on_every_call(make):
     assert step.stats["traces"] <= 3
 
 
+def test_tensors_made_of_traced_numbers_stay_in_the_program():
+    def f(x, s):
+        total = 0.0
+        for part in x.chunk(2):
+            total += part.sum().item()
+        return (torch.tensor(s, device=x.device) + x.new_tensor([s, 2 * s]) * torch.tensor(total)
+                + torch.as_tensor(math.sqrt(s)), torch.tensor(int(3), dtype=torch.float64))
+
+    step = t2j.jit(f, fullgraph=True)
+    for s in (0.5, 1.5, 2.5, 3.5):
+        x = torch.arange(4.0) * s
+        got, want = step(x.to("jax"), s), f(x, s)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a.cpu(), b)
+    assert step.stats["traces"] <= 2  # (the second: `s` a program input)
+
+
 def test_a_traced_number_stored_in_a_new_attribute_is_stored_by_every_call():
     class Holder:
         pass

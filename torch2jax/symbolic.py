@@ -567,6 +567,45 @@ def _traced_math(name, fn):
     return math_fn
 
 
+def _traced_data(data) -> bool:
+    return is_traced_number(data) or (type(data) in (list, tuple) and any(map(_traced_data, data)))
+
+
+def _data_array(data):
+    if is_traced_number(data):
+        return scalar_value_of(data)
+    if type(data) in (list, tuple):
+        return jnp.stack([jnp.asarray(_data_array(d)) for d in data]) if data else jnp.zeros((0,))
+    return data
+
+
+class _TensorsOfTracedNumbers(torch.overrides.TorchFunctionMode):
+    """``torch.tensor(x)`` / ``t.new_tensor(x)`` / ``torch.as_tensor(x)`` of a traced number (or a
+    list holding some): a tensor the program computes, on the jax device (where torch would make
+    a CPU tensor of a value it does not know)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and args and _traced_data(args[0]):
+            like, data = None, args[0]
+        elif func is torch.Tensor.new_tensor and len(args) > 1 and _traced_data(args[1]):
+            like, data = args[0], args[1]
+        else:
+            return func(*args, **kwargs)
+        from . import dtypes as _dt
+        from .tensor import new_tensor
+
+        value = jnp.asarray(_data_array(data))
+        dtype = kwargs.get("dtype") or (like.dtype if like is not None else None)
+        if dtype is None:  # torch's inference: bool, int64, or the default float dtype
+            dtype = torch.bool if value.dtype == jnp.bool_ else torch.int64 \
+                if jnp.issubdtype(value.dtype, jnp.integer) else torch.get_default_dtype()
+        out = new_tensor(value.astype(_dt.to_jax(dtype)))
+        if kwargs.get("requires_grad"):
+            out.requires_grad_()
+        return out
+
+
 # the math functions `traced_builtins` keeps traced (jax.numpy's of the same name)
 _MATH = ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "log2", "log10", "log1p", "expm1", "atan", "asin",
          "acos", "sinh", "cosh")
@@ -576,7 +615,7 @@ _MATH = ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "log2", "log10", "lo
 def traced_builtins():
     """While a trace runs: Python's ``min`` and ``max`` of traced numbers (`_traced_extremum`) and
     ``math.exp`` / ``log`` / ``sqrt`` / ... of one (`_traced_math`) stay in the program, as
-    torch.compile traces them. They are replaced in `builtins` and `math`, so for every module
+    torch.compile traces them, and so do tensors made of them (`_TensorsOfTracedNumbers`). They are replaced in `builtins` and `math`, so for every module
     (but code that imported ``from math import exp`` before); calls without a traced number
     behave as before."""
     saved = builtins.min, builtins.max
@@ -586,7 +625,8 @@ def traced_builtins():
     for name, fn in saved_math.items():
         setattr(math, name, _traced_math(name, fn))
     try:
-        yield
+        with _TensorsOfTracedNumbers():
+            yield
     finally:
         builtins.min, builtins.max = saved
         for name, fn in saved_math.items():
