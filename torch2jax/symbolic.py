@@ -579,31 +579,36 @@ def _data_array(data):
     return data
 
 
-class _TensorsOfTracedNumbers(torch.overrides.TorchFunctionMode):
-    """``torch.tensor(x)`` / ``t.new_tensor(x)`` / ``torch.as_tensor(x)`` of a traced number (or a
-    list holding some): a tensor the program computes, on the jax device (where torch would make
-    a CPU tensor of a value it does not know)."""
+def _tensor_of(data, dtype=None, like=None, requires_grad=False):
+    """A tensor of the program holding ``data``, traced numbers (or lists holding some): on the jax
+    device, where torch would make a CPU tensor of a value it does not know."""
+    from . import dtypes as _dt
+    from .tensor import new_tensor
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.tensor, torch.as_tensor) and args and _traced_data(args[0]):
-            like, data = None, args[0]
-        elif func is torch.Tensor.new_tensor and len(args) > 1 and _traced_data(args[1]):
-            like, data = args[0], args[1]
-        else:
-            return func(*args, **kwargs)
-        from . import dtypes as _dt
-        from .tensor import new_tensor
+    value = jnp.asarray(_data_array(data))
+    dtype = dtype or (like.dtype if like is not None else None)
+    if dtype is None:  # torch's inference: bool, int64, or the default float dtype
+        dtype = torch.bool if value.dtype == jnp.bool_ else torch.int64 \
+            if jnp.issubdtype(value.dtype, jnp.integer) else torch.get_default_dtype()
+    out = new_tensor(value.astype(_dt.to_jax(dtype)))
+    return out.requires_grad_() if requires_grad else out
 
-        value = jnp.asarray(_data_array(data))
-        dtype = kwargs.get("dtype") or (like.dtype if like is not None else None)
-        if dtype is None:  # torch's inference: bool, int64, or the default float dtype
-            dtype = torch.bool if value.dtype == jnp.bool_ else torch.int64 \
-                if jnp.issubdtype(value.dtype, jnp.integer) else torch.get_default_dtype()
-        out = new_tensor(value.astype(_dt.to_jax(dtype)))
-        if kwargs.get("requires_grad"):
-            out.requires_grad_()
-        return out
+
+def _traced_factory(fn, method=False):
+    """``torch.tensor`` / ``torch.as_tensor`` (``Tensor.new_tensor`` where ``method``) that makes a
+    tensor of the program from traced numbers (`_tensor_of`); anything else goes to ``fn``. (A
+    function replaced for the trace, not a TorchFunctionMode: a mode would turn off library
+    fast paths that check ``has_torch_function``, the nested-tensor TransformerEncoder's.)"""
+
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        data = args[1] if method and len(args) > 1 else args[0] if args and not method else None
+        if data is not None and _traced_data(data):
+            return _tensor_of(data, kwargs.get("dtype"), args[0] if method else None,
+                              bool(kwargs.get("requires_grad")))
+        return fn(*args, **kwargs)
+
+    return factory
 
 
 # the math functions `traced_builtins` keeps traced (jax.numpy's of the same name)
@@ -615,7 +620,7 @@ _MATH = ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "log2", "log10", "lo
 def traced_builtins():
     """While a trace runs: Python's ``min`` and ``max`` of traced numbers (`_traced_extremum`) and
     ``math.exp`` / ``log`` / ``sqrt`` / ... of one (`_traced_math`) stay in the program, as
-    torch.compile traces them, and so do tensors made of them (`_TensorsOfTracedNumbers`). They are replaced in `builtins` and `math`, so for every module
+    torch.compile traces them, and so do tensors made of them (`_traced_factory`). They are replaced in `builtins` and `math`, so for every module
     (but code that imported ``from math import exp`` before); calls without a traced number
     behave as before."""
     saved = builtins.min, builtins.max
@@ -624,13 +629,16 @@ def traced_builtins():
     builtins.max = _traced_extremum(saved[1], torch.sym_max, operator.gt)
     for name, fn in saved_math.items():
         setattr(math, name, _traced_math(name, fn))
+    factories = torch.tensor, torch.as_tensor, torch.Tensor.new_tensor
+    torch.tensor, torch.as_tensor = _traced_factory(factories[0]), _traced_factory(factories[1])
+    torch.Tensor.new_tensor = _traced_factory(factories[2], method=True)
     try:
-        with _TensorsOfTracedNumbers():
-            yield
+        yield
     finally:
         builtins.min, builtins.max = saved
         for name, fn in saved_math.items():
             setattr(math, name, fn)
+        torch.tensor, torch.as_tensor, torch.Tensor.new_tensor = factories
 
 
 _WEAK = {int: np.dtype(np.int64), float: np.dtype(np.float64), bool: np.dtype(np.bool_)}

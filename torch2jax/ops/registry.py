@@ -486,7 +486,8 @@ def placed_as(reference, value):
     host memory: the result of a ``*_like`` factory, or a value written in place into a storage
     holding ``reference`` (``p.normal_()``, the ``p.copy_(cpu_tensor)`` of ``load_state_dict``),
     stays sharded as a sharded parameter is, as a CUDA tensor's stays on its device."""
-    if isinstance(reference, jax.core.Tracer) or isinstance(value, jax.core.Tracer):
+    if isinstance(reference, jax.core.Tracer) or isinstance(value, jax.core.Tracer) \
+            or not isinstance(value, jax.Array):
         return value
     sharding = reference.sharding
     if type(sharding) is jax.sharding.SingleDeviceSharding and sharding.memory_kind == "device" \
