@@ -715,9 +715,10 @@ def _name_of(func) -> str | None:
 
 
 def _keeps_layout(func):
-    if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten" or func._schema.is_mutable:
+    name = _name_of(func)
+    if name is None or func._schema.is_mutable:
         return False
-    return func._schema.name.split("::")[1] in _LAYOUT_OPS or torch.Tag.pointwise in func.tags
+    return name in _LAYOUT_OPS or torch.Tag.pointwise in func.tags
 
 
 def _layout_key(a):

@@ -618,11 +618,12 @@ _MATH = ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "log2", "log10", "lo
 
 @contextlib.contextmanager
 def traced_builtins():
-    """While a trace runs: Python's ``min`` and ``max`` of traced numbers (`_traced_extremum`) and
-    ``math.exp`` / ``log`` / ``sqrt`` / ... of one (`_traced_math`) stay in the program, as
-    torch.compile traces them, and so do tensors made of them (`_traced_factory`). They are replaced in `builtins` and `math`, so for every module
-    (but code that imported ``from math import exp`` before); calls without a traced number
-    behave as before."""
+    """While a trace runs: Python's ``min`` and ``max`` of traced numbers (`_traced_extremum`),
+    ``math.exp`` / ``log`` / ``sqrt`` / ... of one (`_traced_math`) and ``torch.tensor`` /
+    ``as_tensor`` / ``new_tensor`` of them (`_traced_factory`) stay in the program, as
+    torch.compile traces them. They are replaced in `builtins`, `math` and `torch`, so for every
+    module (but code that imported ``from math import exp`` before); calls without a traced
+    number behave as before."""
     saved = builtins.min, builtins.max
     saved_math = {name: getattr(math, name) for name in _MATH}
     builtins.min = _traced_extremum(saved[0], torch.sym_min, operator.lt)

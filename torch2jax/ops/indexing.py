@@ -371,8 +371,7 @@ def _dim_index(x, dim, index, error, source=None, negative=False):
 
 
 def _check_index_add_source(x, dim, index, source):
-    """torch's checks that ``source`` is ``x`` with ``index``'s length along ``dim`` (a 0-d source
-    and a 0-d ``x`` aside)."""
+    """torch's checks that ``source`` is ``x`` with ``index``'s length along ``dim`` (a 0-d ``x`` aside)."""
     if x.ndim == 0:
         return
     d = dim % x.ndim

@@ -1316,16 +1316,18 @@ def _check_complex_type(dtype):
         raise TorchRuntimeError(f"Unknown Complex ScalarType for {scalar_type_name(dtype)}")
 
 
-def _column_major(t):
-    """The strides of a dense column-major matrix (batch) of ``t``'s shape; None below 2-D."""
+def _column_major(t, lead=None):
+    """The strides of a column-major matrix (batch) of ``t``'s shape whose columns are ``lead``
+    elements apart (dense: its rows); None below 2-D."""
     if t.dim() < 2:
         return None
     rows, cols = t.shape[-2:]
-    step, batch = max(rows * cols, 1), []  # (an empty one's as torch makes it: ones)
+    lead = lead or max(rows, 1)  # (an empty one's as torch makes it: ones)
+    step, batch = max(lead * cols if rows else 0, 1), []
     for size in reversed(t.shape[:-2]):
         batch.insert(0, step)
         step *= max(size, 1)
-    return (*batch, 1, max(rows, 1))
+    return (*batch, 1, lead)
 
 
 @strides(aten.linalg_eig.default)
@@ -1660,15 +1662,7 @@ def _check_lstsq(a, b, driver):
 def linalg_lstsq_strides(args, kwargs, results):
     """torch's solution is the top of LAPACK's column-major right-hand side, ``max(m, n)`` rows
     per column (no meta kernel says so)."""
-    x = results[0]
-    if x.dim() < 2:
-        return None, None, None, None
-    lead = max(args[0].shape[-2:])
-    step, batch = lead * x.shape[-1], []
-    for size in reversed(x.shape[:-2]):
-        batch.insert(0, step)
-        step *= size
-    return (*batch, 1, lead), None, None, None
+    return _column_major(results[0], max(args[0].shape[-2:])), None, None, None
 
 
 @register(aten.linalg_lstsq.default)
