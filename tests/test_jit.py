@@ -1593,6 +1593,22 @@ def test_a_number_input_never_meets_a_cpu_tensor():
     assert any("computed a CPU tensor from a traced number" in m for m in t2j.explain_recompiles())
 
 
+def test_a_number_from_item_never_meets_a_cpu_tensor():
+    # torch's argument parser puts a placeholder where a symbolic number goes in a tensor position
+    table = torch.arange(4)
+    run = t2j.jit(lambda x: (table + x.sum().int().item()).sum(), fullgraph=True)
+    with pytest.raises(t2j.OpError, match="add computed a CPU tensor from a traced number"):
+        run(torch.ones(3, device="jax"))
+    assert t2j.jit(lambda x: (table + x.sum().int().item()).sum())(torch.ones(3, device="jax")).item() == 18
+
+
+def test_an_item_number_indexes_inside_the_program():
+    x = torch.arange(10.0, device="jax")
+    run = t2j.jit(lambda x, i: x[i.item()] + x[:, None][i.item(), 0], fullgraph=True)
+    assert [run(x, torch.tensor(k, device="jax")).item() for k in (2, 7, -1)] == [4.0, 14.0, 18.0]
+    assert run.stats["traces"] == 1
+
+
 def test_deleting_a_module_attribute_retraces():
     m = torch.nn.Linear(3, 1).to("jax")
     m.scale = 2.0

@@ -746,3 +746,21 @@ def test_transformer_encoder_nested_path_with_final_norm_eager_and_jit(batch_fir
         jitted = t2j.jit(lambda a, m: encoder(a, src_key_padding_mask=m))(x.to("jax"), pad.to("jax"))
     for out in (eager, jitted):
         torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_transformer_encoder_nested_path_with_a_number_input_under_jit():
+    """A float argument that changes is a program input (a traced number); the encoder still
+    takes torch's nested-tensor path, which zeroes the padded positions."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(8)).eval()
+    x = torch.randn(3, 5, 8)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 4 + [True]])
+    run = t2j.jit(lambda a, m, s: encoder(a * s, src_key_padding_mask=m))
+    with torch.no_grad():
+        expected = [encoder(x * s, src_key_padding_mask=pad) for s in (1.0, 2.0, 3.0)]
+        encoder.to("jax")
+        got = [run(x.to("jax"), pad.to("jax"), s) for s in (1.0, 2.0, 3.0)]
+    for out, want in zip(got, expected):
+        torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
+    assert run.stats["traces"] == 2

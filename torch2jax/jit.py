@@ -2225,7 +2225,7 @@ class JitFunction:
             with _rng.traced_key(key) as rng, _generator_draws(seeds, leaves, roots.generators) as generators, \
                     torch.autograd.set_multithreading_enabled(False), \
                     _distribution_validation(), _scaler_steps_in_program(), \
-                    _numbers_stay_off_the_host(slots.lifted), _wide_step_counters(roots.optimizers), \
+                    _wide_step_counters(roots.optimizers), \
                     _sym.traced_builtins(), _unreached_optimizers(roots):
                 out = self.fn(*args, **kwargs)
             if generators.drew_on_the_host:
@@ -2679,13 +2679,6 @@ def _hyper_input(site, value, index, hint):
         wide = any(p.dtype == torch.float64 for p in site.group["params"])
         return new_tensor(value.astype(jax.numpy.float64 if wide else jax.numpy.float32))
     return _sym.hinted_number(value, index, hint)
-
-
-def _numbers_stay_off_the_host(lifted):
-    """`symbolic.NumbersStayOffTheHost` where numbers other than learning rates are program inputs."""
-    if any(not isinstance(site, _GroupSite) or site.hk != "lr" for site in lifted):
-        return _sym.NumbersStayOffTheHost()
-    return contextlib.nullcontext()
 
 
 def _is_lr_id(where) -> bool:

@@ -490,32 +490,27 @@ def _set_item(x, index, value) -> bool:
     return True
 
 
-class NumbersStayOffTheHost(torch.overrides.TorchFunctionMode):
-    """While `t2j.jit` traces with numbers as program inputs: refuses an op that gave a tensor
-    torch computed itself (a CPU one) from a traced number, whose value torch's own kernels do
-    not know (they would compute with a placeholder); indexes with them (``alphas[t]``,
-    ``cache[:, pos] = k``) as views at positions the program computes, where torch's indexing
-    would take the numbers' exact values (one program per value)."""
+def _number_torch_function(cls, func, types, args=(), kwargs=None):
+    """``__torch_function__`` of torch.SymInt / SymFloat / SymBool while a trace runs (see
+    `traced_builtins`). torch calls it for a function given a symbolic number where it takes a
+    tensor (``table + n``, ``torch.where(m, x, n)``).
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.__getitem__ and _index_holds_traced(args[1]):
-            out = _basic_index(*args)
-            if out is not None:
-                return out
-        elif func is torch.Tensor.__setitem__ and _index_holds_traced(args[1]) and _set_item(*args):
-            return None
+    A function that gave a tensor torch computed itself (a CPU one) from a traced number raises:
+    torch's argument parser puts a placeholder (7777777) where the number's value goes, so the
+    result would be silently wrong."""
+    kwargs = kwargs or {}
+    with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
-        if _host_tensors(out) and (_traced_in(args) or _traced_in(kwargs.values())):
-            from .dispatch import OpError
+    if _host_tensors(out) and (_traced_in(args) or _traced_in(kwargs.values())):
+        from .dispatch import OpError
 
-            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-            raise OpError(
-                f"torch2jax: {name} computed a CPU tensor from a traced number (a number that is an input of "
-                "the jitted program, or t.item()): its value is only known when the program runs. Move the CPU "
-                "tensor to the jax device."
-            )
-        return out
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        raise OpError(
+            f"torch2jax: {name} computed a CPU tensor from a traced number (a number that is an input of "
+            "the jitted program, or t.item()): its value is only known when the program runs. Move the CPU "
+            "tensor to the jax device."
+        )
+    return out
 
 
 def _traced_tensor(x) -> bool:
@@ -596,9 +591,7 @@ def _tensor_of(data, dtype=None, like=None, requires_grad=False):
 
 def _traced_factory(fn, method=False):
     """``torch.tensor`` / ``torch.as_tensor`` (``Tensor.new_tensor`` where ``method``) that makes a
-    tensor of the program from traced numbers (`_tensor_of`); anything else goes to ``fn``. (A
-    function replaced for the trace, not a TorchFunctionMode: a mode would turn off library
-    fast paths that check ``has_torch_function``, the nested-tensor TransformerEncoder's.)"""
+    tensor of the program from traced numbers (`_tensor_of`); anything else goes to ``fn``."""
 
     @functools.wraps(fn)
     def factory(*args, **kwargs):
@@ -616,30 +609,76 @@ _MATH = ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "log2", "log10", "lo
          "acos", "sinh", "cosh")
 
 
+def _traced_getitem(getitem):
+    """``Tensor.__getitem__`` that takes an index holding traced numbers as views at positions the
+    program computes (`_basic_index`), where torch's indexing would need the numbers' exact values
+    (one program per value); any other index goes to ``getitem``."""
+
+    @functools.wraps(getitem)
+    def get(self, index):
+        if _index_holds_traced(index):
+            out = _basic_index(self, index)
+            if out is not None:
+                return out
+        return getitem(self, index)
+
+    return get
+
+
+def _traced_setitem(setitem):
+    """``Tensor.__setitem__`` writing through `_traced_getitem`'s views (`_set_item`)."""
+
+    @functools.wraps(setitem)
+    def set_(self, index, value):
+        if not (_index_holds_traced(index) and _set_item(self, index, value)):
+            setitem(self, index, value)
+
+    return set_
+
+
+_MISSING = object()
+
+
+def _trace_replacements():
+    """(owner, attribute name, replacement) for each function `traced_builtins` replaces."""
+    out = [(builtins, "min", _traced_extremum(builtins.min, torch.sym_min, operator.lt)),
+           (builtins, "max", _traced_extremum(builtins.max, torch.sym_max, operator.gt))]
+    out += [(math, name, _traced_math(name, getattr(math, name))) for name in _MATH]
+    out += [(torch, "tensor", _traced_factory(torch.tensor)), (torch, "as_tensor", _traced_factory(torch.as_tensor)),
+            (torch.Tensor, "new_tensor", _traced_factory(torch.Tensor.new_tensor, method=True)),
+            (torch.Tensor, "__getitem__", _traced_getitem(torch.Tensor.__getitem__)),
+            (torch.Tensor, "__setitem__", _traced_setitem(torch.Tensor.__setitem__))]
+    out += [(sym, "__torch_function__", classmethod(_number_torch_function)) for sym in _SYM_TYPES.values()]
+    return out
+
+
 @contextlib.contextmanager
 def traced_builtins():
     """While a trace runs: Python's ``min`` and ``max`` of traced numbers (`_traced_extremum`),
-    ``math.exp`` / ``log`` / ``sqrt`` / ... of one (`_traced_math`) and ``torch.tensor`` /
-    ``as_tensor`` / ``new_tensor`` of them (`_traced_factory`) stay in the program, as
-    torch.compile traces them. They are replaced in `builtins`, `math` and `torch`, so for every
-    module (but code that imported ``from math import exp`` before); calls without a traced
-    number behave as before."""
-    saved = builtins.min, builtins.max
-    saved_math = {name: getattr(math, name) for name in _MATH}
-    builtins.min = _traced_extremum(saved[0], torch.sym_min, operator.lt)
-    builtins.max = _traced_extremum(saved[1], torch.sym_max, operator.gt)
-    for name, fn in saved_math.items():
-        setattr(math, name, _traced_math(name, fn))
-    factories = torch.tensor, torch.as_tensor, torch.Tensor.new_tensor
-    torch.tensor, torch.as_tensor = _traced_factory(factories[0]), _traced_factory(factories[1])
-    torch.Tensor.new_tensor = _traced_factory(factories[2], method=True)
+    ``math.exp`` / ``log`` / ``sqrt`` / ... of one (`_traced_math`), ``torch.tensor`` /
+    ``as_tensor`` / ``new_tensor`` of them (`_traced_factory`) and indexes holding them
+    (`_traced_getitem`) stay in the program, as torch.compile traces them. They are replaced in
+    `builtins`, `math`, `torch` and `torch.Tensor`, so for every module (but code that imported
+    ``from math import exp`` before); calls without a traced number behave as before. Symbolic
+    numbers get a ``__torch_function__`` (`_number_torch_function`), which torch calls for a
+    function given one where it takes a tensor.
+
+    These are functions replaced for the trace, not a TorchFunctionMode: a mode makes
+    ``has_torch_function`` true for every tensor and so turns off library fast paths (the
+    nested-tensor TransformerEncoder's, MultiheadAttention's), whose results differ from the slow
+    paths' in padded positions."""
+    replacements = _trace_replacements()
+    saved = [(owner, name, vars(owner).get(name, _MISSING)) for owner, name, _ in replacements]
+    for owner, name, new in replacements:
+        setattr(owner, name, new)
     try:
         yield
     finally:
-        builtins.min, builtins.max = saved
-        for name, fn in saved_math.items():
-            setattr(math, name, fn)
-        torch.tensor, torch.as_tensor, torch.Tensor.new_tensor = factories
+        for owner, name, old in saved:
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
 
 
 _WEAK = {int: np.dtype(np.int64), float: np.dtype(np.float64), bool: np.dtype(np.bool_)}
