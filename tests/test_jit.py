@@ -2159,3 +2159,34 @@ def test_state_a_method_of_a_reached_object_changes_is_replayed():
         return sums, ring.ptr, ring.count
 
     assert run("jax", True) == run("cpu", False)
+
+
+def test_zero_grad_clears_the_grad_of_a_parameter_frozen_since():
+    # a parameter frozen after a step keeps its .grad until zero_grad() sets it to None, in the
+    # program cached for the frozen layout too
+    def run(device):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(x):
+            opt.zero_grad()
+            loss = m(x).pow(2).sum()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        f = t2j.jit(step) if device == "jax" else step
+        grads = []
+        for i in range(5):
+            m[0].weight.requires_grad_(i % 2 == 0)
+            f(torch.ones(2, 3, device=device))
+            grads.append(None if m[0].weight.grad is None else m[0].weight.grad.cpu())
+        return grads, getattr(f, "stats", None)
+
+    (want, _), (got, stats) = run("cpu"), run("jax")
+    assert [g is None for g in got] == [g is None for g in want] == [False, True, False, True, False]
+    for a, b in zip(got, want):
+        if b is not None:
+            torch.testing.assert_close(a, b)
+    assert stats["hits"] == 2

@@ -920,9 +920,13 @@ def _guard(v):
 
 def _new_grad_slot(p, seen: set) -> bool:
     """Whether ``p.grad`` is a slot not listed yet (then it is marked as seen). A non-leaf's
-    ``.grad`` stays None (and reading it warns) unless it retains grad."""
+    ``.grad`` stays None (and reading it warns) unless it retains grad. A frozen leaf's is a
+    slot while it holds a gradient (from before ``requires_grad_(False)``): ``zero_grad()``
+    clears it."""
     # the set lookup first: a tensor's flags cost more to read, and most parameters were seen
-    if id(p) not in seen and p.requires_grad and (p.is_leaf or p.retains_grad):
+    if id(p) in seen:
+        return False
+    if (p.requires_grad and (p.is_leaf or p.retains_grad)) or (p.is_leaf and p.grad is not None):
         seen.add(id(p))
         return True
     return False
@@ -2923,14 +2927,19 @@ def _repointed(pre: _Slots, post: _Slots, pre_index):
     """(setter, target, slot) for every slot that points to another tensor after the
     trace: target is the index of a slot tensor before the call, a tensor the trace
     created, or None; slot is the index of the same slot before the call (None for a
-    slot the trace created, such as new optimizer state)."""
+    slot the trace created, such as new optimizer state). A frozen parameter's ``.grad`` that
+    the trace cleared (``zero_grad()``) is no slot after it, and is set to None."""
     before = {_slot_id(s): k for k, s in enumerate(pre.setters) if s is not None}
     out = []
     for setter, t in zip(post.setters, post.tensors):
-        k = before.get(_slot_id(setter)) if setter is not None else None
+        k = before.pop(_slot_id(setter), None) if setter is not None else None
         if setter is None or (k is not None and pre.tensors[k] is t):
             continue
         out.append((setter, pre_index.get(id(t), t) if t is not None else None, k))
+    for k in before.values():
+        setter = pre.setters[k]
+        if setter.func is _set_grad and pre.tensors[k] is not None and setter.args[0].grad is None:
+            out.append((setter, None, k))
     return out
 
 
