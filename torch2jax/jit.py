@@ -95,6 +95,7 @@ from .env import generator_draws as _generator_draws
 from .env import _trace_state_clean
 from . import debug as _debug
 from . import gradcut as _gradcut
+from . import hints as _hints
 from . import symbolic as _sym
 from . import tensor as _tensor
 from .dispatch import OpError
@@ -1756,6 +1757,9 @@ class _Entry:
     # (storage index, sharding) per sharded state array the program keeps in the sharding it had: a call
     # whose array has another (resharded since) needs a program of its own
     shardings: tuple = ()
+    # (storage index, `hints.Slice`) per host-valued state array it writes as a function of such state
+    # alone (a counter's ``n += 1``): its new host value is computed after a call without reading it
+    mirrors: tuple = ()
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -1963,8 +1967,8 @@ class JitFunction:
                 self._log("state it writes was resharded since it was traced (its program keeps each array's "
                           "sharding)")
             else:
-                self._log("a branch it took on an optimizer hyperparameter (e.g. `if momentum != 0`) "
-                          "goes the other way with the new values")
+                self._log("a branch it took on a hyperparameter (`if momentum != 0`) or on a counter or flag it "
+                          "carries (`if self.n_averaged == 0`) goes the other way with the new values")
             new = [h for h in lifted_ids if not _is_lr_id(h) and h not in self._hypers.proven]
             values = dict(roots.python_values(raw=True))
             try:
@@ -2075,6 +2079,7 @@ class JitFunction:
         """Run one compiled program and write its state back; its outputs as arrays."""
         inputs = list(map(_array_of, storages))
         arguments = entry.arguments if donated else _plain_arguments
+        mirrored = [(i, m, m.of(storages)) for i, m in entry.mirrors]
         # JAX warns of unusable donations when it compiles, on the first run
         first = not entry.compile_s
         with jax.enable_x64(True), (warnings.catch_warnings() if first else contextlib.nullcontext()):
@@ -2102,6 +2107,8 @@ class JitFunction:
             st = storages[i]
             st.array = a
             st.version += 1
+        for i, _, value in mirrored:
+            storages[i].host = (storages[i].array, value)
         for st, a in zip(entry.new_storages, new):
             st.array = a
             st.version += 1
@@ -2188,7 +2195,7 @@ class JitFunction:
         return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
                       info["out_leaves"], info["stores"], uses_rng, slots.names, time.perf_counter() - start,
                       info["guards"], program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
-                      shardings=tuple(info["shardings"]),
+                      shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]),
                       draws=info["draws"], reseeded=info["reseeded"])
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2210,6 +2217,10 @@ class JitFunction:
         values = [_hyper_input(where, a, i, hint) for i, (where, a, hint) in enumerate(zip(slots.lifted, hypers, hints))]
         arrays = [v._t2j_storage.array if isinstance(v, Tensor) else None for v in values]
         guards = []
+        state_hints = _hints.Hints()
+        for i, (st, a) in enumerate(zip(storages, inputs)):
+            if _hints.carries_host_value(st.array):
+                state_hints.add(i, a, _hints.host_value(st))
         ok = False
         try:
             for st, a in zip(storages, inputs):
@@ -2223,7 +2234,7 @@ class JitFunction:
                     site.write(v)
             args, kwargs = torch_pytree.tree_unflatten(leaves, spec)
             _tensor.CAPTURE = capture
-            _sym.GUARDS = guards
+            _sym.GUARDS, _hints.HINTS = guards, state_hints
             backward_passes = _device.backward_passes
             key, seeds = keys
             with _rng.traced_key(key) as rng, _generator_draws(seeds, leaves, roots.generators) as generators, \
@@ -2242,7 +2253,7 @@ class JitFunction:
             if not generators.complete:
                 raise _MoreDraws(len(generators.sources))
             backward = _device.backward_passes != backward_passes
-            _tensor.CAPTURE = _sym.GUARDS = None
+            _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = None
             appended = saved_slots[2].take_appended()
             if changed := [(where, site, v) for where, site, v in numbers if site.read() is not v]:
                 for _, site, v in changed:
@@ -2296,6 +2307,10 @@ class JitFunction:
                     info["shardings"].append((i, sharding))
             new_storages = [st for st in list(capture.new) if isinstance(st.array, jax.core.Tracer)
                             and id(st.array) not in input_ids]
+            # branches on state: the new values of such state it computes from such state alone are mirrored
+            branches = any(isinstance(g, _hints.StateGuard) for g in guards)
+            info["mirrors"] = [(i, m) for i in written if branches and id(inputs[i]) in state_hints.inputs
+                               and (m := state_hints.slice(storages[i].array)) is not None]
             post = _repointed(slots, post_slots, pre_index)
             made.repointed(kinds, post)
             rebased = [(written.index(slot_storage[k]), k) for k, _, _, node in info["own_histories"]
@@ -2313,7 +2328,7 @@ class JitFunction:
             ok = True
             return result
         finally:
-            _tensor.CAPTURE = _sym.GUARDS = None
+            _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = None
             for st, a in saved:
                 st.array = a
                 st.version += 1
@@ -2656,7 +2671,8 @@ def _guarded(entries, slots, storages):
     if len(entries) == 1 and not entries[0].guards and not entries[0].shardings:
         return entries[0]
     values = _hyper_values(slots)
-    return next((e for e in entries if _sym.guards_hold(e.guards, values) and _shardings_hold(e, storages)), None)
+    return next((e for e in entries if _sym.guards_hold(e.guards, values, storages) and _shardings_hold(e, storages)),
+                None)
 
 
 def _shardings_hold(entry, storages) -> bool:

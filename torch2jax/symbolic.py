@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from jax._src.lax import lax as lax_internal
 
+from . import hints as _hints
+
 # While `t2j.jit` traces, the guards taken on numbers with a hint (see `hinted_number`):
 # a list of (replay, outcome), or None when no trace records them.
 GUARDS: list | None = None
@@ -313,8 +315,17 @@ class TracedScalar:
             outcome = as_type(self.hint)
             GUARDS.append(Guard(self.replay, as_type, outcome, self.inputs))
             return outcome
+        if as_type is bool and (outcome := _hints.branch(self.value)) is not None:
+            return outcome  # (a branch on a counter or flag the program carries: guarded)
         from .dispatch import OpError
 
+        if _hints.HINTS is not None and _hints.HINTS.slice(self.value) is not None:
+            raise OpError(
+                f"torch2jax: {what} of a traced value computed from a counter the jitted program carries (a "
+                "one-element integer state tensor): each of its values would be a program of its own, so t2j.jit "
+                "does not take it as a constant (it does for a branch, bool()). Compute with the tensor itself "
+                "(tensor arithmetic, torch.where) instead of a Python number."
+            )
         raise OpError(
             f"torch2jax: {what} of a traced value: inside t2j.jit / jax.jit a tensor's value is not known "
             "while the program is traced, so Python control flow on it (if t.item() > 0, float(t), int(t), "
@@ -394,13 +405,14 @@ class Guard(NamedTuple):
     outcome: object
     inputs: frozenset  # the indices of the number inputs it reads
 
-    def holds(self, values) -> bool:
+    def holds(self, values, storages=()) -> bool:
         return self.as_type(self.replay(values)) == self.outcome
 
 
-def guards_hold(guards, values) -> bool:
-    """Whether every guard a trace took still has its outcome for these input values."""
-    return all(g.holds(values) for g in guards)
+def guards_hold(guards, values, storages=()) -> bool:
+    """Whether every guard a trace took still has its outcome for these input values (and, for a
+    `hints.StateGuard`, the host values of these state storages)."""
+    return all(g.holds(values, storages) for g in guards)
 
 
 def is_traced_number(x) -> bool:

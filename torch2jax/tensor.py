@@ -67,11 +67,12 @@ def call_local(storages):
 class Storage:
     """The shared value of a base tensor and all of its views."""
 
-    __slots__ = ("array", "version", "saved", "__weakref__")
+    __slots__ = ("array", "version", "saved", "host", "__weakref__")
 
     def __init__(self, array):
         self.array = array
         self.version = 0
+        self.host = None  # (array, its value on the host), for state `t2j.jit` branches on: see `hints`
         # (weak reference to the CPU copy being pickled, version it copies): see `_saved_base`
         self.saved = None
         if CAPTURE is not None:

@@ -1,0 +1,115 @@
+"""Branches on small integer state under t2j.jit (torch2jax.hints): a program per outcome,
+guarded by host values of the state, against torch on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import torch2jax as t2j
+
+
+def _train(device, make_ema, steps=6, between=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.BatchNorm1d(8), nn.Linear(8, 1)).to(device)
+    ema = make_ema(model)
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        ema.update_parameters(model)
+        return loss.detach()
+
+    run = t2j.jit(step, fullgraph=True) if device == "jax" else step
+    losses = []
+    for i in range(steps):
+        if between is not None:
+            between(i, ema)
+        losses.append(run(torch.randn(16, 4, generator=torch.Generator().manual_seed(i)).to(device)).item())
+    state = [t.detach().cpu() for t in [*ema.parameters(), *ema.buffers()]]
+    return losses, state, getattr(run, "stats", None), ema
+
+
+@pytest.mark.parametrize("kind", ["swa", "ema"])
+def test_averaged_model_compiles_one_program_per_branch(kind):
+    def make(model):
+        if kind == "ema":
+            return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+        return AveragedModel(model)
+
+    want, got = _train("cpu", make), _train("jax", make)
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+    # the first call copies (n_averaged == 0), every later one averages
+    assert got[2]["traces"] == 2 and got[2]["eager_calls"] == 0 and got[2]["hits"] == 4
+    # the counter's next value is known on the host without reading it from the device
+    st = got[3].n_averaged._t2j_storage
+    assert st.host is not None and st.host[0] is st.array and int(st.host[1]) == 6
+
+
+def test_state_reset_outside_takes_the_first_branch_again():
+    def reset(i, ema):
+        if i == 3:
+            ema.n_averaged.zero_()
+
+    want, got = _train("cpu", AveragedModel, between=reset), _train("jax", AveragedModel, between=reset)
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+    # (the copy branch with .grad filled is a third program)
+    assert got[2]["traces"] == 3 and got[2]["hits"] == 3
+
+
+class _WarmUp(nn.Module):
+    """Doubles its input for its first calls, then scales by a learned weight; counts in a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(3.0))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int32))
+        self.register_buffer("saw_negative", torch.zeros((), dtype=torch.bool))
+
+    def forward(self, x):
+        out = x * 2 if self.calls < 2 else x * self.w
+        if self.saw_negative:  # set from the data by the last call: no host mirror, read when checked
+            out = out - 1
+        self.saw_negative.copy_((x < 0).any())
+        self.calls += 1
+        return out
+
+
+def test_a_warm_up_counter_and_a_data_flag():
+    def run(device):
+        m = _WarmUp().to(device)
+        f = t2j.jit(m, fullgraph=True) if device == "jax" else m
+        xs = [torch.tensor([1.0, 2.0]), torch.tensor([-1.0, 2.0]), torch.tensor([1.0, 2.0]),
+              torch.tensor([3.0, -2.0]), torch.tensor([1.0, 1.0]), torch.tensor([2.0, 2.0])]
+        return [f(x.to(device)).cpu() for x in xs], getattr(f, "stats", None)
+
+    (want, _), (got, stats) = run("cpu"), run("jax")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    # (calls < 2, saw_negative): (T, F), (T, F), (F, T), (F, F), (F, T), (F, F)
+    assert stats["traces"] == 3 and stats["eager_calls"] == 0
+
+
+def test_a_branch_on_a_parameter_still_stops_the_trace():
+    m = nn.Linear(2, 1).to("jax")
+
+    def f(x):
+        return m(x) * 2 if m.bias > 0 else m(x)
+
+    with pytest.raises(t2j.OpError, match="bool\\(\\) of a traced value"):
+        t2j.jit(f, fullgraph=True)(torch.ones(1, 2, device="jax"))
+
+
+def test_float_of_a_counter_stops_the_trace():
+    # each value would be a program of its own: the exact value is not taken from the host
+    bn = nn.BatchNorm1d(3, momentum=None).to("jax")
+    with pytest.raises(t2j.OpError, match="int\\(\\) of a traced value computed from a counter"):
+        t2j.jit(bn, fullgraph=True)(torch.randn(4, 3, device="jax"))
