@@ -113,3 +113,45 @@ def test_float_of_a_counter_stops_the_trace():
     bn = nn.BatchNorm1d(3, momentum=None).to("jax")
     with pytest.raises(t2j.OpError, match="int\\(\\) of a traced value computed from a counter"):
         t2j.jit(bn, fullgraph=True)(torch.randn(4, 3, device="jax"))
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm: the first batch sets the parameters, a uint8 buffer says it has."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(1, c))
+        self.scale = nn.Parameter(torch.ones(1, c))
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8))
+
+    def forward(self, x):
+        if self.initialized.item() == 0:
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean(0, keepdim=True))
+                self.scale.data.copy_(1 / (x.std(0, keepdim=True) + 1e-6))
+                self.initialized.fill_(1)
+        return self.scale * (x + self.loc)
+
+
+def test_data_dependent_initialization_on_the_first_call():
+    def run(device):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 4), _ActNorm(4), nn.Linear(4, 1)).to(device)
+        opt = torch.optim.SGD(m.parameters(), 0.1)
+
+        def step(x):
+            opt.zero_grad()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        f = t2j.jit(step, fullgraph=True) if device == "jax" else step
+        losses = [f(torch.randn(8, 3, generator=torch.Generator().manual_seed(i)).to(device)).item() for i in range(5)]
+        return losses, [p.detach().cpu() for p in m.parameters()], getattr(f, "stats", None)
+
+    want, got = run("cpu"), run("jax")
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+    assert got[2]["traces"] == 2 and got[2]["hits"] == 3
