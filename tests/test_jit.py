@@ -1609,6 +1609,11 @@ def test_an_item_number_indexes_inside_the_program():
     assert run.stats["traces"] == 1
 
 
+def test_a_trace_leaves_tensors_no_sequences():
+    t2j.jit(lambda x, i: x[i:i + 1] * 2)(torch.arange(4.0, device="jax"), 1)
+    assert torch.tensor([torch.tensor(1.5), torch.tensor(2.5)]).tolist() == [1.5, 2.5]
+
+
 def test_deleting_a_module_attribute_retraces():
     m = torch.nn.Linear(3, 1).to("jax")
     m.scale = 2.0

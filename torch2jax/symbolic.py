@@ -351,6 +351,10 @@ class TracedScalar:
     def guard_or_true(self, file=None, line=None):
         return self._concrete("bool()", bool)
 
+    def statically_known_true(self, file=None, line=None):
+        # torch's fast paths ask (``x[a:b] = v`` whether the slice is all of x): only a constant is known
+        return type(self.value) is bool and self.value
+
     def expect_true(self, file=None, line=None):
         if _checked_by_pow():
             return True
@@ -505,12 +509,20 @@ def _set_item(x, index, value) -> bool:
 def _number_torch_function(cls, func, types, args=(), kwargs=None):
     """``__torch_function__`` of torch.SymInt / SymFloat / SymBool while a trace runs (see
     `traced_builtins`). torch calls it for a function given a symbolic number where it takes a
-    tensor (``table + n``, ``torch.where(m, x, n)``).
+    tensor (``table + n``, ``torch.where(m, x, n)``) or an index (``alphas[t]``).
 
-    A function that gave a tensor torch computed itself (a CPU one) from a traced number raises:
-    torch's argument parser puts a placeholder (7777777) where the number's value goes, so the
-    result would be silently wrong."""
+    Indexes holding traced numbers (``alphas[t]``, ``cache[:, pos] = k``) become views at positions
+    the program computes (`_basic_index`), where torch's indexing would need the numbers' exact
+    values. A function that gave a tensor torch computed itself (a CPU one) from a traced number
+    raises: torch's argument parser puts a placeholder (7777777) where the number's value goes,
+    so the result would be silently wrong."""
     kwargs = kwargs or {}
+    if func is torch.Tensor.__getitem__ and _index_holds_traced(args[1]):
+        out = _basic_index(*args)
+        if out is not None:
+            return out
+    elif func is torch.Tensor.__setitem__ and _index_holds_traced(args[1]) and _set_item(*args):
+        return None
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
     if _host_tensors(out) and (_traced_in(args) or _traced_in(kwargs.values())):
@@ -621,33 +633,6 @@ _MATH = ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "log2", "log10", "lo
          "acos", "sinh", "cosh")
 
 
-def _traced_getitem(getitem):
-    """``Tensor.__getitem__`` that takes an index holding traced numbers as views at positions the
-    program computes (`_basic_index`), where torch's indexing would need the numbers' exact values
-    (one program per value); any other index goes to ``getitem``."""
-
-    @functools.wraps(getitem)
-    def get(self, index):
-        if _index_holds_traced(index):
-            out = _basic_index(self, index)
-            if out is not None:
-                return out
-        return getitem(self, index)
-
-    return get
-
-
-def _traced_setitem(setitem):
-    """``Tensor.__setitem__`` writing through `_traced_getitem`'s views (`_set_item`)."""
-
-    @functools.wraps(setitem)
-    def set_(self, index, value):
-        if not (_index_holds_traced(index) and _set_item(self, index, value)):
-            setitem(self, index, value)
-
-    return set_
-
-
 _MISSING = object()
 
 
@@ -657,9 +642,7 @@ def _trace_replacements():
            (builtins, "max", _traced_extremum(builtins.max, torch.sym_max, operator.gt))]
     out += [(math, name, _traced_math(name, getattr(math, name))) for name in _MATH]
     out += [(torch, "tensor", _traced_factory(torch.tensor)), (torch, "as_tensor", _traced_factory(torch.as_tensor)),
-            (torch.Tensor, "new_tensor", _traced_factory(torch.Tensor.new_tensor, method=True)),
-            (torch.Tensor, "__getitem__", _traced_getitem(torch.Tensor.__getitem__)),
-            (torch.Tensor, "__setitem__", _traced_setitem(torch.Tensor.__setitem__))]
+            (torch.Tensor, "new_tensor", _traced_factory(torch.Tensor.new_tensor, method=True))]
     out += [(sym, "__torch_function__", classmethod(_number_torch_function)) for sym in _SYM_TYPES.values()]
     return out
 
@@ -667,13 +650,15 @@ def _trace_replacements():
 @contextlib.contextmanager
 def traced_builtins():
     """While a trace runs: Python's ``min`` and ``max`` of traced numbers (`_traced_extremum`),
-    ``math.exp`` / ``log`` / ``sqrt`` / ... of one (`_traced_math`), ``torch.tensor`` /
-    ``as_tensor`` / ``new_tensor`` of them (`_traced_factory`) and indexes holding them
-    (`_traced_getitem`) stay in the program, as torch.compile traces them. They are replaced in
-    `builtins`, `math`, `torch` and `torch.Tensor`, so for every module (but code that imported
-    ``from math import exp`` before); calls without a traced number behave as before. Symbolic
-    numbers get a ``__torch_function__`` (`_number_torch_function`), which torch calls for a
-    function given one where it takes a tensor.
+    ``math.exp`` / ``log`` / ``sqrt`` / ... of one (`_traced_math`) and ``torch.tensor`` /
+    ``as_tensor`` / ``new_tensor`` of them (`_traced_factory`) stay in the program, as
+    torch.compile traces them. They are replaced in `builtins`, `math`, `torch` and
+    ``torch.Tensor``, so for every module (but code that imported ``from math import exp``
+    before); calls without a traced number behave as before. Symbolic numbers get a
+    ``__torch_function__`` (`_number_torch_function`), which torch calls for a function given one
+    where it takes a tensor or an index. (Not ``Tensor.__getitem__``: a Python one on the class
+    makes every tensor a sequence for good, which ``torch.tensor([t0, t1])`` of 0-d tensors
+    then refuses.)
 
     These are functions replaced for the trace, not a TorchFunctionMode: a mode makes
     ``has_torch_function`` true for every tensor and so turns off library fast paths (the
