@@ -3,13 +3,13 @@
 torch code branches on small state tensors: ``AveragedModel.update_parameters`` copies the
 weights while ``bool(self.n_averaged == 0)``, a module runs its warm-up ``if self.step < 10``.
 Under `t2j.jit` such a tensor is a program input, its value a tracer, and Python's ``if``
-cannot be compiled. As torch.compile specializes on a value it can read, `t2j.jit` takes the
-branch the current value takes and guards on it:
+cannot be compiled (torch.compile breaks the graph there). `t2j.jit` takes the branch the
+current value takes and guards on it, as it does for Python numbers:
 
 * A one-element integer or bool tensor the program carries as state has a *host value*:
-  read from the device when a trace starts (`host_value`), known without reading afterwards
-  when the program computes its next value from such values alone (``n += 1``: a *mirror*,
-  `Slice` of the output, run on the CPU after each call).
+  read from the device when a trace first branches on it (`host_value`), known without
+  reading afterwards when the program computes its next value from such values alone
+  (``n += 1``: a *mirror*, `Slice` of the output, run on the CPU after each call).
 * ``bool()`` of a traced value computed from host-valued state alone (the ``Slice`` of the
   jaxpr equations that produce it) takes the value it has now and records a `StateGuard`;
   a call whose state gives the other outcome traces the other branch (`t2j.jit` keeps both).
@@ -44,30 +44,37 @@ HINTS: "Hints | None" = None
 
 
 def carries_host_value(array) -> bool:
-    """Whether state ``array`` gets a host value: one element of an integer or bool dtype."""
-    return array.size == 1 and (np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_)
+    """Whether state ``array`` gets a host value: one element of an integer or bool dtype, which
+    this process can read (on its devices, or the same on every one of them)."""
+    return (array.size == 1 and (np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_)
+            and not isinstance(array, jax.core.Tracer)
+            and (array.is_fully_addressable or array.sharding.is_fully_replicated))
 
 
-def host_value(storage) -> np.ndarray:
-    """The value of ``storage``'s array on the host: the mirror a program left (see `Slice`), else
-    read from the device (which waits for the program that computes it)."""
+def host_value(storage, array=None) -> np.ndarray:
+    """The value of ``storage``'s array (or of ``array``, the one it holds outside a trace) on the
+    host: the mirror a program left (see `Slice`), else read from the device (which waits for
+    the program that computes it)."""
+    array = storage.array if array is None else array
     known = storage.host
-    if known is not None and known[0] is storage.array:
+    if known is not None and known[0] is array:
         return known[1]
-    value = np.asarray(jax.device_get(storage.array))
-    storage.host = (storage.array, value)
+    # (a replicated array of several processes: each holds the whole value)
+    value = np.asarray(array if array.is_fully_addressable else array.addressable_data(0))
+    storage.host = (array, value)
     return value
 
 
 class Hints:
-    """The tracers of one trace whose values are known on the host: storage index and value by
-    ``id`` of the tracer (the input array a storage holds while the function is traced)."""
+    """The tracers of one trace whose values are known on the host: (storage index, tracer,
+    storage, the array it holds outside the trace) by ``id`` of the tracer (the input array a
+    storage holds while the function is traced). Values are read when a branch needs them."""
 
     def __init__(self):
-        self.inputs: dict[int, tuple[int, object, np.ndarray]] = {}
+        self.inputs: dict[int, tuple] = {}
 
-    def add(self, index: int, tracer, value: np.ndarray):
-        self.inputs[id(tracer)] = (index, tracer, value)
+    def add(self, index: int, tracer, storage, array):
+        self.inputs[id(tracer)] = (index, tracer, storage, array)
 
     def slice(self, value) -> "Slice | None":
         """The `Slice` computing traced ``value`` from host-valued inputs; None where it reads
@@ -116,11 +123,11 @@ def _slice(inputs, out) -> "Slice":
     visit(out)
     order = sorted(used.values(), key=lambda u: u[0])
     jaxpr = core.Jaxpr(
-        list(consts), [t.val for _, t, _ in order], [out.val],
+        list(consts), [t.val for _, t, _, _ in order], [out.val],
         [core.new_jaxpr_eqn([t.val for t in e.in_tracers], e.outvars, e.primitive, e.params, e.effects,
                             e.source_info, e.ctx) for e in eqns])
-    return Slice(tuple(i for i, _, _ in order), jaxpr, list(consts.values()),
-                 [v for _, _, v in order])
+    return Slice(tuple(i for i, _, _, _ in order), jaxpr, list(consts.values()),
+                 [host_value(st, a) for _, _, st, a in order])
 
 
 class Slice:

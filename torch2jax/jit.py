@@ -2220,7 +2220,7 @@ class JitFunction:
         state_hints = _hints.Hints()
         for i, (st, a) in enumerate(zip(storages, inputs)):
             if _hints.carries_host_value(st.array):
-                state_hints.add(i, a, _hints.host_value(st))
+                state_hints.add(i, a, st, st.array)
         ok = False
         try:
             for st, a in zip(storages, inputs):
