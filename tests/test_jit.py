@@ -8,6 +8,7 @@ import importlib
 import math
 import warnings
 
+import jax
 import pytest
 import torch
 import torch.nn as nn
@@ -265,22 +266,48 @@ def test_eager_fallback_of_a_train_step_matches_torch():
 
 
 def test_failed_trace_leaves_no_tracer_behind():
-    lin = nn.Linear(2, 2).to("jax")
-    opt = torch.optim.Adam(lin.parameters())
+    # the function's own error is raised as torch raises it: after the ops before it
+    def make(device):
+        torch.manual_seed(0)
+        lin = nn.Linear(2, 2).to(device)
+        opt = torch.optim.Adam(lin.parameters())
 
-    @t2j.jit
-    def bad(x):
-        opt.zero_grad()
-        lin(x).sum().backward()
-        opt.step()
-        raise ValueError("boom")
+        def bad(x):
+            opt.zero_grad()
+            lin(x).sum().backward()
+            opt.step()
+            raise ValueError("boom")
 
-    with pytest.raises(ValueError, match="boom"):
-        bad(torch.ones(1, 2, device="jax"))
-    assert lin.weight.grad is None and not opt.state
+        return lin, opt, t2j.jit(bad) if device == "jax" else bad
+
+    (lin, opt, bad), (cpu_lin, cpu_opt, cpu_bad) = make("jax"), make("cpu")
+    for f, device in ((bad, "jax"), (cpu_bad, "cpu")):
+        with pytest.raises(ValueError, match="boom"):
+            f(torch.ones(1, 2, device=device))
+    assert bad.stats["eager_calls"] == 1
+    torch.testing.assert_close(lin.weight.detach().cpu(), cpu_lin.weight.detach())
+    torch.testing.assert_close(lin.weight.grad.cpu(), cpu_lin.weight.grad)
+    assert not isinstance(opt.state[lin.weight]["exp_avg"].jax(), jax.core.Tracer)
     lin(torch.ones(1, 2, device="jax")).sum().backward()  # still usable eagerly
     opt.step()
     assert lin.weight.grad.jax().shape == (2, 2)
+
+
+def test_an_error_part_way_leaves_torch_s_effects():
+    def run(device):
+        buf = torch.zeros(4, 3, device=device)
+
+        def step(x):
+            torch.mul(x, 2, out=buf)
+            torch.add(buf, 1, out=buf[:2])  # overlaps its input: torch refuses
+            return buf.sum()
+
+        f = t2j.jit(step) if device == "jax" else step
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            f(torch.ones(4, 3, device=device))
+        return buf.cpu()
+
+    torch.testing.assert_close(run("jax"), run("cpu"))
 
 
 def test_scheduler_inside_raises():

@@ -1792,6 +1792,9 @@ class _Eager:
 
     key: object
     reason: str
+    # the trace raised an error of the function's own (not a graph break): this call runs eagerly to
+    # raise it as torch does, part-way through with the effects of the ops before it
+    raised: bool = False
 
 
 def _target_sharding(target) -> jax.sharding.Sharding:
@@ -1875,9 +1878,17 @@ class JitFunction:
         return self.fn(*args, **kwargs)
 
     def _run_eagerly(self, eager, leaves, args, kwargs):
+        """Run the function op by op for a cache key whose trace stopped. Where the trace raised the
+        function's own error, the eager run raises it (after the ops before it, as in torch); if
+        it does not, the error was the trace's, and the key runs eagerly from now on."""
         self.stats["eager_calls"] += 1
         args, kwargs = torch_pytree.tree_unflatten(leaves, torch_pytree.tree_structure((args, kwargs)))
         out = self.fn(*args, **kwargs)
+        if eager.raised:
+            msg = (f"t2j.jit: {getattr(self.fn, '__qualname__', self.fn)} runs eagerly for these arguments: its "
+                   f"trace raised {eager.reason}, which the eager run does not")
+            _RECOMPILES.append(msg)
+            log.info(msg)
         self._eager[eager.key] = eager.reason
         if not self._warned:
             self._warned = True
@@ -1997,8 +2008,10 @@ class JitFunction:
                 raise _leaked(self.fn) from e
             except Exception as e:
                 if not new:
-                    if self.fullgraph or not isinstance(e, _GRAPH_BREAKS) or isinstance(e, JitError):
+                    if self.fullgraph or isinstance(e, JitError):
                         raise
+                    if not isinstance(e, _GRAPH_BREAKS):
+                        return _Eager(key, f"{type(e).__name__}: {e}", raised=True), leaves, slots, storages
                     if self._by_value is None and (values := _value_arguments(given)):
                         self._by_value = retried = values
                         self._log(f"the trace stopped at {type(e).__name__}: {e}; the integer CPU argument(s) "
