@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import torch2jax as t2j
+from programs_util import _train_step
 
 
 def _train(device, make_ema, steps=6, between=None):
@@ -137,15 +138,7 @@ def test_data_dependent_initialization_on_the_first_call():
     def run(device):
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(3, 4), _ActNorm(4), nn.Linear(4, 1)).to(device)
-        opt = torch.optim.SGD(m.parameters(), 0.1)
-
-        def step(x):
-            opt.zero_grad()
-            loss = m(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
+        step = _train_step(m, torch.optim.SGD(m.parameters(), 0.1), lambda model, x: model(x).pow(2).mean())
         f = t2j.jit(step, fullgraph=True) if device == "jax" else step
         losses = [f(torch.randn(8, 3, generator=torch.Generator().manual_seed(i)).to(device)).item() for i in range(5)]
         return losses, [p.detach().cpu() for p in m.parameters()], getattr(f, "stats", None)

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch2jax as t2j
+from programs_util import _train_step
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
@@ -2199,15 +2200,7 @@ def test_zero_grad_clears_the_grad_of_a_parameter_frozen_since():
     def run(device):
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)).to(device)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-
-        def step(x):
-            opt.zero_grad()
-            loss = m(x).pow(2).sum()
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
+        step = _train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), lambda model, x: model(x).pow(2).sum())
         f = t2j.jit(step) if device == "jax" else step
         grads = []
         for i in range(5):
