@@ -391,3 +391,18 @@ def test_jit_retraces_when_a_global_jax_array_it_reads_is_replaced():
     assert step(x).tolist() == [2.0, 2.0]
     GLOBAL_SCALE = jnp.array([5.0, 6.0])
     assert step(x).tolist() == [5.0, 6.0]
+
+
+def test_call_torch_under_jax_jit_keeps_item_numbers_traced():
+    table = torch.arange(4)
+
+    def with_cpu_table(x):  # torch would compute with a placeholder for the number
+        return (table + x.sum().int().item()).sum().to(x.device)
+
+    with pytest.raises(t2j.OpError, match="add computed a CPU tensor from a traced number"):
+        jax.jit(lambda a: t2j.call_torch(with_cpu_table, a))(jnp.ones(3))
+
+    def pick(x):
+        return x[(x.sum() / 5).int().item()] * 2
+
+    assert float(jax.jit(lambda a: t2j.call_torch(pick, a))(jnp.arange(5.0))) == 4.0

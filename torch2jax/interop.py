@@ -28,17 +28,22 @@ from jax._src import config as _jax_config
 
 from . import dtypes as _dt
 from . import gradcut as _gradcut
+from . import symbolic as _sym
 from .dispatch import inexact as _inexact
 from . import tensor as _tensor
 from .pytree import ensure_jax_pytree, with_arrays
+from .env import _trace_state_clean
 from .env import default_rng as _rng
 from .tensor import Tensor, jax_array, new_tensor
 
 
 @contextlib.contextmanager
 def _torch_context():
-    # 64-bit types as in torch; backward on this thread, so it runs inside a JAX trace.
-    with jax.enable_x64(True), torch.autograd.set_multithreading_enabled(False):
+    # 64-bit types as in torch; backward on this thread, so it runs inside a JAX trace. Inside one,
+    # ``t.item()`` is a traced number: Python and torch functions given one keep it traced
+    # (`symbolic.traced_builtins`) or refuse it, as in t2j.jit.
+    traced = _sym.traced_builtins() if not _trace_state_clean() else contextlib.nullcontext()
+    with jax.enable_x64(True), torch.autograd.set_multithreading_enabled(False), traced:
         yield
 
 
