@@ -294,6 +294,22 @@ def test_failed_trace_leaves_no_tracer_behind():
     assert lin.weight.grad.jax().shape == (2, 2)
 
 
+def test_an_error_only_the_trace_raises_runs_eagerly_with_a_warning():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("only while tracing")
+        return x * 2
+
+    run = t2j.jit(f)
+    with pytest.warns(UserWarning, match="trace raised ValueError: only while tracing, which the eager run does not"):
+        assert run(torch.ones(2, device="jax")).tolist() == [2.0, 2.0]
+    assert run(torch.ones(2, device="jax")).tolist() == [2.0, 2.0]
+    assert run.stats["eager_calls"] == 2 and run.stats["traces"] == 1
+
+
 def test_an_error_part_way_leaves_torch_s_effects():
     def run(device):
         buf = torch.zeros(4, 3, device=device)

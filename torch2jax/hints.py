@@ -95,32 +95,35 @@ class _NotHinted(Exception):
 
 
 def _slice(inputs, out) -> "Slice":
-    """Walk the equations producing ``out`` back to host-valued inputs, literals and constants."""
-    eqns, seen, used, consts = [], set(), {}, {}
+    """Walk the equations producing ``out`` back to host-valued inputs, literals and constants
+    (depth first, without recursion: a value computed from the data has a deep history)."""
+    eqns, emitted, seen, used, consts = [], set(), set(), {}, {}
     frame = out._trace.frame
-
-    def visit(tracer):
+    stack = [(out, False)]
+    while stack:
+        tracer, inputs_done = stack.pop()
+        if inputs_done:  # (its equation's inputs are in `eqns` by now)
+            if id(tracer.parent) not in emitted:
+                emitted.add(id(tracer.parent))
+                eqns.append(tracer.parent)
+            continue
         if id(tracer) in seen:
-            return
+            continue
         seen.add(id(tracer))
         if id(tracer) in inputs:
             used[id(tracer)] = inputs[id(tracer)]
-            return
+            continue
         val = tracer.val
         if isinstance(val, core.Literal):
-            return
+            continue
         if val in frame.constvar_to_val:
             consts[val] = np.asarray(frame.constvar_to_val[val])
-            return
+            continue
         eqn = tracer.parent
         if eqn is None or eqn.effects:
             raise _NotHinted
-        for t in eqn.in_tracers:
-            visit(t)
-        if not any(e is eqn for e in eqns):
-            eqns.append(eqn)
-
-    visit(out)
+        stack.append((tracer, True))
+        stack.extend((t, False) for t in reversed(eqn.in_tracers))
     order = sorted(used.values(), key=lambda u: u[0])
     jaxpr = core.Jaxpr(
         list(consts), [t.val for _, t, _, _ in order], [out.val],

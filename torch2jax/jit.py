@@ -1885,10 +1885,13 @@ class JitFunction:
         args, kwargs = torch_pytree.tree_unflatten(leaves, torch_pytree.tree_structure((args, kwargs)))
         out = self.fn(*args, **kwargs)
         if eager.raised:
+            # (a trace that fails where torch does not: a torch2jax limitation or bug, worth reporting)
             msg = (f"t2j.jit: {getattr(self.fn, '__qualname__', self.fn)} runs eagerly for these arguments: its "
-                   f"trace raised {eager.reason}, which the eager run does not")
+                   f"trace raised {eager.reason}, which the eager run does not (please report this to torch2jax)")
             _RECOMPILES.append(msg)
             log.info(msg)
+            warnings.warn(msg, stacklevel=3)
+            self._warned = True
         self._eager[eager.key] = eager.reason
         if not self._warned:
             self._warned = True
