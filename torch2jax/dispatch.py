@@ -52,6 +52,11 @@ class OpError(RuntimeError):
     """An op could not run on the jax device; the message names the op and why."""
 
 
+class ExportError(OpError, BufferError):
+    """A tensor traced inside jit exported through DLPack (a BufferError, as torch's refusals to
+    export are): its value exists only when the program runs. Under `t2j.jit` a graph break."""
+
+
 class HostFallback(Exception):
     """Raised by a lowering for inputs it does not cover (a dtype torch computes with a
     kernel of its own): the op then runs through the host fallback, as an op with no

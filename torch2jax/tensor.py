@@ -539,7 +539,9 @@ class Tensor(torch.Tensor):
     def _exported_value(self, what):
         value = self._value()
         if isinstance(value, jax.core.Tracer):
-            raise BufferError(
+            from .dispatch import ExportError
+
+            raise ExportError(
                 f"torch2jax: {what} of a tensor traced inside jit: its value exists only when the program runs; "
                 "export the result after the jitted call returns."
             )
