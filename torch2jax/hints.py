@@ -166,17 +166,3 @@ class StateGuard:
     def holds(self, values, storages) -> bool:
         return bool(self.slice.of(storages)) == self.outcome
 
-
-def branch(value) -> bool | None:
-    """``bool()`` of traced ``value`` while a trace runs, where it is computed from host-valued
-    state alone: its current outcome, guarded (`StateGuard`). None otherwise."""
-    from . import symbolic
-
-    if HINTS is None or symbolic.GUARDS is None:
-        return None
-    s = HINTS.slice(value)
-    if s is None:
-        return None
-    outcome = bool(s.hint)
-    symbolic.GUARDS.append(StateGuard(s, outcome))
-    return outcome

@@ -2325,8 +2325,8 @@ class JitFunction:
                             and id(st.array) not in input_ids]
             # branches on state: the new values of such state it computes from such state alone are mirrored
             branches = any(isinstance(g, _hints.StateGuard) for g in guards)
-            info["mirrors"] = [(i, m) for i in written if branches and id(inputs[i]) in state_hints.inputs
-                               and (m := state_hints.slice(storages[i].array)) is not None]
+            info["mirrors"] = [(i, m) for i in written if id(inputs[i]) in state_hints.inputs
+                               and (m := state_hints.slice(storages[i].array)) is not None] if branches else []
             post = _repointed(slots, post_slots, pre_index)
             made.repointed(kinds, post)
             rebased = [(written.index(slot_storage[k]), k) for k, _, _, node in info["own_histories"]

@@ -315,11 +315,15 @@ class TracedScalar:
             outcome = as_type(self.hint)
             GUARDS.append(Guard(self.replay, as_type, outcome, self.inputs))
             return outcome
-        if as_type is bool and (outcome := _hints.branch(self.value)) is not None:
-            return outcome  # (a branch on a counter or flag the program carries: guarded)
+        # computed from counters and flags the program carries (`hints`): a branch on it is guarded
+        state = _hints.HINTS.slice(self.value) if _hints.HINTS is not None else None
+        if state is not None and as_type is bool and GUARDS is not None:
+            outcome = bool(state.hint)
+            GUARDS.append(_hints.StateGuard(state, outcome))
+            return outcome
         from .dispatch import OpError
 
-        if _hints.HINTS is not None and _hints.HINTS.slice(self.value) is not None:
+        if state is not None:
             raise OpError(
                 f"torch2jax: {what} of a traced value computed from a counter the jitted program carries (a "
                 "one-element integer state tensor): each of its values would be a program of its own, so t2j.jit "
