@@ -207,6 +207,35 @@ def test_outputs_that_view_inputs_are_views():
     assert w.grad.tolist() == [[3.0, 3.0]] * 3
 
 
+def test_a_view_of_a_returned_grad_is_its_view():
+    # backward makes a Linear's weight gradient as a transposed view of a buffer inside the trace;
+    # the call returns the .grad itself, and its row as a view of it, as torch does
+    def step(x, m, opt):
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+        g = m.weight.grad
+        return g, g[1], g[:, 1:]
+
+    def run(device, f):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x = torch.arange(8.0, device=device).reshape(2, 4)
+        out = []
+        for _ in range(3):  # the first trace, a second one (the grads exist now), the cached program
+            g, row, cols = f(x, m, opt)
+            out.append([g is m.weight.grad, row._base is g, cols._base is g, row.stride(), cols.stride(),
+                        row.storage_offset(), cols.storage_offset(), cols.cpu().mul(1e4).round().tolist()])
+            g.mul_(0)
+            out.append(cols.cpu().tolist())
+        return out
+
+    expected = run("cpu", step)
+    assert expected[0][:3] == [True, True, True]
+    assert run("jax", t2j.jit(step)) == expected
+
+
 def test_item_inside_becomes_traced_scalar():
     f = t2j.jit(lambda x, s: x * s.item())
     assert f(torch.ones(2, device="jax"), torch.tensor(3.0, device="jax")).tolist() == [3.0, 3.0]

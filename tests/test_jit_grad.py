@@ -143,7 +143,8 @@ def test_complex_gradients_follow_torch_convention():
     _close(z.grad, z_cpu.grad)
 
 
-def test_train_step_outputs_stay_plain_values():
+def test_train_step_outputs_keep_a_spent_graph():
+    """As torch's ``loss`` after ``loss.backward()``: it requires grad, and a second backward is refused."""
     model = _mlp().to("jax")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -155,8 +156,11 @@ def test_train_step_outputs_stay_plain_values():
         opt.step()
         return loss
 
-    loss = step(torch.randn(4, 6), torch.randint(0, 3, (4,)))
-    assert not loss.requires_grad and loss.grad_fn is None
+    for _ in range(2):  # the trace, then the cached program
+        loss = step(torch.randn(4, 6), torch.randint(0, 3, (4,)))
+        assert loss.requires_grad and loss.grad_fn is not None and not loss.is_leaf
+        with pytest.raises(RuntimeError, match="second time"):
+            loss.backward()
 
 
 def test_no_grad_call_has_no_graph():

@@ -1525,6 +1525,23 @@ def _dense_order(t) -> tuple | None:
     return _tensor.dense_order(tuple(t.shape), t.stride())
 
 
+def _offset_within(t, other) -> int | None:
+    """The storage offset of view ``t`` counted from ``other``'s first element, where every
+    element of ``t`` is one of ``other``'s and ``other`` is dense: the call's output for
+    ``other`` has its layout (`_Outputs._kind`), so ``t`` is that view of it. (A base tensor
+    the program returns as it is, or a ``.grad`` that backward made as a transposed view.)"""
+    if not other._t2j_view:
+        return t.storage_offset()
+    shape, strides = tuple(other.shape), other.stride()
+    if not other.is_contiguous() and (other.dim() < 2 or _tensor.dense_order(shape, strides) is None):
+        return None
+    start = other.storage_offset()
+    end = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    if t.numel() == 0 or t.storage_offset() < start or end >= start + other.numel():
+        return None
+    return t.storage_offset() - start
+
+
 def _laid_out_as(t, order):
     """``t``'s values with the strides the traced output had: a view of a copy stored in
     ``order`` (differentiable, where ``t`` is)."""
@@ -1538,6 +1555,7 @@ class _Outputs:
     def __init__(self, slots, storages, pre_index, arg_index):
         self.slots, self.storages, self.pre_index, self.arg_index = slots, storages, pre_index, arg_index
         self.arrays, self.grad_outs = [], []
+        self.histories = []  # of those, the outputs an op made (with a grad_fn), not leaves made inside
         self.leaves = {}  # id of an output tensor -> its position among the output leaves
         self.kept = {}  # id -> the output tensor (alive while the trace's outputs are classified)
         self.position = -1  # of the output leaf being classified
@@ -1558,12 +1576,13 @@ class _Outputs:
         return self._kind(leaf)
 
     def _view_of_output(self, leaf):
+        if not _tensor.strided_steps(leaf._t2j_view):
+            return None
         for k, other in self.kept.items():
-            # (of a base tensor the program returns as it is: the call's output has its layout)
-            if other._t2j_storage is leaf._t2j_storage and not other._t2j_view and other.dtype == leaf.dtype \
-                    and _tensor.strided_steps(leaf._t2j_view):
-                return "view_of_leaf", (self.leaves[k], tuple(leaf.shape), tuple(leaf.stride()),
-                                        leaf.storage_offset(), leaf.requires_grad)
+            if other._t2j_storage is leaf._t2j_storage and other.dtype == leaf.dtype \
+                    and (offset := _offset_within(leaf, other)) is not None:
+                return "view_of_leaf", (self.leaves[k], tuple(leaf.shape), tuple(leaf.stride()), offset,
+                                        leaf.requires_grad)
         return None
 
     def release(self):
@@ -1600,6 +1619,8 @@ class _Outputs:
             return "view", view
         if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
             self.grad_outs.append(len(outs))
+            if leaf.grad_fn is not None:
+                self.histories.append(len(outs))
         order = _dense_order(leaf)
         outs.append(leaf._value())
         k = len(outs) - 1
@@ -1760,6 +1781,9 @@ class _Entry:
     # (storage index, `hints.Slice`) per host-valued state array it writes as a function of such state
     # alone (a counter's ``n += 1``): its new host value is computed after a call without reading it
     mirrors: tuple = ()
+    # outputs whose graph the function consumed (it ran backward): they come back requiring grad, with
+    # a node that refuses a second backward, as torch's outputs do after backward() (`_SpentGraph`)
+    spent: tuple = ()
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -2079,12 +2103,15 @@ class JitFunction:
         else:
             arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves),
                                                            donated=True)]
+            if entry.spent and torch.is_grad_enabled():
+                _SpentGraph.attach(arrays, entry.spent, self.fn)
         result = []
         for kind, v in entry.out_leaves:
             if kind == "leaf":
                 result.append(result[v])
             elif kind == "view_of_leaf":
-                result.append(_view_of(result[v[0]], *v[1:]))
+                base = result[v[0]]
+                result.append(_view_of(base, *v[1:3], base.storage_offset() + v[3], v[4]))
             else:
                 result.append(_output(kind, v, arrays, slots, leaves))
         for setter, (kind, v) in entry.stores:
@@ -2206,12 +2233,13 @@ class JitFunction:
         reached = _inputs_reaching(closed.jaxpr, info["grad_outs"] + [n_out + p for p, _ in rebased]) \
             if info["diff"] else set()
         diff = [(i, k) for i, k in info["diff"] if i in reached]
+        spent = () if diff else tuple(info["histories"])
         out_avals = closed.out_avals[n_out:n_out + n_written]
         keeps = all(_same_aval(closed.in_avals[i], a) for i, a in zip(written, out_avals))
         return _Entry(jitted, arguments, written, info["new_storages"], info["post"], info["out_def"],
                       info["out_leaves"], info["stores"], uses_rng, slots.names, time.perf_counter() - start,
                       info["guards"], program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
-                      shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]),
+                      shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]), spent=spent,
                       draws=info["draws"], reseeded=info["reseeded"])
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2334,6 +2362,7 @@ class JitFunction:
             info.update(undo=saved_slots if post else None, rebased=rebased,
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds, stores=stores,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
+                histories=made.histories,
                 draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
                 else [],
@@ -2393,7 +2422,7 @@ def _differentiable_inputs(slots, slot_storage, written, post, backward) -> list
 
     Empty when the trace ran a ``backward`` pass or set or wrote a ``.grad``: the
     graph its outputs hang on was consumed inside the function (a training step), so
-    they come back as plain values. A write made with grad mode off (weight clipping
+    they come back with a node refusing a second backward (`_SpentGraph`). A write made with grad mode off (weight clipping
     in a forward) keeps the tensor's place in the graph (torch2jax/gradcut.py).
     """
     if backward or any(getattr(setter, "func", None) is _set_grad and target is not None
@@ -2679,6 +2708,37 @@ class _DifferentiableCall(torch.autograd.Function):
             out = [new_tensor(functools.reduce(lambda a, step: step.forward(a), chain, g))
                    for g, chain in zip(ctx.call.backward(grads), ctx.call.chains)]
         return (None, *_gradcut.once_differentiable("t2j.jit", out, (*ctx.inputs, *grads)))
+
+
+class _SpentGraph(torch.autograd.Function):
+    """The history of an output whose autograd graph a jitted call consumed: the function ran
+    ``backward()`` inside (a training step), so, as torch's ``loss`` after ``loss.backward()``,
+    the output requires grad and a second backward through it is refused."""
+
+    _anchor = None  # a leaf requiring grad, so that the node's outputs require grad
+
+    @staticmethod
+    def forward(ctx, anchor, fn, *arrays):
+        ctx.fn = fn
+        return tuple(new_tensor(a) for a in arrays)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"t2j.jit: trying to backward through the graph of an output of {getattr(ctx.fn, '__qualname__', ctx.fn)} "
+            "a second time: the function ran backward() inside its program, which consumed the graph (torch "
+            "frees it the same way). Compute what you need inside the jitted function, or jit a function that "
+            "returns its outputs without running backward() and call backward() on them after the call."
+        )
+
+    @classmethod
+    def attach(cls, outs: list, positions, fn):
+        """Replace ``outs`` at ``positions`` by the same values carrying this node."""
+        if cls._anchor is None:
+            cls._anchor = torch.zeros((), requires_grad=True)
+        made = cls.apply(cls._anchor, fn, *(outs[k]._value() for k in positions))
+        for k, t in zip(positions, made):
+            outs[k] = t
 
 
 def _guarded(entries, slots, storages):
