@@ -2260,3 +2260,40 @@ def test_zero_grad_clears_the_grad_of_a_parameter_frozen_since():
         if b is not None:
             torch.testing.assert_close(a, b)
     assert stats["hits"] == 2
+
+
+def test_tuples_lists_and_dicts_of_tensors_stored_in_places_are_stored_by_every_call():
+    # an RNN's carried ``self.hidden = (h, c)``, a dict of tensors and numbers, a plain object's list
+    class Carry(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.stats = None, {}
+
+        def forward(self, x):
+            if self.hidden is None:
+                self.hidden = (torch.zeros_like(x), torch.zeros_like(x))
+            self.hidden = (self.hidden[0] + x, self.hidden[1] + 2 * x)
+            self.stats = {"h": [self.hidden[0] * 1, x.sum().item()]}
+            return self.hidden[0] + self.hidden[1]
+
+    class Holder:
+        pair = None
+
+    def run(wrap, device):
+        m, holder = Carry(), Holder()
+        x = torch.ones(1, device=device)
+
+        def f(x):
+            out = m(x)
+            holder.pair = [out * 10, (out,)]
+            return out
+
+        g = wrap(f)
+        got = [(g(x).item(), m.hidden[0].item(), m.stats["h"][0].item(), m.stats["h"][1], holder.pair[0].item(),
+                holder.pair[1][0].item(), type(m.hidden).__name__) for _ in range(5)]
+        return got, g
+
+    expected, _ = run(lambda f: f, "cpu")
+    got, g = run(t2j.jit, "jax")
+    assert got == expected
+    assert g.stats["traces"] == 2  # (no hidden state, then a tuple of it)

@@ -666,3 +666,28 @@ def test_python_and_numpy_draws_inside_jit_run_the_function_eagerly(draw):
     with pytest.warns(UserWarning, match="numpy.random drew on the host"):
         assert [f(x)[0].item() for _ in range(12)] == eager
     assert len(set(eager)) == 2
+
+
+@pytest.mark.parametrize("make", [lambda: random.Random(0).random, lambda: np.random.default_rng(0).random,
+                                  lambda: np.random.RandomState(0).rand, lambda: _Augment(np.random.default_rng(0))])
+def test_generator_objects_of_python_and_numpy_inside_jit_run_the_function_eagerly(make):
+    """A generator object the function holds (a bound method, or an attribute of an object it
+    reaches) draws on the host too: its numbers would be frozen by a trace."""
+    import torch2jax as t2j
+
+    x = torch.arange(4.0, device="jax")
+    draw = make()
+    eager = [(x.flip(0) if draw() < 0.5 else x)[0].item() for _ in range(12)]
+    draw = make()
+    f = t2j.jit(lambda x: x.flip(0) if draw() < 0.5 else x)
+    with pytest.warns(UserWarning, match="drew on the host"):
+        assert [f(x)[0].item() for _ in range(12)] == eager
+    assert len(set(eager)) == 2
+
+
+class _Augment:
+    def __init__(self, rng):
+        self.rng = rng
+
+    def __call__(self):
+        return self.rng.uniform()

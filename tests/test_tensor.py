@@ -521,3 +521,105 @@ def test_to_jax_keeps_the_strides_of_size_one_dimensions():
 def test_results_keep_the_strides_of_size_one_dimensions():
     w = torch.randn(8, 1, 3, 3).to(memory_format=torch.channels_last)
     assert (w.to("jax") + 1).stride() == (w + 1).stride()
+
+
+def _outcome(fn, device):
+    """What ``fn(device)`` gives: its value as plain Python data, or its error's type and message."""
+    try:
+        out = fn(device)
+    except Exception as e:  # noqa: BLE001 - the error is the outcome compared
+        return type(e).__name__, str(e).split("\n")[0]
+    if isinstance(out, torch.Tensor):
+        return out.dtype, tuple(out.shape), out.cpu().tolist()
+    return out
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+def _repr_of(fn):
+    def run(device):
+        with torch.no_grad():
+            text = repr(fn(device))
+        return text.replace("device='jax:0', ", "").replace(", device='jax:0'", "").replace("device='jax:0'", "")
+    return run
+
+
+# each runs on the CPU and on the jax device and must give the same outcome
+_SURFACE = {
+    "linspace_complex_ends": lambda d: torch.linspace(1 + 1j, 2 + 2j, 3, device=d),
+    "logspace_complex_end": lambda d: torch.logspace(0, 1j, 2, device=d),
+    "linspace_complex_tensor_end": lambda d: torch.linspace(torch.tensor(1 + 1j, device=d), 2.0, 2),
+    "complex_to_bool": lambda d: torch.tensor([0j, 1j, 2 + 0j], device=d).bool(),
+    "complex_copy_into_bool": lambda d: torch.zeros(2, dtype=torch.bool, device=d).copy_(
+        torch.tensor([0j, 1j], device=d)),
+    "float8_e4m3fn_saturates": lambda d: torch.tensor([500.0, 1e4, float("inf"), -1e4, 3.3], device=d).to(
+        torch.float8_e4m3fn).float(),
+    "bfloat16_to_float8_e4m3fn": lambda d: torch.tensor([-500.0, 448.0], dtype=torch.bfloat16, device=d).to(
+        torch.float8_e4m3fn).float(),
+    "channels_last_needs_rank_4": lambda d: torch.ones(2, 3, 4, device=d).contiguous(
+        memory_format=torch.channels_last),
+    "channels_last_3d_needs_rank_5": lambda d: torch.ones(2, 3, 4, 5, device=d).to(
+        memory_format=torch.channels_last_3d),
+    "empty_channels_last_needs_rank_4": lambda d: torch.empty(2, 3, 4, device=d, memory_format=torch.channels_last),
+    "channels_last_rank_4": lambda d: torch.ones(2, 3, 4, 5, device=d).contiguous(
+        memory_format=torch.channels_last).stride(),
+    "fill_needs_a_0d_value": lambda d: torch.zeros(2, device=d).fill_(torch.tensor([5.0], device=d)),
+    "fill_with_0d_value": lambda d: torch.zeros(2, device=d).fill_(torch.tensor(5.0, device=d)),
+    "untyped_storage_setitem": lambda d: _storage_bytes_written(torch.zeros(2, device=d)),
+    "as_subclass": lambda d: _subclass_outcome(torch.ones(2, device=d, requires_grad=True)),
+    "repr_suffix_order": _repr_of(lambda d: torch.ones(2, dtype=torch.int32, device=d)),
+    "repr_of_a_subclass": _repr_of(lambda d: torch.nn.Parameter(torch.ones(2, device=d).as_subclass(_Tagged))),
+}
+
+
+def _storage_bytes_written(x):
+    s = x.untyped_storage()
+    s[0] = 5
+    s[4:6] = 7
+    return x.untyped_storage().tolist()
+
+
+def _subclass_outcome(x):
+    y = x.as_subclass(_Tagged)
+    z = y * 3
+    z.sum().backward()
+    p = torch.nn.Parameter(x.detach().as_subclass(_Tagged))
+    return [isinstance(y, _Tagged), isinstance(z, _Tagged), y.device.type == x.device.type, x.grad.tolist(),
+            isinstance(p, torch.nn.Parameter) and isinstance(p, _Tagged), type(y.as_subclass(torch.Tensor)) is type(x)]
+
+
+@pytest.mark.parametrize("name", sorted(_SURFACE))
+def test_tensor_surface_matches_cpu(name):
+    fn = _SURFACE[name]
+    assert _outcome(fn, "jax") == _outcome(fn, "cpu")
+
+
+def test_repr_wraps_suffixes_at_the_line_width():
+    x = torch.arange(12.0, device="jax").requires_grad_() * 1
+    with torch.no_grad():
+        torch.set_printoptions(linewidth=40)
+        try:
+            text = repr(x)
+        finally:
+            torch.set_printoptions(profile="default")
+    assert text.splitlines()[-2:] == ["       device='jax:0',", "       grad_fn=<MulBackward0>)"]
+
+
+def test_a_device_index_past_the_one_jax_device_is_refused():
+    for make in (lambda: torch.zeros(2).to("jax:1"), lambda: torch.ones(1, device="jax:2"),
+                 lambda: torch.zeros(2, device="jax").new_ones(2, device="jax:1")):
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            make()
+    assert torch.zeros(2, device="jax:0").to("jax:0").device == torch.device("jax", 0)
+
+
+def test_jit_keeps_torch_size_arguments_and_outputs():
+    x = torch.ones(3, 4, device="jax")
+    f = t2j.jit(lambda x, s: (x.reshape(s) * s.numel(), s, x.shape))
+    for _ in range(2):
+        y, s, shape = f(x, torch.Size([12]))
+        assert type(s) is torch.Size and type(shape) is torch.Size and shape == (3, 4)
+        assert y.tolist() == [12.0] * 12
+    assert f.stats["traces"] == 1

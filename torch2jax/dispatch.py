@@ -478,12 +478,32 @@ def _is_foreign_device(kwargs):
 def _resolve(func):
     handler, path = _choose(func)
     handler = _checking_overlap(func, handler)
+    if any(a.name == "device" for a in func._schema.arguments):
+        handler = _checking_device_index(handler)
     if func in _reg.WARNINGS:
         handler = _warning_first(_reg.WARNINGS[func], handler)
     _HANDLERS[func] = handler
     _BY_ID[id(func)] = (func, handler)
     _PATHS[func] = path
     return handler
+
+
+def _checking_device_index(handler):
+    """``handler`` refusing a jax device index other than 0, as torch refuses a CUDA device
+    that does not exist (``torch.zeros(1, device="jax:3")``)."""
+
+    def checked(func, args, kwargs):
+        device = kwargs.get("device") if kwargs else None
+        if device is not None and not isinstance(device, torch.device):
+            device = torch.device(device)
+        if device is not None and device.index and device.type == DEVICE.type:
+            raise RuntimeError(
+                f"torch2jax: invalid device ordinal: {device} does not exist; the jax device is one torch device, "
+                "jax:0 (torch.jax.device_count() == 1). To use several JAX devices, shard across them "
+                "(t2j.parallel.make_mesh, shard_model, shard_batch)")
+        return handler(func, args, kwargs)
+
+    return checked
 
 
 def _warning_first(check, handler):
@@ -600,9 +620,10 @@ def _lowering_handler(func, lowering, cpu_args=None):
         return run
 
     def run_keeping_layout(func, args, kwargs):
+        if kwargs and kwargs.get("memory_format") in _RANK_OF_FORMAT:
+            _check_format_rank(args[0], kwargs["memory_format"])
+            return _torch_layout(func, args, kwargs, run(func, args, kwargs))
         out = run(func, args, kwargs)
-        if kwargs and kwargs.get("memory_format") in (torch.channels_last, torch.channels_last_3d):
-            return _torch_layout(func, args, kwargs, out)
         for a in args:
             if type(a) is Tensor:
                 if a._t2j_view and not a.is_contiguous():  # a base tensor is contiguous
@@ -711,6 +732,17 @@ _COLUMN_MAJOR_OPS = frozenset({
     "linalg_householder_product", "orgqr", "ormqr", "linalg_ldl_factor_ex", "linalg_ldl_solve", "linalg_lu_solve",
     "lu_solve", "linalg_lu",
 })
+
+
+_RANK_OF_FORMAT = {torch.channels_last: 4, torch.channels_last_3d: 5}
+
+
+def _check_format_rank(x, memory_format):
+    """torch's error for a channels_last layout asked of a tensor (or a size) of another rank."""
+    rank = len(x) if isinstance(x, (list, tuple)) else x.dim()
+    if rank != _RANK_OF_FORMAT[memory_format]:
+        name = str(memory_format).removeprefix("torch.")
+        raise RuntimeError(f"required rank {_RANK_OF_FORMAT[memory_format]} tensor to use {name} format")
 
 
 def _name_of(func) -> str | None:

@@ -285,9 +285,13 @@ class GeneratorDraws:
         # for a generator whose object has died
         self.arguments = [(g, i) for i, x in enumerate(leaves) if isinstance(x, torch._C.Generator)
                           and (g := _dispatched_generator(x)) is not None]
+        reached = list(reached)
+        host = [g for g in reached if isinstance(g, HOST_RNGS)]
         self.start = [(g, g.get_state()) for g in (torch.default_generator, *(g for g, _ in self.arguments),
-                                                   *filter(None, map(_dispatched_generator, reached)))]
+                                                   *filter(None, (_dispatched_generator(g) for g in reached
+                                                                  if isinstance(g, torch._C.Generator))))]
         self.python_start = random.getstate(), np.random.get_state()
+        self.host_start = [(g, _host_rng_state(g)) for g in host]
         self.created: list = []
         self.before: list = []  # (generator, its state before the trace) for each one re-seeded in it
         self.reseeded: list = []
@@ -345,15 +349,41 @@ class GeneratorDraws:
         python, numpy = self.python_start
         self.drew_on_the_host = (any(not self._fixed(g) and not torch.equal(g.get_state(), state)
                                      for g, state in self.start)
-                                 or random.getstate() != python or not _same_numpy_state(np.random.get_state(), numpy))
+                                 or random.getstate() != python or not _same_numpy_state(np.random.get_state(), numpy)
+                                 or any(not _same_numpy_state(_host_rng_state(g), state) for g, state in self.host_start))
         random.setstate(python)
         np.random.set_state(numpy)
+        for g, state in self.host_start:
+            _set_host_rng_state(g, state)
         for g, state in (*self.start, *self.before):
             g.set_state(state)
 
 
 def _same_numpy_state(a, b) -> bool:
-    return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
+    if isinstance(a, dict):  # (a numpy Generator's bit generator state)
+        return a.keys() == b.keys() and all(_same_numpy_state([a[k]], [b[k]]) for k in a)
+    return all(_same_numpy_state(x, y) if isinstance(x, dict) else np.array_equal(x, y)
+               if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b))
+
+
+# Random number generators of Python and NumPy that a function may hold (``rng = random.Random(0)``,
+# ``np.random.default_rng()``): a draw from one while t2j.jit traces is a draw on the host (`GeneratorDraws`)
+HOST_RNGS = (random.Random, np.random.Generator, np.random.RandomState)
+
+
+def _host_rng_state(g):
+    if isinstance(g, np.random.Generator):
+        return g.bit_generator.state
+    return g.get_state() if isinstance(g, np.random.RandomState) else g.getstate()
+
+
+def _set_host_rng_state(g, state) -> None:
+    if isinstance(g, np.random.Generator):
+        g.bit_generator.state = state
+    elif isinstance(g, np.random.RandomState):
+        g.set_state(state)
+    else:
+        g.setstate(state)
 
 
 class _SeeGenerator(TorchDispatchMode):

@@ -88,6 +88,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from . import complex32 as _complex32
 from . import device as _device
+from .env import HOST_RNGS as _HOST_RNGS
 from .env import config as _config
 from .env import default_rng as _rng
 from .env import draw_seed as _draw_seed
@@ -151,7 +152,9 @@ class _Roots:
     def __init__(self):
         self.modules, self.optimizers, self.tensors = [], [], []
         self.cpu_tensors = []  # read at trace time: guarded by `_guard`, not carried
-        self.generators = []  # torch.Generators: a trace must not draw from them on the host (`GeneratorDraws`)
+        # torch.Generators, and Python's and NumPy's generator objects: a trace must not draw from them on
+        # the host (`GeneratorDraws`)
+        self.generators = []
         self.objects = []  # other objects whose attributes were searched (see _python_state)
         self.values = []  # (where, cell or globals dict, name): Python values the functions read (`python_values`)
         self.cells = []  # the closure cells of the functions (`_Places`)
@@ -186,9 +189,11 @@ class _Roots:
         elif isinstance(obj, torch.Tensor):
             self._seen.add(id(obj))
             self.cpu_tensors.append(obj)
-        elif isinstance(obj, torch._C.Generator):
+        elif isinstance(obj, (torch._C.Generator, *_HOST_RNGS)):
             self._seen.add(id(obj))
             self.generators.append(obj)
+        elif isinstance(obj, types.BuiltinMethodType) and isinstance(obj.__self__, _HOST_RNGS):
+            self.add(obj.__self__, depth)  # (``draw = rng.random`` held: a method of a C type)
         elif isinstance(obj, (list, tuple)):
             self._seen.add(id(obj))
             if isinstance(obj, list) and not summarized:
@@ -1041,16 +1046,25 @@ def _sorted_keys(st: dict) -> tuple:
 _TENSOR_ATTRIBUTES_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (writes, tensors)
 
 
+def _tensors_in(value) -> list:
+    """The tensors among the leaves of a tuple, list or dict ``value`` (none for other values)."""
+    if type(value) not in (tuple, list, dict) and not _is_namedtuple(value):
+        return []
+    return [t for t in torch_pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
 def _tensor_attributes(module) -> list:
     """The tensors that ``module`` and its submodules hold as plain attributes, neither
     parameters nor buffers (``self.cache = x``, ``self.scale = torch.tensor(2.0)``): state like
     any other. One on the jax device is a slot (its replacement, ``self.cache = self.cache + x``,
     is written back on every call: `_Places`); one on the CPU, which ``module.to("jax")``
     leaves there, is read at trace time and guarded as closed-over CPU tensors are (an in-place
-    ``fill_`` retraces). Read again only after an attribute write (`_ATTRIBUTE_WRITES`)."""
+    ``fill_`` retraces). Tensors in a tuple, list or dict attribute count too (an RNN's
+    ``self.hidden = (h, c)``). Read again only after an attribute write (`_ATTRIBUTE_WRITES`)."""
     seen = _TENSOR_ATTRIBUTES_SEEN.get(module)
     if seen is None or seen[0] != _ATTRIBUTE_WRITES[0]:
-        tensors = [v for sub in _submodules(module) for v in sub.__dict__.values() if isinstance(v, torch.Tensor)]
+        tensors = [t for sub in _submodules(module) for v in sub.__dict__.values()
+                   for t in ((v,) if isinstance(v, torch.Tensor) else _tensors_in(v))]
         seen = _TENSOR_ATTRIBUTES_SEEN[module] = (_ATTRIBUTE_WRITES[0], tensors)
     return seen[1]
 
@@ -1548,6 +1562,12 @@ def _laid_out_as(t, order):
     return t.permute(order).contiguous().permute(*np.argsort(order).tolist())
 
 
+def _is_size(x) -> bool:
+    """A torch.Size is one static value of a call's arguments and outputs (torch's pytree would give
+    its numbers back as a tuple)."""
+    return type(x) is torch.Size
+
+
 class _Outputs:
     """What a traced call gives back, and how each call makes it again (`_output`): the
     arrays a program returns, and per output a kind (see `_Entry.out_leaves`)."""
@@ -1599,9 +1619,13 @@ class _Outputs:
 
     def stored(self, value) -> tuple:
         """The kind of a value the trace stored in a place: an output leaf it also returned is stored
-        as the same tensor (``("leaf", position)``)."""
+        as the same tensor (``("leaf", position)``); a tuple, list or dict holding tensors (an RNN's
+        ``self.hidden = (h, c)``) is made again around the kinds of its leaves (``("tree", ...)``)."""
         if isinstance(value, Tensor) and id(value) in self.leaves:
             return "leaf", self.leaves[id(value)]
+        if _holds_traced(value):
+            leaves, spec = torch_pytree.tree_flatten(value, _is_size)
+            return "tree", (spec, [self.stored(leaf) for leaf in leaves])
         return self._kind(value)
 
     def _kind(self, leaf) -> tuple:
@@ -1632,6 +1656,27 @@ def _view_of(base, size, stride, offset, requires_grad):
     """The view of ``base`` an output is (`_view_of_slot`, ``"view_of_leaf"``), with its grad mode."""
     with torch.set_grad_enabled(requires_grad):
         return base.as_strided(size, stride, offset)
+
+
+def _stored_value(stored, result, arrays, slots, leaves):
+    """The value a call stores in a place, of kind ``stored`` (`_Outputs.stored`)."""
+    kind, v = stored
+    if kind == "leaf":
+        return result[v]
+    if kind == "tree":
+        spec, kinds = v
+        return torch_pytree.tree_unflatten([_stored_value(k, result, arrays, slots, leaves) for k in kinds], spec)
+    return _output(kind, v, arrays, slots, leaves)
+
+
+def _holds_traced(value) -> bool:
+    """Whether ``value`` is a tuple, list or dict with a tensor or a traced number among its leaves."""
+    return (type(value) in (tuple, list, dict) or _is_namedtuple(value)) and any(
+        isinstance(x, torch.Tensor) or _sym.is_traced_number(x) for x in torch_pytree.tree_leaves(value))
+
+
+def _is_namedtuple(value) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
 def _output(kind, v, arrays, slots, leaves):
@@ -1906,7 +1951,7 @@ class JitFunction:
         function's own error, the eager run raises it (after the ops before it, as in torch); if
         it does not, the error was the trace's, and the key runs eagerly from now on."""
         self.stats["eager_calls"] += 1
-        args, kwargs = torch_pytree.tree_unflatten(leaves, torch_pytree.tree_structure((args, kwargs)))
+        args, kwargs = torch_pytree.tree_unflatten(leaves, torch_pytree.tree_structure((args, kwargs), _is_size))
         out = self.fn(*args, **kwargs)
         if eager.raised:
             # (a trace that fails where torch does not: a torch2jax limitation or bug, worth reporting)
@@ -1962,7 +2007,7 @@ class JitFunction:
         return self._lower(target, args, kwargs)
 
     def _lookup(self, args, kwargs):
-        given, spec = torch_pytree.tree_flatten((args, kwargs))
+        given, spec = torch_pytree.tree_flatten((args, kwargs), _is_size)
         leaves = self._device_leaves(given)
         roots = _find_roots(self.fn, args, kwargs)
         for found in self._found_roots:
@@ -2114,8 +2159,8 @@ class JitFunction:
                 result.append(_view_of(base, *v[1:3], base.storage_offset() + v[3], v[4]))
             else:
                 result.append(_output(kind, v, arrays, slots, leaves))
-        for setter, (kind, v) in entry.stores:
-            setter(result[v] if kind == "leaf" else _output(kind, v, arrays, slots, leaves))
+        for setter, stored in entry.stores:
+            setter(_stored_value(stored, result, arrays, slots, leaves))
         return torch_pytree.tree_unflatten(result, entry.out_def)
 
     def _execute(self, entry, slots, storages, jitted, keys, donated):
@@ -2319,7 +2364,7 @@ class JitFunction:
             _check_layouts(slots, layouts, layout_storages, {id(x) for x in leaves if isinstance(x, torch.Tensor)})
             if capture.unknown:
                 raise _Retrace([t._t2j_storage for t in capture.unknown.values()])
-            out_leaves, out_def = torch_pytree.tree_flatten(out)
+            out_leaves, out_def = torch_pytree.tree_flatten(out, _is_size)
             del out
             pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}
             arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
@@ -2950,7 +2995,7 @@ class _Places:
             for key in before.keys() if fixed else before.keys() | now.keys():
                 old, new = before.get(key, _MISSING), now.get(key, _MISSING)
                 if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)
-                                       or _sym.is_traced_number(new)):
+                                       or _sym.is_traced_number(new) or _holds_traced(old) or _holds_traced(new)):
                     out.append((kind, container, key, new))
         return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import math
 import multiprocessing.reduction
 import os
@@ -162,6 +163,14 @@ class _StorageHandle(torch.UntypedStorage):
 
     def __getitem__(self, index):
         return self.cpu()[index]
+
+    def __setitem__(self, index, value):
+        """Set the bytes at ``index`` (an int or a slice) to ``value``, as torch's ``UntypedStorage``."""
+        data = _storage_bytes(self).copy()
+        if isinstance(index, int) and not -data.size <= index < data.size:
+            raise RuntimeError(f"index {index} out of range for storage of size {data.size}")
+        data[index] = value
+        self._write_bytes(data)
 
     def clone(self):
         """A storage of its own with the same bytes (a jax array is immutable: no copy is made)."""
@@ -317,6 +326,31 @@ def _bits(a):
     if jnp.issubdtype(a.dtype, jnp.complexfloating):
         return jnp.stack([_bits(a.real), _bits(a.imag)], -1)
     return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{a.dtype.itemsize * 8}"))
+
+
+@functools.cache
+def on_jax_device(cls: type) -> type:
+    """The type of a ``cls`` instance on the jax device: ``cls`` itself where it is a `Tensor`,
+    else a subclass of ``cls`` and `Tensor` named after ``cls``. It keeps ``cls``'s
+    ``__torch_function__`` (so ``y + 1`` is a ``cls`` again, as torch's default one makes it)
+    and takes `Tensor`'s ``__torch_dispatch__``, which computes with jax arrays."""
+    if issubclass(cls, Tensor) or cls is torch.Tensor:
+        return Tensor if cls is torch.Tensor else cls
+    if not issubclass(cls, torch.Tensor):
+        raise TypeError(f"as_subclass: expected a subclass of torch.Tensor, got {cls!r}")
+    if "__torch_dispatch__" in {k for c in cls.__mro__[:cls.__mro__.index(torch.Tensor)] for k in vars(c)}:
+        raise TypeError(f"as_subclass: {cls.__qualname__} defines __torch_dispatch__; a tensor on the jax device "
+                        "already dispatches to torch2jax, so it cannot take another")
+    own = inspect.getattr_static(cls, "__torch_function__")
+    if own is inspect.getattr_static(torch.Tensor, "__torch_function__"):
+        # (torch disables a class's inherited default next to a __torch_dispatch__: name it again)
+        own = classmethod(_default_torch_function)
+    namespace = {"__torch_function__": own, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    return type(cls.__name__, (cls, Tensor), namespace)
+
+
+def _default_torch_function(cls, func, types, args=(), kwargs=None):
+    return torch.Tensor.__torch_function__.__func__(cls, func, types, args, kwargs)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -496,13 +530,20 @@ class Tensor(torch.Tensor):
         if isinstance(value, jax.core.Tracer):
             return f"torch2jax.Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, traced={value.aval})"
         host = torch_cpu(value)
-        text = repr(host if host.dtype is self.dtype else host.to(self.dtype))  # complex32 is held as complex64
-        extras = [f"device='{self.device}'"]
-        if self.grad_fn is not None:
-            extras.append(f"grad_fn=<{type(self.grad_fn).__name__}>")
-        elif self.requires_grad:
-            extras.append("requires_grad=True")
-        text = text[:-1] + ", " + ", ".join(extras) + ")"
+        if host.dtype is not self.dtype:  # complex32 is held as complex64
+            host = host.to(self.dtype)
+        # a user's type (`as_subclass`) prints its name, as in torch; ours print as plain tensors
+        name = type(self).__name__
+        internal = type(self).__module__.startswith("torch2jax")
+        prefix = "tensor(" if internal else f"{name}("
+        # torch's own printing, suffixes and line wrapping included, with the values formatted on the CPU
+        contents = tensor_contents if tensor_contents is not None else "[]" if host.numel() == 0 else \
+            torch._tensor_str._tensor_str(host, len(prefix))
+        text = torch._tensor_str._str(self, tensor_contents=contents)
+        if not internal:
+            return text
+        start = text.index(f"{name}(")
+        text = prefix + text[start + len(name) + 1:len(text) - (1 if start else 0)]  # (torch's "Parameter(...)")
         # nn.Parameter of a subclass is the tensor itself, marked (torch's Parameter.__new__)
         return "Parameter containing:\n" + text if getattr(self, "_is_param", False) else text
 
@@ -566,6 +607,22 @@ class Tensor(torch.Tensor):
             base = _mark_saved(torch_cpu(self._value()))
             meta = (tuple(self.shape), _contiguous_strides(tuple(self.shape)), 0)
         return reduce_as_cpu(self, base, meta, protocol)
+
+    def as_subclass(self, cls):
+        """This tensor seen as an instance of torch.Tensor subclass ``cls``, sharing its storage and
+        its autograd history, as torch's ``as_subclass`` (torchvision's ``tv_tensors``, user tensor types).
+
+        On the jax device the result's type is a subclass of both ``cls`` and `Tensor`
+        (`on_jax_device`), so ``isinstance(y, cls)`` holds and its values stay jax arrays.
+
+        >>> class Tagged(torch.Tensor): pass
+        >>> y = torch.ones(2, device="jax").as_subclass(Tagged)
+        >>> isinstance(y, Tagged), isinstance(y + 1, Tagged), y.device.type
+        (True, True, 'jax')
+        """
+        out = torch.ops.aten.alias.default(self)
+        out.__class__ = on_jax_device(cls)
+        return out
 
     def __copy__(self):
         """A new leaf on the same storage, as torch's copy.copy of a tensor (through its pickle)."""

@@ -109,6 +109,8 @@ def full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory
 
 @register(aten.fill.Scalar, aten.fill.Tensor)
 def fill(x, value):
+    if getattr(value, "ndim", 0):
+        raise RuntimeError(f"fill_ only supports 0-dimension value tensor but got tensor with {value.ndim} dimensions.")
     value = as_dtype(checked_scalar(value, x.dtype), x.dtype) if not hasattr(value, "dtype") else value.astype(x.dtype)
     return jnp.full(x.shape, value, x.dtype)
 
@@ -191,10 +193,18 @@ def _identity(x):
     return x
 
 
+def _space_dtype(start, end, dtype):
+    """linspace / logspace's result type: ``dtype``, else torch's default complex type where an
+    end is complex (``torch.linspace(1 + 1j, 2, 3)`` is complex64), else its default float type."""
+    if dtype is None and any(isinstance(a, complex) or jnp.iscomplexobj(a) for a in (start, end)):
+        return np.dtype(np.complex128 if _dt.default_float() == np.float64 else np.complex64)
+    return jax_dtype(dtype)
+
+
 @register(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
           aten.linspace.Scalar_Tensor)
 def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_memory=None):
-    dt = jax_dtype(dtype)
+    dt = _space_dtype(start, end, dtype)
     if steps < 0:
         raise RuntimeError("number of steps must be non-negative")
     if dt == np.bool_:
@@ -217,7 +227,7 @@ def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_mem
 @register(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar,
           aten.logspace.Scalar_Tensor)
 def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
-    dt = jax_dtype(dtype)
+    dt = _space_dtype(start, end, dtype)
     if steps < 0:
         raise RuntimeError("number of steps must be non-negative")
     if dt == np.bool_:
@@ -280,7 +290,8 @@ def _warn_complex_to_real(func, args, kwargs):
         src, dtype = args[0], kwargs.get("dtype")
     else:
         src, dtype = args[1], args[0].dtype
-    if isinstance(src, torch.Tensor) and src.is_complex() and dtype is not None and not dtype.is_complex:
+    if isinstance(src, torch.Tensor) and src.is_complex() and dtype is not None and not dtype.is_complex \
+            and dtype is not torch.bool:
         _warned_complex_to_real = True
         warnings.warn("Casting complex values to real discards the imaginary part", UserWarning, stacklevel=3)
 

@@ -168,7 +168,8 @@ def true_divide(a, b):
 def cast(x, dtype):
     """Array ``x`` converted to ``dtype`` as torch's CPU kernels convert.
 
-    Complex to real keeps the real part. Float to integer truncates toward zero through
+    Complex to real keeps the real part; to bool, any nonzero part is True. Float8 e4m3fn
+    saturates at its largest finite value, 448. Float to integer truncates toward zero through
     int32 (int64 for 64-bit types and uint32; uint64 also takes [2**63, 2**64)): a value out
     of that range, or NaN, becomes its minimum, and
     narrower types keep the low bits (300.0 -> uint8 44, -1.0 -> uint8 255, 1e10 -> int32
@@ -180,8 +181,13 @@ def cast(x, dtype):
     dtype = np.dtype(dtype)
     if x.dtype == dtype:
         return x
+    if dtype == np.bool_:  # nonzero, the imaginary part included
+        return x != 0
     if jnp.issubdtype(x.dtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
         x = jnp.real(x)
+    if dtype == _FLOAT8_E4M3FN and jnp.issubdtype(x.dtype, jnp.floating):
+        # torch saturates to the largest finite value (448), infinities too; XLA gives NaN past it
+        x = jnp.where(jnp.isnan(x), x, jnp.clip(x, -448.0, 448.0))
     if jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.integer):
         # uint32 goes through int64 (3e9 stays 3e9; -1.0 wraps to 2**32 - 1), as torch's kernels cast
         wide = np.dtype(np.int64 if dtype.itemsize == 8 or dtype == np.uint32 else np.int32)
@@ -197,6 +203,9 @@ def cast(x, dtype):
             return jnp.where(high, upper, out.astype(dtype))
         x = out
     return _astype(x, dtype)
+
+
+_FLOAT8_E4M3FN = np.dtype(jnp.float8_e4m3fn)
 
 
 def _astype(x, dtype):
