@@ -2297,3 +2297,110 @@ def test_tuples_lists_and_dicts_of_tensors_stored_in_places_are_stored_by_every_
     got, g = run(t2j.jit, "jax")
     assert got == expected
     assert g.stats["traces"] == 2  # (no hidden state, then a tuple of it)
+
+
+def test_argument_views_at_new_offsets_reuse_the_program():
+    """Minibatches sliced from a dataset held on the device (truncated BPTT's ``data[:, i:i + k]``):
+    the function only reads them, so a new storage offset does not trace again."""
+    w = torch.linspace(-1, 1, 8, device="jax", requires_grad=True)
+
+    def loss(x, y):
+        return ((x.float() * w).sum(1) - y.float().sum(1)).square().mean()
+
+    step = t2j.jit(loss)
+    data = torch.arange(200, device="jax").view(2, 100)
+    for i in range(0, 80, 8):
+        x, y = data[:, i:i + 8], data[:, i + 1:i + 9]
+        assert step(x, y).item() == pytest.approx(loss(x, y).item())
+    assert step.stats["traces"] == 2  # (the first call's walk finds the state; the second copies the views)
+
+
+def test_argument_views_written_or_returned_stay_views():
+    def scale(x):
+        x.mul_(2)
+        return x, x[0]
+
+    f = t2j.jit(scale)
+    data, expected = torch.arange(20.0, device="jax"), torch.arange(20.0)
+    for i in range(0, 16, 4):
+        view = data[i:i + 4]
+        out, first = f(view)
+        scale(expected[i:i + 4])
+        assert out is view and first._base is data and first.storage_offset() == i
+    assert data.cpu().tolist() == expected.tolist()
+
+
+class _WrappingOptimizer(torch.optim.Optimizer):
+    """A wrapper holding its base optimizer's param_groups (SAM, Lookahead-style wrappers)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, dict(kw))
+        self.base = torch.optim.SGD(self.param_groups, **kw)
+        self.param_groups = self.base.param_groups
+
+    def step(self):
+        self.base.step()
+
+
+@pytest.mark.parametrize("program", ["shared_groups", "lr_set_inside", "warmup_inside"])
+def test_hyperparameters_a_step_shares_or_sets_itself(program):
+    def run(device, wrap):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 2).to(device)
+        opt = (_WrappingOptimizer if program == "shared_groups" else torch.optim.SGD)(lin.parameters(), lr=0.1)
+
+        def step(x, i):
+            if program == "lr_set_inside":
+                for g in opt.param_groups:
+                    g["lr"] = 0.01 * (i + 1)
+            elif program == "warmup_inside":
+                for g in opt.param_groups:
+                    g["lr"] = 0.1 * min(1.0, (i + 1) / 3)
+            loss = lin(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+
+        f = wrap(step)
+        x = torch.linspace(-1, 1, 12, device=device).view(3, 4)
+        losses = [f(x, i).item() for i in range(5)]
+        return losses, opt.param_groups[0]["lr"], getattr(f, "stats", None)
+
+    expected, lr, _ = run("cpu", lambda f: f)
+    got, got_lr, stats = run("jax", t2j.jit)
+    assert got == pytest.approx(expected, rel=1e-5) and got_lr == pytest.approx(lr) and type(got_lr) is float
+    assert stats["compiles"] <= 2 and stats["eager_calls"] == 0
+
+
+@pytest.mark.parametrize("then", ["advance_a_counter", "graph_break"])
+def test_data_assignment_in_a_trace_that_stops_is_undone(then):
+    """A momentum encoder (MoCo, BYOL) rebinds its parameters with ``p.data = ...``; a trace that then
+    stops (a Python number to lift, a value-dependent op) must leave them bound as they were."""
+    def run(device, wrap):
+        torch.manual_seed(0)
+        q, k = torch.nn.Linear(3, 2).to(device), torch.nn.Linear(3, 2).to(device).requires_grad_(False)
+        opt = torch.optim.SGD(q.parameters(), lr=0.1)
+        state, ptr = {"n": 0}, torch.zeros(1, dtype=torch.long, device=device)
+
+        def step(x):
+            with torch.no_grad():
+                for pk, pq in zip(k.parameters(), q.parameters()):
+                    pk.data = pk.data * 0.9 + pq.data * 0.1
+            loss = (q(x) - k(x)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if then == "advance_a_counter":
+                state["n"] += 1
+            else:
+                int(ptr)
+            return loss
+
+        f = wrap(step)
+        x = torch.linspace(-1, 1, 12, device=device).view(4, 3)
+        return [f(x).item() for _ in range(4)] + [k.weight.sum().item(), state["n"]]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert run("jax", t2j.jit) == pytest.approx(run("cpu", lambda f: f), rel=1e-5)

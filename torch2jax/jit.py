@@ -408,7 +408,7 @@ def _layout(t):
 
 def _binding(t):
     """A new tensor bound as ``t`` is now (storage, view chain, layout): what puts ``t`` back
-    (`Tensor._rebind`) after a failed trace changed its layout."""
+    (`Tensor._rebind`) after a failed trace bound it to another storage or changed its layout."""
     if t._t2j_view:
         return _tensor.lazy_view(t._t2j_storage, t._t2j_view, t.shape, t.stride(), t.storage_offset(), t.dtype)
     return Tensor(t._t2j_storage)
@@ -816,6 +816,11 @@ class _GroupSite(NamedTuple):
         v = self.group[self.hk]
         return float(v if self.ti is None else v[self.ti])
 
+    def current(self):
+        """The value there now, as it is (a traced number the function stored)."""
+        v = self.group[self.hk]
+        return v if self.ti is None else v[self.ti]
+
     def saved(self):
         """(what it is, how to put its value back): a tuple's elements share one entry."""
         group, hk, value = self.group, self.hk, self.group[self.hk]
@@ -1083,6 +1088,7 @@ class _Walk:
         self.tensors, self.origins, self.static, self.lifted, self.lifted_ids = [], [], [], [], []
         self.grads_seen = set(grads_seen)
         self.hypers = hypers
+        self.groups_lifted = set()
 
     def add(self, t, origin):
         self.tensors.append(t)
@@ -1179,7 +1185,10 @@ class _Walk:
             static.append((("optimizer", k, "state", gi), tuple(layouts)))
 
     def lift(self, group, k, gi, hk, ti):
-        self.lift_number(_GroupSite(group, hk, ti), (k, gi, hk, ti))
+        # (a group two optimizers share, as a wrapper optimizer holds its base's: one input)
+        if (id(group), hk, ti) not in self.groups_lifted:
+            self.groups_lifted.add((id(group), hk, ti))
+            self.lift_number(_GroupSite(group, hk, ti), (k, gi, hk, ti))
 
     def lift_number(self, site, where):
         """Make the number read at ``site`` (identified by ``where``) a program input."""
@@ -1726,6 +1735,27 @@ class _Capture:
                 st.version += 1
 
 
+class _KeepViews(Exception):
+    """A trace wrote an argument `JitFunction._view_copies` had copied, or returned or kept it: trace
+    again with the views themselves."""
+
+
+def _copies_escape(info, copies, storages, slots, leaves) -> bool:
+    """Whether a trace wrote one of the ``copies`` (ids of storages) or returned or stored one (or a
+    view of one)."""
+    if any(id(storages[i]) in copies for i in info["written"]):
+        return True
+
+    def escapes(kind, v):
+        if kind == "tree":
+            return any(escapes(*k) for k in v[1])
+        if kind == "arg":
+            return id(leaves[v]._t2j_storage) in copies
+        return kind == "view" and id(slots.tensors[v[0]]._t2j_storage) in copies
+
+    return any(escapes(*k) for k in info["out_leaves"]) or any(escapes(*k) for _, k in info["stores"])
+
+
 class _Retrace(Exception):
     """A trace read tensors it was not given (``found``); trace again with them as inputs."""
 
@@ -1895,6 +1925,10 @@ class JitFunction:
         self._extra: list = []  # weakrefs to storages read but not found as slots
         self._found_roots: list = []  # weakrefs to optimizers a trace stepped that the walk missed
         self._roots_memo: list = []  # the last call's _RootState
+        # argument views passed to the program as values of their own (`_view_copies`); False once a trace
+        # wrote one or returned it
+        self._copy_views = True
+        self._copies: list = []  # the storages of this call's copies
         self._hypers = _Hyperparameters()
         self._breaks = 0  # traces in a row that stopped at a value-dependent op
         self._draws = 0  # seed rows the last trace took from explicit torch.Generators: the next one's first guess
@@ -2008,7 +2042,8 @@ class JitFunction:
 
     def _lookup(self, args, kwargs):
         given, spec = torch_pytree.tree_flatten((args, kwargs), _is_size)
-        leaves = self._device_leaves(given)
+        plain = self._device_leaves(given)
+        leaves = self._view_copies(plain)
         roots = _find_roots(self.fn, args, kwargs)
         for found in self._found_roots:
             roots.add(found)
@@ -2026,7 +2061,7 @@ class JitFunction:
                    tuple((tuple(s.array.shape), s.array.dtype) for s in extra), _config(), torch.is_grad_enabled(),
                    torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
             if key in self._eager:
-                return _Eager(key, self._eager[key]), leaves, slots, storages
+                return _Eager(key, self._eager[key]), plain, slots, storages
             entries = self._cache.get(key, ())
             entry = _guarded(entries, slots, storages)
             if entry is not None:
@@ -2041,7 +2076,7 @@ class JitFunction:
                 continue
             if self._breaks >= _BREAKS_BEFORE_EAGER:
                 # every new key stopped the trace (LBFGS's growing history): no more attempts
-                return _Eager(key, self._last_break), leaves, slots, storages
+                return _Eager(key, self._last_break), plain, slots, storages
             slots = _collect(leaves, roots, full=True, hypers=self._hypers)
             slots.lifted = slots.lifted + [site for site, _ in numbers]
             if not entries:
@@ -2068,6 +2103,12 @@ class JitFunction:
                 self._log(f"it steps {len(r.found)} optimizer(s) found only while tracing (held deeper in objects "
                           "than the walk from the function looks): now carried too")
                 continue
+            except _KeepViews:
+                self._copy_views = False
+                leaves = plain
+                self._log("it writes an argument that is a view, or returns or keeps it: such arguments are the "
+                          "views themselves from now on, their storage offsets part of the cache key")
+                continue
             except _Retrace as r:
                 self._extra.extend(weakref.ref(s) for s in r.found)
                 msg = (f"t2j.jit: retracing {getattr(self.fn, '__qualname__', self.fn)}: it read {len(r.found)} "
@@ -2083,13 +2124,14 @@ class JitFunction:
                     if self.fullgraph or isinstance(e, JitError):
                         raise
                     if not isinstance(e, _GRAPH_BREAKS):
-                        return _Eager(key, f"{type(e).__name__}: {e}", raised=True), leaves, slots, storages
+                        return _Eager(key, f"{type(e).__name__}: {e}", raised=True), plain, slots, storages
                     if self._by_value is None and (values := _value_arguments(given)):
                         self._by_value = retried = values
                         self._log(f"the trace stopped at {type(e).__name__}: {e}; the integer CPU argument(s) "
                                   f"{sorted(values)} stay on the CPU, their values constants of the program (each "
                                   "new value traces again)")
-                        leaves = self._device_leaves(given)
+                        plain = self._device_leaves(given)
+                        leaves = self._view_copies(plain)
                         continue
                     if retried:  # their values did not help: on the device, as before
                         self._by_value = frozenset()
@@ -2103,7 +2145,7 @@ class JitFunction:
                                 "not compiled for run eagerly without a trace")
                     _RECOMPILES.append(msg)
                     log.info(msg)
-                    return _Eager(key, reason), leaves, slots, storages
+                    return _Eager(key, reason), plain, slots, storages
                 # torch needed a real number for it (a size, a Scalar-only argument): keep it static
                 self._hypers.block(new)
                 self._log(f"the number(s) {[_lifted_name(h) for h in new]} cannot be program inputs "
@@ -2127,6 +2169,29 @@ class JitFunction:
         whose values it needs (`_value_arguments`)."""
         by_value = self._by_value or ()
         return [x if i in by_value else _to_device(x) for i, x in enumerate(given)]
+
+    def _view_copies(self, leaves) -> list:
+        """``leaves`` with each tensor argument that is a view (``data[:, i:i + k]``, a minibatch
+        sliced from a dataset on the device) replaced by a copy of its values, where the function
+        only reads it: the program then takes the slice as an array of its own, and one program
+        serves every offset, where the view's offset would key a trace of its own. Not for views
+        that require grad, nor views of a storage that other state or a whole argument holds (the
+        function could write it); a trace that writes a copy, returns it or keeps it raises
+        `_KeepViews`, after which every call passes the views themselves."""
+        self._copies = []
+        if not self._copy_views or not self._roots_memo:  # (the first call's state is not known yet)
+            return leaves
+        state = self._roots_memo[0].index
+        whole = {id(x._t2j_storage) for x in leaves if type(x) is Tensor and not x._t2j_view}
+        out = None
+        for i, x in enumerate(leaves):
+            if type(x) is Tensor and x._t2j_view and not x.requires_grad and id(x._t2j_storage) not in state \
+                    and id(x._t2j_storage) not in whole:
+                if out is None:
+                    out = list(leaves)
+                out[i] = new_tensor(x._value())
+                self._copies.append(out[i]._t2j_storage)
+        return leaves if out is None else out
 
     def _number_arguments(self, leaves) -> list:
         """(`_ArgSite`, id) of the Python numbers among the arguments that are program inputs."""
@@ -2238,6 +2303,8 @@ class JitFunction:
             finally:
                 _restore_histories(info["own_histories"])
         written = info["written"]
+        if self._copies and _copies_escape(info, {id(st) for st in self._copies}, storages, slots, leaves):
+            raise _KeepViews()
         n_in = len(inputs)
         # a validation failing at run time must leave the state as it was, as torch's raise does
         donate = tuple(i for i in written if _donated(inputs[i])) if self.donate and _sym.RUNTIME_CHECKS == checks else ()
@@ -2352,6 +2419,8 @@ class JitFunction:
             for site, v, a in zip(slots.lifted, values, arrays):
                 if isinstance(site, _ValueSite) and site.changed(v) and _is_number(new := site.read()):
                     numbers_stored.append((site, new))  # (a counter the function advances)
+                elif isinstance(site, _GroupSite) and site.changed(v) and _is_number(new := site.current()):
+                    numbers_stored.append((site, new))  # (a warm-up setting ``group["lr"]`` itself)
                 elif site.changed(v) or (a is not None and v._t2j_storage.array is not a):
                     raise JitError(
                         f"t2j.jit: {site.what()} changed inside the jitted function (an LR scheduler stepping "
@@ -2373,7 +2442,10 @@ class JitFunction:
             # tensors it stored in places (`_Places`) are outputs too, given to the same places after each call
             stores = [(functools.partial(_put, kind, container, key), made.stored(t))
                       for kind, container, key, t in saved_slots[2].moved()]
-            stores += [(site.write, made.stored(new)) for site, new in numbers_stored]
+            # a number argument stored as it is (``group["lr"] = lr``) is stored from the call's arguments
+            arg_numbers = {id(v): site.index for site, v in zip(slots.lifted, values) if isinstance(site, _ArgSite)}
+            stores += [(site.write, ("arg", arg_numbers[id(new)]) if id(new) in arg_numbers else made.stored(new))
+                       for site, new in numbers_stored]
             stores += [(functools.partial(_append, container), made.stored(v)) for container, items in appended
                        for v in items]
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
@@ -2428,8 +2500,8 @@ class JitFunction:
             if not ok:
                 _restore_structure(structure)
                 _restore(saved_slots)
-                for t, twin in bindings:
-                    if _layout(t) != _layout(twin):
+                for t, twin in bindings:  # (``.data =`` a new tensor: another storage, maybe another layout)
+                    if t._t2j_storage is not twin._t2j_storage or _layout(t) != _layout(twin):
                         t._rebind(twin)
 
     # -- recompiles ---------------------------------------------------------------
