@@ -2404,3 +2404,20 @@ def test_data_assignment_in_a_trace_that_stops_is_undone(then):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert run("jax", t2j.jit) == pytest.approx(run("cpu", lambda f: f), rel=1e-5)
+
+
+def test_outputs_made_under_inference_mode_are_inference_tensors():
+    lin = torch.nn.Linear(3, 2).to("jax")
+
+    def predict(x):
+        with torch.inference_mode():
+            y = lin(x)
+        return y, y.t(), lin(x)
+
+    x = torch.randn(4, 3, device="jax")
+    f = t2j.jit(predict)
+    for _ in range(2):
+        got, expected = f(x), predict(x)
+        assert [t.is_inference() for t in got] == [t.is_inference() for t in expected] == [True, True, False]
+        with pytest.raises(RuntimeError, match="inference"):
+            got[0].requires_grad_()

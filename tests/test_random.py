@@ -691,3 +691,27 @@ class _Augment:
 
     def __call__(self):
         return self.rng.uniform()
+
+
+def test_manual_seed_inside_jit_with_a_seed_per_step_stays_compiled():
+    """``torch.manual_seed(base + step)`` in a step: torch seeds the devices before the CPU
+    generator, and the draws after it are the same on every call with that seed."""
+    import torch2jax as t2j
+
+    def noisy(x, seed):
+        torch.manual_seed(seed)
+        return x + torch.randn(3, device=x.device), torch.randint(0, 100, (2,))
+
+    f = t2j.jit(noisy)
+    torch.manual_seed(123)
+    torch.rand(5)
+    x = torch.zeros(3, device="jax")
+    for seed in (1, 2, 1):
+        got, cpu_draw = f(x, seed)
+        after = torch.rand(1)
+        expected, expected_cpu = noisy(x, seed)
+        assert torch.equal(got, expected) and torch.equal(cpu_draw, expected_cpu)
+        assert torch.equal(torch.rand(1), after)  # the CPU stream continues where the call left it
+        torch.manual_seed(seed)
+        torch.randint(0, 100, (2,))
+    assert f.stats["eager_calls"] == 0 and f.stats["compiles"] == 2

@@ -294,6 +294,7 @@ class GeneratorDraws:
         self.host_start = [(g, _host_rng_state(g)) for g in host]
         self.created: list = []
         self.before: list = []  # (generator, its state before the trace) for each one re-seeded in it
+        self.default_seeds: list = []  # the seeds given to the jax device's generator (`reseeding_the_default`)
         self.reseeded: list = []
         self.drew_on_the_host = False
 
@@ -333,10 +334,14 @@ class GeneratorDraws:
             self.before.append((generator, generator.get_state()))
 
     def reseeding_the_default(self, seed: int) -> None:
-        """``torch.manual_seed(seed)`` (which re-seeds the CPU generator, then the jax device's)."""
+        """The jax device's generator is re-seeded with ``seed``: by ``torch.manual_seed(seed)``, which
+        re-seeds the CPU generator too (after the devices' in torch 2.13, before them in earlier
+        versions), or by ``torch.jax.manual_seed`` alone. `restore` tells which from the CPU generator's
+        seed: only the first makes the CPU draws after it the same on every call."""
         cpu = torch.default_generator
-        if torch.initial_seed() == seed and not self._fixed(cpu):
+        if not self._fixed(cpu):
             self.before.append((cpu, self.start[0][1]))
+            self.default_seeds.append(seed)
 
     @property
     def complete(self) -> bool:
@@ -345,6 +350,8 @@ class GeneratorDraws:
 
     def restore(self) -> None:
         """Put the generators the trace re-seeded or drew from on the CPU back as they were before it."""
+        if self.default_seeds and torch.initial_seed() != self.default_seeds[-1]:  # (the jax device's alone)
+            self.before = [(g, state) for g, state in self.before if g is not torch.default_generator]
         self.reseeded = [(self._source(g), g.get_state()) for g, _ in self.before]
         python, numpy = self.python_start
         self.drew_on_the_host = (any(not self._fixed(g) and not torch.equal(g.get_state(), state)

@@ -1585,6 +1585,7 @@ class _Outputs:
         self.slots, self.storages, self.pre_index, self.arg_index = slots, storages, pre_index, arg_index
         self.arrays, self.grad_outs = [], []
         self.histories = []  # of those, the outputs an op made (with a grad_fn), not leaves made inside
+        self.inference = []  # the outputs made under torch.inference_mode()
         self.leaves = {}  # id of an output tensor -> its position among the output leaves
         self.kept = {}  # id -> the output tensor (alive while the trace's outputs are classified)
         self.position = -1  # of the output leaf being classified
@@ -1657,6 +1658,8 @@ class _Outputs:
         order = _dense_order(leaf)
         outs.append(leaf._value())
         k = len(outs) - 1
+        if leaf.is_inference():
+            self.inference.append(k)
         return ("array32", k) if leaf.dtype is torch.complex32 else ("array", k) if order is None \
             else ("laid_out", (k, order))
 
@@ -1859,6 +1862,7 @@ class _Entry:
     # outputs whose graph the function consumed (it ran backward): they come back requiring grad, with
     # a node that refuses a second backward, as torch's outputs do after backward() (`_SpentGraph`)
     spent: tuple = ()
+    inference: frozenset = frozenset()  # outputs (indices among the program's) made under inference_mode
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -2213,6 +2217,9 @@ class JitFunction:
         else:
             arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves),
                                                            donated=True)]
+        if entry.inference:  # (outputs made under torch.inference_mode() are inference tensors)
+            with torch.inference_mode():
+                arrays = [new_tensor(a._value()) if k in entry.inference else a for k, a in enumerate(arrays)]
             if entry.spent and torch.is_grad_enabled():
                 _SpentGraph.attach(arrays, entry.spent, self.fn)
         result = []
@@ -2222,6 +2229,9 @@ class JitFunction:
             elif kind == "view_of_leaf":
                 base = result[v[0]]
                 result.append(_view_of(base, *v[1:3], base.storage_offset() + v[3], v[4]))
+            elif kind == "laid_out" and v[0] in entry.inference:
+                with torch.inference_mode():
+                    result.append(_output(kind, v, arrays, slots, leaves))
             else:
                 result.append(_output(kind, v, arrays, slots, leaves))
         for setter, stored in entry.stores:
@@ -2352,6 +2362,7 @@ class JitFunction:
                       info["out_leaves"], info["stores"], uses_rng, slots.names, time.perf_counter() - start,
                       info["guards"], program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
                       shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]), spent=spent,
+                      inference=info["inference"],
                       draws=info["draws"], reseeded=info["reseeded"])
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2479,7 +2490,7 @@ class JitFunction:
             info.update(undo=saved_slots if post else None, rebased=rebased,
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds, stores=stores,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
-                histories=made.histories,
+                histories=made.histories, inference=frozenset(made.inference),
                 draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
                 else [],
