@@ -2421,3 +2421,39 @@ def test_outputs_made_under_inference_mode_are_inference_tensors():
         assert [t.is_inference() for t in got] == [t.is_inference() for t in expected] == [True, True, False]
         with pytest.raises(RuntimeError, match="inference"):
             got[0].requires_grad_()
+
+
+@pytest.mark.parametrize("make", ["detach", "data", "detach_slice", "no_grad_slice", "slice", "parameter_detach"])
+def test_view_outputs_keep_their_relation_to_autograd(make):
+    """A returned ``x.detach()`` / ``x.data`` of an input that requires grad is detached, a view made
+    under no_grad has no history, a plain slice has one, as in torch."""
+    lin = torch.nn.Linear(3, 3)
+
+    def out(x):
+        if make == "detach":
+            return x.detach()
+        if make == "data":
+            return x.data
+        if make == "detach_slice":
+            return x.detach()[1:]
+        if make == "no_grad_slice":
+            with torch.no_grad():
+                return x[1:]
+        if make == "parameter_detach":
+            return lin.weight.detach()
+        return x[1:]
+
+    def run(device, wrap):
+        lin.to(device)
+        w = torch.ones(3, device=device, requires_grad=True)
+        f = wrap(out)
+        got = []
+        for _ in range(2):
+            y = f(w)
+            got.append((y.requires_grad, y.grad_fn is None, y.is_leaf, y._base is None))
+            if y.grad_fn is not None:
+                y.sum().backward()
+        got.append(None if w.grad is None else w.grad.cpu().tolist())
+        return got
+
+    assert run("jax", t2j.jit) == run("cpu", lambda f: f)

@@ -1536,8 +1536,14 @@ def _view_of_slot(t, tensors, storages):
         return None
     for k, s in enumerate(tensors):
         if s is not None and s._t2j_storage is t._t2j_storage and s.dtype == t.dtype:
-            return k, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.requires_grad
+            return k, tuple(t.shape), tuple(t.stride()), t.storage_offset(), _grad_mode_of(t)
     return None
+
+
+def _grad_mode_of(t):
+    """How view output ``t`` relates to autograd, for `_view_of`: True (a view with a history),
+    None (made under no_grad from a tensor that requires grad), False (detached)."""
+    return (True if t.grad_fn is not None else None) if t.requires_grad else False
 
 
 def _dense_order(t) -> tuple | None:
@@ -1612,7 +1618,7 @@ class _Outputs:
             if other._t2j_storage is leaf._t2j_storage and other.dtype == leaf.dtype \
                     and (offset := _offset_within(leaf, other)) is not None:
                 return "view_of_leaf", (self.leaves[k], tuple(leaf.shape), tuple(leaf.stride()), offset,
-                                        leaf.requires_grad)
+                                        _grad_mode_of(leaf))
         return None
 
     def release(self):
@@ -1664,9 +1670,15 @@ class _Outputs:
             else ("laid_out", (k, order))
 
 
-def _view_of(base, size, stride, offset, requires_grad):
-    """The view of ``base`` an output is (`_view_of_slot`, ``"view_of_leaf"``), with its grad mode."""
-    with torch.set_grad_enabled(requires_grad):
+def _view_of(base, size, stride, offset, grad_mode):
+    """The view of ``base`` an output is (`_view_of_slot`, ``"view_of_leaf"``), related to autograd
+    as the traced output was (`_grad_mode_of`): with a history, made under no_grad, or detached."""
+    if grad_mode is False:
+        base = base.detach()
+        if (tuple(base.shape), base.stride(), base.storage_offset()) == (tuple(size), tuple(stride), offset):
+            return base  # (``x.detach()``, ``x.data``: not a view in autograd's sense, no ``_base``)
+        return base.as_strided(size, stride, offset)
+    with torch.set_grad_enabled(bool(grad_mode)):
         return base.as_strided(size, stride, offset)
 
 
