@@ -367,3 +367,37 @@ def test_lerp_keeps_a_python_weight_in_float32(dtype):
     a, b = torch.randn(1000).to(dtype), torch.randn(1000).to(dtype)
     expected = torch.lerp(a, b, 0.1)
     assert (torch.lerp(a.to("jax"), b.to("jax"), 0.1).cpu() != expected).sum() <= 2  # (1-ulp FMA differences)
+
+
+_OUT_RESIZES = {
+    "zeros": lambda e, d: torch.zeros(4, out=e(2)),
+    "full": lambda e, d: torch.full((4,), 2.0, out=e(2)),
+    "eye": lambda e, d: torch.eye(3, out=e(2)),
+    "rand": lambda e, d: torch.rand(4, out=e(2)),
+    "randint": lambda e, d: torch.randint(3, (4,), out=e(2, torch.long)),
+    "randperm": lambda e, d: torch.randperm(4, out=e(2, torch.long)),
+    "linspace": lambda e, d: torch.linspace(0, 1, 4, out=e(2)),
+    "normal": lambda e, d: torch.normal(0.0, 1.0, (4,), out=e(2)),
+    "bernoulli": lambda e, d: torch.bernoulli(torch.full((4,), 0.5, device=d), out=e(2)),
+    "multinomial": lambda e, d: torch.multinomial(torch.ones(4, device=d), 4, out=e(2, torch.long)),
+    "arange": lambda e, d: torch.arange(4.0, out=e(2)),
+    "add": lambda e, d: torch.add(torch.ones(4, device=d), 1, out=e(2)),
+    "sort": lambda e, d: torch.sort(torch.ones(4, device=d), out=(e(2), e(2, torch.long))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OUT_RESIZES))
+def test_out_resize_warns_where_torch_does(name):
+    """torch warns when resize_output grows an out= tensor with elements; its factories and
+    random ops resize theirs without a word."""
+    def warned(device):
+        def empty(n, dtype=torch.float32):
+            return torch.empty(n, dtype=dtype, device=device)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = _OUT_RESIZES[name](empty, device)
+        first = out[0] if isinstance(out, tuple) else out
+        return sum("resized" in str(w.message) for w in caught), tuple(first.shape)
+
+    assert warned("jax") == warned("cpu")

@@ -1739,7 +1739,7 @@ def _mutation_handler(func, functional):
     dtype_from_out = is_out and len(mutated) == 1 and takes_dtype and (factory or op_name in _DTYPE_FROM_OUT)
     # bernoulli(p, out=x) is x.bernoulli_(p): its 0s and 1s go into out of any dtype
     cast_into_out = is_out and op_name == "bernoulli"
-    resize = is_out or op_name in _RESIZES_SELF
+    resize = ("quietly" if op_name in _RESIZES_QUIETLY else True) if is_out or op_name in _RESIZES_SELF else False
 
     def run(func, args, kwargs):
         if len(args) < len(positional):
@@ -1783,6 +1783,9 @@ def _mutation_handler(func, functional):
 # In-place ops whose CPU kernel writes self as an out= tensor: a broadcastable self is resized to the
 # result's shape (torch.zeros(1).addbmm_(b1, b2) becomes (n, p))
 _RESIZES_SELF = {"addbmm_"}
+# out= ops whose CPU kernels resize ``out`` without torch's "was resized" warning (factories and random ops)
+_RESIZES_QUIETLY = frozenset({"zeros", "ones", "full", "eye", "rand", "randint", "randperm", "linspace", "logspace",
+                              "range", "normal", "bernoulli", "multinomial"})
 
 # Stand-ins up to this many elements have the operands' own shapes; larger operands are
 # checked on one-element stand-ins of their ranks.
@@ -2035,7 +2038,9 @@ def _is_set_to_handler(func, args, kwargs):
 
 
 def write(target, value, func, resize=False):
-    """Write array ``value`` into tensor ``target`` as op ``func`` does (cast, shape checks)."""
+    """Write array ``value`` into tensor ``target`` as op ``func`` does (cast, shape checks). ``resize``:
+    a target of another shape is resized to ``value``'s, with torch's warning where it had elements
+    (``"quietly"``: without it)."""
     if not isinstance(target, Tensor):
         if func is torch.ops.aten.copy_.default and target.device.type == "cpu":
             # cpu_tensor.copy_(jax_tensor), as from CUDA: a CPU model's load_state_dict of a jax checkpoint
@@ -2048,7 +2053,7 @@ def write(target, value, func, resize=False):
     if tuple(value.shape) != tuple(target.shape):
         if resize:
             value = _checked_value(target, value, func)
-            if target.numel():
+            if target.numel() and resize != "quietly":
                 warnings.warn(
                     f"An output with one or more elements was resized since it had shape {list(target.shape)}, "
                     f"which does not match the required output shape {list(value.shape)}.",
