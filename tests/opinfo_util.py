@@ -29,6 +29,12 @@ DTYPES = {
     "bool": torch.bool,
     "complex64": torch.complex64,
     "complex32": torch.complex32,  # beyond the dtypes: JAX has none (torch2jax/complex32.py)
+    # eager mode only (tests/test_opinfo.py): the widest and the narrow integer types
+    "float64": torch.float64,
+    "complex128": torch.complex128,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
 }
 MODES = ("eager", "jit", "grad", "t2j_jit")
 
@@ -69,6 +75,8 @@ TOLERANCE = {
     torch.bfloat16: (1.6e-2, 1e-2),
     torch.float16: (1e-3, 1e-3),
     torch.complex64: (1.3e-5, 1e-5),
+    torch.float64: (1e-7, 1e-7),  # torch.testing's defaults for the double types
+    torch.complex128: (1e-7, 1e-7),
 }
 
 SAMPLES = int(os.environ.get("T2J_OPINFO_SAMPLES", "4"))

@@ -2457,3 +2457,27 @@ def test_view_outputs_keep_their_relation_to_autograd(make):
         return got
 
     assert run("jax", t2j.jit) == run("cpu", lambda f: f)
+
+
+def test_value_view_outputs_of_inputs_are_views():
+    """``x.imag``, ``view_as_real``, ``conj`` and dtype views of an input come back as those views,
+    so writes through them reach the input and gradients flow, as torch returns them."""
+    def run(device, wrap):
+        got = []
+        for _ in range(2):  # the trace, then the compiled program
+            z = torch.zeros(2, 3, dtype=torch.complex64, device=device)
+            imag = wrap(lambda t: t.imag)(z)
+            imag.fill_(5)
+            wrap(lambda t: torch.view_as_real(t))(z)[..., 0] = 1
+            conj = wrap(lambda t: t.conj())(z)
+            sliced = wrap(lambda t: t[:, 1:].imag)(z)
+            row = wrap(lambda t: t.unbind(0)[1].imag)(z)
+            x = torch.zeros(2, device=device)
+            wrap(lambda t: t.view(torch.int32))(x).fill_(1)
+            w = torch.ones(3, dtype=torch.complex64, device=device, requires_grad=True)
+            wrap(lambda t: t.conj() * 2)(w).abs().sum().backward()
+            got.append((z.cpu().tolist(), imag._base is z, conj.is_conj(), x.cpu().tolist(), sliced.stride(),
+                        sliced.storage_offset(), row.stride(), row.storage_offset(), w.grad.cpu().tolist()))
+        return got
+
+    assert run("jax", t2j.jit) == run("cpu", lambda f: f)

@@ -33,6 +33,10 @@ SLOW_EAGER = {"nn.functional.conv_transpose3d|bfloat16|eager", "nn.functional.co
               "nn.functional.conv_transpose2d|float16|eager"}
 
 
+# dtypes whose eager cases run with the slow set (CI time); float64 runs in CI
+SLOW_DTYPES = {"complex128", "uint8", "int8", "int16"}
+
+
 def cases():
     for name, op in sorted(OPS.items()):
         supported = op.supported_dtypes("cpu")
@@ -49,7 +53,7 @@ def cases():
                 marks = [pytest.mark.xfail(strict=True, reason=XFAIL[key])] if key in XFAIL else []
                 if key in CRASHES:
                     marks = [pytest.mark.skip(reason=CRASHES[key])]
-                if mode != "eager" or key in SLOW_EAGER:
+                if mode != "eager" or key in SLOW_EAGER or dname in SLOW_DTYPES:
                     marks.append(pytest.mark.slow)
                 yield pytest.param(name, dname, mode, id=key, marks=marks)
 

@@ -1296,7 +1296,8 @@ def _view_handler(func, forward, inverse):
             return [
                 _make_view(
                     x,
-                    ViewStep(_pick(forward, i, urest, kwargs), _pick_inverse(inverse, i, urest, kwargs), func),
+                    ViewStep(_pick(forward, i, urest, kwargs), _pick_inverse(inverse, i, urest, kwargs), func,
+                             call=(func, urest, kwargs, i)),
                     v,
                     m,
                 )
@@ -1307,6 +1308,7 @@ def _view_handler(func, forward, inverse):
                 functools.partial(_apply_forward, forward, urest, kwargs),
                 functools.partial(_apply_inverse, inverse, urest, kwargs),
                 func,
+                call=(func, urest, kwargs, None),
             )
             return _make_view(x, step, step.forward(x._value()), meta)
         key = _static_key(func, urest, kwargs)
@@ -1318,6 +1320,7 @@ def _view_handler(func, forward, inverse):
                 func,
                 key,
                 functools.partial(_apply_forward, forward, urest, kwargs),
+                call=(func, urest, kwargs, None),
             )
             if key is not None:
                 if len(steps) >= _MAX_SIGNATURES:

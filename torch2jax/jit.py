@@ -1532,12 +1532,39 @@ def _view_of_slot(t, tensors, storages):
         return None
     if not _tensor.strided_steps(t._t2j_view):
         # a view that changes values (conj, dtype views), or one at a traced position: as_strided
-        # cannot give it again
-        return None
+        # cannot give it again, its ops called again can
+        return _replayed_view_of_slot(t, tensors)
     for k, s in enumerate(tensors):
         if s is not None and s._t2j_storage is t._t2j_storage and s.dtype == t.dtype:
             return k, tuple(t.shape), tuple(t.stride()), t.storage_offset(), _grad_mode_of(t)
     return None
+
+
+def _replayed_view_of_slot(t, tensors):
+    """("replay", (slot, calls, grad mode)) where view output ``t`` is a slot tensor seen through view
+    ops with static arguments (``x.imag``, ``torch.view_as_real(x)``, ``x.conj()``, ``x.view(torch.int32)``):
+    each call makes it again by calling those ops on the slot's tensor; None otherwise."""
+    chain = t._t2j_view
+    for k, s in enumerate(tensors):
+        if s is None or s._t2j_storage is not t._t2j_storage or len(s._t2j_view) >= len(chain) \
+                or any(a is not b for a, b in zip(s._t2j_view, chain)):
+            continue
+        calls = [step.call for step in chain[len(s._t2j_view):]]
+        if all(c is not None and not any(isinstance(a, jax.Array) for a in jax.tree.leaves(c[1:3])) for c in calls):
+            return "replay", (k, calls, _grad_mode_of(t))
+    return None
+
+
+def _replayed(base, calls, grad_mode):
+    """``base`` through the view ops ``calls`` (`_replayed_view_of_slot`), related to autograd as
+    `_view_of` relates its views."""
+    if grad_mode is False and base.requires_grad:
+        base = base.detach()
+    with torch.set_grad_enabled(grad_mode is not None):
+        for func, rest, kwargs, i in calls:
+            base = func(base, *rest, **kwargs)
+            base = base if i is None else base[i]
+    return base
 
 
 def _grad_mode_of(t):
@@ -1673,11 +1700,10 @@ class _Outputs:
 def _view_of(base, size, stride, offset, grad_mode):
     """The view of ``base`` an output is (`_view_of_slot`, ``"view_of_leaf"``), related to autograd
     as the traced output was (`_grad_mode_of`): with a history, made under no_grad, or detached."""
-    if grad_mode is False:
-        base = base.detach()
+    if grad_mode is False and base.requires_grad:
         if (tuple(base.shape), base.stride(), base.storage_offset()) == (tuple(size), tuple(stride), offset):
-            return base  # (``x.detach()``, ``x.data``: not a view in autograd's sense, no ``_base``)
-        return base.as_strided(size, stride, offset)
+            return base.detach()  # (``x.detach()``, ``x.data``: not a view in autograd's sense, no ``_base``)
+        base = base.detach()
     with torch.set_grad_enabled(bool(grad_mode)):
         return base.as_strided(size, stride, offset)
 
@@ -1714,6 +1740,8 @@ def _output(kind, v, arrays, slots, leaves):
     if kind == "laid_out":
         return _laid_out_as(arrays[v[0]], v[1])
     if kind == "view":
+        if v[0] == "replay":
+            return _replayed(slots.tensors[v[1][0]], *v[1][1:])
         return _view_of(slots.tensors[v[0]], *v[1:])
     if kind == "pre":
         return slots.tensors[v]
@@ -1766,7 +1794,7 @@ def _copies_escape(info, copies, storages, slots, leaves) -> bool:
             return any(escapes(*k) for k in v[1])
         if kind == "arg":
             return id(leaves[v]._t2j_storage) in copies
-        return kind == "view" and id(slots.tensors[v[0]]._t2j_storage) in copies
+        return kind == "view" and id(slots.tensors[v[1][0] if v[0] == "replay" else v[0]]._t2j_storage) in copies
 
     return any(escapes(*k) for k in info["out_leaves"]) or any(escapes(*k) for _, k in info["stores"])
 

@@ -215,14 +215,17 @@ class ViewStep:
     otherwise.
     """
 
-    __slots__ = ("forward", "inverse", "name", "key", "trace", "repeats", "traced_offset")
+    __slots__ = ("forward", "inverse", "name", "key", "trace", "repeats", "traced_offset", "call")
 
-    def __init__(self, forward, inverse, name, key=None, trace=None, repeats=False, traced_offset=False):
+    def __init__(self, forward, inverse, name, key=None, trace=None, repeats=False, traced_offset=False, call=None):
         self.forward = forward
         self.inverse = inverse
         self.name = name
         self.key = key
         self.trace = trace
+        # (op, its other arguments, its keyword arguments, which output) as the view op was called: t2j.jit
+        # calls it again on an input to give a view of it back (`jit._replayed_view_of_slot`)
+        self.call = call
         # some of the view's elements are one element of the input (as_strided with overlapping
         # strides, unfold with a step below the size); a view with more elements than its
         # input (expand) repeats elements without saying so
