@@ -6,6 +6,7 @@ import copy
 import functools
 import importlib
 import math
+import sys
 import warnings
 
 import jax
@@ -2481,3 +2482,24 @@ def test_value_view_outputs_of_inputs_are_views():
         return got
 
     assert run("jax", t2j.jit) == run("cpu", lambda f: f)
+
+
+def test_each_state_tensor_is_one_slot():
+    """Parameters and buffers are slots once: the walk for tensors a module holds in plain
+    attributes (and in tuples, lists and dicts of them) skips its own parameter and buffer dicts."""
+    jit = sys.modules["torch2jax.jit"]
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)).to("jax")
+    m.carried = (torch.zeros(2, device="jax"), [torch.ones(1, device="jax")])
+    opt = torch.optim.AdamW(m.parameters())
+
+    def step(x):
+        opt.zero_grad()
+        m(x).sum().backward()
+        opt.step()
+
+    x = torch.randn(5, 4, device="jax")
+    step(x)
+    roots = jit._find_roots(step, (x,), {})
+    tensors = [t for t in jit._collect([x], roots, full=True).tensors if t is not None]
+    assert len(tensors) == len({id(t) for t in tensors})
+    assert sorted(map(id, roots.tensors)) == sorted(map(id, [m.carried[0], m.carried[1][0]]))

@@ -1058,6 +1058,10 @@ def _tensors_in(value) -> list:
     return [t for t in torch_pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+# a module's own dicts of parameters, buffers and submodules: their tensors are slots already
+_SLOT_DICTS = frozenset({"_parameters", "_buffers", "_modules"})
+
+
 def _tensor_attributes(module) -> list:
     """The tensors that ``module`` and its submodules hold as plain attributes, neither
     parameters nor buffers (``self.cache = x``, ``self.scale = torch.tensor(2.0)``): state like
@@ -1068,7 +1072,7 @@ def _tensor_attributes(module) -> list:
     ``self.hidden = (h, c)``). Read again only after an attribute write (`_ATTRIBUTE_WRITES`)."""
     seen = _TENSOR_ATTRIBUTES_SEEN.get(module)
     if seen is None or seen[0] != _ATTRIBUTE_WRITES[0]:
-        tensors = [t for sub in _submodules(module) for v in sub.__dict__.values()
+        tensors = [t for sub in _submodules(module) for k, v in sub.__dict__.items() if k not in _SLOT_DICTS
                    for t in ((v,) if isinstance(v, torch.Tensor) else _tensors_in(v))]
         seen = _TENSOR_ATTRIBUTES_SEEN[module] = (_ATTRIBUTE_WRITES[0], tensors)
     return seen[1]
@@ -2257,11 +2261,11 @@ class JitFunction:
         else:
             arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves),
                                                            donated=True)]
+            if entry.spent and torch.is_grad_enabled():
+                _SpentGraph.attach(arrays, entry.spent, self.fn)
         if entry.inference:  # (outputs made under torch.inference_mode() are inference tensors)
             with torch.inference_mode():
                 arrays = [new_tensor(a._value()) if k in entry.inference else a for k, a in enumerate(arrays)]
-            if entry.spent and torch.is_grad_enabled():
-                _SpentGraph.attach(arrays, entry.spent, self.fn)
         result = []
         for kind, v in entry.out_leaves:
             if kind == "leaf":
