@@ -1051,11 +1051,16 @@ def _sorted_keys(st: dict) -> tuple:
 _TENSOR_ATTRIBUTES_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (writes, tensors)
 
 
-def _tensors_in(value) -> list:
-    """The tensors among the leaves of a tuple, list or dict ``value`` (none for other values)."""
+def _container_leaves(value) -> list:
+    """The leaves of a tuple, list, dict or namedtuple ``value``; none for other values."""
     if type(value) not in (tuple, list, dict) and not _is_namedtuple(value):
         return []
-    return [t for t in torch_pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return torch_pytree.tree_leaves(value)
+
+
+def _tensors_in(value) -> list:
+    """The tensors among the leaves of a tuple, list or dict ``value`` (none for other values)."""
+    return [t for t in _container_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 # a module's own dicts of parameters, buffers and submodules: their tensors are slots already
@@ -1725,8 +1730,7 @@ def _stored_value(stored, result, arrays, slots, leaves):
 
 def _holds_traced(value) -> bool:
     """Whether ``value`` is a tuple, list or dict with a tensor or a traced number among its leaves."""
-    return (type(value) in (tuple, list, dict) or _is_namedtuple(value)) and any(
-        isinstance(x, torch.Tensor) or _sym.is_traced_number(x) for x in torch_pytree.tree_leaves(value))
+    return any(isinstance(x, torch.Tensor) or _sym.is_traced_number(x) for x in _container_leaves(value))
 
 
 def _is_namedtuple(value) -> bool:
