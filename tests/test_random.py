@@ -9,6 +9,7 @@ generator first, so it is deterministic.
 from __future__ import annotations
 
 import math
+import pickle
 import random
 
 import numpy as np
@@ -333,6 +334,40 @@ def test_generator_consecutive_draws_differ():
     assert not torch.equal(a, b)
     g.manual_seed(5)
     assert torch.equal(torch.randn(8, device="jax", generator=g).cpu(), a)
+
+
+def test_jax_generator_draws_what_the_default_generator_draws_after_the_same_seed():
+    """As on CUDA: ``Generator(device).manual_seed(s)`` and ``torch.manual_seed(s)`` give one stream."""
+    torch.manual_seed(7)
+    default = [torch.randn(5, device="jax").cpu(), torch.rand(3, device="jax").cpu(),
+               torch.randint(0, 9, (4,), device="jax").cpu()]
+    g = torch.Generator(device="jax").manual_seed(7)
+    own = [torch.randn(5, device="jax", generator=g).cpu(), torch.rand(3, device="jax", generator=g).cpu(),
+           torch.randint(0, 9, (4,), device="jax", generator=g).cpu()]
+    assert all(torch.equal(a, b) for a, b in zip(default, own))
+    assert g.initial_seed() == 7 and g.device == torch.device("jax", 0)
+
+
+def test_jax_generator_state_round_trips_and_pickles():
+    g = torch.Generator(device="jax").manual_seed(11)
+    torch.randn(2, device="jax", generator=g)
+    state = g.get_state()
+    assert state.dtype == torch.uint8 and state.device.type == "cpu"
+    assert state.shape == torch.jax.get_rng_state().shape  # one format for both kinds of generator
+    a = torch.randn(6, device="jax", generator=g).cpu()
+    assert torch.equal(g.set_state(state).get_state(), state)
+    assert torch.equal(torch.randn(6, device="jax", generator=g).cpu(), a)
+    g.set_state(state)
+    copy = pickle.loads(pickle.dumps(g))
+    assert copy.initial_seed() == 11
+    assert torch.equal(torch.randn(6, device="jax", generator=copy).cpu(), a)
+    # the default generator's state drives a jax Generator too
+    torch.jax.set_rng_state(state)
+    assert torch.equal(torch.randn(6, device="jax").cpu(), a)
+    with pytest.raises(TypeError, match=r"Generator.set_state: expected .* torch.uint8 tensor of 8 bytes"):
+        g.set_state(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="torch.Generator: device jax:1 does not exist"):
+        torch.Generator(device="jax:1")
 
 
 def test_dropout_mask_differs_between_calls():

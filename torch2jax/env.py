@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import random
 import threading
+import weakref
 
 import jax
 import numpy as np
@@ -161,10 +162,31 @@ class RngState:
                 "pass a key: fn(state, *args, rng=key) for a functionalized module, or "
                 "`with t2j.rng_key(key):` around the code."
             )
-        # The stored key stays concrete: a trace never leaks into the generator.
+        return self.next_stored_key()
+
+    def next_stored_key(self):
+        """The next key of the stored stream, concrete also while a function is traced: the stored
+        key never holds a tracer."""
         with jax.ensure_compile_time_eval():
             self.key, sub = _split(self.key)
         return sub
+
+    def state_bytes(self) -> torch.Tensor:
+        """The stored key's data as bytes: a CPU uint8 tensor, as torch's generators give their state."""
+        with jax.ensure_compile_time_eval():
+            data = np.asarray(jax.random.key_data(self.key)).astype(np.uint32)
+        return torch.from_numpy(data.view(np.uint8).copy())
+
+    def set_state_bytes(self, state: torch.Tensor, caller: str) -> None:
+        """Continue the stream from ``state`` (what `state_bytes` gave)."""
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 4 * KEY_WORDS:
+            got = (f"a {state.dtype} tensor of {state.numel()} elements" if isinstance(state, torch.Tensor)
+                   else type(state).__name__)
+            raise TypeError(f"{caller}: expected the state a jax-device generator gives (a torch.uint8 tensor of "
+                            f"{4 * KEY_WORDS} bytes, from get_state()), got {got}")
+        data = state.detach().cpu().numpy().reshape(-1).view(np.uint32)
+        with jax.ensure_compile_time_eval():
+            self.key = jax.random.wrap_key_data(jax.numpy.asarray(data))
 
     @contextlib.contextmanager
     def traced_key(self, key):
@@ -224,14 +246,45 @@ def draw_seed(generator: torch.Generator) -> tuple[int, int]:
     return seed & 0xFFFFFFFF, seed >> 32
 
 
+# uint32 words in a JAX key's data (2 for the default threefry keys)
+KEY_WORDS = int(np.prod(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape))
+
+# The key stream of each jax-device `Generator`, by the object torch's dispatcher hands ops for it
+# (`_dispatched_generator`); the `Generator` holds that object, so it is the same for its lifetime.
+_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _stream(generator: torch.Generator) -> RngState | None:
+    stream = getattr(generator, "_stream", None)
+    return stream if stream is not None else _STREAMS.get(generator)
+
+
+def drawn_key(generator: torch.Generator):
+    """A concrete key from ``generator``: the next of a jax-device generator's stream (the
+    default generator's kind of stream, so the same seed gives the same numbers), or, for a
+    CPU generator, one made from a 64-bit seed drawn from its torch state."""
+    stream = _stream(generator)
+    if stream is not None:
+        return stream.next_stored_key()
+    low, high = draw_seed(generator)
+    with jax.ensure_compile_time_eval():
+        return seeded_key(low, high)
+
+
+def drawn_key_data(generator: torch.Generator) -> np.ndarray:
+    """`drawn_key`'s data: ``KEY_WORDS`` uint32 words."""
+    with jax.ensure_compile_time_eval():
+        return np.asarray(jax.random.key_data(drawn_key(generator))).reshape(KEY_WORDS)
+
+
 def next_key(generator: torch.Generator | None = None):
     """A fresh JAX key from the stream of ``generator`` (default: the jax device's own).
 
-    An explicit torch.Generator is the source of truth: each draw takes a 64-bit
-    seed from it, which advances its torch state, so re-seeding restarts the
-    stream and two generators with the same seed give the same draws. Inside a
-    `t2j.jit` trace the seeds are program inputs, drawn from the generator on every
-    call (`GeneratorDraws`).
+    A ``torch.Generator(device="jax")`` has a stream of its own, split per draw like the
+    default one: seeded with the same number, the two give the same draws, as CUDA's do.
+    A CPU torch.Generator is accepted too: each draw takes a 64-bit seed from its torch
+    state. Inside a `t2j.jit` trace the keys are program inputs, drawn from the
+    generator on every call (`GeneratorDraws`).
     """
     if generator is None:
         return default_rng.next_key()
@@ -241,20 +294,18 @@ def next_key(generator: torch.Generator | None = None):
         raise RuntimeError(
             "torch2jax: an explicit torch.Generator cannot drive random ops inside jax.jit or another JAX "
             "transform (its draws would be baked into the compiled program); use t2j.jit, which draws the "
-            "generator's seeds on every call, or drop generator= and seed with torch.manual_seed"
+            "generator's keys on every call, or drop generator= and seed with torch.manual_seed"
         )
-    low, high = draw_seed(generator)
-    with jax.ensure_compile_time_eval():
-        return seeded_key(low, high)
+    return drawn_key(generator)
 
 
 class GeneratorDraws:
     """The draws a `t2j.jit` trace takes from explicit torch.Generators.
 
     A generator that existed before the call is drawn from on every call: each of
-    its draws in the program reads one row of ``seeds`` (a traced ``(n, 2)`` uint32
-    array, one `draw_seed` per row), so a call advances the generator and gets the
-    numbers the eager function would. ``sources`` lists, per row, where the call
+    its draws in the program reads one row of ``keys`` (a traced ``(n, KEY_WORDS)``
+    uint32 array, one `drawn_key_data` per row), so a call advances the generator and
+    gets the numbers the eager function would. ``sources`` lists, per row, where the call
     finds the generator: the index of the argument it was passed as, or the
     generator itself (reached through a closure, a global, an attribute).
 
@@ -278,8 +329,8 @@ class GeneratorDraws:
     (`_dispatched_generator`), which is not the Python object the user holds.
     """
 
-    def __init__(self, seeds, leaves, reached=()):
-        self.seeds = seeds
+    def __init__(self, keys, leaves, reached=()):
+        self.keys = keys
         self.sources: list = []
         # (the dispatcher's object for an argument, its index): held, as the dispatcher makes a new one
         # for a generator whose object has died
@@ -312,14 +363,12 @@ class GeneratorDraws:
 
     def _key(self, generator):
         if self._fixed(generator):
-            low, high = draw_seed(generator)
-            with jax.ensure_compile_time_eval():
-                return seeded_key(low, high)
+            return drawn_key(generator)
         row = len(self.sources)
         self.sources.append(self._source(generator))
-        if self.seeds is None or row >= self.seeds.shape[0]:
+        if self.keys is None or row >= self.keys.shape[0]:
             return jax.random.key(0)  # this trace is redone with a row for every draw (`complete`)
-        return seeded_key(self.seeds[row, 0], self.seeds[row, 1])
+        return jax.random.wrap_key_data(self.keys[row])
 
     def _source(self, generator):
         return next((i for g, i in self.arguments if g is generator), generator)
@@ -331,7 +380,7 @@ class GeneratorDraws:
         """``generator`` is about to be re-seeded (``manual_seed``, ``set_state``, ``seed``)."""
         generator = _dispatched_generator(generator)
         if not self._fixed(generator):
-            self.before.append((generator, generator.get_state()))
+            self.before.append((generator, generator_state(generator)))
 
     def reseeding_the_default(self, seed: int) -> None:
         """The jax device's generator is re-seeded with ``seed``: by ``torch.manual_seed(seed)``, which
@@ -340,19 +389,19 @@ class GeneratorDraws:
         seed: only the first makes the CPU draws after it the same on every call."""
         cpu = torch.default_generator
         if not self._fixed(cpu):
-            self.before.append((cpu, self.start[0][1]))
+            self.before.append((cpu, (self.start[0][1], None)))
             self.default_seeds.append(seed)
 
     @property
     def complete(self) -> bool:
-        """Whether ``seeds`` had exactly one row per draw the trace took."""
-        return len(self.sources) == (0 if self.seeds is None else self.seeds.shape[0])
+        """Whether ``keys`` had exactly one row per draw the trace took."""
+        return len(self.sources) == (0 if self.keys is None else self.keys.shape[0])
 
     def restore(self) -> None:
         """Put the generators the trace re-seeded or drew from on the CPU back as they were before it."""
         if self.default_seeds and torch.initial_seed() != self.default_seeds[-1]:  # (the jax device's alone)
             self.before = [(g, state) for g, state in self.before if g is not torch.default_generator]
-        self.reseeded = [(self._source(g), g.get_state()) for g, _ in self.before]
+        self.reseeded = [(self._source(g), generator_state(g)) for g, _ in self.before]
         python, numpy = self.python_start
         self.drew_on_the_host = (any(not self._fixed(g) and not torch.equal(g.get_state(), state)
                                      for g, state in self.start)
@@ -362,8 +411,24 @@ class GeneratorDraws:
         np.random.set_state(numpy)
         for g, state in self.host_start:
             _set_host_rng_state(g, state)
-        for g, state in (*self.start, *self.before):
+        for g, state in self.start:
             g.set_state(state)
+        for g, state in self.before:
+            set_generator_state(g, state)
+
+
+def generator_state(generator: torch.Generator) -> tuple:
+    """All of ``generator``'s state: its torch state (what CPU ops draw from) and, for a jax-device
+    generator, its key stream's."""
+    stream = _stream(generator)
+    return torch._C.Generator.get_state(generator), None if stream is None else stream.key
+
+
+def set_generator_state(generator: torch.Generator, state: tuple) -> None:
+    torch_state, key = state
+    torch._C.Generator.set_state(generator, torch_state)
+    if key is not None:
+        _stream(generator).key = key
 
 
 def _same_numpy_state(a, b) -> bool:
@@ -413,11 +478,11 @@ def _dispatched_generator(generator: torch.Generator) -> torch.Generator | None:
 
 
 @contextlib.contextmanager
-def generator_draws(seeds, leaves, reached=()):
-    """Inside the block (a `t2j.jit` trace), draws from explicit generators come from ``seeds``
+def generator_draws(keys, leaves, reached=()):
+    """Inside the block (a `t2j.jit` trace), draws from explicit generators come from ``keys``
     (see `GeneratorDraws`, the block's value)."""
     outer = default_rng.generator_draws
-    draws = default_rng.generator_draws = GeneratorDraws(seeds, leaves, reached)
+    draws = default_rng.generator_draws = GeneratorDraws(keys, leaves, reached)
     try:
         yield draws
     finally:
@@ -442,9 +507,12 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
     torch builds a generator for a PrivateUse1 device through a C++ hook that
     cannot be registered from Python, so ``torch2jax`` puts this class in
     ``torch.Generator``'s place. For other devices it returns torch's own
-    generator; for the jax device, a generator whose state is a CPU generator's
-    (``manual_seed``, ``get_state``, ``set_state`` as in torch) and whose
-    ``device`` is the jax device. Random ops on the jax device draw their keys
+    generator; for the jax device, one with a JAX key stream of the default
+    generator's kind: seeded with the same number, it draws what
+    ``torch.manual_seed`` makes the default one draw, as a CUDA generator does.
+    ``manual_seed``, ``seed``, ``initial_seed``, ``get_state`` and ``set_state``
+    work as in torch (the state is the stream's key, in the format of
+    ``torch.jax.get_rng_state()``). Random ops on the jax device draw their keys
     from it (`next_key`).
 
     >>> g = torch.Generator(device="jax").manual_seed(0)
@@ -453,7 +521,16 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
 
     def __new__(cls, device="cpu"):
         device = torch.device(device)
-        g = torch._C.Generator(device) if device.type != _device_name() else super().__new__(cls, "cpu")
+        if device.type != _device_name():
+            g = torch._C.Generator(device)
+        else:
+            _check_device_index(device)
+            g = super().__new__(cls, "cpu")
+            g._stream = RngState(g.initial_seed())
+            # torch's dispatcher hands ops another object for this generator: held here, so
+            # that it is the same one for as long as the generator lives
+            g._dispatched = _dispatched_generator(g)
+            _STREAMS[g._dispatched] = g._stream
         if default_rng.generator_draws is not None:
             default_rng.generator_draws.creating(g)
         return g
@@ -461,15 +538,23 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
     # re-seeding inside a t2j.jit trace makes the later draws the same on every call (`GeneratorDraws`)
     def manual_seed(self, seed):
         self._reseeding()
-        return super().manual_seed(seed)
+        super().manual_seed(seed)
+        self._stream.seed(super().initial_seed())
+        return self
 
     def seed(self):
         self._reseeding()
-        return super().seed()
+        seed = super().seed()
+        self._stream.seed(seed)
+        return seed
+
+    def get_state(self) -> torch.Tensor:
+        return self._stream.state_bytes()
 
     def set_state(self, new_state):
         self._reseeding()
-        return super().set_state(new_state)
+        self._stream.set_state_bytes(new_state, "Generator.set_state")
+        return self
 
     def _reseeding(self):
         if default_rng.generator_draws is not None:
@@ -483,13 +568,19 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
         return f"<torch2jax Generator on {self.device}>"
 
     def __reduce__(self):
-        return _generator_from_state, (self.get_state(),)
+        return _generator_from_state, (self.initial_seed(), self.get_state())
 
 
-def _generator_from_state(state):
-    g = Generator(_device_name())
+def _generator_from_state(seed, state):
+    g = Generator(_device_name()).manual_seed(seed)
     g.set_state(state)
     return g
+
+
+def _check_device_index(device: torch.device) -> None:
+    if device.index not in (None, 0):
+        raise RuntimeError(f"torch.Generator: device {device} does not exist; the jax device is one device, "
+                           f"{_device_name()}:0")
 
 
 def _device_name():
@@ -530,9 +621,7 @@ def rng_state_bytes() -> torch.Tensor:
 
         data = jax.random.key_data(default_rng._traced).astype(jax.numpy.uint32)
         return new_tensor(jax.lax.bitcast_convert_type(data, jax.numpy.uint8).reshape(-1))
-    with jax.ensure_compile_time_eval():
-        data = np.asarray(jax.random.key_data(default_rng.key)).astype(np.uint32)
-    return torch.from_numpy(data.view(np.uint8).copy())
+    return default_rng.state_bytes()
 
 
 def set_rng_state_bytes(state: torch.Tensor) -> None:
@@ -545,6 +634,4 @@ def set_rng_state_bytes(state: torch.Tensor) -> None:
         data = jax.lax.bitcast_convert_type(data.astype(jax.numpy.uint8).reshape(-1, 4), jax.numpy.uint32)
         default_rng._traced = jax.random.wrap_key_data(data)
         return
-    data = state.cpu().numpy().astype(np.uint8).view(np.uint32)
-    with jax.ensure_compile_time_eval():
-        default_rng.key = jax.random.wrap_key_data(jax.numpy.asarray(data))
+    default_rng.set_state_bytes(state, "torch.jax.set_rng_state")

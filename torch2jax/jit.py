@@ -91,8 +91,10 @@ from . import device as _device
 from .env import HOST_RNGS as _HOST_RNGS
 from .env import config as _config
 from .env import default_rng as _rng
-from .env import draw_seed as _draw_seed
+from .env import KEY_WORDS as _KEY_WORDS
+from .env import drawn_key_data as _drawn_key_data
 from .env import generator_draws as _generator_draws
+from .env import set_generator_state as _set_generator_state
 from .env import _trace_state_clean
 from . import debug as _debug
 from . import gradcut as _gradcut
@@ -1885,7 +1887,7 @@ class _Entry:
     trace_s: float
     guards: list  # what the trace assumed of lifted hyperparameters (see symbolic.TracedScalar)
     # (inputs, lrs, keys) -> (outs, written, new, key): the traced function, not jitted; ``keys`` is
-    # (the default generator's key, the seeds of the draws from explicit generators or None): `_keys`
+    # (the default generator's key, the key data of the draws from explicit generators or None): `_keys`
     program: object
     grad_outs: list  # indices into the program's outputs that require grad
     diff: list  # (storage index, slot index) per storage whose slot tensor requires grad; [] if not differentiable
@@ -2351,10 +2353,10 @@ class JitFunction:
         draws = self._draws
         while True:
             info["own_histories"] = _own_histories(slots.tensors)
-            seeds = np.zeros((draws, 2), np.uint32) if draws else None
+            drawn = np.zeros((draws, _KEY_WORDS), np.uint32) if draws else None
             try:
                 with jax.enable_x64(True), _capturable(roots.optimizers, slots.lifted), _young_objects_only():
-                    closed = jax.make_jaxpr(pure)(inputs, hints, (_rng.key, seeds))
+                    closed = jax.make_jaxpr(pure)(inputs, hints, (_rng.key, drawn))
                 break
             except _MoreDraws as m:
                 draws = self._draws = m.count
@@ -2451,8 +2453,8 @@ class JitFunction:
             _tensor.CAPTURE = capture
             _sym.GUARDS, _hints.HINTS = guards, state_hints
             backward_passes = _device.backward_passes
-            key, seeds = keys
-            with _rng.traced_key(key) as rng, _generator_draws(seeds, leaves, roots.generators) as generators, \
+            key, drawn = keys
+            with _rng.traced_key(key) as rng, _generator_draws(drawn, leaves, roots.generators) as generators, \
                     torch.autograd.set_multithreading_enabled(False), \
                     _distribution_validation(), _scaler_steps_in_program(), \
                     _wide_step_counters(roots.optimizers), \
@@ -2720,18 +2722,18 @@ def _plain_arguments(inputs, lrs, keys):
 
 
 def _keys(entry: _Entry, leaves, draw: bool = True):
-    """A call's randomness inputs: the default generator's key, and a row of seeds per draw the
+    """A call's randomness inputs: the default generator's key, and a row of key data per draw the
     program takes from an explicit torch.Generator, drawn from it now, as the eager draws would
     advance it (``draw=False``: zero rows of the same shape, to lower the program). A generator
     re-seeded inside the function is left as the eager call would leave it."""
-    seeds = None
+    drawn = None
     if entry.draws:
-        rows = [_draw_seed(_generator(s, leaves)) if draw else (0, 0) for s in entry.draws]
-        seeds = np.array(rows, np.uint32)
+        drawn = (np.stack([_drawn_key_data(_generator(s, leaves)) for s in entry.draws]) if draw
+                 else np.zeros((len(entry.draws), _KEY_WORDS), np.uint32))
     if draw:
         for source, state in entry.reseeded:
-            _generator(source, leaves).set_state(state)
-    return _rng.key, seeds
+            _set_generator_state(_generator(source, leaves), state)
+    return _rng.key, drawn
 
 
 def _generator(source, leaves) -> torch.Generator:
