@@ -115,6 +115,37 @@ def test_save_load_of_torch_newer_dtypes(dtype):
     assert loaded["tail"].cpu().to(torch.float32).tolist() == [2.0, 3.0, 4.0, 5.0]
 
 
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_save_load_keeps_conjugate_and_negative_view_bits_over_a_shared_storage(device):
+    def round_trip(obj, **kwargs):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf, **kwargs)
+
+    x = torch.tensor([1 + 2j, 3 - 1j, 5 + 0.5j], device=device)
+    base, conj, tail = round_trip((x, x.conj(), x[1:].conj()))
+    assert conj.is_conj() and tail.is_conj() and conj.device == x.device
+    assert conj.cpu().resolve_conj().tolist() == [1 - 2j, 3 + 1j, 5 - 0.5j]
+    base.add_(1j)  # the views are still views of the loaded base
+    assert tail.cpu().resolve_conj().tolist() == [3 + 0j, 5 - 1.5j]
+    neg = round_trip(x.conj().imag)
+    assert neg.is_neg() and neg.cpu().resolve_neg().tolist() == [-2.0, 1.0, -0.5]
+    on_cpu = round_trip(x.conj(), map_location="cpu", weights_only=True)
+    assert on_cpu.device.type == "cpu" and on_cpu.is_conj() and on_cpu.resolve_conj().tolist()[0] == 1 - 2j
+
+
+def test_storage_of_a_jax_tensor_is_a_storage_torch_save_writes():
+    x = torch.arange(4.0, device="jax")
+    assert torch.is_storage(x.untyped_storage()) and not torch.is_storage(x)
+    for weights_only in (True, False):
+        buf = io.BytesIO()
+        torch.save(x.untyped_storage(), buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=weights_only)
+        assert bytes(loaded.untyped()) == bytes(torch.arange(4.0).untyped_storage())
+
+
 def test_state_dict_save_load():
     m = torch.nn.Linear(4, 4).to("jax")
     buf = io.BytesIO()

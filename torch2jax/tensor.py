@@ -177,8 +177,8 @@ class _StorageHandle(torch.UntypedStorage):
         return _StorageHandle(Storage(self._t2j_storage.array))
 
     def __reduce__(self):
-        # pickled as the CPU storage of its bytes: torch's own reduce of a storage re-enters
-        # torch.save, which does not recognize this subclass as a storage
+        # pickled (outside torch.save, which saves it as a storage: `_normalize_storage_type`)
+        # as the CPU storage of its bytes
         return self.cpu().__reduce__()
 
     def __deepcopy__(self, memo):
@@ -606,10 +606,11 @@ class Tensor(torch.Tensor):
             base = torch.empty(0, dtype=self.dtype).set_(
                 base.untyped_storage(), 0, (base.untyped_storage().nbytes() // self.element_size(),))
         meta = (tuple(self.shape), tuple(self.stride()), self.storage_offset())
-        if not _is_view_of(self, base, meta):
+        bits = _view_bits(self)
+        if not _is_view_of(self, base, meta, bits):
             base = _mark_saved(torch_cpu(self._value()))
-            meta = (tuple(self.shape), _contiguous_strides(tuple(self.shape)), 0)
-        return reduce_as_cpu(self, base, meta, protocol)
+            meta, bits = (tuple(self.shape), _contiguous_strides(tuple(self.shape)), 0), ()
+        return reduce_as_cpu(self, base, meta, protocol, bits)
 
     def as_subclass(self, cls):
         """This tensor seen as an instance of torch.Tensor subclass ``cls``, sharing its storage and
@@ -876,12 +877,13 @@ def _saved_base(storage: Storage) -> torch.Tensor:
     return base
 
 
-def reduce_as_cpu(t: Tensor, base: torch.Tensor, meta, protocol):
-    """Pickle ``t`` as torch pickles ``base.as_strided(*meta)``, a CPU tensor on a storage
-    tagged for the jax device (`_mark_saved`, `_tag`): torch alone loads it (weights_only
-    too) with ``map_location="cpu"``; with torch2jax it comes back on the jax device
+def reduce_as_cpu(t: Tensor, base: torch.Tensor, meta, protocol, bits=()):
+    """Pickle ``t`` as torch pickles ``base.as_strided(*meta)`` with the conjugate / negative
+    view ``bits`` (`_view_bits`), a CPU tensor on a storage tagged for the jax device
+    (`_mark_saved`, `_tag`): torch alone loads it (weights_only too) with
+    ``map_location="cpu"``; with torch2jax it comes back on the jax device
     (`_rebuild_tensor_v2`), sharing its storage with the other views saved with it."""
-    cpu = base.as_strided(*meta)
+    cpu = _with_view_bits(base.as_strided(*meta), bits)
     if getattr(t, "_is_param", False):
         cpu = torch.nn.Parameter(cpu, t.requires_grad)
     else:
@@ -896,16 +898,29 @@ def user_attributes(t: Tensor) -> dict:
     return {k: v for k, v in t.__dict__.items() if not k.startswith("_t2j_") and k != "_is_param"}
 
 
-def _is_view_of(t: Tensor, base: torch.Tensor, meta) -> bool:
-    """Whether ``t`` is ``base.as_strided(*meta)`` (not so for views that reinterpret
-    the dtype, or whose torch strides do not describe the base's layout)."""
+def _is_view_of(t: Tensor, base: torch.Tensor, meta, bits) -> bool:
+    """Whether ``t`` is ``base.as_strided(*meta)`` with view ``bits`` (not so for views that
+    reinterpret the dtype, or whose torch strides do not describe the base's layout)."""
     size, stride, offset = meta
     if not t._t2j_view:
         return size == tuple(base.shape) and stride == _contiguous_strides(size) and offset == 0
     try:
-        return torch.equal(base.as_strided(size, stride, offset), torch_cpu(t._value()))
+        seen = _with_view_bits(base.as_strided(size, stride, offset), bits).resolve_conj().resolve_neg()
+        return torch.equal(seen, torch_cpu(t._value()))
     except RuntimeError:
         return False
+
+
+def _view_bits(t: torch.Tensor) -> tuple:
+    """The lazy conjugate / negation of view ``t`` (``x.conj()``, ``x.conj().imag``): torch saves
+    them with the tensor, over its storage's values as they are."""
+    return tuple(bit for bit, on in (("conj", t.is_conj()), ("neg", t.is_neg())) if on)
+
+
+def _with_view_bits(t: torch.Tensor, bits) -> torch.Tensor:
+    for bit in bits:
+        t = t.conj() if bit == "conj" else t._neg_view()
+    return t
 
 
 def _tag(storage):
@@ -945,9 +960,11 @@ def _loaded_onto_jax(t, storage, storage_offset, size, stride, requires_grad):
     untyped = storage._untyped_storage if isinstance(storage, torch.TypedStorage) else storage
     if untyped.device.type != "cpu" or _RESTORING.get(untyped.data_ptr()) != _device.NAME:
         return t
+    bits = _view_bits(t)
     base = getattr(storage, "_t2j_loaded", None)
     if base is None:
-        whole = t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == untyped.nbytes()
+        whole = (not bits and t.is_contiguous() and t.storage_offset() == 0
+                 and t.numel() * t.element_size() == untyped.nbytes())
         if not whole:
             t = torch.empty(0, dtype=t.dtype).set_(untyped, 0, (untyped.nbytes() // t.element_size(),))
         with jax.enable_x64(True):
@@ -958,7 +975,7 @@ def _loaded_onto_jax(t, storage, storage_offset, size, stride, requires_grad):
             return base.requires_grad_(requires_grad) if requires_grad else base
     meta = (tuple(size), tuple(stride), storage_offset)
     same = meta == (tuple(base.shape), tuple(base.stride()), base.storage_offset())
-    out = (base if same else base.as_strided(*meta)).detach()
+    out = _with_view_bits((base if same else base.as_strided(*meta)).detach(), bits)
     return out.requires_grad_(requires_grad) if requires_grad else out
 
 
@@ -995,3 +1012,25 @@ torch._weights_only_unpickler._get_allowed_globals.cache_clear()
 
 # before torch's own CPU tagger (priority 10)
 torch.serialization.register_package(9, _tag, _restore)
+
+# A jax tensor's ``untyped_storage()`` is a storage to ``torch.is_storage``, and torch.save writes
+# its bytes as an ``UntypedStorage``'s (torch.load gives them back as a CPU storage).
+_torch_is_storage = torch.is_storage
+
+
+def is_storage(obj, /) -> bool:
+    return type(obj) is _StorageHandle or _torch_is_storage(obj)
+
+
+is_storage.__doc__ = _torch_is_storage.__doc__
+torch.is_storage = is_storage
+_torch_normalize_storage_type = torch.serialization.normalize_storage_type
+
+
+def _normalize_storage_type(storage_type):
+    if issubclass(storage_type, _StorageHandle):
+        return torch.UntypedStorage
+    return _torch_normalize_storage_type(storage_type)
+
+
+torch.serialization.normalize_storage_type = _normalize_storage_type
