@@ -624,16 +624,7 @@ def _lowering_handler(func, lowering, cpu_args=None):
             _check_format_rank(args[0], kwargs["memory_format"])
             return _torch_layout(func, args, kwargs, run(func, args, kwargs))
         out = run(func, args, kwargs)
-        for a in args:
-            if type(a) is Tensor:
-                if a._t2j_view and not a.is_contiguous():  # a base tensor is contiguous
-                    return _torch_layout(func, args, kwargs, out)
-            elif type(a) is list:
-                if any(isinstance(b, torch.Tensor) and not b.is_contiguous() for b in a):
-                    return _torch_layout(func, args, kwargs, out)
-            elif isinstance(a, torch.Tensor) and not a.is_contiguous():
-                return _torch_layout(func, args, kwargs, out)
-        return out
+        return _torch_layout(func, args, kwargs, out) if _layout_of_inputs(func, args) else out
 
     return run_keeping_layout
 
@@ -756,6 +747,59 @@ def _keeps_layout(func):
     if name is None or func._schema.is_mutable:
         return False
     return name in _LAYOUT_OPS or torch.Tag.pointwise in func.tags
+
+
+def _layout_of_inputs(func, args) -> bool:
+    """Whether the result of ``func`` (an op that lays its result out like its inputs) is not
+    simply contiguous: an input is laid out otherwise."""
+    sized_ones = False  # an input whose strides differ from the contiguous ones at size-1 dimensions only
+    for a in args:
+        if type(a) is Tensor:
+            if not a._t2j_view:  # a base tensor is contiguous
+                continue
+            tensors = (a,)
+        elif type(a) is list:
+            tensors = [b for b in a if isinstance(b, torch.Tensor)]
+        elif isinstance(a, torch.Tensor):
+            tensors = (a,)
+        else:
+            continue
+        for t in tensors:
+            if t.stride() != _tensor._contiguous_strides(tuple(t.shape)):
+                if not t.is_contiguous():
+                    return True
+                sized_ones = True
+    return sized_ones and not _iterator_fast_path(func, args)
+
+
+def _iterator_fast_path(func, args) -> bool:
+    """Whether torch's CPU kernel takes TensorIterator's fast path, which makes a contiguous result
+    for contiguous inputs whatever the strides of their size-1 dimensions (``relu(x)``, ``x * x``):
+    a pointwise op whose tensor operands all have one shape. Otherwise (``x * 2``, ``x + bias``,
+    ``clone``, ``zeros_like``) a channels_last ``(n, 1, h, w)`` input's strides ``(h * w, 1, w, 1)``
+    are kept, as the meta kernel says."""
+    if torch.Tag.pointwise not in func.tags or func in _INPUT_LIKE_POINTWISE:
+        return False
+    shapes = set()
+    for a, arg in zip(args, func._schema.arguments):
+        if isinstance(arg.type, torch.TensorType):
+            if not isinstance(a, torch.Tensor):
+                return False  # a number, wrapped as a 0-d tensor
+            shapes.add(tuple(a.shape))
+        elif arg.name in _WRAPPED_SCALARS:
+            return False
+    return len(shapes) == 1
+
+
+# Scalar arguments that torch's kernels wrap as a 0-d tensor operand (``x + 2``: add.Scalar's
+# ``other``), unlike those of ops that take them as parameters (clamp's ``min``, pow's ``exponent``)
+_WRAPPED_SCALARS = frozenset({"self", "other", "n"})
+# Pointwise ops whose CPU kernels allocate their result like their input (empty_like), or call one
+# with a wrapped number (deg2rad multiplies, hardtanh / relu6 clamp through one)
+_INPUT_LIKE_POINTWISE = frozenset({
+    aten.clone.default, aten._conj_physical.default, aten.deg2rad.default, aten.rad2deg.default,
+    aten.hardtanh.default, aten.relu6.default, aten.nan_to_num.default,
+})
 
 
 def _layout_key(a):

@@ -786,9 +786,10 @@ def _neg_view(x):
 @strides(aten.angle.default)
 def angle_strides(args, kwargs, results):
     """torch's CPU kernel gives the angle of a complex tensor in row-major order whatever its
-    layout (its meta kernel keeps the layout); a real tensor's keeps the layout."""
+    layout (its meta kernel keeps the layout); a real tensor's keeps the layout, but for a
+    contiguous one (TensorIterator's fast path) whatever the strides of its size-1 dimensions."""
     x = args[0]
-    return (None if x.is_complex() else torch.empty_like(x, device="meta").stride(),)
+    return (None if x.is_complex() or x.is_contiguous() else torch.empty_like(x, device="meta").stride(),)
 
 
 @register(aten.angle)
