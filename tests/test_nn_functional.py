@@ -154,3 +154,13 @@ def test_sdpa_broadcasts_batch_and_head_dimensions_as_torch(q_shape, kv_shape):
     got.square().sum().backward()
     for a, b in zip(jx, cpu):
         torch.testing.assert_close(a.grad.cpu(), b.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+def test_native_channel_shuffle_takes_any_layout_as_the_cpu_kernel_does(layout):
+    x = torch.randn(2, 6, 3, 4)
+    x = {"contiguous": x, "channels_last": x.to(memory_format=torch.channels_last),
+         "transposed": x.transpose(2, 3)}[layout]
+    expected = torch.native_channel_shuffle(x, 3)
+    out = torch.native_channel_shuffle(x.to("jax"), 3)
+    assert torch.equal(out.cpu(), expected) and out.stride() == expected.stride()

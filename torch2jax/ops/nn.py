@@ -959,6 +959,16 @@ def channel_shuffle(x, groups):
     return out.contiguous(memory_format=torch._prims_common.suggest_memory_format(x))
 
 
+def native_channel_shuffle(x, groups):
+    """The AutogradPrivateUse1 kernel of aten::native_channel_shuffle: `channel_shuffle`, as torch's
+    CPU kernel is the same for both (its composite kernel views the input, which fails for a
+    transposed one, and lays a channels_last input's result out contiguously)."""
+    return aten.channel_shuffle.default(x, groups)
+
+
+_library.impl("native_channel_shuffle", native_channel_shuffle, "AutogradPrivateUse1")
+
+
 # -- max_unpool -------------------------------------------------------------------------
 #
 # torch's decompositions scatter into the output with the indices unchecked; JAX drops an
