@@ -33,6 +33,9 @@ SLOW_EAGER = {"nn.functional.conv_transpose3d|bfloat16|eager", "nn.functional.co
               "nn.functional.conv_transpose2d|float16|eager"}
 
 
+# gradients are checked in torch's autograd dtypes: float32, and float64 (gradcheck's)
+GRAD_DTYPES = ("float32", "float64")
+
 # dtypes whose eager cases run with the slow set (CI time); float64 runs in CI
 SLOW_DTYPES = {"complex128", "uint8", "int8", "int16"}
 
@@ -46,7 +49,7 @@ def cases():
             modes = ["eager"]
             if dname in JIT_DTYPES:
                 modes.append("jit")
-            if dname == "float32" and op.supports_autograd:
+            if dname in GRAD_DTYPES and op.supports_autograd:
                 modes.append("grad")
             for mode in modes:
                 key = f"{name}|{dname}|{mode}"
