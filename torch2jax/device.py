@@ -368,6 +368,8 @@ def register() -> None:
     torch.Tensor.register_post_accumulate_grad_hook = _hook_errors_deferred(
         torch.Tensor.register_post_accumulate_grad_hook)
     torch.utils.hooks.BackwardHook.__init__ = _module_hook_errors_deferred(torch.utils.hooks.BackwardHook.__init__)
+    torch.autograd.graph.saved_tensors_hooks.__init__ = _unpack_errors_deferred(
+        torch.autograd.graph.saved_tensors_hooks.__init__)
     torch.compile = _keeping_dynamo_out_of_jax(torch.compile)
     torch.UntypedStorage.__new__ = _refusing_jax_storages(torch._C.StorageBase.__new__)
     if "torch._dynamo" in sys.modules:
@@ -439,7 +441,7 @@ def _on_calling_thread(engine_run_backward):
 
     @functools.wraps(engine_run_backward)
     def run(*args, **kwargs):
-        from .dispatch import raise_backward_error
+        from .dispatch import backward_pass
 
         global backward_passes
         # (outputs, grad_outputs, retain_graph, create_graph, inputs, ...)
@@ -448,11 +450,10 @@ def _on_calling_thread(engine_run_backward):
         threaded = torch._C._is_multithreading_enabled()
         torch._C._set_multithreading_enabled(False)
         try:
-            out = engine_run_backward(*args, **kwargs)
+            with backward_pass():
+                return engine_run_backward(*args, **kwargs)
         finally:
             torch._C._set_multithreading_enabled(threaded)
-            raise_backward_error()
-        return out
 
     return run
 
@@ -466,7 +467,9 @@ def _hook_errors_deferred(register):
         from .dispatch import deferring_errors, tensor_hook_result
         from .tensor import Tensor
 
-        return register(self, deferring_errors(hook, tensor_hook_result) if isinstance(self, Tensor) else hook)
+        if not isinstance(self, Tensor):
+            return register(self, hook)
+        return register(self, deferring_errors(hook, tensor_hook_result, jax_tensor=True))
 
     return run
 
@@ -482,6 +485,19 @@ def _module_hook_errors_deferred(init):
         full, pre = module_hook_result("grad_input"), module_hook_result("grad_output")
         init(self, module, [deferring_errors(h, full) for h in user_hooks],
              [deferring_errors(h, pre) for h in user_pre_hooks])
+
+    return run
+
+
+def _unpack_errors_deferred(init):
+    """``saved_tensors_hooks.__init__`` with its unpack hook behind
+    `torch2jax.dispatch.unpacking_errors_deferred`."""
+
+    @functools.wraps(init)
+    def run(self, pack_hook, unpack_hook):
+        from .dispatch import unpacking_errors_deferred
+
+        init(self, pack_hook, unpacking_errors_deferred(unpack_hook))
 
     return run
 

@@ -2193,11 +2193,12 @@ def _keep_backward_error(error):
     pending.append(error)
 
 
-def deferring_errors(hook, check=None):
+def deferring_errors(hook, check=None, jax_tensor=False):
     """``hook`` (a backward hook: tensor, post-accumulate-grad, module) with an exception it
-    raises on jax-device gradients kept for `raise_backward_error` instead of raised, and so
-    is the error ``check(hook, args, result)`` finds in what it returns (torch's own check of
-    it, made by the engine or the module's hook machinery, would raise in the same place).
+    raises on jax-device gradients (on any, None included, for the hook of a ``jax_tensor``)
+    kept for `raise_backward_error` instead of raised, and so is the error
+    ``check(hook, args, result)`` finds in what it returns (torch's own check of it, made by
+    the engine or the module's hook machinery, would raise in the same place).
 
     torch's engine unwinds a Python hook's exception past the stream guard of a
     PrivateUse1 node, whose destructor calls back into Python with the error still set:
@@ -2206,8 +2207,8 @@ def deferring_errors(hook, check=None):
     """
 
     def on_jax(args) -> bool:
-        return any(isinstance(a, Tensor) or (isinstance(a, tuple) and any(isinstance(t, Tensor) for t in a))
-                   for a in args)
+        return jax_tensor or any(
+            isinstance(a, Tensor) or (isinstance(a, tuple) and any(isinstance(t, Tensor) for t in a)) for a in args)
 
     @functools.wraps(hook)
     def run(*args, **kwargs):
@@ -2233,6 +2234,8 @@ def tensor_hook_result(hook, args, result):
     if not isinstance(result, torch.Tensor):
         return TypeError(f"expected Variable, but hook returned '{type(result).__name__}'")
     value, name = args[0], getattr(hook, "__name__", type(hook).__name__)
+    if value is None:
+        return RuntimeError("can't replace a None gradient with a non-None value")
     if result.dtype != value.dtype:
         return RuntimeError(f"hook '{name}' has changed the type of value (was {value.type()} got {result.type()})")
     if result.shape != value.shape:
@@ -2256,12 +2259,45 @@ def module_hook_result(what):
     return check
 
 
+def unpacking_errors_deferred(unpack_hook):
+    """A saved-tensors ``unpack_hook`` (``torch.autograd.graph.saved_tensors_hooks``, non-reentrant
+    checkpointing's recomputation) whose exception during a backward pass is kept for
+    `raise_backward_error` (see `deferring_errors`): it returns None instead, which the engine
+    refuses with an error of its own, raised in its place when the pass returns."""
+
+    @functools.wraps(unpack_hook)
+    def unpack(packed):
+        try:
+            return unpack_hook(packed)
+        except Exception as error:
+            if not getattr(_BACKWARD_ERRORS, "depth", 0):
+                raise
+            _keep_backward_error(error)
+            return None
+
+    return unpack
+
+
+@contextlib.contextmanager
+def backward_pass():
+    """The block runs a backward pass (the engine's entry point): the errors kept in it are raised
+    when it ends, in place of the engine's own."""
+    _BACKWARD_ERRORS.depth = getattr(_BACKWARD_ERRORS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _BACKWARD_ERRORS.depth -= 1
+        raise_backward_error()
+
+
 def raise_backward_error():
     """Raise the first error kept by `defer_backward_error` since the last call, if any."""
     pending = getattr(_BACKWARD_ERRORS, "errors", None)
     if pending:
         _BACKWARD_ERRORS.errors = []
-        raise pending[0]
+        error = pending[0]
+        error.__suppress_context__ = True  # (the engine's error for what the deferring hook returned)
+        raise error
 
 
 def _to_meta(t):
