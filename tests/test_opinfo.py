@@ -23,7 +23,7 @@ from opinfo_util import DTYPES, check_sample, cpu_ops, samples
 from opinfo_xfails import CRASHES, XFAIL
 
 OPS = cpu_ops()
-JIT_DTYPES = ("float32", "float16", "int64", "int32", "bool", "bfloat16", "complex64", "complex32")
+JIT_DTYPES = ("float32", "float64", "float16", "int64", "int32", "bool", "bfloat16", "complex64", "complex32")
 # eager cases that take half a minute or more each (half-precision transposed 3-d
 # convolution rounds per kernel tap, as torch CPU does): run with the slow set
 SLOW_EAGER = {"nn.functional.conv_transpose3d|bfloat16|eager", "nn.functional.conv_transpose3d|float16|eager",
@@ -33,7 +33,8 @@ SLOW_EAGER = {"nn.functional.conv_transpose3d|bfloat16|eager", "nn.functional.co
               "nn.functional.conv_transpose2d|float16|eager"}
 
 
-# gradients are checked in torch's autograd dtypes: float32, and float64 (gradcheck's)
+# gradients are checked in torch's autograd dtypes: float32, and float64 (gradcheck's); also in
+# complex64 for the ops whose OpInfo lists it among their backward dtypes
 GRAD_DTYPES = ("float32", "float64")
 
 # dtypes whose eager cases run with the slow set (CI time); float64 runs in CI
@@ -49,7 +50,8 @@ def cases():
             modes = ["eager"]
             if dname in JIT_DTYPES:
                 modes.append("jit")
-            if dname in GRAD_DTYPES and op.supports_autograd:
+            if op.supports_autograd and (dname in GRAD_DTYPES or dname == "complex64"
+                                         and dtype in op.supported_backward_dtypes("cpu")):
                 modes.append("grad")
             for mode in modes:
                 key = f"{name}|{dname}|{mode}"
