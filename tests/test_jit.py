@@ -2503,3 +2503,36 @@ def test_each_state_tensor_is_one_slot():
     tensors = [t for t in jit._collect([x], roots, full=True).tensors if t is not None]
     assert len(tensors) == len({id(t) for t in tensors})
     assert sorted(map(id, roots.tensors)) == sorted(map(id, [m.carried[0], m.carried[1][0]]))
+
+
+def test_gradients_and_flags_the_function_gives_its_argument_tensors_reach_each_calls_arguments():
+    """A cached call sets ``.grad`` / ``requires_grad`` on the tensors it is given, not on the
+    traced call's, each ``.grad`` a tensor of its own; one tensor passed again accumulates."""
+
+    def backward_into(x):
+        (x * x).sum().backward()
+
+    def assign(x):
+        x.grad = x * 2
+
+    def flag(x):
+        x.requires_grad_()
+        return x * 1
+
+    results = {}
+    for device in ("cpu", "jax"):
+        run = [backward_into, assign, flag] if device == "cpu" else [t2j.jit(f) for f in (backward_into, assign, flag)]
+        xs = [torch.full((2,), float(i + 1), device=device, requires_grad=True) for i in range(3)]
+        ys = [torch.full((2,), float(i + 1), device=device) for i in range(3)]
+        zs = [torch.ones(2, device=device) for _ in range(3)]
+        for x, y, z in zip(xs, ys, zs):
+            run[0](x)
+            run[1](y)
+            run[2](z)
+        again = torch.ones(2, device=device, requires_grad=True)
+        for _ in range(3):
+            run[0](again)
+        assert len({id(x.grad) for x in xs}) == 3
+        results[device] = ([x.grad.tolist() for x in xs], [y.grad.tolist() for y in ys],
+                           [z.requires_grad for z in zs], again.grad.tolist())
+    assert results["jax"] == results["cpu"]

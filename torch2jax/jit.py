@@ -520,6 +520,7 @@ class _Slots:
     key: tuple
     static: list  # (name, value) of the Python values the trace depends on
     lifted: list  # `_GroupSite`, `_ValueSite`, `_ArgSite`: the numbers that are program inputs
+    first_argument: int  # the index of the first slot of an argument tensor (theirs come last)
 
 
 def _set_param(mod, name, t):
@@ -1521,8 +1522,9 @@ def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None =
         origins = walk.origins + args.origins
         setters = [_slot_setter(o) for o in origins]
         names = [_slot_name(o, prefixes) for o in origins]
-        return _Slots(walk.tensors + args.tensors, setters, names, storages, key, walk.static, walk.lifted)
-    return _Slots(tensors, setters, names, storages, key, state.static, state.lifted)
+        return _Slots(walk.tensors + args.tensors, setters, names, storages, key, walk.static, walk.lifted,
+                      len(walk.tensors))
+    return _Slots(tensors, setters, names, storages, key, state.static, state.lifted, len(state.tensors))
 
 
 def _module_slot_name(module, prefix, name):
@@ -1666,7 +1668,7 @@ class _Outputs:
     def repointed(self, kinds, post):
         """Outputs that a slot points to after the call (a new ``.grad``, new optimizer state
         returned by the function) are that tensor, not a copy of it."""
-        for _, target, _ in post:
+        for _, target, _, _ in post:
             ref = self.kept.get(id(target)) if isinstance(target, Tensor) else None
             if ref is not None and ref() is target:
                 kinds[self.leaves[id(target)]] = ("const", target)
@@ -1874,7 +1876,9 @@ class _Entry:
     arguments: object  # (state arrays, learning rates, keys) -> the program's arguments
     written: list  # input storage indices whose new value is an output
     new_storages: list  # storages created by the trace whose value is an output
-    post: list  # (setter, slot index | tensor | None, slot index | None): slots to re-point after a call
+    # (setter, slot index | tensor | None, slot index | None, argument slot | None): slots to re-point
+    # after a call; the last, for an argument's .grad, is the slot of the argument, found again on each call
+    post: list
     out_def: object  # torch pytree spec of the outputs
     # per output leaf: ("array" | "array32" | "number", k) | ("laid_out", (k, order)) | ("pre", slot)
     # | ("arg", k) | ("view", `_view_of_slot`) | ("const", value)
@@ -1913,6 +1917,7 @@ class _Entry:
     # a node that refuses a second backward, as torch's outputs do after backward() (`_SpentGraph`)
     spent: tuple = ()
     inference: frozenset = frozenset()  # outputs (indices among the program's) made under inference_mode
+    argument_flags: tuple = ()  # (slot, requires_grad) per argument tensor whose flag the function sets
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -2327,13 +2332,20 @@ class JitFunction:
             st.version += 1
         if entry.uses_rng:
             _rng.key = key
-        for setter, target, slot in entry.post:
+        for setter, target, slot, argument in entry.post:
             if isinstance(target, int):
                 target = slots.tensors[target]
+            if argument is not None:
+                # this call's argument, given a gradient of its own (the tensor the trace made holds
+                # this call's values, and will hold the next call's)
+                made = isinstance(target, Tensor) and any(target._t2j_storage is st for st in entry.new_storages)
+                _set_grad(slots.tensors[argument], new_tensor(target._value()) if made else target)
             # from the second call on, a .grad already holds the tensor the trace made: setting it again
             # costs torch's checks for every parameter
-            if slot is None or slots.tensors[slot] is not target:
+            elif slot is None or slots.tensors[slot] is not target:
                 setter(target)
+        for k, flag in entry.argument_flags:
+            slots.tensors[k].requires_grad_(flag)
         if entry.keeps_avals and self._roots_memo:
             # the next call's lookup then finds these arrays unchanged instead of reading every shape
             self._roots_memo[0].remember_arrays()
@@ -2412,7 +2424,7 @@ class JitFunction:
                       info["out_leaves"], info["stores"], uses_rng, slots.names, time.perf_counter() - start,
                       info["guards"], program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
                       shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]), spent=spent,
-                      inference=info["inference"],
+                      inference=info["inference"], argument_flags=info["argument_flags"],
                       draws=info["draws"], reseeded=info["reseeded"])
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2425,6 +2437,7 @@ class JitFunction:
         modes = [(sub, sub.training) for sub, _, _ in structure]
         layouts = list(map(_layout, slots.tensors))
         layout_storages = [None if t is None else t._t2j_storage for t in slots.tensors]
+        flags = _flags(slots.tensors)
         bindings = [(t, _binding(t)) for t in slots.tensors if t is not None]
         saved_numbers = dict(site.saved() for site in slots.lifted)
         numbers = [(where, site, v) for where, site, v in roots.number_sites()
@@ -2537,7 +2550,7 @@ class JitFunction:
             made.repointed(kinds, post)
             rebased = [(written.index(slot_storage[k]), k) for k, _, _, node in info["own_histories"]
                        if slot_storage[k] in written and slots.tensors[k].grad_fn is not node]
-            info.update(undo=saved_slots if post else None, rebased=rebased,
+            info.update(undo=saved_slots if post else None, rebased=rebased, argument_flags=_argument_flags(slots, flags),
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds, stores=stores,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
                 histories=made.histories, inference=frozenset(made.inference),
@@ -2604,7 +2617,7 @@ def _differentiable_inputs(slots, slot_storage, written, post, backward) -> list
     in a forward) keeps the tensor's place in the graph (torch2jax/gradcut.py).
     """
     if backward or any(getattr(setter, "func", None) is _set_grad and target is not None
-                       for setter, target, _ in post):
+                       for setter, target, _, _ in post):
         return []
     written = set(written)
     diff, seen = [], set()
@@ -3198,19 +3211,35 @@ def _repointed(pre: _Slots, post: _Slots, pre_index):
     trace: target is the index of a slot tensor before the call, a tensor the trace
     created, or None; slot is the index of the same slot before the call (None for a
     slot the trace created, such as new optimizer state). A frozen parameter's ``.grad`` that
-    the trace cleared (``zero_grad()``) is no slot after it, and is set to None."""
+    the trace cleared (``zero_grad()``) is no slot after it, and is set to None. The fourth
+    element is the slot of the argument tensor whose ``.grad`` the setter sets, if it is one's."""
     before = {_slot_id(s): k for k, s in enumerate(pre.setters) if s is not None}
     out = []
     for setter, t in zip(post.setters, post.tensors):
         k = before.pop(_slot_id(setter), None) if setter is not None else None
         if setter is None or (k is not None and pre.tensors[k] is t):
             continue
-        out.append((setter, pre_index.get(id(t), t) if t is not None else None, k))
+        out.append((setter, pre_index.get(id(t), t) if t is not None else None, k, _argument_of(setter, pre, pre_index)))
     for k in before.values():
         setter = pre.setters[k]
         if setter.func is _set_grad and pre.tensors[k] is not None and setter.args[0].grad is None:
-            out.append((setter, None, k))
+            out.append((setter, None, k, _argument_of(setter, pre, pre_index)))
     return out
+
+
+def _argument_of(setter, slots: _Slots, index) -> int | None:
+    """The slot of the argument tensor whose ``.grad`` ``setter`` sets, if it is an argument's."""
+    if setter.func is not _set_grad:
+        return None
+    k = index.get(id(setter.args[0]))
+    return k if k is not None and k >= slots.first_argument else None
+
+
+def _argument_flags(slots: _Slots, flags) -> tuple:
+    """(slot, requires_grad) for each argument tensor whose flag the trace changed (``x.requires_grad_()``):
+    every call changes its own argument's."""
+    return tuple((k, t.requires_grad) for k, (t, flag) in enumerate(zip(slots.tensors, flags))
+                 if k >= slots.first_argument and t is not None and t.requires_grad != flag)
 
 
 def _unindexed(sig):
