@@ -320,3 +320,25 @@ def test_jitted_module_with_an_inplace_activation_first():
         jitted(stem_j(x.to("jax"))).sum().backward()
     for got, want in zip((*stem_j.parameters(), *head_j.parameters()), (*stem.parameters(), *head.parameters())):
         torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_no_used_output_reaches_get_no_gradient():
+    """A jitted forward differentiated outside: parameters behind a ``detach()`` or used only by an
+    output the loss leaves out get None, not zeros (AdamW's weight decay would move them)."""
+    results = {}
+    for device in ("cpu", "jax"):
+        torch.manual_seed(0)
+        first, second, third = (torch.nn.Linear(2, 2).to(device) for _ in range(3))
+
+        def forward(x):
+            return second(first(x).detach()), third(x)
+
+        run = forward if device == "cpu" else t2j.jit(forward)
+        used, unused = run(torch.ones(1, 2, device=device))
+        used.sum().backward()
+        grads = [p.grad for m in (first, second, third) for p in m.parameters()]
+        results[device] = [None if g is None else g.tolist() for g in grads]
+        unused.sum().backward()
+        results[device].append(third.weight.grad.tolist())
+    assert results["jax"] == results["cpu"]
+    assert results["jax"][:2] == [None, None] and results["jax"][4:6] == [None, None]

@@ -1918,6 +1918,7 @@ class _Entry:
     spent: tuple = ()
     inference: frozenset = frozenset()  # outputs (indices among the program's) made under inference_mode
     argument_flags: tuple = ()  # (slot, requires_grad) per argument tensor whose flag the function sets
+    reaches: tuple = ()  # per differentiable output (grad_outs, then rebased): the inputs it depends on, a bit set
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -2414,9 +2415,12 @@ class JitFunction:
         jitted = jax.jit(split_program, donate_argnums=(0,))
         # as in torch, a tensor no output depends on gets no gradient (None), not zeros
         rebased = info["rebased"] if info["diff"] else []
-        reached = _inputs_reaching(closed.jaxpr, info["grad_outs"] + [n_out + p for p, _ in rebased]) \
-            if info["diff"] else set()
-        diff = [(i, k) for i, k in info["diff"] if i in reached]
+        # per differentiable output, the inputs it depends on (a bit set): a backward pass reaches those
+        # of the outputs it is given gradients for
+        reaches = tuple(_output_dependencies(closed.jaxpr, [1 << i for i in range(len(closed.jaxpr.invars))])[k]
+                        for k in info["grad_outs"] + [n_out + p for p, _ in rebased]) if info["diff"] else ()
+        reached = functools.reduce(operator.or_, reaches, 0)
+        diff = [(i, k) for i, k in info["diff"] if reached >> i & 1]
         spent = () if diff else tuple(info["histories"])
         out_avals = closed.out_avals[n_out:n_out + n_written]
         keeps = all(_same_aval(closed.in_avals[i], a) for i, a in zip(written, out_avals))
@@ -2424,7 +2428,7 @@ class JitFunction:
                       info["out_leaves"], info["stores"], uses_rng, slots.names, time.perf_counter() - start,
                       info["guards"], program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
                       shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]), spent=spent,
-                      inference=info["inference"], argument_flags=info["argument_flags"],
+                      inference=info["inference"], argument_flags=info["argument_flags"], reaches=reaches,
                       draws=info["draws"], reseeded=info["reseeded"])
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2640,14 +2644,17 @@ def _used_inputs(jaxpr) -> set:
 
 
 def _inputs_reaching(jaxpr, outputs) -> set:
-    """The indices of the inputs of ``jaxpr`` that some of its ``outputs`` depend on."""
+    """The indices of the inputs of ``jaxpr`` that some of its ``outputs`` depend on
+    differentiably: not through a gradient cut (``detach()``, ``torch.no_grad()``), which
+    leaves an input none of its outputs reach, as torch's graph does."""
     deps = _output_dependencies(jaxpr, [1 << i for i in range(len(jaxpr.invars))])
     d = functools.reduce(operator.or_, (deps[k] for k in outputs), 0)
     return {i for i in range(len(jaxpr.invars)) if d >> i & 1}
 
 
 def _output_dependencies(jaxpr, in_deps: list) -> list:
-    """Per output of ``jaxpr``, the union (a bit set) of ``in_deps`` of the inputs it depends on."""
+    """Per output of ``jaxpr``, the union (a bit set) of ``in_deps`` of the inputs it depends on
+    differentiably (`_equation_dependencies`)."""
     deps = dict(zip(jaxpr.invars, in_deps))
 
     def of(v):
@@ -2662,8 +2669,14 @@ def _output_dependencies(jaxpr, in_deps: list) -> list:
 def _equation_dependencies(eqn, ins: list) -> list:
     """`_output_dependencies` of one equation, looking into the branches of a ``cond`` and the
     body of a call (remat, a nested jit), where the control-flow functions pass all the state a
-    function can reach: a parameter one branch or body does not read reaches no output."""
-    if eqn.primitive.name == "cond":
+    function can reach: a parameter one branch or body does not read reaches no output. Nothing
+    reaches through a ``stop_gradient`` (a gradient cut, torch2jax/gradcut.py); a function with
+    a gradient rule of its own (a torch.autograd.Function: its forward runs with grad mode off,
+    its backward says what its inputs get) may give each input a gradient from each output."""
+    name = eqn.primitive.name
+    if name == "stop_gradient":
+        return [0] * len(eqn.outvars)
+    if name == "cond":
         outs = [ins[0]] * len(eqn.outvars)  # every output depends on the branch index
         for branch in eqn.params["branches"]:
             outs = [a | b for a, b in zip(outs, _output_dependencies(branch.jaxpr, ins[1:]))]
@@ -2671,7 +2684,7 @@ def _equation_dependencies(eqn, ins: list) -> list:
     inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     inner = getattr(inner, "jaxpr", inner)
     if isinstance(inner, jax.extend.core.Jaxpr) and len(inner.invars) == len(ins) \
-            and len(inner.outvars) == len(eqn.outvars):
+            and len(inner.outvars) == len(eqn.outvars) and not name.startswith("custom_"):
         return _output_dependencies(inner, ins)
     every = functools.reduce(operator.or_, ins, 0)
     return [every] * len(eqn.outvars)
@@ -2876,6 +2889,7 @@ class _DifferentiableCall(torch.autograd.Function):
     def forward(ctx, call, *tensors):
         ctx.call, ctx.tensors = call, tensors
         ctx.inputs = [t for t in tensors if t.requires_grad]
+        ctx.set_materialize_grads(False)  # (an output the loss does not use gets None: see backward)
         outs = [new_tensor(o) for o in call.forward()]
         grad_outs = set(call.entry.grad_outs)
         ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if k not in grad_outs))
@@ -2895,9 +2909,12 @@ class _DifferentiableCall(torch.autograd.Function):
                                                + list(grads[len(call.outs):]),
                                                [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
                                                 [call.outs[k] for k in call.entry.grad_outs] + rebased]))
+        # as in torch, an input reached only from outputs the loss does not use gets no gradient (None)
+        given = [grads[k] for k in call.entry.grad_outs] + list(grads[len(call.outs):])
+        reached = functools.reduce(operator.or_, (r for r, g in zip(call.entry.reaches, given) if g is not None), 0)
         with torch.no_grad():
-            out = [new_tensor(functools.reduce(lambda a, step: step.forward(a), chain, g))
-                   for g, chain in zip(ctx.call.backward(grads), ctx.call.chains)]
+            out = [new_tensor(functools.reduce(lambda a, step: step.forward(a), chain, g)) if reached >> i & 1
+                   else None for g, chain, (i, _) in zip(ctx.call.backward(grads), ctx.call.chains, call.entry.diff)]
         return (None, *_gradcut.once_differentiable("t2j.jit", out, (*ctx.inputs, *grads)))
 
 
