@@ -425,7 +425,8 @@ def _same_picks(op, sample, actual, expected):
 
 
 def grads(op, sample, device):
-    """Gradients of sum(out * weights) with respect to every floating input tensor."""
+    """Gradients of sum(out * weights) (its real part for complex outputs) with respect to every
+    floating or complex input tensor."""
     inputs = (sample.input, sample.args, sample.kwargs)
     if device == "jax":
         inputs = (_to_jax(sample.input), _args(op, sample), _to_jax(sample.kwargs))
@@ -439,6 +440,8 @@ def grads(op, sample, device):
     gen = torch.Generator().manual_seed(0)
     total = 0
     for o in outs:
-        w = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype)
+        # complex weights for a complex output, so that the gradient of both parts is checked
+        weight_dtype = torch.complex128 if o.is_complex() else torch.float64
+        w = torch.randn(o.shape, generator=gen, dtype=weight_dtype).to(o.device, o.dtype)
         total = total + (o * w).sum().real if o.is_complex() else total + (o * w).sum()
     return torch.autograd.grad(total, leaves, allow_unused=True)
