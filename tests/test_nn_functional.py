@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -164,3 +165,20 @@ def test_native_channel_shuffle_takes_any_layout_as_the_cpu_kernel_does(layout):
     expected = torch.native_channel_shuffle(x, 3)
     out = torch.native_channel_shuffle(x.to("jax"), 3)
     assert torch.equal(out.cpu(), expected) and out.stride() == expected.stride()
+
+
+@pytest.mark.parametrize("case", ["math_backend", "three_dims", "fused"])
+def test_scaled_dot_product_attention_boolean_masks_on_every_path(case):
+    """A boolean mask (True: attend) is made additive before torch's math path too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    shape = (4, 6, 8) if case == "three_dims" else (2, 4, 6, 8)
+    q, k, v = (torch.randn(shape) for _ in range(3))
+    mask = torch.rand(6, 6) > 0.4
+    mask[:, 0] = True
+    scope = sdpa_kernel(SDPBackend.MATH) if case == "math_backend" else contextlib.nullcontext()
+    with scope:
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"), attn_mask=mask.to("jax"))
+    torch.testing.assert_close(out.cpu(), expected)

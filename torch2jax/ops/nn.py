@@ -1388,6 +1388,10 @@ def _math_path(q, k, v) -> bool:
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """The AutogradPrivateUse1 kernel of aten::scaled_dot_product_attention."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # (True: attend) an additive mask, as torch makes one before either path
+        attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device),
+                                torch.scalar_tensor(float("-inf"), dtype=q.dtype, device=q.device))
     if _math_path(q, k, v):
         return aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
                                                        enable_gqa=enable_gqa)[0]
@@ -1406,10 +1410,6 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
                 f"pass enable_gqa=True for grouped-query attention"
             ) from None
         q, k, v = (t.expand(*lead, *t.shape[-2:]) for t in (q, k, v))
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-            attn_mask.logical_not(), float("-inf")
-        )
     return aten._scaled_dot_product_fused_attention_overrideable(
         q, k, v, attn_mask, dropout_p, is_causal, False, scale=scale
     )[0]
