@@ -750,3 +750,41 @@ def test_manual_seed_inside_jit_with_a_seed_per_step_stays_compiled():
         torch.manual_seed(seed)
         torch.randint(0, 100, (2,))
     assert f.stats["eager_calls"] == 0 and f.stats["compiles"] == 2
+
+
+def test_small_concentration_beta_and_dirichlet_draws_are_never_exactly_zero_or_one():
+    """Their gamma draws underflow: normalized from logarithms, and kept inside (0, 1) as torch's kernel."""
+    torch.manual_seed(0)
+    beta = torch.distributions.Beta(torch.tensor(2.0, device="jax"), torch.tensor(0.02, device="jax"))
+    x = beta.sample((20000,))
+    assert (x < 1).all() and beta.log_prob(x).isfinite().all()
+    tiny = torch.distributions.Beta(torch.tensor(0.005, device="jax"), torch.tensor(0.005, device="jax"))
+    y = tiny.sample((20000,)).cpu().double()
+    # P(x < t) for Beta(a, a) near 0, a -> 0: t^a / (a B(a, a)), and a B(a, a) -> 2 (CPU: 0.352)
+    assert abs((y < 1e-30).double().mean().item() - 0.5 * 1e-30 ** 0.005) < 0.02
+    assert (y == 0.5).double().mean().item() < 0.005
+    d = torch.distributions.Dirichlet(torch.full((362,), 0.01, device="jax")).sample((50,))
+    assert (d > 0).all() and torch.allclose(d.sum(-1).cpu(), torch.ones(50), atol=1e-5)
+    assert torch._sample_dirichlet(torch.tensor(0.5, device="jax")).item() == torch._sample_dirichlet(
+        torch.tensor(0.5)).item() == 1 - 2 ** -24
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_poisson_draws_for_large_rates_have_the_rates_variance(dtype):
+    torch.manual_seed(0)
+    for rate in (1e8, 1e9):
+        s = torch.poisson(torch.full((20000,), rate, device="jax", dtype=dtype)).cpu().double()
+        assert abs(s.mean().item() / rate - 1) < 4 * (rate ** -0.5) / math.sqrt(20000) + 1e-7
+        assert abs(s.var().item() / rate - 1) < 0.06
+        if dtype is torch.float64:
+            assert abs(((s % 8) == 0).double().mean().item() - 0.125) < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_exponential_draws_are_never_zero(dtype):
+    """torch's kernel draws no 0 (whose log gumbel_softmax takes): half an epsilon at least."""
+    torch.manual_seed(0)
+    e = torch.empty(10_000_000, device="jax", dtype=dtype).exponential_()
+    assert e.min().item() >= torch.finfo(dtype).eps / 2
+    torch.manual_seed(0)
+    assert not torch.nn.functional.gumbel_softmax(torch.zeros(1000, 10000, device="jax")).isnan().any()

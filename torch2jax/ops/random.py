@@ -216,6 +216,9 @@ def exponential(x, lambd=1.0, *, generator=None):
     if lambd <= 0:
         raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={_c(lambd)}")
     e = jax.random.exponential(next_key(generator), x.shape, _sample_dtype(x.dtype))
+    # torch's kernel never draws 0 (gumbel_softmax takes its log): it takes the log of a draw within
+    # half an epsilon of 1 as -epsilon / 2, so no sample is below epsilon / 2
+    e = jnp.maximum(e, np.asarray(jnp.finfo(x.dtype).eps / 2, e.dtype))
     return (e / lambd).astype(x.dtype)
 
 
@@ -253,8 +256,17 @@ def _standard_gamma_grad(alpha, sample):
 
 @register(aten._sample_dirichlet.default)
 def _sample_dirichlet(alpha, generator=None):
-    g = _standard_gamma(alpha, generator).astype(_sample_dtype(alpha.dtype))
-    return (g / jnp.sum(g, axis=-1, keepdims=True)).astype(alpha.dtype)
+    """Gamma draws normalized to sum to 1, computed from their logarithms: for small
+    concentrations (Beta(2, 0.02), Dirichlet(0.01)) the draws themselves underflow, which would
+    give 0 / 0 or exact zeros and ones. As torch's kernel, no result is 0 or 1: they are kept
+    within [smallest normal number, largest number below 1] of the dtype."""
+    _require_float("dirichlet", alpha.dtype, complex_ok=False)
+    dt = _sample_dtype(alpha.dtype)
+    a = alpha.astype(dt)
+    log_g = jax.random.loggamma(next_key(generator), a, a.shape, dt)
+    x = jnp.exp(log_g - jax.scipy.special.logsumexp(log_g, axis=-1, keepdims=True)) if a.ndim else jnp.ones_like(a)
+    info = jnp.finfo(alpha.dtype)
+    return jnp.clip(x, float(info.tiny), float(1 - info.epsneg)).astype(alpha.dtype)
 
 
 def _beta_fraction(x, a, b, terms=300):
@@ -397,7 +409,18 @@ def poisson(rates, generator=None):
     check_values(rates, lambda v: ~(v >= 0), lambda v: RuntimeError(
         "invalid Poisson rate, expected rate to be non-negative"))
     dt = _sample_dtype(rates.dtype)
-    return jax.random.poisson(next_key(generator), rates.astype(dt), rates.shape, np.int64).astype(rates.dtype)
+    key, large_key = jax.random.split(next_key(generator))
+    small = jax.random.poisson(key, rates.astype(dt), rates.shape, np.int64).astype(np.float64)
+    # jax.random.poisson computes in float32, whose spacing above 1.7e7 shows in its draws (multiples
+    # of 8 near 1e8, a variance 1.5x the rate): there, the normal approximation with its skewness term
+    # (errors of order rate ** -1, below what any sample can show), in float64
+    lam = rates.astype(np.float64)
+    z = jax.random.normal(large_key, rates.shape, np.float64)
+    large = jnp.maximum(jnp.floor(lam + jnp.sqrt(lam) * z + (z * z - 1) / 6 + 0.5), 0)
+    return jnp.where(lam < _POISSON_LARGE, small, large).astype(rates.dtype)
+
+
+_POISSON_LARGE = 1e7
 
 
 @register(aten.binomial.default)
