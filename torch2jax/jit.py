@@ -2417,8 +2417,10 @@ class JitFunction:
         rebased = info["rebased"] if info["diff"] else []
         # per differentiable output, the inputs it depends on (a bit set): a backward pass reaches those
         # of the outputs it is given gradients for
-        reaches = tuple(_output_dependencies(closed.jaxpr, [1 << i for i in range(len(closed.jaxpr.invars))])[k]
-                        for k in info["grad_outs"] + [n_out + p for p, _ in rebased]) if info["diff"] else ()
+        reaches = ()
+        if info["diff"]:
+            deps = _output_dependencies(closed.jaxpr, [1 << i for i in range(len(closed.jaxpr.invars))])
+            reaches = tuple(deps[k] for k in info["grad_outs"] + [n_out + p for p, _ in rebased])
         reached = functools.reduce(operator.or_, reaches, 0)
         diff = [(i, k) for i, k in info["diff"] if reached >> i & 1]
         spent = () if diff else tuple(info["histories"])
