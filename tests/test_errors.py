@@ -43,6 +43,38 @@ def _cpu_only(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(x.numpy() * 3)
 
 
+@torch.library.custom_op("t2jtest::cpu_cube", mutates_args=(), device_types="cpu")
+def _cpu_cube(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(x.numpy() ** 3 + bias.numpy())
+
+
+_cpu_cube.register_fake(lambda x, bias: torch.empty_like(x))
+_cpu_cube.register_autograd(
+    lambda ctx, grad: (grad * 3 * ctx.x ** 2, grad),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]),
+)
+
+
+def test_host_fallback_is_differentiated_by_torch_on_the_host():
+    # a traced host fallback differentiated by JAX (a jitted forward whose backward runs
+    # outside it, jax.grad of a jitted function) runs the op's torch backward on the CPU
+    x, bias = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.0, 1.0, 2.0])
+    cot = torch.tensor([1.0, 2.0, 3.0])
+    xc, bc = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    (_cpu_cube(xc, bc) * cot).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        xj, bj = x.to("jax").requires_grad_(), bias.to("jax").requires_grad_()
+        (t2j.jit(_cpu_cube)(xj, bj) * cot.to("jax")).sum().backward()
+        torch.testing.assert_close(xj.grad.cpu(), xc.grad)
+        torch.testing.assert_close(bj.grad.cpu(), bc.grad)
+
+        def f(a):
+            return (torch.ops.t2jtest.cpu_cube(new_tensor(a), new_tensor(bias.numpy())).jax() * cot.numpy()).sum()
+
+        assert jax.grad(jax.jit(f))(x.numpy()).tolist() == xc.grad.tolist()
+
+
 def test_custom_op_kernel_runs_on_the_jax_device():
     # a torch.library.custom_op's device-agnostic kernel runs as a decomposition (no host
     # round trip, and under t2j.jit); one registered for the CPU only falls back to the host

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 
 import pytest
@@ -182,3 +183,36 @@ def test_scaled_dot_product_attention_boolean_masks_on_every_path(case):
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = F.scaled_dot_product_attention(q.to("jax"), k.to("jax"), v.to("jax"), attn_mask=mask.to("jax"))
     torch.testing.assert_close(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("op, shape, samples", [
+    (torch.ops.aten.fractional_max_pool3d, (4, 5, 5, 5), (2, 4, 3)),
+    (torch.ops.aten.fractional_max_pool2d, (4, 5, 5), (3, 4, 2)),
+    (torch.ops.aten.fractional_max_pool2d, (2, 4, 5, 5), (2, 5, 2)),
+    (torch.ops.aten.fractional_max_pool2d, (2, 4, 5, 5), (1, 4, 2)),
+    (torch.ops.aten.fractional_max_pool3d, (2, 4, 5, 5, 5), (2, 4, 2)),
+])
+def test_fractional_max_pool_reads_its_samples_as_torch(op, shape, samples):
+    # an unbatched input given a batch of samples uses the first (nn.FractionalMaxPool3d's
+    # no-batch-dim inputs); samples of the wrong size are refused with torch's message
+    x, u = torch.randn(shape), torch.rand(samples)
+    k = [2] * (3 if op is torch.ops.aten.fractional_max_pool3d else 2)
+    try:
+        expected = op(x, k, k, u)
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError, match=re.escape(str(e))):
+            op(x.to("jax"), k, k, u.to("jax"))
+        return
+    got = op(x.to("jax"), k, k, u.to("jax"))
+    assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1])
+
+
+def test_multi_margin_loss_refuses_mismatched_target_and_weight_as_torch():
+    for target, weight in [(torch.zeros(3, dtype=torch.long), None), (torch.zeros((), dtype=torch.long), None),
+                           (torch.zeros(5, dtype=torch.long), torch.ones(3)),
+                           (torch.zeros(5, dtype=torch.long), torch.ones(2, 2))]:
+        with pytest.raises((RuntimeError, ValueError)) as expected:
+            F.multi_margin_loss(torch.ones(5, 4), target, weight=weight)
+        with pytest.raises(expected.type, match=re.escape(str(expected.value))):
+            F.multi_margin_loss(torch.ones(5, 4, device="jax"), target.to("jax"),
+                                weight=None if weight is None else weight.to("jax"))

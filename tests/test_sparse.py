@@ -88,3 +88,24 @@ def test_to_sparse_layouts_raise_a_clear_error(convert):
     with pytest.raises(t2j.OpError, match="the jax device has no sparse layouts .* x.cpu\\(\\).to_sparse\\(\\)"):
         convert(x)
     assert convert(x.cpu()).layout != torch.strided  # what the message suggests works
+
+
+def test_torch_sparse_matmul_and_sum_are_lowered():
+    # torch.sparse.mm / addmm / sum(dim) on the dense stand-in: lowered (no host round trip),
+    # so a jitted forward is differentiated by JAX when its backward runs outside it
+    indices, values = torch.tensor([[0, 1, 2, 2], [1, 2, 0, 2]]), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    a = torch.sparse_coo_tensor(indices, values, (3, 3))
+    aj = torch.sparse_coo_tensor(indices.to("jax"), values.to("jax"), (3, 3))
+    w = torch.randn(3, 2)
+    wc, wj = w.clone().requires_grad_(), w.to("jax").requires_grad_()
+    bias = torch.ones(3, 2)
+    expected = torch.sparse.addmm(bias, a, wc, beta=0.5, alpha=2.0) + torch.sparse.mm(a, wc)
+    with t2j.env(fallback="error"):
+        got = t2j.jit(lambda w: torch.sparse.addmm(bias.to("jax"), aj, w, beta=0.5, alpha=2.0)
+                      + torch.sparse.mm(aj, w))(wj)
+        torch.testing.assert_close(got.detach().cpu(), expected.detach())
+        (expected * torch.arange(6.0).reshape(3, 2)).sum().backward()
+        (got * torch.arange(6.0, device="jax").reshape(3, 2)).sum().backward()
+        torch.testing.assert_close(wj.grad.cpu(), wc.grad)
+        for dim in ([0], [1], [0, 1]):
+            torch.testing.assert_close(torch.sparse.sum(aj, dim).cpu(), torch.sparse.sum(a, dim).to_dense())

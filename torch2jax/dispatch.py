@@ -2372,18 +2372,64 @@ def _host_callback(func, args, kwargs):
         ) from e
     leaves, treedef = jax.tree_util.tree_flatten(mout, is_leaf=lambda t: isinstance(t, torch.Tensor))
     result_shapes = [jax.ShapeDtypeStruct(tuple(t.shape), _dt.to_jax(t.dtype)) for t in leaves]
-    tensors = []
-    _tree_map_tensors(lambda t: tensors.append(t) or t, (args, kwargs))
+    tensors = _tensors_of((args, kwargs))
     jax_inputs = [t._value() if isinstance(t, Tensor) else jax_array(t) for t in tensors]
 
-    def callback(*arrays):
+    def host_inputs(arrays, differentiable=()):
         it = iter(arrays)
-        cargs, ckwargs = _tree_map_tensors(lambda t: torch_cpu(np.asarray(next(it))), (args, _cpu_kwargs(kwargs)))
-        res = jax.tree_util.tree_flatten(func(*cargs, **ckwargs), is_leaf=lambda t: isinstance(t, torch.Tensor))[0]
-        return [np.asarray(jax_array(r)) for r in res]
 
-    outs = jax.pure_callback(callback, result_shapes, *jax_inputs)
+        def make(t):
+            host = torch_cpu(np.asarray(next(it)))
+            return host.requires_grad_() if id(t) in differentiable else host
+
+        return _tree_map_tensors(make, (args, _cpu_kwargs(kwargs)))
+
+    def host_outputs(out):
+        return jax.tree_util.tree_flatten(out, is_leaf=lambda t: isinstance(t, torch.Tensor))[0]
+
+    def callback(*arrays):
+        cargs, ckwargs = host_inputs(arrays)
+        return [np.asarray(jax_array(r)) for r in host_outputs(func(*cargs, **ckwargs))]
+
+    inexact = [jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in jax_inputs]
+
+    def host_vjp(*arrays_and_cotangents):
+        # torch's own backward of the op, on the CPU: the gradients of its floating inputs
+        arrays, cotangents = arrays_and_cotangents[:len(tensors)], arrays_and_cotangents[len(tensors):]
+        differentiable = {id(t) for t, f in zip(tensors, inexact) if f}
+        cargs, ckwargs = host_inputs(arrays, differentiable)
+        leaves = [t for t in _tensors_of((cargs, ckwargs)) if t.requires_grad]
+        with torch.enable_grad():  # (the callback may run inside torch's backward pass)
+            outs = [o for o, s in zip(host_outputs(func(*cargs, **ckwargs)), result_shapes)
+                    if jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)]
+        pairs = [(o, torch_cpu(np.asarray(c))) for o, c in zip(outs, cotangents) if o.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs],
+                                    allow_unused=True) if pairs else [None] * len(leaves)
+        return [np.zeros(x.shape, x.dtype) if g is None else np.asarray(g.detach(), dtype=x.dtype)
+                for g, x in zip(grads, (a for a, f in zip(arrays, inexact) if f))]
+
+    @jax.custom_vjp
+    def run(*arrays):
+        return jax.pure_callback(callback, result_shapes, *arrays)
+
+    def run_fwd(*arrays):
+        return run(*arrays), arrays
+
+    def run_bwd(arrays, cotangents):
+        kept = [c for c, s in zip(cotangents, result_shapes) if jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)]
+        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, f in zip(arrays, inexact) if f]
+        grads = iter(jax.pure_callback(host_vjp, shapes, *arrays, *kept) if shapes else ())
+        return tuple(next(grads) if f else None for f in inexact)
+
+    run.defvjp(run_fwd, run_bwd)
+    outs = run(*jax_inputs)
     return jax.tree_util.tree_unflatten(treedef, [new_tensor(o) for o in outs])
+
+
+def _tensors_of(tree) -> list:
+    found = []
+    _tree_map_tensors(lambda t: found.append(t) or t, tree)
+    return found
 
 
 # ---------------------------------------------------------------------------

@@ -433,7 +433,16 @@ def _fractional_max_pool(x, kernel_size, output_size, samples, sample_of_dim):
         if out + pool - 1 > size:
             raise RuntimeError(f"{name}: pool {name_of_dim} {pool} too large relative to input {name_of_dim} {size}")
     batched = x if x.ndim == n + 2 else x[None]
-    samples = samples.reshape(batched.shape[:2] + (n,)).astype(x.dtype if x.dtype != jnp.float16 else np.float32)
+    if samples.ndim != 3 or samples.shape[0] < batched.shape[0]:
+        raise RuntimeError("Expect _random_samples.size(0) no less then input batch size.")
+    if samples.shape[1] != batched.shape[1]:
+        raise RuntimeError("Expect _random_samples.size(1) equals to input channel size.")
+    if samples.shape[2] != n:
+        raise RuntimeError(f"Expect _random_samples.size(2) equals to {n}; got {samples.shape[2]}.")
+    # torch's kernel reads the samples as a flat N x C x n block from their start (an
+    # unbatched input given a batch of samples uses the first one's)
+    count = math.prod(batched.shape[:2]) * n
+    samples = samples.reshape(-1)[:count].reshape(batched.shape[:2] + (n,)).astype(x.dtype if x.dtype != jnp.float16 else np.float32)
     flat = jnp.zeros((), np.int64)
     for i in range(n):
         starts = _fractional_starts(samples[..., sample_of_dim[i]], sizes[i], outs[i], k[i])

@@ -664,8 +664,17 @@ def multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=_MEAN):
     if p not in (1, 2):
         raise RuntimeError("only p == 1 and p == 2 supported")
     rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
-    target = target.reshape(-1).astype(np.int64)
     classes = rows.shape[-1]
+    if target.ndim > 1 or target.size != rows.shape[0] or (x.ndim == 2 and target.ndim == 0):
+        raise RuntimeError(
+            "multi_margin_loss: target tensor should be 1-D with size equal to the number of input samples "
+            f"(batch size). Expected target size [{rows.shape[0]}], but got {list(target.shape)}. Input has shape "
+            f"{list(x.shape)}.")
+    if weight is not None and weight.ndim != 1:
+        raise RuntimeError("weight must be one-dimensional")
+    if weight is not None and weight.shape[0] != classes:
+        raise RuntimeError(f"inconsistent weight size, expected {classes} but got {list(weight.shape)}")
+    target = target.reshape(-1).astype(np.int64)
     check_values(target, lambda t: (t < 0) | (t >= classes), lambda _: TorchRuntimeError("target out of range"))
     at_target = jnp.take_along_axis(rows, jnp.clip(target, 0, classes - 1)[:, None], axis=1)
     z = margin - at_target + rows

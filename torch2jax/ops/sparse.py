@@ -18,6 +18,8 @@ import torch
 
 from ..dispatch import OpError
 from .creation import jax_dtype
+from .linalg import addmm
+from .reductions import sum_
 from .registry import register
 
 aten = torch.ops.aten
@@ -52,3 +54,19 @@ def _to_sparse(x, *args, **kwargs):
         "no sparse layouts (JAX arrays are dense); keep the tensor dense, or convert on the CPU: "
         "x.cpu().to_sparse()"
     )
+
+
+# The sparse kernels that torch.sparse's functions call, on the dense stand-in: the same
+# values as on the sparse tensor, as absent entries are zeros.
+
+@register(aten._sparse_addmm.default)
+def _sparse_addmm(self, mat1, mat2, *, beta=1, alpha=1):
+    """``torch.sparse.mm`` / ``torch.sparse.addmm``: ``beta * self + alpha * (mat1 @ mat2)``."""
+    return addmm(self, mat1, mat2, beta=beta, alpha=alpha)
+
+
+@register(aten._sparse_sum.dim, aten._sparse_sum.dim_dtype)
+def _sparse_sum_dim(self, dim, dtype=None):
+    """``torch.sparse.sum(x, dim)``: summed over ``dim`` (dense, as the jax device stores every layout)."""
+    return sum_(self, dim, dtype=dtype)
+
