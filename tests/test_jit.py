@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import copy
 import functools
 import importlib
@@ -603,9 +605,10 @@ def test_cached_call_after_lower_skips_the_state_walk(monkeypatch):
     assert step.stats["traces"] == 2
 
 
-def test_tensor_kept_by_a_hook_during_a_stopped_trace_says_what_happened():
+@pytest.mark.parametrize("container", [list, collections.deque])
+def test_tensor_kept_by_a_hook_during_a_stopped_trace_says_what_happened(container):
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1)).to("jax")
-    kept = []
+    kept = container()
     model[0].register_forward_hook(lambda module, args, out: kept.append(out.detach()))
 
     def f(x):
@@ -617,10 +620,46 @@ def test_tensor_kept_by_a_hook_during_a_stopped_trace_says_what_happened():
     x = torch.randn(2, 3, device="jax")
     with pytest.warns(UserWarning, match="runs eagerly"):
         t2j.jit(f)(x)
-    traced, eager = kept
+    if container is list:  # a list the hook closes over is put back as it was: only the eager call's tensor
+        (eager,) = kept
+    else:  # a container t2j.jit does not watch keeps the trace's placeholder, which says what it is
+        traced, eager = kept
+        with pytest.raises(t2j.OpError, match="placeholder of a t2j.jit or jax.jit trace, kept outside it by a hook"):
+            traced.sum()
     torch.testing.assert_close(eager.cpu(), model[0](x).detach().cpu())
-    with pytest.raises(t2j.OpError, match="placeholder of a t2j.jit or jax.jit trace, kept outside it by a hook"):
-        traced.sum()
+
+
+def test_side_effects_of_hooks_and_module_lists_repeat_on_every_call():
+    # a forward hook appending to a list it closes over, a module appending to its own list, a
+    # function appending while it advances a counter: each call appends its own tensor, as in
+    # eager (a list that grows is new state: every call traces again, with a warning)
+    feats, counter = [], {"n": 0}
+
+    class Keeper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.maps = nn.Linear(2, 2), []
+
+        def forward(self, x):
+            self.maps.append(x + 1)
+            return self.lin(x)
+
+    model = Keeper().to("jax")
+    model.lin.register_forward_hook(lambda module, args, out: feats.append(out.detach()))
+
+    def f(x):
+        counter["n"] += 1
+        return model(x) * 2
+
+    run = t2j.jit(f)
+    inputs = [torch.full((1, 2), float(k), device="jax") for k in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in inputs:
+            run(x)
+    assert counter["n"] == 3
+    assert [m.tolist() for m in model.maps] == [(x + 1).tolist() for x in inputs]
+    assert [o.tolist() for o in feats] == [model.lin(x).detach().tolist() for x in inputs]
 
 
 def _shift_rows(x):

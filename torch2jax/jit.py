@@ -181,6 +181,15 @@ class _Roots:
                     self.add(hook, depth)
                 for t in _tensor_attributes(obj):
                     self.add(t, depth)
+                for sub in _submodules(obj):
+                    # what its hooks close over (``feats.append(out)``) and the lists it keeps
+                    # (``self.maps.append(x)``): places a trace may store into, as the function's own
+                    for name in _MODULE_HOOK_DICTS:
+                        for hook in getattr(sub, name).values():
+                            self.add(hook, depth)
+                    for name, value in sub.__dict__.items():
+                        if type(value) is list and name[0] != "_":
+                            self.add(value, depth + 1)
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
             if _optimizer_on_jax(obj):
@@ -3087,7 +3096,7 @@ def _restore(snapshot):
     for opt, states in opt_states:
         opt.state.clear()
         opt.state.update(states)
-    places.restore()
+    places.restore(lists=True)
 
 
 def _put(kind, container, key, value):
@@ -3177,13 +3186,21 @@ class _Places:
                     out.append((container, items))
         return out
 
-    def restore(self):
+    def restore(self, lists: bool = False):
         """Put back the tensors that were in these places (a failed or unexecuted trace), and take
-        off the lists the traced numbers appended to them."""
+        off the lists the traced numbers appended to them. ``lists``: every list that got a tensor
+        as it was (a trace that stops: the tensors it added are placeholders that never get values;
+        its other changes stay, as any Python side effect of a trace)."""
         then = {id(container): before for _, container, before, _ in self.places}
         for kind, container, key, _ in self.moved():
             _put(kind, container, key, then[id(container)].get(key, _MISSING))
         self.take_appended()
+        if lists:
+            for _, container, before, _ in self.places:
+                kept = {id(v) for v in before.values()}
+                if isinstance(container, list) and any(
+                        id(v) not in kept and (isinstance(v, torch.Tensor) or _holds_traced(v)) for v in container):
+                    container[:] = before.values()
 
 
 def _append(container, value):
