@@ -2575,3 +2575,23 @@ def test_gradients_and_flags_the_function_gives_its_argument_tensors_reach_each_
         results[device] = ([x.grad.tolist() for x in xs], [y.grad.tolist() for y in ys],
                            [z.requires_grad for z in zs], again.grad.tolist())
     assert results["jax"] == results["cpu"]
+
+
+def test_a_dense_argument_in_another_memory_order_keeps_its_strides():
+    # channels_last or transposed arguments: the trace sees their strides (a branch on
+    # is_contiguous(), a conv's channels_last result) and a call in another order traces again
+    x = torch.randn(2, 3, 4, 4)
+    conv = nn.Conv2d(3, 4, 1)
+    conv_jax = copy.deepcopy(conv).to("jax")
+
+    def f(x, conv):
+        return x.is_contiguous(), x.stride(), conv(x) * 2
+
+    run = t2j.jit(lambda x: f(x, conv_jax))
+    for layout in (x, x.to(memory_format=torch.channels_last), x, x.to(memory_format=torch.channels_last),
+                   x.transpose(2, 3)):
+        flag, stride, y = run(layout.to("jax"))
+        expected = f(layout, conv)
+        assert (flag, stride) == expected[:2]
+        assert y.stride() == expected[2].stride()
+        torch.testing.assert_close(y.cpu(), expected[2].detach())

@@ -342,3 +342,24 @@ def test_parameters_no_used_output_reaches_get_no_gradient():
         results[device].append(third.weight.grad.tolist())
     assert results["jax"] == results["cpu"]
     assert results["jax"][:2] == [None, None] and results["jax"][4:6] == [None, None]
+
+
+def test_leaves_made_inside_come_back_as_leaves_that_require_grad():
+    # a PGD-style init (``zeros_like(x).uniform_().requires_grad_()``), torch.ones(requires_grad=True) and
+    # an nn.Parameter made inside: new leaves requiring grad on every call, as in eager
+    def make(x):
+        delta = torch.zeros_like(x).uniform_(-0.1, 0.1).requires_grad_()
+        return delta, torch.ones(2, device=x.device, requires_grad=True), nn.Parameter(x * 2), x * 3
+
+    run = t2j.jit(make)
+    x = torch.ones(2, device="jax", requires_grad=True)
+    for call in range(2):
+        delta, ones, param, y = run(x)
+        for leaf in (delta, ones, param):
+            assert leaf.requires_grad and leaf.is_leaf and leaf.grad_fn is None
+        assert isinstance(param, nn.Parameter) and y.grad_fn is not None
+        ((1 + delta) ** 2).sum().backward()
+        torch.testing.assert_close(delta.grad, 2 * (1 + delta.detach()))
+        (param.sum() + ones.sum() + y.sum()).backward()
+        assert param.grad.tolist() == [1.0, 1.0] and ones.grad.tolist() == [1.0, 1.0]
+        assert x.grad.tolist() == [3.0 * (call + 1)] * 2

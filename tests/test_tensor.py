@@ -661,3 +661,16 @@ def test_jit_keeps_torch_size_arguments_and_outputs():
         assert type(s) is torch.Size and type(shape) is torch.Size and shape == (3, 4)
         assert y.tolist() == [12.0] * 12
     assert f.stats["traces"] == 1
+
+
+def test_numpy_of_a_jax_tensor_is_a_read_only_copy():
+    # on the CPU the array shares the tensor's memory; here it is a copy, so a write to it would be
+    # lost: refused instead
+    x = torch.arange(3.0, device="jax")
+    for array in (x.numpy(), x.numpy(force=True), np.asarray(x)):
+        assert array.tolist() == [0.0, 1.0, 2.0]
+        with pytest.raises(ValueError, match="read-only"):
+            array[0] = 5
+    copy = x.numpy().copy()
+    copy[0] = 5
+    assert copy.tolist() == [5.0, 1.0, 2.0] and x.tolist() == [0.0, 1.0, 2.0]

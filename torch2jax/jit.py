@@ -84,6 +84,7 @@ import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 import torch.utils._pytree as torch_pytree
+from torch import _prims_common
 from jax.extend.core import jaxpr_as_fun
 
 from . import complex32 as _complex32
@@ -1640,6 +1641,7 @@ class _Outputs:
         self.slots, self.storages, self.pre_index, self.arg_index = slots, storages, pre_index, arg_index
         self.arrays, self.grad_outs = [], []
         self.histories = []  # of those, the outputs an op made (with a grad_fn), not leaves made inside
+        self.made_leaves = []  # (index, whether an nn.Parameter) of the leaves made inside that require grad
         self.inference = []  # the outputs made under torch.inference_mode()
         self.leaves = {}  # id of an output tensor -> its position among the output leaves
         self.kept = {}  # id -> the output tensor (alive while the trace's outputs are classified)
@@ -1710,6 +1712,8 @@ class _Outputs:
             self.grad_outs.append(len(outs))
             if leaf.grad_fn is not None:
                 self.histories.append(len(outs))
+            else:
+                self.made_leaves.append((len(outs), isinstance(leaf, torch.nn.Parameter)))
         order = _dense_order(leaf)
         outs.append(leaf._value())
         k = len(outs) - 1
@@ -1926,6 +1930,9 @@ class _Entry:
     # a node that refuses a second backward, as torch's outputs do after backward() (`_SpentGraph`)
     spent: tuple = ()
     inference: frozenset = frozenset()  # outputs (indices among the program's) made under inference_mode
+    # (index, whether an nn.Parameter) per output that is a leaf the function made requiring grad
+    # (``torch.zeros(n).requires_grad_()``, ``nn.Parameter(...)``): each call returns a new leaf of that kind
+    made_leaves: tuple = ()
     argument_flags: tuple = ()  # (slot, requires_grad) per argument tensor whose flag the function sets
     reaches: tuple = ()  # per differentiable output (grad_outs, then rebased): the inputs it depends on, a bit set
 
@@ -2241,8 +2248,8 @@ class JitFunction:
 
     def _view_copies(self, leaves) -> list:
         """``leaves`` with each tensor argument that is a view (``data[:, i:i + k]``, a minibatch
-        sliced from a dataset on the device) replaced by a copy of its values, where the function
-        only reads it: the program then takes the slice as an array of its own, and one program
+        sliced from a dataset on the device) replaced by a copy of its values (in its memory
+        order), where the function only reads it: the program then takes the slice as an array of its own, and one program
         serves every offset, where the view's offset would key a trace of its own. Not for views
         that require grad, nor views of a storage that other state or a whole argument holds (the
         function could write it); a trace that writes a copy, returns it or keeps it raises
@@ -2258,8 +2265,12 @@ class JitFunction:
                     and id(x._t2j_storage) not in whole:
                 if out is None:
                     out = list(leaves)
-                out[i] = new_tensor(x._value())
-                self._copies.append(out[i]._t2j_storage)
+                copy = new_tensor(x._value())
+                self._copies.append(copy._t2j_storage)
+                # a dense view in another order (channels_last, a transpose) keeps its strides: the
+                # function may branch on them, and its results have that layout
+                order = _dense_order(x) if _prims_common.is_non_overlapping_and_dense_or_false(x) else None
+                out[i] = copy if order is None else _laid_out_as(copy, order)
         return leaves if out is None else out
 
     def _number_arguments(self, leaves) -> list:
@@ -2287,6 +2298,11 @@ class JitFunction:
         if entry.inference:  # (outputs made under torch.inference_mode() are inference tensors)
             with torch.inference_mode():
                 arrays = [new_tensor(a._value()) if k in entry.inference else a for k, a in enumerate(arrays)]
+        if entry.made_leaves:
+            arrays = list(arrays)
+            for k, parameter in entry.made_leaves:
+                leaf = new_tensor(arrays[k]._value())
+                arrays[k] = torch.nn.Parameter(leaf) if parameter else leaf.requires_grad_()
         result = []
         for kind, v in entry.out_leaves:
             if kind == "leaf":
@@ -2440,6 +2456,7 @@ class JitFunction:
                       info["guards"], program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
                       shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]), spent=spent,
                       inference=info["inference"], argument_flags=info["argument_flags"], reaches=reaches,
+                      made_leaves=info["made_leaves"],
                       draws=info["draws"], reseeded=info["reseeded"])
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2568,7 +2585,7 @@ class JitFunction:
             info.update(undo=saved_slots if post else None, rebased=rebased, argument_flags=_argument_flags(slots, flags),
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds, stores=stores,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
-                histories=made.histories, inference=frozenset(made.inference),
+                histories=made.histories, inference=frozenset(made.inference), made_leaves=tuple(made.made_leaves),
                 draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
                 else [],

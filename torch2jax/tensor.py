@@ -488,7 +488,11 @@ class Tensor(torch.Tensor):
             if self.is_neg():
                 raise RuntimeError("Can't call numpy() on Tensor that has negative bit set. Use "
                                    "tensor.resolve_neg().numpy() instead.")
-        return self.detach().cpu().numpy()
+        # a copy of the device's value, so read-only: a write to it would not reach the tensor (on the
+        # CPU the array shares the tensor's memory); ``.copy()`` it to write
+        array = self.detach().cpu().numpy()
+        array.flags.writeable = False
+        return array
 
     @property
     def data(self):
