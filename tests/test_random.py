@@ -366,6 +366,8 @@ def test_jax_generator_state_round_trips_and_pickles():
     assert torch.equal(torch.randn(6, device="jax").cpu(), a)
     with pytest.raises(TypeError, match=r"Generator.set_state: expected .* torch.uint8 tensor of 8 bytes"):
         g.set_state(torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"Generator.set_state: expected .* got a torch.uint8 tensor of 3"):
+        g.set_state(torch.zeros(3, dtype=torch.uint8))  # (a wrong size: torch's CPU generator's error type)
     with pytest.raises(RuntimeError, match="torch.Generator: device jax:1 does not exist"):
         torch.Generator(device="jax:1")
 

@@ -182,8 +182,10 @@ class RngState:
         if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 4 * KEY_WORDS:
             got = (f"a {state.dtype} tensor of {state.numel()} elements" if isinstance(state, torch.Tensor)
                    else type(state).__name__)
-            raise TypeError(f"{caller}: expected the state a jax-device generator gives (a torch.uint8 tensor of "
-                            f"{4 * KEY_WORDS} bytes, from get_state()), got {got}")
+            # (the error types of torch's CPU generator: a wrong size is a RuntimeError)
+            error = RuntimeError if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 else TypeError
+            raise error(f"{caller}: expected the state a jax-device generator gives (a torch.uint8 tensor of "
+                        f"{4 * KEY_WORDS} bytes, from get_state()), got {got}")
         data = state.detach().cpu().numpy().reshape(-1).view(np.uint32)
         with jax.ensure_compile_time_eval():
             self.key = jax.random.wrap_key_data(jax.numpy.asarray(data))
