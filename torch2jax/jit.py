@@ -182,15 +182,10 @@ class _Roots:
                     self.add(hook, depth)
                 for t in _tensor_attributes(obj):
                     self.add(t, depth)
-                for sub in _submodules(obj):
-                    # what its hooks close over (``feats.append(out)``) and the lists it keeps
-                    # (``self.maps.append(x)``): places a trace may store into, as the function's own
-                    for name in _MODULE_HOOK_DICTS:
-                        for hook in getattr(sub, name).values():
-                            self.add(hook, depth)
-                    for name, value in sub.__dict__.items():
-                        if type(value) is list and name[0] != "_":
-                            self.add(value, depth + 1)
+                # what its hooks close over (``feats.append(out)``) and the lists it keeps
+                # (``self.maps.append(x)``): places a trace may store into, as the function's own
+                for extra in _module_extras(obj):
+                    self.add(extra, depth + 1)
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
             if _optimizer_on_jax(obj):
@@ -351,6 +346,24 @@ def _parameter_hooks(module) -> list:
         hooks = [getattr(h, "__wrapped__", h) for p in module.parameters()
                  for d in (p._backward_hooks, p._post_accumulate_grad_hooks) for h in (d or {}).values()]
         seen = _HOOKS_SEEN[module] = (_HOOK_CHANGES[0], hooks)
+    return seen[1]
+
+
+_EXTRAS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (counters, its extras)
+
+
+def _module_extras(module) -> list:
+    """The functions hooked on ``module`` and its submodules and the lists they hold as public
+    attributes, read again only after a module attribute was set or a hook registered or
+    removed somewhere (reading every submodule's attributes on each call would cost more than
+    the rest of finding the roots)."""
+    now = (_ATTRIBUTE_WRITES[0], _HOOK_CHANGES[0])
+    seen = _EXTRAS_SEEN.get(module)
+    if seen is None or seen[0] != now:
+        subs = _submodules(module)
+        extras = [hook for sub in subs for name in _MODULE_HOOK_DICTS for hook in getattr(sub, name).values()]
+        extras += [v for sub in subs for name, v in sub.__dict__.items() if type(v) is list and name[0] != "_"]
+        seen = _EXTRAS_SEEN[module] = (now, extras)
     return seen[1]
 
 
