@@ -2597,3 +2597,22 @@ def test_a_dense_argument_in_another_memory_order_keeps_its_strides():
         assert (flag, stride) == expected[:2]
         assert y.stride() == expected[2].stride()
         torch.testing.assert_close(y.cpu(), expected[2].detach())
+
+
+@pytest.mark.parametrize("view_first", [False, True])
+def test_an_output_that_views_another_output_is_that_view_in_either_order(view_first):
+    # (t, t[:, :2]) and (t[:, :2], t): a write to t shows in the view, as in torch
+    def f(x):
+        t = x * 2
+        return (t[:, 1:3], t) if view_first else (t, t[:, 1:3])
+
+    run = t2j.jit(f)
+    for call in range(2):
+        out = run(torch.arange(12.0, device="jax").reshape(3, 4))
+        view, t = out if view_first else out[::-1]
+        expected_view, expected_t = (f(torch.arange(12.0).reshape(3, 4)) if view_first
+                                     else f(torch.arange(12.0).reshape(3, 4))[::-1])
+        t.add_(1)
+        expected_t.add_(1)
+        assert view.stride() == expected_view.stride() and view.storage_offset() == expected_view.storage_offset()
+        assert view.tolist() == expected_view.tolist()

@@ -1658,13 +1658,11 @@ class _Outputs:
         self.inference = []  # the outputs made under torch.inference_mode()
         self.leaves = {}  # id of an output tensor -> its position among the output leaves
         self.kept = {}  # id -> the output tensor (alive while the trace's outputs are classified)
-        self.position = -1  # of the output leaf being classified
 
-    def kind(self, leaf) -> tuple:
-        """The kind of output leaf ``leaf``, adding its value to the program's outputs where it has one.
-        A tensor returned twice is the same tensor twice; a view of an earlier output, a view of it."""
-        self.position += 1
-        position = self.position
+    def kind(self, leaf, position: int) -> tuple:
+        """The kind of output leaf ``leaf`` at ``position``, adding its value to the program's outputs
+        where it has one. A tensor returned twice is the same tensor twice; a view of an output
+        classified before it (`_classification_order`), a view of it."""
         if isinstance(leaf, Tensor):
             if id(leaf) in self.leaves:
                 return "leaf", self.leaves[id(leaf)]
@@ -1734,6 +1732,16 @@ class _Outputs:
             self.inference.append(k)
         return ("array32", k) if leaf.dtype is torch.complex32 else ("array", k) if order is None \
             else ("laid_out", (k, order))
+
+
+def _classification_order(out_leaves) -> tuple:
+    """The output positions with the tensors that are not views first: a view returned before
+    its base (``return t[:, :2], t``) is then found to be a view of that output, as when it
+    comes after it."""
+    def is_view(leaf):
+        return isinstance(leaf, Tensor) and bool(leaf._t2j_view) and _tensor.strided_steps(leaf._t2j_view)
+
+    return tuple(sorted(range(len(out_leaves)), key=lambda k: is_view(out_leaves[k])))
 
 
 def _view_of(base, size, stride, offset, grad_mode):
@@ -1946,6 +1954,7 @@ class _Entry:
     # (index, whether an nn.Parameter) per output that is a leaf the function made requiring grad
     # (``torch.zeros(n).requires_grad_()``, ``nn.Parameter(...)``): each call returns a new leaf of that kind
     made_leaves: tuple = ()
+    out_order: tuple = ()  # the order in which a call makes its output leaves (`_classification_order`)
     argument_flags: tuple = ()  # (slot, requires_grad) per argument tensor whose flag the function sets
     reaches: tuple = ()  # per differentiable output (grad_outs, then rebased): the inputs it depends on, a bit set
 
@@ -2316,18 +2325,19 @@ class JitFunction:
             for k, parameter in entry.made_leaves:
                 leaf = new_tensor(arrays[k]._value())
                 arrays[k] = torch.nn.Parameter(leaf) if parameter else leaf.requires_grad_()
-        result = []
-        for kind, v in entry.out_leaves:
+        result = [None] * len(entry.out_leaves)
+        for position in entry.out_order:
+            kind, v = entry.out_leaves[position]
             if kind == "leaf":
-                result.append(result[v])
+                result[position] = result[v]
             elif kind == "view_of_leaf":
                 base = result[v[0]]
-                result.append(_view_of(base, *v[1:3], base.storage_offset() + v[3], v[4]))
+                result[position] = _view_of(base, *v[1:3], base.storage_offset() + v[3], v[4])
             elif kind == "laid_out" and v[0] in entry.inference:
                 with torch.inference_mode():
-                    result.append(_output(kind, v, arrays, slots, leaves))
+                    result[position] = _output(kind, v, arrays, slots, leaves)
             else:
-                result.append(_output(kind, v, arrays, slots, leaves))
+                result[position] = _output(kind, v, arrays, slots, leaves)
         for setter, stored in entry.stores:
             setter(_stored_value(stored, result, arrays, slots, leaves))
         return torch_pytree.tree_unflatten(result, entry.out_def)
@@ -2469,7 +2479,7 @@ class JitFunction:
                       info["guards"], program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
                       shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]), spent=spent,
                       inference=info["inference"], argument_flags=info["argument_flags"], reaches=reaches,
-                      made_leaves=info["made_leaves"],
+                      made_leaves=info["made_leaves"], out_order=info["out_order"],
                       draws=info["draws"], reseeded=info["reseeded"])
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2557,7 +2567,10 @@ class JitFunction:
             pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}
             arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
             made = _Outputs(slots, storages, pre_index, arg_index)
-            kinds = [made.kind(leaf) for leaf in out_leaves]
+            out_order = _classification_order(out_leaves)
+            kinds = [None] * len(out_leaves)
+            for position in out_order:
+                kinds[position] = made.kind(out_leaves[position], position)
             # tensors it stored in places (`_Places`) are outputs too, given to the same places after each call
             stores = [(functools.partial(_put, kind, container, key), made.stored(t))
                       for kind, container, key, t in saved_slots[2].moved()]
@@ -2597,6 +2610,7 @@ class JitFunction:
                        if slot_storage[k] in written and slots.tensors[k].grad_fn is not node]
             info.update(undo=saved_slots if post else None, rebased=rebased, argument_flags=_argument_flags(slots, flags),
                 written=written, new_storages=new_storages, post=post, out_def=out_def, out_leaves=kinds, stores=stores,
+                out_order=out_order,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
                 histories=made.histories, inference=frozenset(made.inference), made_leaves=tuple(made.made_leaves),
                 draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
