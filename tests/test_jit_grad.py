@@ -363,3 +363,26 @@ def test_leaves_made_inside_come_back_as_leaves_that_require_grad():
         (param.sum() + ones.sum() + y.sum()).backward()
         assert param.grad.tolist() == [1.0, 1.0] and ones.grad.tolist() == [1.0, 1.0]
         assert x.grad.tolist() == [3.0 * (call + 1)] * 2
+
+
+def test_a_vmapped_backward_through_a_jitted_forward():
+    # jacobian(vectorize=True) and is_grads_batched=True (torch's legacy vmap over the backward
+    # pass) and torch.func.vmap over autograd.grad: the call's VJP is vmapped over the cotangents
+    def f(x):
+        return torch.sin(x) * x.sum()
+
+    x = torch.randn(3, dtype=torch.float64)
+    expected = torch.autograd.functional.jacobian(f, x)
+    xj = x.to("jax")
+    run = t2j.jit(f)
+    torch.testing.assert_close(torch.autograd.functional.jacobian(run, xj, vectorize=True).cpu(), expected)
+    leaf = xj.clone().requires_grad_()
+    y, eye = run(leaf), torch.eye(3, dtype=torch.float64, device="jax")
+    torch.testing.assert_close(torch.autograd.grad(y, leaf, eye, is_grads_batched=True, retain_graph=True)[0].cpu(),
+                               expected)
+    rows = torch.func.vmap(lambda v: torch.autograd.grad(y, leaf, v, retain_graph=True)[0])(eye)
+    torch.testing.assert_close(rows.cpu(), expected)
+    with pytest.raises(RuntimeError, match="vmapped backward pass that creates a graph"):
+        torch.autograd.grad(y, leaf, eye, is_grads_batched=True, create_graph=True)
+    with pytest.raises(RuntimeError, match="batched by a vmap .* no batching rule"):
+        torch.autograd.functional.hessian(lambda x: run(x).sum(), xj, vectorize=True)

@@ -2928,12 +2928,55 @@ class _Call:
         self.written = [self.storages[i].array for i in self.entry.written]
         return self.outs
 
-    def backward(self, grads):
+    def backward(self, grads, batch: int | None = None):
+        """The gradients of the differentiable inputs' storages. ``batch``: each gradient holds that
+        many cotangents along a leading dimension (`_batched_grads`), and so does each result."""
         entry = self.entry
         with jax.enable_x64(True):  # a float64 output's zero cotangent stays float64
-            cotangents = [_cotangent(grads[k], self.outs[k]) for k in entry.grad_outs]
-            cotangents += [_cotangent(g, self.written[p]) for g, (p, _) in zip(grads[len(self.outs):], entry.rebased)]
-            return entry.differentiable.vjp(self.inputs, self.lrs, self.key, cotangents)
+            outs = [self.outs[k] for k in entry.grad_outs] + [self.written[p] for p, _ in entry.rebased]
+            given = [grads[k] for k in entry.grad_outs] + list(grads[len(self.outs):])
+            if batch is None:
+                return entry.differentiable.vjp(self.inputs, self.lrs, self.key, list(map(_cotangent, given, outs)))
+            cotangents = [jax.numpy.zeros((batch, *o.shape), o.dtype) if g is None else _cotangent(g, o)
+                          for g, o in zip(given, outs)]
+            return jax.vmap(lambda c: entry.differentiable.vjp(self.inputs, self.lrs, self.key, c))(cotangents)
+
+
+def _batched_grads(grads):
+    """``grads`` given by a vmap over a backward pass (torch.func.vmap, or the legacy vmap of
+    ``is_grads_batched=True`` and ``jacobian(vectorize=True)``): (their values with the batch
+    dimension first, batch size, (legacy?, vmap level)); (grads, None, None) where none is batched."""
+    legacy = [g for g in grads if g is not None and torch._C._functorch.is_legacy_batchedtensor(g)]
+    if legacy:
+        level = torch._C._vmapmode_increment_nesting() - 1  # (the legacy vmap's level: its nesting depth)
+        torch._C._vmapmode_decrement_nesting()
+        out = [None if g is None else torch._remove_batch_dim(g, level, 1, 0) if
+               torch._C._functorch.is_legacy_batchedtensor(g) else g for g in grads]
+        size = next(u.shape[0] for g, u in zip(grads, out) if g is not None
+                    and torch._C._functorch.is_legacy_batchedtensor(g))
+        out = [u if u is None or torch._C._functorch.is_legacy_batchedtensor(g) else u.expand(size, *u.shape)
+               for g, u in zip(grads, out)]
+        return out, size, (True, level)
+    batched = [g for g in grads if g is not None and torch._C._functorch.is_batchedtensor(g)]
+    if not batched:
+        return grads, None, None
+    level = torch._C._functorch.maybe_get_level(batched[0])
+    size = None
+    out = []
+    for g in grads:
+        if g is not None and torch._C._functorch.is_batchedtensor(g):
+            if torch._C._functorch.maybe_get_level(g) != level:
+                raise RuntimeError("t2j.jit: the backward pass of a jitted function under nested vmaps is not "
+                                   "supported; differentiate the function eagerly, or jit a function that "
+                                   "computes the Jacobian inside (torch.func.jacrev)")
+            inner = torch._C._functorch.get_unwrapped(g).movedim(torch._C._functorch.maybe_get_bdim(g), 0)
+            size = inner.shape[0]
+            g = inner
+        out.append(g)
+    # a gradient the vmap does not batch is the same for every cotangent
+    out = [g if g is None or torch._C._functorch.is_batchedtensor(b) else g.expand(size, *g.shape)
+           for g, b in zip(out, (b if b is not None else g for b, g in zip(grads, out)))]
+    return out, size, (False, level)
 
 
 class _DifferentiableCall(torch.autograd.Function):
@@ -2958,6 +3001,12 @@ class _DifferentiableCall(torch.autograd.Function):
         # a view's gradient (its storage's, narrowed by the chain) is not one JAX function of the
         # view: through those, a second backward is refused rather than differentiated
         if _gradcut.creates_graph((*ctx.inputs, *grads)) and not any(call.chains):
+            if _batched_grads(grads)[1] is not None:
+                raise RuntimeError(
+                    "t2j.jit: a vmapped backward pass that creates a graph (is_grads_batched=True, or "
+                    "torch.func.vmap over autograd.grad, with create_graph=True) through a jitted function is not "
+                    "supported: "
+                    "pass vectorize=False, or compute the derivatives inside the jitted function (torch.func)")
             pull = functools.partial(call.entry.differentiable.pull, call.inputs, call.lrs, call.key)
             rebased = [call.written[p] for p, _ in call.entry.rebased]
             return (None, *_differentiable_vjp(pull, ctx.tensors, [grads[k] for k in call.entry.grad_outs]
@@ -2967,9 +3016,18 @@ class _DifferentiableCall(torch.autograd.Function):
         # as in torch, an input reached only from outputs the loss does not use gets no gradient (None)
         given = [grads[k] for k in call.entry.grad_outs] + list(grads[len(call.outs):])
         reached = functools.reduce(operator.or_, (r for r, g in zip(call.entry.reaches, given) if g is not None), 0)
+        grads, batch, level = _batched_grads(grads)
+
+        def through(chain, g):
+            along = functools.partial(functools.reduce, lambda a, step: step.forward(a), chain)
+            return along(g) if batch is None else jax.vmap(along)(g)
+
         with torch.no_grad():
-            out = [new_tensor(functools.reduce(lambda a, step: step.forward(a), chain, g)) if reached >> i & 1
-                   else None for g, chain, (i, _) in zip(ctx.call.backward(grads), ctx.call.chains, call.entry.diff)]
+            out = [new_tensor(through(chain, g)) if reached >> i & 1 else None
+                   for g, chain, (i, _) in zip(ctx.call.backward(grads, batch), ctx.call.chains, call.entry.diff)]
+            if batch is not None:
+                add = torch._add_batch_dim if level[0] else torch._C._functorch._add_batch_dim
+                out = [None if t is None else add(t, 0, level[1]) for t in out]
         return (None, *_gradcut.once_differentiable("t2j.jit", out, (*ctx.inputs, *grads)))
 
 

@@ -818,6 +818,12 @@ def _host_view(t: torch.Tensor) -> np.ndarray:
 
 def jax_array(t: torch.Tensor):
     """A jax.Array with the value of a torch CPU tensor."""
+    if torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_legacy_batchedtensor(t):
+        raise RuntimeError(
+            "torch2jax: a tensor batched by a vmap (torch.func.vmap, is_grads_batched=True, "
+            "jacobian/hessian(vectorize=True)) reached a step that converts it to a JAX array, which has no "
+            "batching rule (a jitted function's second-order backward, a JAX function called from torch): "
+            "use vectorize=False, or vmap inside JAX")
     t = t.detach().resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
