@@ -2271,11 +2271,12 @@ class JitFunction:
     def _view_copies(self, leaves) -> list:
         """``leaves`` with each tensor argument that is a view (``data[:, i:i + k]``, a minibatch
         sliced from a dataset on the device) replaced by a copy of its values (in its memory
-        order), where the function only reads it: the program then takes the slice as an array of its own, and one program
-        serves every offset, where the view's offset would key a trace of its own. Not for views
-        that require grad, nor views of a storage that other state or a whole argument holds (the
-        function could write it); a trace that writes a copy, returns it or keeps it raises
-        `_KeepViews`, after which every call passes the views themselves."""
+        order), where the function only reads it: the program then takes the slice as an array
+        of its own, and one program serves every offset, where the view's offset would key a
+        trace of its own. Not for views that require grad, nor views of a storage that other
+        state or a whole argument holds (the function could write it); a trace that writes a
+        copy, returns it or keeps it raises `_KeepViews`, after which every call passes the views
+        themselves."""
         self._copies = []
         if not self._copy_views or not self._roots_memo:  # (the first call's state is not known yet)
             return leaves
@@ -2946,37 +2947,32 @@ def _batched_grads(grads):
     """``grads`` given by a vmap over a backward pass (torch.func.vmap, or the legacy vmap of
     ``is_grads_batched=True`` and ``jacobian(vectorize=True)``): (their values with the batch
     dimension first, batch size, (legacy?, vmap level)); (grads, None, None) where none is batched."""
-    legacy = [g for g in grads if g is not None and torch._C._functorch.is_legacy_batchedtensor(g)]
-    if legacy:
+    fc = torch._C._functorch
+    if any(g is not None and fc.is_legacy_batchedtensor(g) for g in grads):
+        legacy, is_batched = True, fc.is_legacy_batchedtensor
         level = torch._C._vmapmode_increment_nesting() - 1  # (the legacy vmap's level: its nesting depth)
         torch._C._vmapmode_decrement_nesting()
-        out = [None if g is None else torch._remove_batch_dim(g, level, 1, 0) if
-               torch._C._functorch.is_legacy_batchedtensor(g) else g for g in grads]
-        size = next(u.shape[0] for g, u in zip(grads, out) if g is not None
-                    and torch._C._functorch.is_legacy_batchedtensor(g))
-        out = [u if u is None or torch._C._functorch.is_legacy_batchedtensor(g) else u.expand(size, *u.shape)
-               for g, u in zip(grads, out)]
-        return out, size, (True, level)
-    batched = [g for g in grads if g is not None and torch._C._functorch.is_batchedtensor(g)]
-    if not batched:
-        return grads, None, None
-    level = torch._C._functorch.maybe_get_level(batched[0])
-    size = None
-    out = []
-    for g in grads:
-        if g is not None and torch._C._functorch.is_batchedtensor(g):
-            if torch._C._functorch.maybe_get_level(g) != level:
+
+        def unwrap(g):
+            return torch._remove_batch_dim(g, level, 1, 0)
+    else:
+        batched = [g for g in grads if g is not None and fc.is_batchedtensor(g)]
+        if not batched:
+            return grads, None, None
+        legacy, is_batched, level = False, fc.is_batchedtensor, fc.maybe_get_level(batched[0])
+
+        def unwrap(g):
+            if fc.maybe_get_level(g) != level:
                 raise RuntimeError("t2j.jit: the backward pass of a jitted function under nested vmaps is not "
                                    "supported; differentiate the function eagerly, or jit a function that "
                                    "computes the Jacobian inside (torch.func.jacrev)")
-            inner = torch._C._functorch.get_unwrapped(g).movedim(torch._C._functorch.maybe_get_bdim(g), 0)
-            size = inner.shape[0]
-            g = inner
-        out.append(g)
+            return fc.get_unwrapped(g).movedim(fc.maybe_get_bdim(g), 0)
+
+    flags = [g is not None and is_batched(g) for g in grads]
+    out = [unwrap(g) if f else g for g, f in zip(grads, flags)]
+    size = next(u.shape[0] for u, f in zip(out, flags) if f)
     # a gradient the vmap does not batch is the same for every cotangent
-    out = [g if g is None or torch._C._functorch.is_batchedtensor(b) else g.expand(size, *g.shape)
-           for g, b in zip(out, (b if b is not None else g for b, g in zip(grads, out)))]
-    return out, size, (False, level)
+    return [u if u is None or f else u.expand(size, *u.shape) for u, f in zip(out, flags)], size, (legacy, level)
 
 
 class _DifferentiableCall(torch.autograd.Function):
@@ -3005,8 +3001,7 @@ class _DifferentiableCall(torch.autograd.Function):
                 raise RuntimeError(
                     "t2j.jit: a vmapped backward pass that creates a graph (is_grads_batched=True, or "
                     "torch.func.vmap over autograd.grad, with create_graph=True) through a jitted function is not "
-                    "supported: "
-                    "pass vectorize=False, or compute the derivatives inside the jitted function (torch.func)")
+                    "supported: compute the derivatives inside the jitted function (torch.func), or eagerly")
             pull = functools.partial(call.entry.differentiable.pull, call.inputs, call.lrs, call.key)
             rebased = [call.written[p] for p, _ in call.entry.rebased]
             return (None, *_differentiable_vjp(pull, ctx.tensors, [grads[k] for k in call.entry.grad_outs]

@@ -442,7 +442,8 @@ def _fractional_max_pool(x, kernel_size, output_size, samples, sample_of_dim):
     # torch's kernel reads the samples as a flat N x C x n block from their start (an
     # unbatched input given a batch of samples uses the first one's)
     count = math.prod(batched.shape[:2]) * n
-    samples = samples.reshape(-1)[:count].reshape(batched.shape[:2] + (n,)).astype(x.dtype if x.dtype != jnp.float16 else np.float32)
+    samples = samples.reshape(-1)[:count].reshape(batched.shape[:2] + (n,))
+    samples = samples.astype(x.dtype if x.dtype != jnp.float16 else np.float32)
     flat = jnp.zeros((), np.int64)
     for i in range(n):
         starts = _fractional_starts(samples[..., sample_of_dim[i]], sizes[i], outs[i], k[i])
