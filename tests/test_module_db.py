@@ -103,7 +103,14 @@ def _check_module(info, dtype, limit, jit=False):
     return ran
 
 
-@pytest.mark.parametrize("name", list(MODULES))
+# modules whose samples take longest; tests/test_models.py runs them (encoder fast path, attention,
+# recurrent and packed recurrent layers) in CI, and the slow set here
+SLOW_IN_CI = {"nn.TransformerEncoder", "nn.TransformerEncoderLayer", "nn.TransformerDecoderLayer", "nn.Transformer",
+              "nn.MultiheadAttention", "nn.RNN", "nn.LSTM", "nn.GRU", "nn.CTCLoss"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_IN_CI else [])
+                                  for n in MODULES])
 def test_module_db(name):
     info = MODULES[name]
     with warnings.catch_warnings():
