@@ -2616,3 +2616,30 @@ def test_an_output_that_views_another_output_is_that_view_in_either_order(view_f
         expected_t.add_(1)
         assert view.stride() == expected_view.stride() and view.storage_offset() == expected_view.storage_offset()
         assert view.tolist() == expected_view.tolist()
+
+
+_FORWARD_SCALE = 2.0
+
+
+class _ScaledByAGlobal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.lin(x) * _FORWARD_SCALE
+
+
+def test_a_global_read_by_a_module_s_forward_is_guarded():
+    # as the jitted function's own globals: a new value traces again (was: frozen into the program)
+    global _FORWARD_SCALE
+    model = _ScaledByAGlobal().to("jax")
+    run = t2j.jit(lambda x: model(x) + 1)
+    x = torch.ones(1, 2, device="jax")
+    try:
+        for scale in (2.0, 3.0, 3.0):
+            _FORWARD_SCALE = scale
+            torch.testing.assert_close(run(x).cpu(), (model(x) + 1).detach().cpu())
+    finally:
+        _FORWARD_SCALE = 2.0
+    assert run.stats["traces"] == 2

@@ -184,8 +184,10 @@ class _Roots:
                     self.add(t, depth)
                 # what its hooks close over (``feats.append(out)``) and the lists it keeps
                 # (``self.maps.append(x)``): places a trace may store into, as the function's own
-                for extra in _module_extras(obj):
+                extras, read = _module_extras(obj)
+                for extra in extras:
                     self.add(extra, depth + 1)
+                self.values += read
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
             if _optimizer_on_jax(obj):
@@ -352,18 +354,24 @@ def _parameter_hooks(module) -> list:
 _EXTRAS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (counters, its extras)
 
 
-def _module_extras(module) -> list:
-    """The functions hooked on ``module`` and its submodules and the lists they hold as public
-    attributes, read again only after a module attribute was set or a hook registered or
-    removed somewhere (reading every submodule's attributes on each call would cost more than
-    the rest of finding the roots)."""
+def _module_extras(module) -> tuple:
+    """(the functions hooked on ``module`` and its submodules and the lists they hold as public
+    attributes, the Python values their ``forward`` functions read from globals: `_Roots.values`
+    entries, guarded as the jitted function's own), read again only after a module attribute was
+    set or a hook registered or removed somewhere (reading every submodule's attributes on each
+    call would cost more than the rest of finding the roots)."""
     now = (_ATTRIBUTE_WRITES[0], _HOOK_CHANGES[0])
     seen = _EXTRAS_SEEN.get(module)
     if seen is None or seen[0] != now:
         subs = _submodules(module)
         extras = [hook for sub in subs for name in _MODULE_HOOK_DICTS for hook in getattr(sub, name).values()]
         extras += [v for sub in subs for name, v in sub.__dict__.items() if type(v) is list and name[0] != "_"]
-        seen = _EXTRAS_SEEN[module] = (now, extras)
+        forwards = {getattr(type(sub).forward, "__code__", None): type(sub).forward for sub in subs}
+        read = {(id(fn.__globals__), name): (f"global {name}", fn.__globals__, name)
+                for code, fn in forwards.items() if code is not None and not fn.__module__.startswith("torch.")
+                for name in _global_names(code)
+                if name in fn.__globals__ and not name.startswith("__") and _watched(fn.__globals__[name])}
+        seen = _EXTRAS_SEEN[module] = (now, (extras, list(read.values())))
     return seen[1]
 
 
