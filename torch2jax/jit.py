@@ -368,7 +368,8 @@ def _module_extras(module) -> tuple:
         extras += [v for sub in subs for name, v in sub.__dict__.items() if type(v) is list and name[0] != "_"]
         forwards = {getattr(type(sub).forward, "__code__", None): type(sub).forward for sub in subs}
         read = {(id(fn.__globals__), name): (f"global {name}", fn.__globals__, name)
-                for code, fn in forwards.items() if code is not None and not fn.__module__.startswith("torch.")
+                for code, fn in forwards.items()
+                if code is not None and not (getattr(fn, "__module__", None) or "").startswith("torch.")
                 for name in _global_names(code)
                 if name in fn.__globals__ and not name.startswith("__") and _watched(fn.__globals__[name])}
         seen = _EXTRAS_SEEN[module] = (now, (extras, list(read.values())))
