@@ -2643,3 +2643,25 @@ def test_a_global_read_by_a_module_s_forward_is_guarded():
     finally:
         _FORWARD_SCALE = 2.0
     assert run.stats["traces"] == 2
+
+
+@pytest.mark.parametrize("make", [lambda base: base.t(), lambda base: base.permute(1, 0)])
+def test_writes_into_a_permuted_argument_reach_its_base_on_every_call(make):
+    # a dense view in another order is copied in its layout where the function only reads it;
+    # one that writes it gets the view itself on every call
+    def f(x):
+        x.add_(1)
+
+    run = t2j.jit(f)
+    base, expected = torch.zeros(4, 3, device="jax"), torch.zeros(4, 3)
+    for _ in range(3):
+        run(make(base))
+        f(make(expected))
+    assert base.cpu().tolist() == expected.tolist()
+    image = torch.randn(2, 3, 4, 4)
+    on_jax, on_cpu = image.to("jax").to(memory_format=torch.channels_last), image.to(memory_format=torch.channels_last)
+    relu = t2j.jit(lambda x: x.relu_().mul_(2))
+    for _ in range(3):
+        relu(on_jax)
+        on_cpu.relu_().mul_(2)
+    torch.testing.assert_close(on_jax.cpu(), on_cpu)

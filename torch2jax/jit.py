@@ -2164,9 +2164,12 @@ class JitFunction:
             extra = [s for s in (r() for r in self._extra) if s is not None]
             extra = [s for s in extra if not any(s is st for st in slots.storages)]
             storages = slots.storages + extra
+            # (which arguments are copies: a copy laid out as its view has the view's signature, but
+            # a program traced with the view itself writes through it)
+            copied = tuple(i for i, (p, x) in enumerate(zip(plain, leaves)) if p is not x)
             key = (spec, _static_key(leaves, numbers, self._by_value), slots.key, tuple(id(s) for s in extra),
-                   tuple((tuple(s.array.shape), s.array.dtype) for s in extra), _config(), torch.is_grad_enabled(),
-                   torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
+                   tuple((tuple(s.array.shape), s.array.dtype) for s in extra), copied, _config(),
+                   torch.is_grad_enabled(), torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
             if key in self._eager:
                 return _Eager(key, self._eager[key]), plain, slots, storages
             entries = self._cache.get(key, ())
@@ -2298,11 +2301,11 @@ class JitFunction:
                 if out is None:
                     out = list(leaves)
                 copy = new_tensor(x._value())
-                self._copies.append(copy._t2j_storage)
                 # a dense view in another order (channels_last, a transpose) keeps its strides: the
                 # function may branch on them, and its results have that layout
                 order = _dense_order(x) if _prims_common.is_non_overlapping_and_dense_or_false(x) else None
                 out[i] = copy if order is None else _laid_out_as(copy, order)
+                self._copies.append(out[i]._t2j_storage)
         return leaves if out is None else out
 
     def _number_arguments(self, leaves) -> list:
@@ -3461,7 +3464,11 @@ def _diff(old, old_names, new, new_names):
     for name in list(dict.fromkeys(list(ostat) + list(nstat))):
         if ostat.get(name, _MISSING) != nstat.get(name, _MISSING):
             reasons.append(_static_change(name, ostat.get(name, _MISSING), nstat.get(name, _MISSING)))
-    # the key ends with: torch2jax's settings, grad mode, autocast enabled, autocast dtype
+    # the key ends with: the arguments passed as copies, torch2jax's settings, grad mode, autocast
+    # enabled, autocast dtype
+    if orest[-5] != nrest[-5]:
+        reasons.append(f"the argument views passed as copies of their values (`_view_copies`): {orest[-5]} -> "
+                       f"{nrest[-5]}")
     if orest[-4] != nrest[-4]:
         reasons.append(f"settings: {orest[-4]} -> {nrest[-4]}")
     if orest[-3] != nrest[-3]:
