@@ -2665,3 +2665,23 @@ def test_writes_into_a_permuted_argument_reach_its_base_on_every_call(make):
         relu(on_jax)
         on_cpu.relu_().mul_(2)
     torch.testing.assert_close(on_jax.cpu(), on_cpu)
+
+
+def test_in_place_writes_to_a_cpu_tensor_argument_reach_it():
+    # a CPU tensor argument is copied to the device for the program: what the call writes into
+    # the copy is copied back, through a view into its base too (was: silently dropped)
+    def f(x):
+        x.mul_(2).add_(1)
+        return x.sum()
+
+    run = t2j.jit(f)
+    x, expected = torch.zeros(3), torch.zeros(3)
+    base, expected_base = torch.zeros(2, 3), torch.zeros(2, 3)
+    for _ in range(3):
+        assert run(x).item() == f(expected).item()
+        run(base[0])
+        f(expected_base[0])
+    assert x.tolist() == expected.tolist() and base.tolist() == expected_base.tolist()
+    unchanged = torch.ones(3)
+    t2j.jit(lambda z: z * 2)(unchanged)
+    assert unchanged.tolist() == [1.0, 1.0, 1.0]

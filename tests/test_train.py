@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import jax
 import optax
@@ -52,3 +53,41 @@ def test_optax_adamw_loss_decreases_and_module_stays_usable():
 def test_module_on_cpu_is_rejected():
     with pytest.raises(TypeError, match="jax device"):
         t2j.train.make_train_step(nn.Linear(2, 2), lambda m, x: m(x).sum(), optax.sgd(0.1))
+
+
+def test_a_checkpoint_of_a_jitted_adam_step_loads_into_an_optimizer_on_the_cpu():
+    # a jitted step keeps Adam's step counters on the jax device (its capturable form); loaded
+    # for parameters on the CPU they come back on the CPU, as a CUDA run's do, so the CPU
+    # optimizer's foreach step (which groups them by device) runs
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    cpu_model = copy.deepcopy(model)
+    on_jax = model.to("jax")
+    opt = torch.optim.Adam(on_jax.parameters(), lr=1e-2, foreach=True)
+    cpu_opt = torch.optim.Adam(cpu_model.parameters(), lr=1e-2, foreach=True)
+
+    @t2j.jit
+    def step(x):
+        opt.zero_grad()
+        on_jax(x).sum().backward()
+        opt.step()
+
+    for _ in range(2):
+        step(torch.ones(2, 3, device="jax"))
+        cpu_opt.zero_grad()
+        cpu_model(torch.ones(2, 3)).sum().backward()
+        cpu_opt.step()
+    buffer = io.BytesIO()
+    torch.save({"model": on_jax.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = nn.Linear(3, 2)
+    resumed_opt = torch.optim.Adam(resumed.parameters(), lr=1e-2, foreach=True)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    assert resumed_opt.state[resumed.weight]["step"].device.type == "cpu"
+    for m, o in ((resumed, resumed_opt), (cpu_model, cpu_opt)):
+        o.zero_grad()
+        m(torch.ones(2, 3)).sum().backward()
+        o.step()
+    torch.testing.assert_close(resumed.weight.detach(), cpu_model.weight.detach())

@@ -596,6 +596,26 @@ def _capturable(optimizers, lifted=()):
             g[key] = was
 
 
+def _step_counter_to_host(process):
+    """``Optimizer._process_value_according_to_param_policy``, loading a step counter that a
+    jitted step kept on the jax device (its capturable form, `_capturable`) onto the CPU for
+    a parameter off the jax device whose group keeps it there, as torch keeps a CUDA run's: a
+    checkpoint of a jitted run then loads into an optimizer on the CPU (its foreach step groups
+    the counters with the parameters by device)."""
+
+    def run(param, value, param_id, param_groups, key=None):
+        out = process(param, value, param_id, param_groups, key)
+        if key == "step" and isinstance(out, Tensor) and not isinstance(param, Tensor):
+            return out.cpu()
+        return out
+
+    return staticmethod(functools.wraps(process)(run))
+
+
+torch.optim.Optimizer._process_value_according_to_param_policy = _step_counter_to_host(
+    torch.optim.Optimizer._process_value_according_to_param_policy)
+
+
 # optimizers whose fused step (aten._fused_adam_, ...) torch2jax lowers (torch2jax/ops/foreach.py)
 _LOWERED_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -2044,6 +2064,7 @@ class JitFunction:
         # positions of the CPU tensor arguments the trace needs the values of (`_value_arguments`), once
         # a trace with them on the device stopped; None until then
         self._by_value = None
+        self._from_cpu: list = []  # this call's CPU tensor arguments and their copies (`_device_leaves`)
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0, "eager_calls": 0}
         functools.update_wrapper(self, fn)
 
@@ -2063,9 +2084,14 @@ class JitFunction:
         if torch._C._functorch.maybe_current_level() is not None or _dual_arguments(args, kwargs):
             return self._run_under_transform(args, kwargs)
         entry, leaves, slots, storages = self._lookup(args, kwargs)
+        from_cpu = self._from_cpu
         if isinstance(entry, _Eager):
-            return self._run_eagerly(entry, leaves, args, kwargs)
-        return self._run(entry, leaves, slots, storages)
+            out = self._run_eagerly(entry, leaves, args, kwargs)
+        else:
+            out = self._run(entry, leaves, slots, storages)
+        if from_cpu:
+            _write_back_to_cpu(from_cpu)
+        return out
 
     def _run_under_transform(self, args, kwargs):
         """The function called under a torch.func transform (grad, vmap, jvp) or with forward-mode
@@ -2278,7 +2304,10 @@ class JitFunction:
         """The argument leaves the trace sees: tensors on the jax device, but for the CPU tensors
         whose values it needs (`_value_arguments`)."""
         by_value = self._by_value or ()
-        return [x if i in by_value else _to_device(x) for i, x in enumerate(given)]
+        out = [x if i in by_value else _to_device(x) for i, x in enumerate(given)]
+        # (CPU tensor, its copy on the device, the copy's array): a write to the copy is copied back
+        self._from_cpu = [(x, y, y._t2j_storage.array) for x, y in zip(given, out) if y is not x]
+        return out
 
     def _view_copies(self, leaves) -> list:
         """``leaves`` with each tensor argument that is a view (``data[:, i:i + k]``, a minibatch
@@ -3136,6 +3165,15 @@ def _set_hyper(group, hk, ti, value):
         group[hk] = value
     else:
         group[hk] = tuple(value if i == ti else v for i, v in enumerate(group[hk]))
+
+
+def _write_back_to_cpu(from_cpu):
+    """Copy into each CPU tensor argument what the call wrote into its copy on the device
+    (``x.add_(1)`` of a CPU ``x``), as torch's in-place op would have written it."""
+    for cpu, copy, array in from_cpu:
+        if copy._t2j_storage.array is not array:
+            with torch.no_grad():
+                cpu.copy_(copy.detach().cpu())
 
 
 def _to_device(x):
