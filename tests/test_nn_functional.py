@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 import warnings
 
@@ -216,3 +217,23 @@ def test_multi_margin_loss_refuses_mismatched_target_and_weight_as_torch():
         with pytest.raises(expected.type, match=re.escape(str(expected.value))):
             F.multi_margin_loss(torch.ones(5, 4, device="jax"), target.to("jax"),
                                 weight=None if weight is None else weight.to("jax"))
+
+
+@pytest.mark.parametrize("shape, layout", [
+    ((4, 3), lambda x: x.t().contiguous().t()),
+    ((2, 3, 4), lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)),
+    ((2, 3, 4, 4), lambda x: x.to(memory_format=torch.channels_last)),
+    ((2, 3, 4, 4), lambda x: x.permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2)),
+    ((2, 3, 2, 4, 4), lambda x: x.to(memory_format=torch.channels_last_3d)),
+])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_lays_its_result_out_as_the_cpu_kernel(shape, layout, training):
+    # the input's suggested memory format: channels_last stays, any other layout gives a contiguous
+    # result (``bn(x.transpose(1, 2)).transpose(1, 2).view(...)`` is then refused, as in torch)
+    norm = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}
+    module = norm[len(shape)](3).train(training)
+    x = layout(torch.randn(shape))
+    expected = module(x)
+    got = copy.deepcopy(module).to("jax")(x.to("jax"))
+    assert got.stride() == expected.stride()
+    torch.testing.assert_close(got.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-5)

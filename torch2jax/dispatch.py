@@ -714,6 +714,13 @@ _LAYOUT_OPS = frozenset({
 _SUGGESTED_FORMAT_OPS = frozenset({
     "native_group_norm", "roll", "reflection_pad2d", "reflection_pad3d", "replication_pad2d", "replication_pad3d",
 })
+# Ops whose CPU kernels lay their result out in the input's suggested memory format: channels_last
+# for a channels_last input, else contiguous (a transposed (N, C) input's batch norm is contiguous),
+# where their meta kernels keep any layout of the input
+_SUGGESTED_FORMAT_ONLY_OPS = frozenset({
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional",
+})
 _LAYOUTS: dict = {}
 # LAPACK-backed ops whose CPU results are column-major (``torch.linalg.inv(A).stride() == (1, n)``), as
 # their meta kernels say: their results always take the meta kernel's strides
@@ -839,6 +846,9 @@ def _meta_strides(func, args, kwargs):
         return None
     res = res if isinstance(res, (list, tuple)) else (res,)
     name = func._schema.name.split("::")[1]
+    if name in _SUGGESTED_FORMAT_ONLY_OPS:
+        first = _channels_last_of(args[:1], res[0]) or _tensor._contiguous_strides(tuple(res[0].shape))
+        return (first, *(r.stride() if isinstance(r, torch.Tensor) else None for r in res[1:]))
     operands = args[:2] if func is aten.convolution.default else args[:1] if name in _SUGGESTED_FORMAT_OPS else ()
     # torch's CPU kernels choose channels_last output from these operands; their meta kernels do not
     return tuple(_channels_last_of(operands, r) or r.stride() if isinstance(r, torch.Tensor) else None for r in res)
