@@ -386,3 +386,23 @@ def test_a_vmapped_backward_through_a_jitted_forward():
         torch.autograd.grad(y, leaf, eye, is_grads_batched=True, create_graph=True)
     with pytest.raises(RuntimeError, match="batched by a vmap .* no batching rule"):
         torch.autograd.functional.hessian(lambda x: run(x).sum(), xj, vectorize=True)
+
+
+@pytest.mark.parametrize("index", [1, (slice(None), 2)])
+def test_a_non_leaf_view_argument_written_in_place(index):
+    # y[1].mul_(3) inside: the call writes the view's part of y's storage, and y's history goes
+    # through the call as torch's in-place op would make it (was: a broadcast-shape error)
+    def run(device, f):
+        w = torch.arange(1.0, 7.0, device=device).reshape(2, 3).requires_grad_()
+        y = w * 2
+        total = 0.0
+        for _ in range(2):
+            total = total + f(y[index])
+        (total + (y ** 2).sum()).backward()
+        return total.detach().cpu(), y.detach().cpu(), w.grad.cpu()
+
+    def f(v):
+        return v.mul_(3).sum()
+
+    for got, expected in zip(run("jax", t2j.jit(f)), run("cpu", f)):
+        torch.testing.assert_close(got, expected)

@@ -2353,7 +2353,10 @@ class JitFunction:
             call.chains = [_grad_chain(t, storages[i]) for t, (i, _) in zip(tensors, entry.diff)]
             arrays = _DifferentiableCall.apply(call, *tensors)
             for (_, k), value in zip(entry.rebased, arrays[len(arrays) - len(entry.rebased):]):
-                slots.tensors[k].copy_(value)  # its history: the call's node, as torch's in-place op makes it
+                t = slots.tensors[k]
+                if t._t2j_view:  # (the value is its storage's: a view written in place takes its part)
+                    value = value.as_strided(t.shape, t.stride(), t.storage_offset())
+                t.copy_(value)  # its history: the call's node, as torch's in-place op makes it
         else:
             arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves),
                                                            donated=True)]
