@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch2jax as t2j
+from torch2jax.tensor import new_tensor
 
 
 def _close(a, b, tol=1e-5):
@@ -406,3 +407,28 @@ def test_a_non_leaf_view_argument_written_in_place(index):
 
     for got, expected in zip(run("jax", t2j.jit(f)), run("cpu", f)):
         torch.testing.assert_close(got, expected)
+
+
+def test_index_put_with_repeated_indices_differentiates_as_torch():
+    # every value an index names gets its position's gradient, repeats too (JAX's scatter gave it
+    # to the value written last only); jax.hessian of the same code still runs (forward mode)
+    def f(x, v):
+        y = x.clone()
+        y[torch.tensor([0, 0, 2], device=x.device)] = v
+        return (y * torch.arange(1.0, 4.0, device=x.device)).sum()
+
+    grads = []
+    for device, run in (("cpu", f), ("jax", t2j.jit(f))):
+        x = torch.ones(3, device=device, requires_grad=True)
+        v = torch.full((3,), 2.0, device=device, requires_grad=True)
+        run(x, v).backward()
+        grads.append((x.grad.cpu(), v.grad.cpu()))
+    torch.testing.assert_close(grads[1], grads[0])
+
+    def g(a):
+        x = new_tensor(a)
+        y = x.clone()
+        y[torch.tensor([0, 0, 2], device="jax")] = x[:3] * 2
+        return (y * y).sum().jax()
+
+    assert jax.hessian(g)(jax.numpy.arange(1.0, 5.0)).shape == (4, 4)

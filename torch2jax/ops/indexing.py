@@ -189,8 +189,38 @@ def _index_put(x, indices, values, accumulate, check):
     if values.ndim > len(selected) or any(v not in (1, s) for v, s in zip(values.shape[::-1], selected[::-1])):
         raise TorchRuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
                                 f"indexing result of shape {list(selected)}")
-    ref = x.at[idx]
-    return _accumulate(ref, values, x.dtype) if accumulate else ref.set(values)
+    if accumulate:
+        return _accumulate(x.at[idx], values, x.dtype)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return _set_with_torch_gradient(x, idx, values)
+    return x.at[idx].set(values)
+
+
+def _set_with_torch_gradient(x, idx, values):
+    """``x.at[idx].set(values)`` differentiated as torch's index_put: every value that an index
+    names gets the gradient of its position, also where an index repeats (JAX's scatter gives it
+    only to the value written last), and ``x`` gets the gradient outside the written positions.
+    The tangent rule writes the values' tangents summed over repeats; its transpose is torch's
+    backward, and forward mode (jax.jacfwd, jax.hessian) still works."""
+    arrays = [i for i in idx if isinstance(i, jax.Array | np.ndarray)]
+
+    def index(arrays):
+        it = iter(arrays)
+        return tuple(next(it) if isinstance(i, jax.Array | np.ndarray) else i for i in idx)
+
+    @jax.custom_jvp
+    def put(x, values, arrays):
+        return x.at[index(arrays)].set(values)
+
+    @put.defjvp
+    def put_jvp(primals, tangents):
+        x, values, arrays = primals
+        tx, tvalues, _ = tangents
+        at = index(arrays)
+        written = jnp.zeros(x.shape, bool).at[at].set(True)  # (a select, not a scatter: it transposes)
+        return put(x, values, arrays), jnp.where(written, jnp.zeros((), tx.dtype), tx).at[at].add(tvalues)
+
+    return put(x, values, arrays)
 
 
 def _check_masked_fill_mask(indices, values, accumulate):
