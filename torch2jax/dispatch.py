@@ -2163,15 +2163,7 @@ def _host_handler(func, args, kwargs, which=""):
 
 
 def _is_traced(tree):
-    found = []
-
-    def visit(t):
-        if isinstance(t, Tensor) and isinstance(t._value(), jax.core.Tracer):
-            found.append(t)
-        return t
-
-    _tree_map_tensors(visit, (tree,))
-    return bool(found)
+    return any(isinstance(t, Tensor) and isinstance(t._value(), jax.core.Tracer) for t in _tensors_of(tree))
 
 
 _BACKWARD_ERRORS = threading.local()
@@ -2402,6 +2394,7 @@ def _host_callback(func, args, kwargs):
         return [np.asarray(jax_array(r)) for r in host_outputs(func(*cargs, **ckwargs))]
 
     inexact = [jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in jax_inputs]
+    inexact_outs = [jax.numpy.issubdtype(s.dtype, jax.numpy.inexact) for s in result_shapes]
 
     def host_vjp(*arrays_and_cotangents):
         # torch's own backward of the op, on the CPU: the gradients of its floating inputs
@@ -2410,8 +2403,7 @@ def _host_callback(func, args, kwargs):
         cargs, ckwargs = host_inputs(arrays, differentiable)
         leaves = [t for t in _tensors_of((cargs, ckwargs)) if t.requires_grad]
         with torch.enable_grad():  # (the callback may run inside torch's backward pass)
-            outs = [o for o, s in zip(host_outputs(func(*cargs, **ckwargs)), result_shapes)
-                    if jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)]
+            outs = [o for o, f in zip(host_outputs(func(*cargs, **ckwargs)), inexact_outs) if f]
         pairs = [(o, torch_cpu(np.asarray(c))) for o, c in zip(outs, cotangents) if o.requires_grad]
         grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs],
                                     allow_unused=True) if pairs else [None] * len(leaves)
@@ -2426,7 +2418,7 @@ def _host_callback(func, args, kwargs):
         return run(*arrays), arrays
 
     def run_bwd(arrays, cotangents):
-        kept = [c for c, s in zip(cotangents, result_shapes) if jax.numpy.issubdtype(s.dtype, jax.numpy.inexact)]
+        kept = [c for c, f in zip(cotangents, inexact_outs) if f]
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, f in zip(arrays, inexact) if f]
         grads = iter(jax.pure_callback(host_vjp, shapes, *arrays, *kept) if shapes else ())
         return tuple(next(grads) if f else None for f in inexact)

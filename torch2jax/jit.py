@@ -3041,7 +3041,8 @@ class _DifferentiableCall(torch.autograd.Function):
         # a view's gradient (its storage's, narrowed by the chain) is not one JAX function of the
         # view: through those, a second backward is refused rather than differentiated
         if _gradcut.creates_graph((*ctx.inputs, *grads)) and not any(call.chains):
-            if _batched_grads(grads)[1] is not None:
+            if any(g is not None and (torch._C._functorch.is_batchedtensor(g)
+                                      or torch._C._functorch.is_legacy_batchedtensor(g)) for g in grads):
                 raise RuntimeError(
                     "t2j.jit: a vmapped backward pass that creates a graph (is_grads_batched=True, or "
                     "torch.func.vmap over autograd.grad, with create_graph=True) through a jitted function is not "
