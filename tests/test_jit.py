@@ -239,6 +239,72 @@ def test_a_view_of_a_returned_grad_is_its_view():
     assert run("jax", t2j.jit(step)) == expected
 
 
+def test_grads_kept_from_earlier_steps_keep_their_values():
+    # zero_grad() and backward() give each step new .grad tensors in torch: a reference kept from
+    # one step (a history of gradients, a returned .grad) is not changed by the next
+    def run(device, jit):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 2).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(x):
+            opt.zero_grad()
+            m(x).pow(2).sum().backward()
+            opt.step()
+            return m.bias.grad
+
+        f = t2j.jit(step) if jit else step
+        kept, returned = [], []
+        for i in range(5):
+            returned.append(f(torch.full((4, 3), float(i + 1), device=device)))
+            kept.append(m.weight.grad)
+        return [g.cpu() for g in kept + returned], len({id(g) for g in kept})
+
+    (expected, distinct), (actual, ours) = run("cpu", False), run("jax", True)
+    assert ours == distinct == 5
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+
+
+def test_grads_nobody_keeps_are_written_in_place():
+    # (the per-call cost: a .grad no one else holds takes the next step's values)
+    m = torch.nn.Linear(3, 2).to("jax")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    @t2j.jit
+    def step(x):
+        opt.zero_grad()
+        m(x).sum().backward()
+        opt.step()
+
+    ids = []
+    for _ in range(5):
+        step(torch.ones(2, 3, device="jax"))
+        ids.append(id(m.weight.grad))
+    assert len(set(ids[1:])) == 1
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_grad_mode_the_function_sets_stays_set_after_every_call(mode):
+    def f(x):
+        torch.set_grad_enabled(mode)
+        return x * 2
+
+    def run(device, fn):
+        x = torch.ones(2, device=device, requires_grad=True)
+        seen = []
+        try:
+            for _ in range(3):  # the trace, then the compiled program
+                torch.set_grad_enabled(not mode)
+                y = fn(x)
+                seen.append((torch.is_grad_enabled(), y.requires_grad))
+        finally:
+            torch.set_grad_enabled(True)
+        return seen
+
+    assert run("jax", t2j.jit(f)) == run("cpu", f)
+
+
 def test_item_inside_becomes_traced_scalar():
     f = t2j.jit(lambda x, s: x * s.item())
     assert f(torch.ones(2, device="jax"), torch.tensor(3.0, device="jax")).tolist() == [3.0, 3.0]

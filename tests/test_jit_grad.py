@@ -366,6 +366,23 @@ def test_leaves_made_inside_come_back_as_leaves_that_require_grad():
         assert x.grad.tolist() == [3.0 * (call + 1)] * 2
 
 
+def test_a_leaf_made_and_differentiated_inside_comes_back_with_its_grad():
+    # (a PGD attack's step: the perturbation's gradient read after the call)
+    def attack(x):
+        delta = torch.zeros_like(x).requires_grad_()
+        ((x + delta) ** 2).sum().backward()
+        return delta, delta.grad, torch.ones(1, device=x.device, requires_grad=True)
+
+    def run(device, f):
+        out = []
+        for i in range(3):
+            delta, grad, untouched = f(torch.full((3,), float(i + 1), device=device))
+            out.append((delta.is_leaf, delta.requires_grad, delta.grad.tolist(), delta.grad is grad, untouched.grad))
+        return out
+
+    assert run("jax", t2j.jit(attack)) == run("cpu", attack)
+
+
 def test_a_vmapped_backward_through_a_jitted_forward():
     # jacobian(vectorize=True) and is_grads_batched=True (torch's legacy vmap over the backward
     # pass) and torch.func.vmap over autograd.grad: the call's VJP is vmapped over the cotangents

@@ -105,7 +105,7 @@ from . import tensor as _tensor
 from .dispatch import OpError
 from .interop import differentiable_vjp as _differentiable_vjp
 from .interop import torch_pullback as _torch_pullback
-from .tensor import Tensor, jax_array, new_tensor
+from .tensor import Storage, Tensor, jax_array, new_tensor
 
 log = logging.getLogger("torch2jax.jit")
 
@@ -1684,6 +1684,7 @@ class _Outputs:
         self.arrays, self.grad_outs = [], []
         self.histories = []  # of those, the outputs an op made (with a grad_fn), not leaves made inside
         self.made_leaves = []  # (index, whether an nn.Parameter) of the leaves made inside that require grad
+        self.grads_of_made_leaves = []  # (index, .grad) of those of them a backward inside gave a gradient
         self.inference = []  # the outputs made under torch.inference_mode()
         self.leaves = {}  # id of an output tensor -> its position among the output leaves
         self.kept = {}  # id -> the output tensor (alive while the trace's outputs are classified)
@@ -1754,6 +1755,8 @@ class _Outputs:
                 self.histories.append(len(outs))
             else:
                 self.made_leaves.append((len(outs), isinstance(leaf, torch.nn.Parameter)))
+                if leaf.grad is not None:
+                    self.grads_of_made_leaves.append((len(outs), leaf.grad))
         order = _dense_order(leaf)
         outs.append(leaf._value())
         k = len(outs) - 1
@@ -1983,9 +1986,16 @@ class _Entry:
     # (index, whether an nn.Parameter) per output that is a leaf the function made requiring grad
     # (``torch.zeros(n).requires_grad_()``, ``nn.Parameter(...)``): each call returns a new leaf of that kind
     made_leaves: tuple = ()
+    # (index, `_Outputs.stored` kind) per such leaf a backward inside gave a .grad: each call's leaf gets its own
+    leaf_grads: tuple = ()
     out_order: tuple = ()  # the order in which a call makes its output leaves (`_classification_order`)
     argument_flags: tuple = ()  # (slot, requires_grad) per argument tensor whose flag the function sets
     reaches: tuple = ()  # per differentiable output (grad_outs, then rebased): the inputs it depends on, a bit set
+    # indices into ``post`` of the tensors the trace made and put in a slot that a call may replace by new
+    # ones (`_renewable`), and of those, the ones it returns (always replaced before the next call)
+    renewable: tuple = ()
+    returned: frozenset = frozenset()
+    grad_mode: bool | None = None  # the grad mode the function leaves set (``torch.set_grad_enabled(False)``)
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -2065,6 +2075,8 @@ class JitFunction:
         # a trace with them on the device stopped; None until then
         self._by_value = None
         self._from_cpu: list = []  # this call's CPU tensor arguments and their copies (`_device_leaves`)
+        # (entry, reference counts) of the tensors the last call put in slots that may have escaped (`_Escapes`)
+        self._escapes = None
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0, "eager_calls": 0}
         functools.update_wrapper(self, fn)
 
@@ -2081,6 +2093,9 @@ class JitFunction:
             # its ops are that program's, as torch.compile inlines a compiled function it reaches
             return self.fn(*args, **kwargs)
         self.stats["calls"] += 1
+        if self._escapes is not None:
+            _renew_escaped(*self._escapes)
+            self._escapes = None
         if torch._C._functorch.maybe_current_level() is not None or _dual_arguments(args, kwargs):
             return self._run_under_transform(args, kwargs)
         entry, leaves, slots, storages = self._lookup(args, kwargs)
@@ -2088,9 +2103,14 @@ class JitFunction:
         if isinstance(entry, _Eager):
             out = self._run_eagerly(entry, leaves, args, kwargs)
         else:
+            if entry.grad_mode is not None:  # (its outputs are made in the mode it set)
+                torch._C._set_grad_enabled(entry.grad_mode)
             out = self._run(entry, leaves, slots, storages)
+        del leaves, slots, storages  # (they hold the slots' tensors: not counted as references kept)
         if from_cpu:
             _write_back_to_cpu(from_cpu)
+        if isinstance(entry, _Entry) and entry.renewable:
+            self._escapes = entry, _reference_counts(entry)
         return out
 
     def _run_under_transform(self, args, kwargs):
@@ -2383,6 +2403,8 @@ class JitFunction:
                     result[position] = _output(kind, v, arrays, slots, leaves)
             else:
                 result[position] = _output(kind, v, arrays, slots, leaves)
+        for k, grad in entry.leaf_grads:
+            arrays[k].grad = _stored_value(grad, result, arrays, slots, leaves)
         for setter, stored in entry.stores:
             setter(_stored_value(stored, result, arrays, slots, leaves))
         return torch_pytree.tree_unflatten(result, entry.out_def)
@@ -2524,8 +2546,9 @@ class JitFunction:
                       info["guards"], program, info["grad_outs"], diff, rebased=rebased, keeps_avals=keeps, undo=info["undo"],
                       shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]), spent=spent,
                       inference=info["inference"], argument_flags=info["argument_flags"], reaches=reaches,
-                      made_leaves=info["made_leaves"], out_order=info["out_order"],
-                      draws=info["draws"], reseeded=info["reseeded"])
+                      made_leaves=info["made_leaves"], leaf_grads=info["leaf_grads"], out_order=info["out_order"],
+                      draws=info["draws"], reseeded=info["reseeded"], grad_mode=info["grad_mode"],
+                      **_renewable(info["post"], info["new_storages"], info["out_leaves"]))
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
         saved = [(st, st.array) for st in storages]
@@ -2543,6 +2566,7 @@ class JitFunction:
         numbers = [(where, site, v) for where, site, v in roots.number_sites()
                    if where not in self._hypers.lifted and where not in self._hypers.blocked]
         python_state = _python_state(roots.objects)
+        grad_mode = torch.is_grad_enabled()
         capture = _Capture(storages)
         values = [_hyper_input(where, a, i, hint) for i, (where, a, hint) in enumerate(zip(slots.lifted, hypers, hints))]
         arrays = [v._t2j_storage.array if isinstance(v, Tensor) else None for v in values]
@@ -2573,6 +2597,8 @@ class JitFunction:
                     _wide_step_counters(roots.optimizers), \
                     _sym.traced_builtins(), _unreached_optimizers(roots):
                 out = self.fn(*args, **kwargs)
+            # (a trace is run again after some of its stops: each starts in the call's mode, set again below)
+            info["grad_mode"] = torch.is_grad_enabled() if torch.is_grad_enabled() != grad_mode else None
             if generators.drew_on_the_host:
                 raise OpError(
                     "torch2jax: a random op on the CPU (torch.randperm(n), torch.randn(4).to(x.device), a CPU "
@@ -2625,6 +2651,8 @@ class JitFunction:
                        for site, new in numbers_stored]
             stores += [(functools.partial(_append, container), made.stored(v)) for container, items in appended
                        for v in items]
+            leaf_grads = tuple((k, made.stored(g)) for k, g in made.grads_of_made_leaves)
+            made.grads_of_made_leaves.clear()
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
             stores += [(functools.partial(_put, "attr", sub, "training"), ("const", sub.training))
                        for sub, mode in modes if sub.training != mode]
@@ -2658,6 +2686,7 @@ class JitFunction:
                 out_order=out_order,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
                 histories=made.histories, inference=frozenset(made.inference), made_leaves=tuple(made.made_leaves),
+                leaf_grads=leaf_grads,
                 draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
                 else [],
@@ -2669,6 +2698,7 @@ class JitFunction:
             return result
         finally:
             _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = None
+            torch._C._set_grad_enabled(grad_mode)
             for st, a in saved:
                 st.array = a
                 st.version += 1
@@ -3412,6 +3442,50 @@ def _repointed(pre: _Slots, post: _Slots, pre_index):
         if setter.func is _set_grad and pre.tensors[k] is not None and setter.args[0].grad is None:
             out.append((setter, None, k, _argument_of(setter, pre, pre_index)))
     return out
+
+
+def _renewable(post, new_storages, out_leaves) -> dict:
+    """The `_Entry` fields ``renewable`` and ``returned``: the slots ``post`` points to tensors the trace
+    made, each on a storage of its own (a ``.grad`` that ``zero_grad()`` cleared and ``backward()`` set,
+    a buffer assigned anew), and those of them the function returns.
+
+    Torch gives such a slot a new tensor on every call, so a reference kept from one call (``g =
+    p.grad``, a list of gradients, a returned ``.grad``) keeps that call's values. A program's call
+    writes its new arrays into the tensors its trace made instead (renewing them costs every
+    parameter's ``.grad`` setter each call); `_renew_escaped` gives a slot a new tensor before a call
+    when its last one is referenced from outside.
+    """
+    made = {id(st) for st in new_storages}
+    owners = collections.Counter(id(target._t2j_storage) for _, target, _, _ in post if isinstance(target, Tensor))
+    renewable = tuple(k for k, (setter, target, _, argument) in enumerate(post)
+                      if type(target) is Tensor and argument is None and not target.requires_grad
+                      and id(target._t2j_storage) in made and owners[id(target._t2j_storage)] == 1)
+    returned = frozenset(k for k in renewable if any(kind[0] == "const" and kind[1] is post[k][1] for kind in out_leaves))
+    return {"renewable": renewable, "returned": returned}
+
+
+def _reference_counts(entry) -> list:
+    """The reference counts of the tensors in ``entry``'s renewable slots, measured where a jitted function
+    holds nothing of the call's: the same measure before the next call tells whether the program kept one."""
+    post = entry.post
+    return [sys.getrefcount(post[k][1]) for k in entry.renewable]
+
+
+def _renew_escaped(entry, counts):
+    """Give each renewable slot of ``entry`` whose tensor gained a reference since the last call (or that
+    the function returns) a new tensor on a storage of its own, in the program's outputs and in the slot
+    (set by the next call): the old tensor keeps the last call's values, as torch's would."""
+    for k, before, now in zip(entry.renewable, counts, _reference_counts(entry)):
+        if now <= before and k not in entry.returned:
+            continue
+        setter, old, slot, argument = entry.post[k]
+        new = Tensor(Storage(old._t2j_storage.array), old._t2j_view, value=old._value(), size=old.shape,
+                     stride=old.stride(), offset=old.storage_offset(), dtype=old.dtype)
+        j = next(j for j, st in enumerate(entry.new_storages) if st is old._t2j_storage)
+        entry.new_storages[j] = new._t2j_storage
+        entry.post[k] = (setter, new, slot, argument)
+        entry.out_leaves = [("const", new) if kind[0] == "const" and kind[1] is old else kind
+                            for kind in entry.out_leaves]
 
 
 def _argument_of(setter, slots: _Slots, index) -> int | None:
