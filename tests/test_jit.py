@@ -210,6 +210,34 @@ def test_outputs_that_view_inputs_are_views():
     assert w.grad.tolist() == [[3.0, 3.0]] * 3
 
 
+@pytest.mark.parametrize("view", [
+    lambda y: y[:, 1:3], lambda y: y[1], lambda y: y.diagonal(), lambda y: y[::2, ::2], lambda y: y.t()[1:],
+    lambda y: y.sum(0).expand(3, 4), lambda y: y.unfold(1, 2, 1), lambda y: (y[0], y[0, 1:]),
+], ids=["slice", "row", "diagonal", "steps", "t_slice", "expand", "unfold", "two_views"])
+def test_a_view_of_an_intermediate_is_a_view_of_it(view):
+    # as in torch: the strides, offset and storage of a view of a tensor the function made (its
+    # base is not returned), and a write through one of two such views shows in the other
+    f = lambda a: view(a * 2 + 1)  # noqa: E731
+
+    def run(device, fn):
+        a = torch.arange(16.0, device=device).reshape(4, 4).requires_grad_()
+        out = []
+        for _ in range(2):
+            o = fn(a)
+            o = o if isinstance(o, tuple) else (o,)
+            out.append([(v.stride(), v.storage_offset(), v.is_contiguous(), v._base is not None,
+                         v.untyped_storage().nbytes(), v.requires_grad) for v in o])
+            sum(v.sum() for v in o).backward()
+            out.append(a.grad.tolist())
+            if len(o) == 2:
+                with torch.no_grad():
+                    o[0][1] = -1.0
+                out.append(o[1].tolist())
+        return out
+
+    assert run("jax", t2j.jit(f)) == run("cpu", f)
+
+
 def test_a_view_of_a_returned_grad_is_its_view():
     # backward makes a Linear's weight gradient as a transposed view of a buffer inside the trace;
     # the call returns the .grad itself, and its row as a view of it, as torch does

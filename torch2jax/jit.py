@@ -1736,6 +1736,18 @@ class _Outputs:
             return "tree", (spec, [self.stored(leaf) for leaf in leaves])
         return self._kind(value)
 
+    def _view_of_made(self, leaf) -> tuple | None:
+        """``("view_of_made", (base kind, size, stride, offset, grad mode))`` for a view of a tensor the trace
+        made and does not return (``(a @ b)[:, 1:3]``, ``x.sum(0).expand(3, 4)``): the program returns the
+        base, and each call takes the view of it again, with torch's strides, offset and ``_base``."""
+        base = leaf._base
+        if type(base) is not Tensor or base._t2j_view or base._t2j_storage is not leaf._t2j_storage \
+                or base.dtype != leaf.dtype or leaf.dtype is torch.complex32 or not leaf._t2j_view \
+                or not _tensor.strided_steps(leaf._t2j_view):
+            return None
+        return "view_of_made", (self._kind(base), tuple(leaf.shape), tuple(leaf.stride()),
+                                leaf.storage_offset() - base.storage_offset(), _grad_mode_of(leaf))
+
     def _kind(self, leaf) -> tuple:
         outs = self.arrays
         if not isinstance(leaf, Tensor):
@@ -1749,6 +1761,8 @@ class _Outputs:
             return "pre", self.pre_index[id(leaf)]
         if (view := _view_of_slot(leaf, self.slots.tensors, self.storages)) is not None:
             return "view", view
+        if (view := self._view_of_made(leaf)) is not None:
+            return view
         if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
             self.grad_outs.append(len(outs))
             if leaf.grad_fn is not None:
@@ -1825,6 +1839,10 @@ def _output(kind, v, arrays, slots, leaves):
         return slots.tensors[v]
     if kind == "arg":
         return leaves[v]
+    if kind == "view_of_made":  # (a base returned as an array is one tensor per call: its views share it)
+        (base_kind, base_v), size, stride, offset, grad_mode = v
+        base = _output(base_kind, base_v, arrays, slots, leaves)
+        return _view_of(base, size, stride, base.storage_offset() + offset, grad_mode)
     return v
 
 
@@ -1947,7 +1965,7 @@ class _Entry:
     post: list
     out_def: object  # torch pytree spec of the outputs
     # per output leaf: ("array" | "array32" | "number", k) | ("laid_out", (k, order)) | ("pre", slot)
-    # | ("arg", k) | ("view", `_view_of_slot`) | ("const", value)
+    # | ("arg", k) | ("view", `_view_of_slot`) | ("view_of_leaf", ...) | ("view_of_made", ...) | ("const", value)
     out_leaves: list
     # (setter, output kind | ("leaf", position)) per place the trace stored a tensor in (`_Places`),
     # stored again after every call
