@@ -7,6 +7,7 @@ import collections
 import copy
 import functools
 import importlib
+import itertools
 import math
 import sys
 import warnings
@@ -333,6 +334,36 @@ def test_grad_mode_the_function_sets_stays_set_after_every_call(mode):
     assert run("jax", t2j.jit(f)) == run("cpu", f)
 
 
+def test_lists_of_numbers_the_function_changes_change_on_every_call():
+    # a loss history (appended to, its length never read: one program), a window kept to its last
+    # two values (its length read: a program per length), a log of plain values, a rotation
+    def make():
+        history, window, log, ring = [], [], [], [1.5, 2.5, 3.5]
+
+        def step(x):
+            y = (x * 2).sum()
+            history.append(y.item())
+            window.append(y.item())
+            if len(window) > 2:
+                window.pop(0)
+            log.append("step")
+            ring.append(ring.pop(0))
+            return y
+
+        return step, (history, window, log, ring)
+
+    expected_fn, expected = make()
+    fn, lists = make()
+    jitted = t2j.jit(fn)
+    for i in range(10):
+        expected_fn(torch.full((2,), float(i)))
+        jitted(torch.full((2,), float(i), device="jax"))
+        assert lists == expected
+        if i == 5:
+            traces = jitted.stats["traces"]
+    assert jitted.stats["traces"] == traces  # (one program per window length, numbers it moves as inputs)
+
+
 def test_item_inside_becomes_traced_scalar():
     f = t2j.jit(lambda x, s: x * s.item())
     assert f(torch.ones(2, device="jax"), torch.tensor(3.0, device="jax")).tolist() == [3.0, 3.0]
@@ -421,11 +452,10 @@ def test_failed_trace_leaves_no_tracer_behind():
 
 
 def test_an_error_only_the_trace_raises_runs_eagerly_with_a_warning():
-    calls = []
+    calls = itertools.count()  # (a counter the cache key does not hold)
 
     def f(x):
-        calls.append(1)
-        if len(calls) == 1:
+        if next(calls) == 0:
             raise ValueError("only while tracing")
         return x * 2
 
@@ -434,6 +464,22 @@ def test_an_error_only_the_trace_raises_runs_eagerly_with_a_warning():
         assert run(torch.ones(2, device="jax")).tolist() == [2.0, 2.0]
     assert run(torch.ones(2, device="jax")).tolist() == [2.0, 2.0]
     assert run.stats["eager_calls"] == 2 and run.stats["traces"] == 1
+
+
+def test_a_value_error_the_function_catches_still_runs_it_eagerly():
+    # ``int(t.item())`` needs the value: the trace stops even where the function catches the error,
+    # else the program would take the except branch, which torch does not
+    def step(x):
+        try:
+            n = int(x.sum().item())
+        except RuntimeError:
+            n = 0
+        return x * n
+
+    run = t2j.jit(step)
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        assert run(torch.ones(2, device="jax")).tolist() == [2.0, 2.0]
+    assert run(torch.ones(3, device="jax")).tolist() == [3.0, 3.0, 3.0]
 
 
 def test_an_error_part_way_leaves_torch_s_effects():
@@ -566,10 +612,9 @@ def test_containers_changed_by_a_trace_are_reported():
         counts.append(1)
         return x * 2
 
-    with pytest.warns(UserWarning, match="changed the items of a list it reaches; cached calls"):
-        step(torch.ones(2, device="jax"))
     step(torch.ones(2, device="jax"))
-    assert counts == [1]
+    step(torch.ones(2, device="jax"))
+    assert counts == [1, 1]  # (a list of plain values: each call makes its change)
 
     @t2j.jit
     def logged(x):
@@ -1596,6 +1641,78 @@ def test_full_backward_pre_hook_removed_after_a_trace():
     torch.testing.assert_close(run(x).cpu(), step(x).cpu())
     handle.remove()
     torch.testing.assert_close(run(x).cpu(), step(x).cpu())
+
+
+def test_tensor_and_optimizer_hooks_added_or_removed_after_a_trace():
+    # a gradient hook on a tensor the step closes over, a post-accumulate-grad hook, an optimizer's
+    # step hooks and the global ones: each added or removed between calls is another program
+    def run(device, wrap):
+        torch.manual_seed(0)
+        w = torch.zeros(3, device=device, requires_grad=True)
+        m = torch.nn.Linear(3, 1).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(x):
+            w.grad = None
+            opt.zero_grad()
+            (m(x).sum() + (w * x).sum()).backward()
+            opt.step()
+            return w.grad.clone(), m.bias.detach().clone()
+
+        f = wrap(step)
+        x = torch.ones(2, 3, device=device)
+        def triple_grad(t):
+            t.grad.mul_(3)
+
+        def zero_bias(*_):
+            m.bias.data.zero_()
+
+        def drop_bias_grad(*_):
+            m.bias.grad.mul_(0)
+
+        def fill_bias(*_):
+            m.bias.data.fill_(7)
+
+        changes = [
+            lambda: w.register_hook(lambda g: g * 5),
+            lambda: w.register_post_accumulate_grad_hook(triple_grad),
+            lambda: opt.register_step_post_hook(zero_bias),
+            lambda: opt.register_step_pre_hook(drop_bias_grad),
+            lambda: register_optimizer_step_post_hook(fill_bias),
+        ]
+        out = [f(x)]
+        for change in changes:
+            handle = change()
+            out.append(f(x))
+            handle.remove()
+            out.append(f(x))
+        return [[t.tolist() for t in pair] for pair in out]
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    assert run("jax", t2j.jit) == run("cpu", lambda f: f)
+
+
+def test_a_retrace_names_the_changed_value_of_two_hooks_that_name_it_alike():
+    # (the two cells were one guard and one lifted number: the retrace crashed, and explaining it raised
+    # StopIteration; HF's output-capturing hooks all close over one name)
+    def scaling(scale):
+        def hook(module, inputs, output):
+            return output * scale
+        return hook
+
+    first, second = scaling(1.0), scaling(2.0)
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).to("jax")
+    m[0].register_forward_hook(first)
+    m[1].register_forward_hook(second)
+    run = t2j.jit(lambda x: m(x))
+    x = torch.ones(1, 2, device="jax")
+    run(x)
+    first.__closure__[0].cell_contents = 3.0
+    torch.testing.assert_close(run(x).cpu(), m(x).cpu())
+    assert any("hook: scale: 1.0 ->" in line for line in t2j.explain_recompiles())
+    first.__closure__[0].cell_contents = 4.0  # (a program input now)
+    torch.testing.assert_close(run(x).cpu(), m(x).cpu())
 
 
 def test_averaged_model_with_its_counter_on_the_cpu():

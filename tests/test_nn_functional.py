@@ -50,7 +50,7 @@ def test_embedding_bag_checks_indices_inside_jit_when_asked():
             bag(torch.tensor([1, 11], device="jax"))
 
 
-@pytest.mark.parametrize("case", ["padded row", "causal", "gqa", "3-d"])
+@pytest.mark.parametrize("case", ["padded row", "causal", "gqa", "3-d", "broadcast heads"])
 def test_sdpa_gradients_match_cpus_kernels(case):
     # a query row whose scores are all about finfo.min (a padded position under HF's additive mask)
     # gets the gradients of torch's flash kernel, which recomputes probabilities from a rounded lse
@@ -64,6 +64,8 @@ def test_sdpa_gradients_match_cpus_kernels(case):
         k, v, kwargs = k[:, :2], v[:, :2], {"enable_gqa": True}
     elif case == "3-d":  # torch's math kernel: softmax's own gradient
         q, k, v = q[0], k[0], v[0]
+    elif case == "broadcast heads":  # (multi-query attention without enable_gqa: the math kernel too)
+        k, v = k[:, :1], v[:, :1]
     grads = []
     for d in ("cpu", "jax"):
         leaves = [t.clone().to(d).requires_grad_() for t in (q, k, v)]

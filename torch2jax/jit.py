@@ -82,6 +82,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import torch
+from torch.optim import optimizer as _optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 import torch.utils._pytree as torch_pytree
 from torch import _prims_common
@@ -166,6 +167,7 @@ class _Roots:
         self.unguarded = frozenset()  # values the function itself changes when traced: not guarded
         self.lifts: _Hyperparameters | None = None  # which numbers among the values are program inputs
         self._seen = set()
+        self._sites, self._labels = set(), {}  # (`add_value`)
 
     def add(self, obj, depth=0, summarized=False):
         """``summarized``: ``obj`` is inside an object whose attributes `_python_state` summarizes."""
@@ -187,7 +189,8 @@ class _Roots:
                 extras, read = _module_extras(obj)
                 for extra in extras:
                     self.add(extra, depth + 1)
-                self.values += read
+                for value in read:
+                    self.add_value(*value)
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
             if _optimizer_on_jax(obj):
@@ -247,7 +250,7 @@ class _Roots:
                 except ValueError:  # an empty cell
                     continue
                 if _watched(value):
-                    self.values.append((f"{fn.__qualname__}: {name}", cell, None))
+                    self.add_value(f"{fn.__qualname__}: {name}", cell, None)
                 self.cells.append(cell)
                 self.add(value, depth)
         self.add(fn.__defaults__, depth)
@@ -260,8 +263,18 @@ class _Roots:
             if name in g:
                 value = g[name]
                 if _watched(value) and not name.startswith("__"):
-                    self.values.append((f"global {name}", g, name))
+                    self.add_value(f"global {name}", g, name)
                 self.add(value, depth)
+
+    def add_value(self, where, source, name):
+        """Add a Python value the functions read (`values`), once per place; ``where`` names it, numbered
+        from the second place of that name (the cells of two closures of one function, the globals
+        of two modules): guards and lifted numbers are told apart by it."""
+        if (id(source), name) in self._sites:
+            return
+        self._sites.add((id(source), name))
+        n = self._labels[where] = self._labels.get(where, 0) + 1
+        self.values.append((where if n == 1 else f"{where} #{n}", source, name))
 
     def python_values(self, lift=None, raw: bool = False) -> tuple:
         """The Python numbers, strings and flags (and jax.Arrays, by identity: `_Same`) the
@@ -1066,6 +1079,13 @@ torch.utils.hooks.RemovableHandle.remove = _counting_hook_changes(torch.utils.ho
 _MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
                       "_global_backward_hooks")
+
+
+def _tensor_hooks(tensors) -> tuple:
+    """(slot, handle ids) per tensor among ``tensors`` with a gradient hook (`JitFunction._hooks_key`)."""
+    return tuple((k, tuple(t._backward_hooks or ()), tuple(t._post_accumulate_grad_hooks or ()))
+                 for k, t in enumerate(tensors)
+                 if t is not None and t.requires_grad and (t._backward_hooks or t._post_accumulate_grad_hooks))
 
 
 def _module_hooks(subs) -> tuple:
@@ -2014,6 +2034,7 @@ class _Entry:
     renewable: tuple = ()
     returned: frozenset = frozenset()
     grad_mode: bool | None = None  # the grad mode the function leaves set (``torch.set_grad_enabled(False)``)
+    lengths: tuple = ()  # lists whose lengths the trace depends on (`JitFunction._lengths`)
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -2095,6 +2116,9 @@ class JitFunction:
         self._from_cpu: list = []  # this call's CPU tensor arguments and their copies (`_device_leaves`)
         # (entry, reference counts) of the tensors the last call put in slots that may have escaped (`_Escapes`)
         self._escapes = None
+        # the lists whose lengths its traces depended on (``if len(hist) > k: hist.pop(0)``): part of the key
+        self._lengths: list = []
+        self._hooks_seen = None  # (hook changes, root state, slots, `_hooks_key` of the state) when last read
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0, "eager_calls": 0}
         functools.update_wrapper(self, fn)
 
@@ -2233,7 +2257,8 @@ class JitFunction:
             copied = tuple(i for i, (p, x) in enumerate(zip(plain, leaves)) if p is not x)
             key = (spec, _static_key(leaves, numbers, self._by_value), slots.key, tuple(id(s) for s in extra),
                    tuple((tuple(s.array.shape), s.array.dtype) for s in extra), copied, _config(),
-                   torch.is_grad_enabled(), torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"))
+                   torch.is_grad_enabled(), torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"),
+                   self._hooks_key(slots, roots), tuple(map(len, self._lengths)))
             if key in self._eager:
                 return _Eager(key, self._eager[key]), plain, slots, storages
             entries = self._cache.get(key, ())
@@ -2326,6 +2351,9 @@ class JitFunction:
                           f"({type(e).__name__}: {e}); they stay static, and each new value retraces")
                 continue
             self._hypers.proven.update(new)
+            if found := [c for c in entry.lengths if not any(c is k for k in self._lengths)]:
+                self._lengths += found  # (the trace left the lists as it found them)
+                key = (*key[:-1], tuple(map(len, self._lengths)))
             after = dict(roots.python_values(raw=True))
             changed = {w for w in values.keys() | after.keys() if values.get(w, _MISSING) != after.get(w, _MISSING)
                        and not _is_flag_change(values.get(w), after.get(w))
@@ -2337,6 +2365,22 @@ class JitFunction:
             self._breaks = 0
             return entry, leaves, slots, storages
         raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
+
+    def _hooks_key(self, slots, roots) -> tuple:
+        """The hooks on the tensors of the call's slots (``w.register_hook``, a post-accumulate-grad hook) and on
+        the optimizers it steps, and the global optimizer hooks, by their handles' ids (never reused): a hook
+        added or removed is another program. Those of the state are read again only after a hook was
+        registered or removed somewhere, or the state's tensors changed."""
+        state = self._roots_memo[0] if self._roots_memo else None
+        seen = self._hooks_seen
+        if seen is None or seen[0] != _HOOK_CHANGES[0] or seen[1] is not state or seen[2] != len(slots.tensors):
+            tensors = slots.tensors[:slots.first_argument]
+            hooks = (_tensor_hooks(tensors),
+                     tuple((tuple(getattr(o, "_optimizer_step_pre_hooks", ())),
+                            tuple(getattr(o, "_optimizer_step_post_hooks", ()))) for o in roots.optimizers),
+                     tuple(_optimizer._global_optimizer_pre_hooks), tuple(_optimizer._global_optimizer_post_hooks))
+            seen = self._hooks_seen = (_HOOK_CHANGES[0], state, len(slots.tensors), hooks)
+        return seen[3], _tensor_hooks(slots.tensors[slots.first_argument:])
 
     def _device_leaves(self, given) -> list:
         """The argument leaves the trace sees: tensors on the jax device, but for the CPU tensors
@@ -2566,6 +2610,7 @@ class JitFunction:
                       inference=info["inference"], argument_flags=info["argument_flags"], reaches=reaches,
                       made_leaves=info["made_leaves"], leaf_grads=info["leaf_grads"], out_order=info["out_order"],
                       draws=info["draws"], reseeded=info["reseeded"], grad_mode=info["grad_mode"],
+                      lengths=tuple(info["lengths"]),
                       **_renewable(info["post"], info["new_storages"], info["out_leaves"]))
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2609,12 +2654,15 @@ class JitFunction:
             _sym.GUARDS, _hints.HINTS = guards, state_hints
             backward_passes = _device.backward_passes
             key, drawn = keys
+            _sym.LEN_READS, _sym.VALUE_ERRORS = {}, []
             with _rng.traced_key(key) as rng, _generator_draws(drawn, leaves, roots.generators) as generators, \
                     torch.autograd.set_multithreading_enabled(False), \
                     _distribution_validation(), _scaler_steps_in_program(), \
                     _wide_step_counters(roots.optimizers), \
                     _sym.traced_builtins(), _unreached_optimizers(roots):
                 out = self.fn(*args, **kwargs)
+            if _sym.VALUE_ERRORS:  # (one the function caught: it took another branch than torch takes)
+                raise _sym.VALUE_ERRORS[0]
             # (a trace is run again after some of its stops: each starts in the call's mode, set again below)
             info["grad_mode"] = torch.is_grad_enabled() if torch.is_grad_enabled() != grad_mode else None
             if generators.drew_on_the_host:
@@ -2628,7 +2676,8 @@ class JitFunction:
                 raise _MoreDraws(len(generators.sources))
             backward = _device.backward_passes != backward_passes
             _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = None
-            appended = saved_slots[2].take_appended()
+            rewritten = saved_slots[2].take_rewritten()
+            len_reads, _sym.LEN_READS = _sym.LEN_READS, None
             if changed := [(where, site, v) for where, site, v in numbers if site.read() is not v]:
                 for _, site, v in changed:
                     site.write(v)
@@ -2667,8 +2716,18 @@ class JitFunction:
             arg_numbers = {id(v): site.index for site, v in zip(slots.lifted, values) if isinstance(site, _ArgSite)}
             stores += [(site.write, ("arg", arg_numbers[id(new)]) if id(new) in arg_numbers else made.stored(new))
                        for site, new in numbers_stored]
-            stores += [(functools.partial(_append, container), made.stored(v)) for container, items in appended
-                       for v in items]
+            for container, _, (how, items) in rewritten:
+                if how == "extend":
+                    stores.append((functools.partial(_extend, container), made.stored(items)))
+                else:
+                    layout = tuple(v if tag == "old" else None for tag, v in items)
+                    new_items = [v for tag, v in items if tag == "new"]
+                    stores.append((functools.partial(_rewrite, container, layout), made.stored(new_items)))
+            # a list whose length the function read (``if len(hist) > k``) or whose items it moved: each
+            # length has a program of its own
+            info["lengths"] = [container for _, container, before, _ in saved_slots[2].places
+                               if isinstance(container, list) and id(container) in len_reads]
+            info["lengths"] += [container for container, _, (how, _) in rewritten if how == "rewrite"]
             leaf_grads = tuple((k, made.stored(g)) for k, g in made.grads_of_made_leaves)
             made.grads_of_made_leaves.clear()
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
@@ -2715,7 +2774,7 @@ class JitFunction:
             ok = True
             return result
         finally:
-            _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = None
+            _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = _sym.LEN_READS = _sym.VALUE_ERRORS = None
             torch._C._set_grad_enabled(grad_mode)
             for st, a in saved:
                 st.array = a
@@ -3372,17 +3431,30 @@ class _Places:
                     out.append((kind, container, key, new))
         return out
 
-    def take_appended(self) -> list:
-        """(list, items) per list the trace appended traced numbers to (``losses.append(loss.item())``),
-        taken off it: each call appends its own values (`_append`)."""
+    def take_rewritten(self) -> list:
+        """(list, its items before, recipe) per list holding no tensors whose items the trace changed
+        (numbers appended, ``losses.append(loss.item())``; a window's ``pop(0)``), put back as it was:
+        each call makes the same change with its own values (`_extend`, `_rewrite`). The recipe is
+        ``("extend", new items)`` where the list only grew, else ``("rewrite", items)``: per item,
+        ``("old", i)`` for the list's item ``i`` before the call, or ``("new", value)``."""
         out = []
-        for kind, container, before, _ in self.places:
-            if isinstance(container, list) and len(container) > len(before) \
-                    and all(container[i] is v for i, v in before.items()):
-                items = container[len(before):]
-                if any(map(_sym.is_traced_number, items)) and not any(isinstance(v, torch.Tensor) for v in items):
-                    del container[len(before):]
-                    out.append((container, items))
+        for _, container, before, _ in self.places:
+            if not isinstance(container, list):
+                continue
+            old = list(before.values())
+            if len(container) == len(old):  # (numbers changed in place are program inputs: `number_sites`)
+                continue
+            if any(map(_holds_tensor, old)) or any(map(_holds_tensor, container)):
+                continue
+            new = container[:]
+            container[:] = old
+            if len(new) >= len(old) and all(map(operator.is_, old, new)):
+                out.append((container, old, ("extend", new[len(old):])))
+                continue
+            # (small ints, True, None are one object wherever they are: such an item is taken as a new value)
+            where = {id(v): i for i, v in reversed(list(enumerate(old))) if not isinstance(v, (int, str, type(None)))}
+            out.append((container, old, ("rewrite", [("old", where[id(v)]) if id(v) in where else ("new", v)
+                                                     for v in new])))
         return out
 
     def restore(self, lists: bool = False):
@@ -3393,7 +3465,7 @@ class _Places:
         then = {id(container): before for _, container, before, _ in self.places}
         for kind, container, key, _ in self.moved():
             _put(kind, container, key, then[id(container)].get(key, _MISSING))
-        self.take_appended()
+        self.take_rewritten()
         if lists:
             for _, container, before, _ in self.places:
                 kept = {id(v) for v in before.values()}
@@ -3402,8 +3474,19 @@ class _Places:
                     container[:] = before.values()
 
 
-def _append(container, value):
-    container.append(value)
+def _extend(container, values):
+    container.extend(values)
+
+
+def _rewrite(container, layout, values):
+    """Make ``container`` the list a trace left (`_Places.take_rewritten`): ``layout`` gives each item as
+    the index of the item it had before the call, or None for the next of ``values``."""
+    values = iter(values)
+    container[:] = [next(values) if i is None else container[i] for i in layout]
+
+
+def _holds_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) or any(isinstance(v, torch.Tensor) for v in _container_leaves(value))
 
 
 def _cell_value(cell):
@@ -3539,9 +3622,11 @@ def _static_change(key, old, new) -> str:
     if kind == "module":
         label = f"module #{k} {what} flags"
     elif kind == "python":
-        old, new = dict(old) if old is not _MISSING else {}, dict(new) if new is not _MISSING else {}
-        where = next(w for w in list(old) + list(new) if old.get(w, _MISSING) != new.get(w, _MISSING))
-        label, old, new = f"the Python value {where}", old.get(where, _MISSING), new.get(where, _MISSING)
+        # ((where, value) pairs, in the order the walk found them: two hooks' closures may name a value alike)
+        pairs = itertools.zip_longest(() if old is _MISSING else old, () if new is _MISSING else new,
+                                      fillvalue=(None, _MISSING))
+        (where, old), (other, new) = next((a, b) for a, b in pairs if a != b)
+        label = f"the Python value {where or other}"
     elif kind == "cpu":
         label = f"captured CPU tensor #{k} (the trace reads its value)"
     elif what == "state":
@@ -3599,16 +3684,20 @@ def _diff(old, old_names, new, new_names):
         if ostat.get(name, _MISSING) != nstat.get(name, _MISSING):
             reasons.append(_static_change(name, ostat.get(name, _MISSING), nstat.get(name, _MISSING)))
     # the key ends with: the arguments passed as copies, torch2jax's settings, grad mode, autocast
-    # enabled, autocast dtype
+    # enabled, autocast dtype, the hooks (`JitFunction._hooks_key`), the guarded lists' lengths
+    if orest[-7] != nrest[-7]:
+        reasons.append(f"the argument views passed as copies of their values (`_view_copies`): {orest[-7]} -> "
+                       f"{nrest[-7]}")
+    if orest[-6] != nrest[-6]:
+        reasons.append(f"settings: {orest[-6]} -> {nrest[-6]}")
     if orest[-5] != nrest[-5]:
-        reasons.append(f"the argument views passed as copies of their values (`_view_copies`): {orest[-5]} -> "
-                       f"{nrest[-5]}")
-    if orest[-4] != nrest[-4]:
-        reasons.append(f"settings: {orest[-4]} -> {nrest[-4]}")
-    if orest[-3] != nrest[-3]:
-        reasons.append(f"grad mode: {orest[-3]} -> {nrest[-3]}")
-    if orest[-2:] != nrest[-2:]:
-        reasons.append(f"autocast (enabled, dtype): {tuple(orest[-2:])} -> {tuple(nrest[-2:])}")
+        reasons.append(f"grad mode: {orest[-5]} -> {nrest[-5]}")
+    if orest[-4:-2] != nrest[-4:-2]:
+        reasons.append(f"autocast (enabled, dtype): {tuple(orest[-4:-2])} -> {tuple(nrest[-4:-2])}")
+    if orest[-2] != nrest[-2]:
+        reasons.append("a gradient hook on a tensor it reads or an optimizer step hook was added or removed")
+    if orest[-1] != nrest[-1]:
+        reasons.append(f"the lengths of lists it reads (``len(hist)``): {orest[-1]} -> {nrest[-1]}")
     if not reasons and oslots[1] != nslots[1]:
         reasons.append("the shapes or dtypes of captured storages changed")
     if not reasons and orest != nrest:

@@ -324,18 +324,18 @@ class TracedScalar:
         from .dispatch import OpError
 
         if state is not None:
-            raise OpError(
+            raise _noted(OpError(
                 f"torch2jax: {what} of a traced value computed from a counter the jitted program carries (a "
                 "one-element integer state tensor): each of its values would be a program of its own, so t2j.jit "
                 "does not take it as a constant (it does for a branch, bool()). Compute with the tensor itself "
                 "(tensor arithmetic, torch.where) instead of a Python number."
-            )
-        raise OpError(
+            ))
+        raise _noted(OpError(
             f"torch2jax: {what} of a traced value: inside t2j.jit / jax.jit a tensor's value is not known "
             "while the program is traced, so Python control flow on it (if t.item() > 0, float(t), int(t), "
             "bool(t)) cannot be compiled. Compute with tensors instead (torch.where), or move the check "
             "outside the jitted function."
-        )
+        ))
 
     def guard_int(self, file=None, line=None):
         return self._concrete("int()", int)
@@ -640,10 +640,36 @@ _MATH = ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "log2", "log10", "lo
 _MISSING = object()
 
 
+# While t2j.jit traces: the errors raised because Python needed a traced value (`_noted`). One the
+# function caught (``try: n = int(t.item()) except RuntimeError: ...``) still stops the trace: the
+# branch it took instead is not the one torch takes.
+VALUE_ERRORS: list | None = None
+
+
+def _noted(error):
+    if VALUE_ERRORS is not None:
+        VALUE_ERRORS.append(error)
+    return error
+
+
+# While t2j.jit traces: id -> list for each list whose length Python code read (``len(hist) > k``); the
+# lists a jitted function watches among them have their lengths guarded (`jit._Places.take_rewritten`)
+LEN_READS: dict | None = None
+_len = builtins.len
+
+
+def _recording_len(obj, /):
+    """``len``, noting the lists it is asked about (`LEN_READS`)."""
+    if type(obj) is list and LEN_READS is not None:
+        LEN_READS[id(obj)] = obj
+    return _len(obj)
+
+
 def _trace_replacements():
     """(owner, attribute name, replacement) for each function `traced_builtins` replaces."""
     out = [(builtins, "min", _traced_extremum(builtins.min, torch.sym_min, operator.lt)),
-           (builtins, "max", _traced_extremum(builtins.max, torch.sym_max, operator.gt))]
+           (builtins, "max", _traced_extremum(builtins.max, torch.sym_max, operator.gt)),
+           (builtins, "len", _recording_len)]
     out += [(math, name, _traced_math(name, getattr(math, name))) for name in _MATH]
     out += [(torch, "tensor", _traced_factory(torch.tensor)), (torch, "as_tensor", _traced_factory(torch.as_tensor)),
             (torch.Tensor, "new_tensor", _traced_factory(torch.Tensor.new_tensor, method=True))]

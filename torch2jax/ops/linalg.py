@@ -977,6 +977,15 @@ def _keep(a, lower, failed):
     return lower, jnp.zeros(failed.shape, np.int32)
 
 
+def _read_as_hermitian(a):
+    """``a``'s lower triangle mirrored (what LAPACK reads), differentiated as ``a``'s Hermitian part:
+    torch's derivative of a factorization of a Hermitian matrix is Hermitian, whatever the upper
+    triangle holds (under JAX's transforms, e.g. a jitted forward differentiated outside it)."""
+    hermitian = (a + _mH(a)) / 2
+    mirrored = jnp.tril(a) + _mH(jnp.tril(a, -1))
+    return lax.stop_gradient(mirrored) + (hermitian - lax.stop_gradient(hermitian))
+
+
 def _cholesky_lower(a):
     """(L, info) of the lower triangles of ``a`` as torch's LAPACK gives them: JAX's factor
     where it succeeds; where it fails JAX gives NaN, and `_potf2` redoes those matrices for
@@ -984,7 +993,7 @@ def _cholesky_lower(a):
     are module functions: JAX caches their traces, so an eager call does not compile them anew."""
     if a.shape[-1] == 0:
         return a, jnp.zeros(a.shape[:-2], np.int32)
-    lower = lax_linalg.cholesky(a, symmetrize_input=False)
+    lower = lax_linalg.cholesky(_read_as_hermitian(a), symmetrize_input=False)
     failed = jnp.any(jnp.isnan(_diagonal(lower)), axis=-1)
     return lax.cond(jnp.any(failed), _refactor, _keep, a, lower, failed)
 

@@ -1409,16 +1409,17 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     grouped = k.dim() >= 3 and k.shape[-3] != q.shape[-3] and enable_gqa and q.shape[-3] % k.shape[-3] == 0
     if not grouped and not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
         # torch broadcasts the batch and head dimensions (one key / value head for all query heads:
-        # multi-query attention, as Falcon calls it)
+        # multi-query attention, as Falcon calls it), on its math path: its gradients for a row
+        # masked with finfo.min (a left-padded query) are the softmax's, not the flash kernel's
         try:
-            lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         except RuntimeError:
             raise RuntimeError(
                 f"scaled_dot_product_attention: query, key and value have batch and head dimensions "
                 f"{list(q.shape[:-2])}, {list(k.shape[:-2])} and {list(v.shape[:-2])}, which do not broadcast; "
                 f"pass enable_gqa=True for grouped-query attention"
             ) from None
-        q, k, v = (t.expand(*lead, *t.shape[-2:]) for t in (q, k, v))
+        return aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)[0]
     return aten._scaled_dot_product_fused_attention_overrideable(
         q, k, v, attn_mask, dropout_p, is_causal, False, scale=scale
     )[0]
