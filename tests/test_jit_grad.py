@@ -383,6 +383,20 @@ def test_a_leaf_made_and_differentiated_inside_comes_back_with_its_grad():
     assert run("jax", t2j.jit(attack)) == run("cpu", attack)
 
 
+def test_cholesky_in_a_jitted_forward_differentiates_as_torch():
+    # torch's gradient of a factor is Hermitian whatever the upper triangle holds (JAX's own is not)
+    torch.manual_seed(0)
+    b = torch.randn(4, 4, dtype=torch.float64)
+    a = b @ b.T + 4 * torch.eye(4, dtype=torch.float64) + torch.triu(torch.randn(4, 4, dtype=torch.float64), 1)
+    w = torch.randn(4, 4, dtype=torch.float64)
+    grads = []
+    for device, f in (("cpu", torch.linalg.cholesky), ("jax", t2j.jit(torch.linalg.cholesky))):
+        x = a.to(device).detach().requires_grad_()
+        (f(x) * w.to(device)).sum().backward()
+        grads.append(x.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 def test_a_vmapped_backward_through_a_jitted_forward():
     # jacobian(vectorize=True) and is_grads_batched=True (torch's legacy vmap over the backward
     # pass) and torch.func.vmap over autograd.grad: the call's VJP is vmapped over the cotangents
