@@ -397,6 +397,31 @@ def test_cholesky_in_a_jitted_forward_differentiates_as_torch():
     torch.testing.assert_close(grads[1], grads[0])
 
 
+@pytest.mark.parametrize("f", [lambda x: (x.exp() * x).sum(), lambda x: (x + 1).sum(), torch.sigmoid, lambda x: x * 2],
+                         ids=["saves", "saves_nothing", "saves_its_result", "writable_result"])
+def test_the_graph_of_a_jitted_forward_frees_and_checks_what_torch_saved(f):
+    # a second backward without retain_graph, and one after the result was written in place, raise
+    # where torch's graph saved tensors (and only there); retain_graph keeps it
+    def run(device, fn):
+        out = []
+        for attempt in ("twice", "retained", "written"):
+            x = torch.tensor([0.5, -1.0, 2.0], device=device, requires_grad=True)
+            y = fn(x)
+            try:
+                if attempt == "written":
+                    y.mul_(2)
+                    y.sum().backward()
+                else:
+                    y.sum().backward(retain_graph=attempt == "retained")
+                    y.sum().backward()
+                out.append((attempt, x.grad.tolist()))
+            except RuntimeError as e:
+                out.append((attempt, str(e)[:40]))
+        return out
+
+    assert run("jax", t2j.jit(f)) == run("cpu", f)
+
+
 def test_a_vmapped_backward_through_a_jitted_forward():
     # jacobian(vectorize=True) and is_grads_batched=True (torch's legacy vmap over the backward
     # pass) and torch.func.vmap over autograd.grad: the call's VJP is vmapped over the cotangents

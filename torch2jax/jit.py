@@ -1703,6 +1703,8 @@ class _Outputs:
         self.slots, self.storages, self.pre_index, self.arg_index = slots, storages, pre_index, arg_index
         self.arrays, self.grad_outs = [], []
         self.histories = []  # of those, the outputs an op made (with a grad_fn), not leaves made inside
+        self.saved_results = []  # of those, the outputs their op saved for its backward (sigmoid's, exp's)
+        self.nodes = []  # their grad_fns (`_saves_tensors`)
         self.made_leaves = []  # (index, whether an nn.Parameter) of the leaves made inside that require grad
         self.grads_of_made_leaves = []  # (index, .grad) of those of them a backward inside gave a gradient
         self.inference = []  # the outputs made under torch.inference_mode()
@@ -1787,6 +1789,9 @@ class _Outputs:
             self.grad_outs.append(len(outs))
             if leaf.grad_fn is not None:
                 self.histories.append(len(outs))
+                self.nodes.append(leaf.grad_fn)
+                if hasattr(leaf.grad_fn, "_saved_result"):
+                    self.saved_results.append(len(outs))
             else:
                 self.made_leaves.append((len(outs), isinstance(leaf, torch.nn.Parameter)))
                 if leaf.grad is not None:
@@ -2034,6 +2039,11 @@ class _Entry:
     renewable: tuple = ()
     returned: frozenset = frozenset()
     grad_mode: bool | None = None  # the grad mode the function leaves set (``torch.set_grad_enabled(False)``)
+    # whether the graph of its outputs saved tensors for its backward (a second backward without
+    # retain_graph then raises), and the outputs their own op saved (an in-place write to one then makes
+    # the backward raise), as in torch (`_DifferentiableCall`)
+    saves: bool = False
+    saved_results: tuple = ()
     lengths: tuple = ()  # lists whose lengths the trace depends on (`JitFunction._lengths`)
 
 
@@ -2609,6 +2619,7 @@ class JitFunction:
                       shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]), spent=spent,
                       inference=info["inference"], argument_flags=info["argument_flags"], reaches=reaches,
                       made_leaves=info["made_leaves"], leaf_grads=info["leaf_grads"], out_order=info["out_order"],
+                      saves=info["saves"], saved_results=info["saved_results"],
                       draws=info["draws"], reseeded=info["reseeded"], grad_mode=info["grad_mode"],
                       lengths=tuple(info["lengths"]),
                       **_renewable(info["post"], info["new_storages"], info["out_leaves"]))
@@ -2730,6 +2741,8 @@ class JitFunction:
             info["lengths"] += [container for container, _, (how, _) in rewritten if how == "rewrite"]
             leaf_grads = tuple((k, made.stored(g)) for k, g in made.grads_of_made_leaves)
             made.grads_of_made_leaves.clear()
+            saves = _saves_tensors(made.nodes)
+            made.nodes.clear()
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
             stores += [(functools.partial(_put, "attr", sub, "training"), ("const", sub.training))
                        for sub, mode in modes if sub.training != mode]
@@ -2763,7 +2776,7 @@ class JitFunction:
                 out_order=out_order,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
                 histories=made.histories, inference=frozenset(made.inference), made_leaves=tuple(made.made_leaves),
-                leaf_grads=leaf_grads,
+                leaf_grads=leaf_grads, saves=saves, saved_results=tuple(made.saved_results),
                 draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
                 else [],
@@ -2841,6 +2854,27 @@ def _differentiable_inputs(slots, slot_storage, written, post, backward) -> list
             seen.add(i)
             diff.append((i, k))
     return diff
+
+
+def _saves_tensors(nodes, limit=10_000) -> bool:
+    """Whether an autograd node reached from ``nodes`` saved a tensor for its backward (a node of
+    ``x + 1`` saves none; torch then allows a second backward)."""
+    seen, todo = set(), list(nodes)
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if any(_is_saved_tensor(getattr(node, name)) for name in dir(node) if name.startswith("_saved_")):
+            return True
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return bool(todo)
+
+
+def _is_saved_tensor(value) -> bool:
+    """Whether a node's ``_saved_*`` attribute is a tensor (or tensors), not a size or a number."""
+    return isinstance(value, torch.Tensor) or isinstance(value, (tuple, list)) and any(
+        isinstance(v, torch.Tensor) for v in value)
 
 
 def _used_inputs(jaxpr) -> set:
@@ -3138,6 +3172,8 @@ class _DifferentiableCall(torch.autograd.Function):
         outs = [new_tensor(o) for o in call.forward()]
         grad_outs = set(call.entry.grad_outs)
         ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if k not in grad_outs))
+        if call.entry.saves:  # (what torch's graph saved: its errors for a second backward, a result written)
+            ctx.save_for_backward(*([outs[k] for k in call.entry.saved_results] or [torch.empty(0)]))
         # the new values of the non-leaf inputs the function wrote in place, which `_run` copies into
         # them (torch allows a Function that writes a view in place only one output)
         return (*outs, *(new_tensor(call.written[p]) for p, _ in call.entry.rebased))
@@ -3145,6 +3181,8 @@ class _DifferentiableCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         call = ctx.call
+        if call.entry.saves:
+            ctx.saved_tensors  # noqa: B018 - torch's checks: freed by an earlier backward, or written in place since
         # a view's gradient (its storage's, narrowed by the chain) is not one JAX function of the
         # view: through those, a second backward is refused rather than differentiated
         if _gradcut.creates_graph((*ctx.inputs, *grads)) and not any(call.chains):
