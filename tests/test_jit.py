@@ -482,6 +482,20 @@ def test_a_value_error_the_function_catches_still_runs_it_eagerly():
     assert run(torch.ones(3, device="jax")).tolist() == [3.0, 3.0, 3.0]
 
 
+def test_a_packed_sequence_argument():
+    # its batch sizes stay on the CPU (torch wants them there), their values part of the cache key
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    torch.manual_seed(0)
+    gru = nn.GRU(2, 3, batch_first=True).to("jax")
+    run = t2j.jit(lambda p: gru(p)[1])
+    x = torch.randn(3, 4, 2, device="jax")
+    for lengths in ([4, 2, 1], [3, 3, 2], [4, 2, 1]):
+        packed = pack_padded_sequence(x, torch.tensor(lengths), batch_first=True)
+        torch.testing.assert_close(run(packed).cpu(), gru(packed)[1].cpu())
+    assert run.stats["traces"] == 2
+
+
 def test_an_error_part_way_leaves_torch_s_effects():
     def run(device):
         buf = torch.zeros(4, 3, device=device)

@@ -422,6 +422,22 @@ def test_the_graph_of_a_jitted_forward_frees_and_checks_what_torch_saved(f):
     assert run("jax", t2j.jit(f)) == run("cpu", f)
 
 
+def test_a_gradient_penalty_through_a_jitted_forward_leaves_unreached_parameters_without_grad():
+    # d(dy/dx)/d(last bias) has no path: None, as in torch (an optimizer then skips it), not zeros
+    def run(device, wrap):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(device)
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
+        g, = torch.autograd.grad(wrap(m)(x).sum(), x, create_graph=True)
+        g.pow(2).sum().backward()
+        return [None if p.grad is None else p.grad.cpu() for p in m.parameters()]
+
+    expected, got = run("cpu", lambda m: m), run("jax", t2j.jit)
+    assert [g is None for g in got] == [e is None for e in expected] == [False, False, False, True]
+    for g, e in zip(got[:3], expected[:3]):
+        torch.testing.assert_close(g, e)
+
+
 def test_a_vmapped_backward_through_a_jitted_forward():
     # jacobian(vectorize=True) and is_grads_batched=True (torch's legacy vmap over the backward
     # pass) and torch.func.vmap over autograd.grad: the call's VJP is vmapped over the cotangents

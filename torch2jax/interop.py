@@ -19,6 +19,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 
 import jax
 import numpy as np
@@ -207,8 +209,32 @@ def differentiable_vjp(pull, primals, grads, avals, x64=True):
     def pull_inexact(ps, cs):
         return [g for g, keep in zip(torch_pullback(pull, ps, cs), inexact) if keep]
 
-    got = iter(_call_jax(pull_inexact, (list(primals), cotangents), {}, x64))
+    reaches = _pull_reaches(pull, pull_inexact, primals, cotangents, x64)
+    got = iter(_call_jax(pull_inexact, (list(primals), cotangents), {}, x64, reaches))
     return [next(got) if keep else None for keep in inexact]
+
+
+_REACHES: dict = {}  # (the VJP's function, its argument types) -> `_pull_reaches`
+
+
+def _pull_reaches(pull, pull_inexact, primals, cotangents, x64) -> tuple:
+    """Per gradient ``pull_inexact`` returns, the primals and cotangents (a bit set, in that order)
+    it depends on: a backward through the gradients gives no gradient (None, as torch's graph with
+    no path) to the others, e.g. a last layer's bias in a gradient penalty. Kept per ``pull``'s
+    function (a jitted forward's, the same for every call) and argument types."""
+    from .jit import _output_dependencies
+
+    args = [jax.ShapeDtypeStruct(tuple(x.shape), _dt.to_jax(x.dtype)) if isinstance(x, torch.Tensor)
+            else jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*primals, *cotangents)]
+    key = (getattr(pull, "func", pull), tuple(args), x64)
+    if key not in _REACHES:
+        if len(_REACHES) > 256:
+            _REACHES.clear()
+        n = len(primals)
+        with jax.enable_x64(x64):
+            closed = jax.make_jaxpr(lambda *a: pull_inexact(list(a[:n]), list(a[n:])))(*args)
+        _REACHES[key] = tuple(_output_dependencies(closed.jaxpr, [1 << i for i in range(len(args))]))
+    return _REACHES[key]
 
 
 # Without JAX's 64-bit types, JAX turns 64-bit arrays into these (warning at every op)
@@ -235,7 +261,7 @@ class _Saved:
     """What `_JaxFunction.forward` hands to its ``setup_context`` (an object, not a pytree,
     so that torch.func passes it through as it is)."""
 
-    vjp = avals = arrays = None
+    vjp = avals = arrays = reaches = None
 
 
 class _JaxFunction(torch.autograd.Function):
@@ -255,20 +281,25 @@ class _JaxFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         call, x64, saved, *tensors = inputs
         ctx.call, ctx.x64, ctx.inputs, ctx.vjp, ctx.arrays = call, x64, tensors, saved.vjp, saved.arrays
+        ctx.reaches = saved.reaches
         # (under torch.func.vmap the forward ran as the vmap rule's: no VJP was saved here)
         ctx.out_avals = [jax.ShapeDtypeStruct(tuple(o.shape), _dt.to_jax(o.dtype)) for o in output]
 
     @staticmethod
     def backward(ctx, *grads):
+        # (inputs none of the given gradients' outputs depends on get None, as with no path in torch's graph)
+        reached = -1 if ctx.reaches is None else functools.reduce(
+            operator.or_, (r for r, g in zip(ctx.reaches, grads) if g is not None), 0)
         if ctx.vjp is None or _gradcut.creates_graph((*ctx.inputs, *grads)):
             got = differentiable_vjp(lambda ps, cs: jax.vjp(ctx.call, *ps)[1](cs), ctx.inputs, grads,
                                      ctx.out_avals, ctx.x64)
-            return (None, None, None, *[g.to(t.device, t.dtype) if _inexact(t) else None
-                                        for t, g in zip(ctx.inputs, got)])
+            return (None, None, None, *[g.to(t.device, t.dtype) if _inexact(t) and reached >> i & 1 else None
+                                        for i, (t, g) in enumerate(zip(ctx.inputs, got))])
         cotangents = [zero_cotangent(a) if g is None else _to_jax(g) for g, a in zip(grads, ctx.out_avals)]
         with jax.enable_x64(ctx.x64):
             got = torch_pullback(lambda _, c: ctx.vjp(c), None, cotangents)
-        return (None, None, None, *[_gradient_for(t, g) if _inexact(t) else None for t, g in zip(ctx.inputs, got)])
+        return (None, None, None, *[_gradient_for(t, g) if _inexact(t) and reached >> i & 1 else None
+                                    for i, (t, g) in enumerate(zip(ctx.inputs, got))])
 
     @staticmethod
     def jvp(ctx, _call, _x64, _saved, *tangents):
@@ -313,9 +344,10 @@ def call_jax_64(jax_fn, *args, **kwargs):
     return _call_jax(jax_fn, args, kwargs, True)
 
 
-def _call_jax(jax_fn, args, kwargs, x64):
+def _call_jax(jax_fn, args, kwargs, x64, reaches=None):
     """`call_jax` with (``x64``) or without JAX's 64-bit types; torch2jax's own JAX code
-    (programs traced from torch) needs them."""
+    (programs traced from torch) needs them. ``reaches``: per output, the argument leaves it
+    depends on (a bit set), where known: a backward gives the others None."""
     leaves, spec = torch_pytree.tree_flatten((args, kwargs))
     # torch.func's wrapped tensors (under its grad or vmap) reach JAX only through the Function
     wrapped = any(map(_functorch_wrapped, leaves))
@@ -341,7 +373,10 @@ def _call_jax(jax_fn, args, kwargs, x64):
         with jax.enable_x64(x64):
             outs = iter(map(_to_torch, call()))
     else:
-        outs = iter(_JaxFunction.apply(call, x64, _Saved(), *[leaves[i] for i in through]))
+        saved = _Saved()
+        if reaches is not None:  # (as bit sets over the leaves passed through)
+            saved.reaches = [sum(1 << j for j, i in enumerate(through) if r >> i & 1) for r in reaches]
+        outs = iter(_JaxFunction.apply(call, x64, saved, *[leaves[i] for i in through]))
     return jax.tree_util.tree_unflatten(out_tree["def"], [next(outs) if v is None else v for v in out_tree["values"]])
 
 

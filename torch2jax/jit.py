@@ -2039,8 +2039,8 @@ class _Entry:
     renewable: tuple = ()
     returned: frozenset = frozenset()
     grad_mode: bool | None = None  # the grad mode the function leaves set (``torch.set_grad_enabled(False)``)
-    # whether the graph of its outputs saved tensors for its backward (a second backward without
-    # retain_graph then raises), and the outputs their own op saved (an in-place write to one then makes
+    # whether the graph of its one differentiable output saved tensors for its backward (a second backward
+    # without retain_graph then raises), and whether its op saved it (an in-place write to it then makes
     # the backward raise), as in torch (`_DifferentiableCall`)
     saves: bool = False
     saved_results: tuple = ()
@@ -2247,6 +2247,8 @@ class JitFunction:
 
     def _lookup(self, args, kwargs):
         given, spec = torch_pytree.tree_flatten((args, kwargs), _is_size)
+        if self._by_value is None and (packed := _packed_batch_sizes(given, args, kwargs)):
+            self._by_value = packed  # (torch wants a PackedSequence's batch sizes on the CPU)
         plain = self._device_leaves(given)
         leaves = self._view_copies(plain)
         roots = _find_roots(self.fn, args, kwargs)
@@ -2741,7 +2743,8 @@ class JitFunction:
             info["lengths"] += [container for container, _, (how, _) in rewritten if how == "rewrite"]
             leaf_grads = tuple((k, made.stored(g)) for k, g in made.grads_of_made_leaves)
             made.grads_of_made_leaves.clear()
-            saves = _saves_tensors(made.nodes)
+            # (one node for all outputs: with several, a backward through one would free the others')
+            saves = len(made.nodes) == 1 and _saves_tensors(made.nodes)
             made.nodes.clear()
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
             stores += [(functools.partial(_put, "attr", sub, "training"), ("const", sub.training))
@@ -3341,6 +3344,12 @@ def _to_device(x):
 
 class _GeneratorArgument(NamedTuple):
     device: str
+
+
+def _packed_batch_sizes(leaves, args, kwargs) -> frozenset:
+    """Positions among ``leaves`` of the ``batch_sizes`` of the PackedSequences among the arguments."""
+    packed = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.utils.rnn.PackedSequence)]
+    return frozenset(i for i, x in enumerate(leaves) if any(x is p.batch_sizes for p in packed))
 
 
 def _value_arguments(leaves) -> frozenset:
