@@ -884,6 +884,29 @@ def test_input_validation_in_library_code_runs_with_the_program():
     assert jitted.stats["eager_calls"] == 0
 
 
+def test_a_failed_check_in_the_program_leaves_torch_s_effects_before_it():
+    # clip_grad_norm_ finds the gradients non-finite after backward wrote them: torch raises with
+    # them written; the call runs again eagerly and raises there
+    def run(device, wrap):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1).to(device)
+        seen = torch.zeros((), device=device)
+
+        def step(x):
+            seen.add_(1)
+            model.zero_grad()
+            model(x).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+
+        f = wrap(step)
+        f(torch.ones(2, 3, device=device))
+        with pytest.raises(RuntimeError, match="non-finite"):
+            f(torch.full((2, 3), float("inf"), device=device))
+        return seen.item(), model.weight.grad.cpu().tolist()
+
+    assert run("jax", t2j.jit) == run("cpu", lambda f: f)
+
+
 def test_cpu_arguments_keep_64_bit_dtypes():
     big = torch.tensor([3, -5]) * 2**40
     wide = torch.tensor([1.0, 2.0], dtype=torch.float64)

@@ -438,6 +438,40 @@ def test_a_gradient_penalty_through_a_jitted_forward_leaves_unreached_parameters
         torch.testing.assert_close(g, e)
 
 
+@pytest.mark.parametrize("hooks", ["tensor hook", "retain_grad", "full backward pre-hook"])
+def test_a_jitted_forward_with_gradient_hooks_differentiated_outside_runs_them(hooks):
+    # (a gradient reversal layer, DANN's): the call's backward is JAX's, which runs no torch hook, so
+    # such a forward runs eagerly, with a warning, and the hooks run as in torch
+    class Reversal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            if hooks == "tensor hook":
+                h.register_hook(lambda g: -g)
+            elif hooks == "retain_grad":
+                h.retain_grad()
+                self.h = h
+            return self.b(h)
+
+    def run(device, wrap):
+        torch.manual_seed(0)
+        m = Reversal().to(device)
+        if hooks == "full backward pre-hook":
+            m.a.register_full_backward_pre_hook(lambda mod, go: (go[0] * 0,))
+        wrap(m)(torch.ones(5, 3, device=device)).sum().backward()
+        out = [m.a.bias.grad.cpu()]
+        return out + [m.h.grad.cpu()] if hooks == "retain_grad" else out
+
+    expected = run("cpu", lambda m: m)
+    with pytest.warns(UserWarning, match="gradient hooks"):
+        got = run("jax", t2j.jit)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
 def test_a_vmapped_backward_through_a_jitted_forward():
     # jacobian(vectorize=True) and is_grads_batched=True (torch's legacy vmap over the backward
     # pass) and torch.func.vmap over autograd.grad: the call's VJP is vmapped over the cotangents

@@ -1961,6 +1961,14 @@ def _unreached_optimizers(roots):
         torch.optim.Optimizer.__init__ = init
 
 
+class _CheckFailed(Exception):
+    """A check the program makes at run time failed (`symbolic._VALIDATIONS`); ``error`` is torch's."""
+
+    def __init__(self, error):
+        super().__init__(str(error))
+        self.error = error
+
+
 class _LiftNumbers(Exception):
     """A trace changed Python numbers it read as constants (``self.step += 1``): trace again
     with them as program inputs (`_Hyperparameters`), whose new values are outputs."""
@@ -2157,7 +2165,18 @@ class JitFunction:
         else:
             if entry.grad_mode is not None:  # (its outputs are made in the mode it set)
                 torch._C._set_grad_enabled(entry.grad_mode)
-            out = self._run(entry, leaves, slots, storages)
+            try:
+                out = self._run(entry, leaves, slots, storages)
+            except _CheckFailed as failed:
+                if self.fullgraph:  # (the state as it was: nothing of the call took effect)
+                    raise failed.error from None
+                # torch raises where the check is, after the ops before it (a backward's gradients stay):
+                # the call runs eagerly from the state the program left as it was, and raises there
+                args, kwargs = torch_pytree.tree_unflatten(leaves, torch_pytree.tree_structure((args, kwargs),
+                                                                                               _is_size))
+                out = self.fn(*args, **kwargs)
+                warnings.warn(f"t2j.jit: a check inside the program failed ({failed.error}), but the eager run of "
+                              "the call did not raise", stacklevel=2)
         del leaves, slots, storages  # (they hold the slots' tensors: not counted as references kept)
         if from_cpu:
             _write_back_to_cpu(from_cpu)
@@ -2505,7 +2524,7 @@ class JitFunction:
                 failed = _sym.failed_check() if isinstance(e, jax.errors.JaxRuntimeError) else None
                 if failed is None:
                     raise
-                raise failed from None
+                raise _CheckFailed(failed) from None
             entry.undo = None
             if not entry.compile_s:
                 entry.compile_s = time.perf_counter() - start
@@ -2672,7 +2691,7 @@ class JitFunction:
                     torch.autograd.set_multithreading_enabled(False), \
                     _distribution_validation(), _scaler_steps_in_program(), \
                     _wide_step_counters(roots.optimizers), \
-                    _sym.traced_builtins(), _unreached_optimizers(roots):
+                    _sym.traced_builtins(), _unreached_optimizers(roots), _gradient_hooks_counted() as hooks:
                 out = self.fn(*args, **kwargs)
             if _sym.VALUE_ERRORS:  # (one the function caught: it took another branch than torch takes)
                 raise _sym.VALUE_ERRORS[0]
@@ -2744,7 +2763,7 @@ class JitFunction:
             leaf_grads = tuple((k, made.stored(g)) for k, g in made.grads_of_made_leaves)
             made.grads_of_made_leaves.clear()
             # (one node for all outputs: with several, a backward through one would free the others')
-            saves = len(made.nodes) == 1 and _saves_tensors(made.nodes)
+            saves = len(made.nodes) == 1 and not backward and _saves_tensors(made.nodes)
             made.nodes.clear()
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
             stores += [(functools.partial(_put, "attr", sub, "training"), ("const", sub.training))
@@ -2784,6 +2803,13 @@ class JitFunction:
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
                 else [],
             )
+            if info["diff"] and (hooks.count or _backward_hooks_on(roots.modules)):
+                # (the call's backward is JAX's of the program, which runs no torch hook: torch's runs them)
+                raise OpError(
+                    "torch2jax: t2j.jit of a function whose outputs are differentiated outside it, with gradient "
+                    "hooks (a tensor's register_hook or retain_grad inside it, a module's full backward hook): "
+                    "it runs eagerly so that the hooks run. Run the backward pass inside the jitted function "
+                    "(a training step) to compile it with them")
             result = outs + [storages[i].array for i in written] + [st.array for st in new_storages]
             if rng.key is not key:
                 result.append(rng.key)
@@ -2859,6 +2885,40 @@ def _differentiable_inputs(slots, slot_storage, written, post, backward) -> list
     return diff
 
 
+@contextlib.contextmanager
+def _gradient_hooks_counted():
+    """While a trace runs: counts the gradient hooks it registers on tensors (``register_hook``,
+    ``retain_grad``, ``register_post_accumulate_grad_hook``) in the ``count`` of what it yields."""
+    counted = types.SimpleNamespace(count=0)
+    names = ("register_hook", "retain_grad", "register_post_accumulate_grad_hook")
+    saved = {name: vars(torch.Tensor).get(name, _MISSING) for name in names}  # (retain_grad: a C base's)
+
+    def counting(method):
+        @functools.wraps(method)
+        def run(*args, **kwargs):
+            counted.count += 1
+            return method(*args, **kwargs)
+        return run
+
+    for name in names:
+        setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+    try:
+        yield counted
+    finally:
+        for name, method in saved.items():
+            if method is _MISSING:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
+
+
+def _backward_hooks_on(modules) -> bool:
+    """Whether a module among ``modules`` (or every module) has a full backward hook or pre-hook."""
+    g = torch.nn.modules.module
+    return bool(g._global_backward_hooks or g._global_backward_pre_hooks) or any(
+        sub._backward_hooks or sub._backward_pre_hooks for m in modules for sub in _submodules(m))
+
+
 def _saves_tensors(nodes, limit=10_000) -> bool:
     """Whether an autograd node reached from ``nodes`` saved a tensor for its backward (a node of
     ``x + 1`` saves none; torch then allows a second backward)."""
@@ -2868,7 +2928,10 @@ def _saves_tensors(nodes, limit=10_000) -> bool:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if any(_is_saved_tensor(getattr(node, name)) for name in dir(node) if name.startswith("_saved_")):
+        try:
+            if any(_is_saved_tensor(getattr(node, name)) for name in dir(node) if name.startswith("_saved_")):
+                return True
+        except RuntimeError:  # (freed by a backward inside: it saved some)
             return True
         todo.extend(next_node for next_node, _ in node.next_functions)
     return bool(todo)
