@@ -472,6 +472,24 @@ def test_a_jitted_forward_with_gradient_hooks_differentiated_outside_runs_them(h
         torch.testing.assert_close(g, e)
 
 
+@pytest.mark.parametrize("op", ["matrix_exp", "polygamma", "zeta"])
+def test_ops_with_loops_of_data_dependent_length_in_a_jitted_forward_differentiate(op):
+    # (matrix_exp's squarings, zeta's shift of q: loops JAX's reverse mode cannot go through)
+    torch.manual_seed(0)
+    f = {"matrix_exp": torch.linalg.matrix_exp, "polygamma": lambda a: torch.polygamma(2, a),
+         "zeta": lambda a: torch.special.zeta(3.5, a)}[op]
+    a = torch.randn(3, 4, 4, dtype=torch.float64) * torch.tensor([0.1, 3.0, 40.0], dtype=torch.float64)[:, None, None]
+    if op != "matrix_exp":
+        a = a.abs() + 0.5
+    w = torch.randn(a.shape, dtype=torch.float64)
+    grads = []
+    for device, fn in (("cpu", f), ("jax", t2j.jit(f))):
+        x = a.to(device).detach().requires_grad_()
+        (fn(x) * w.to(device)).sum().backward()
+        grads.append(x.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-7, atol=1e-7 * grads[0].abs().max().item())
+
+
 def test_a_vmapped_backward_through_a_jitted_forward():
     # jacobian(vectorize=True) and is_grads_batched=True (torch's legacy vmap over the backward
     # pass) and torch.func.vmap over autograd.grad: the call's VJP is vmapped over the cotangents

@@ -1567,16 +1567,44 @@ def _exp_scaled(a, norm, theta):
     """Degree 18 on ``a / 2^s`` with ``norm / 2^s <= theta``, then squared ``s`` times."""
     s = jnp.maximum(0, jnp.ceil(jnp.log2(norm / theta))).astype(np.int32)
     scale = jnp.exp2(s.astype(_dt.real_of(a.dtype))).astype(a.dtype)
-    out = _exp_taylor(a / scale[..., None, None], 18)
+    return _squared(_exp_taylor(a / scale[..., None, None], 18), s)
 
-    def cond(state):
-        return jnp.any(state[0] < s)
 
+def _square(x):
+    return jnp.matmul(x, x, precision=lax.Precision.HIGHEST)
+
+
+@jax.custom_vjp
+def _squared(m, s):
+    """Each matrix of ``m`` squared as many times as ``s`` says (a loop of data-dependent length,
+    which reverse mode cannot go through: its VJP is `_squared_bwd`)."""
     def square(state):
-        i, m = state
-        return i + 1, jnp.where((i < s)[..., None, None], jnp.matmul(m, m, precision=lax.Precision.HIGHEST), m)
+        i, x = state
+        return i + 1, jnp.where((i < s)[..., None, None], _square(x), x)
 
-    return lax.while_loop(cond, square, (jnp.zeros((), np.int32), out))[1]
+    return lax.while_loop(lambda state: jnp.any(state[0] < s), square, (jnp.zeros((), np.int32), m))[1]
+
+
+def _squared_fwd(m, s):
+    return _squared(m, s), (m, s)
+
+
+def _squared_bwd(residuals, g):
+    # Y = X X gives X the cotangent G X^T + X^T G: from the last squaring back to the first, each
+    # input X_i = m squared i times computed again (a few squarings: their square costs less than
+    # keeping every X_i of a loop of unknown length)
+    m, s = residuals
+
+    def back(state):
+        i, g = state
+        x = jnp.swapaxes(_squared(m, jnp.minimum(s, i)), -1, -2)
+        return i - 1, jnp.where((i < s)[..., None, None], jnp.matmul(g, x) + jnp.matmul(x, g), g)
+
+    g = lax.while_loop(lambda state: state[0] >= 0, back, (jnp.max(s) - 1, g))[1]
+    return g, np.zeros(s.shape, jax.dtypes.float0)
+
+
+_squared.defvjp(_squared_fwd, _squared_bwd)
 
 
 @register(aten.linalg_matrix_exp.default)

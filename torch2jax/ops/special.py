@@ -130,12 +130,34 @@ def _shift_to_one(x, q):
 
 @elementwise(aten.special_zeta, prims.zeta, promote_kind="int_to_float")
 def special_zeta(x, q):
-    x, q = jnp.broadcast_arrays(x, q)
+    return _zeta(*jnp.broadcast_arrays(x, q))
+
+
+@jax.custom_jvp
+def _zeta(x, q):
+    """Hurwitz zeta (the loop `_shift_to_one` runs is of data-dependent length, which reverse mode
+    cannot go through: its derivative is `_zeta_jvp`)."""
     pole = (q <= 0) & (q == jnp.floor(q))  # torch: inf at q = 0, -1, -2, ...
     acc, shifted = _shift_to_one(x, jnp.where(pole | ~jnp.isfinite(q), 1, q))
     out = jnp.where(jnp.isfinite(q), acc + jsp.zeta(x, shifted), jsp.zeta(x, q))
     out = jnp.where(pole, jnp.inf, out)
     return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, out)).astype(x.dtype)
+
+
+def _zeta_jvp(primals, tangents):
+    # torch's: d/dq zeta(x, q) = -x zeta(x + 1, q); none with respect to x
+    x, q = primals
+    x_dot, q_dot = tangents
+    if type(x_dot) is not jax.custom_derivatives.SymbolicZero:
+        raise NotImplementedError("torch2jax: the derivative of special_zeta with respect to its first argument "
+                                  "is not implemented (as in torch)")
+    out = _zeta(x, q)
+    if type(q_dot) is jax.custom_derivatives.SymbolicZero:
+        return out, jnp.zeros_like(out)
+    return out, -x * _zeta(x + 1, q) * q_dot
+
+
+_zeta.defjvp(_zeta_jvp, symbolic_zeros=True)
 
 
 # Beyond this shape parameter the incomplete gamma functions come from the Wilson-Hilferty
