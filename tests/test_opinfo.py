@@ -37,8 +37,9 @@ SLOW_EAGER = {"nn.functional.conv_transpose3d|bfloat16|eager", "nn.functional.co
 # complex64 for the ops whose OpInfo lists it among their backward dtypes
 GRAD_DTYPES = ("float32", "float64")
 
-# dtypes whose eager cases run with the slow set (CI time); float64 runs in CI
-SLOW_DTYPES = {"complex128", "uint8", "int8", "int16"}
+# dtypes whose eager cases run with the slow set (CI time); float64 runs in CI (and int64 for the
+# integers, complex64 for the complex dtypes)
+SLOW_DTYPES = {"complex128", "uint8", "int8", "int16", "int32", "complex32"}
 
 
 def cases():
