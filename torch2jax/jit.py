@@ -2132,7 +2132,7 @@ class JitFunction:
         # a trace with them on the device stopped; None until then
         self._by_value = None
         self._from_cpu: list = []  # this call's CPU tensor arguments and their copies (`_device_leaves`)
-        # (entry, reference counts) of the tensors the last call put in slots that may have escaped (`_Escapes`)
+        # (entry, reference counts) of the tensors the last call put in slots that may have escaped (`_renew_escaped`)
         self._escapes = None
         # the lists whose lengths its traces depended on (``if len(hist) > k: hist.pop(0)``): part of the key
         self._lengths: list = []
@@ -2748,7 +2748,7 @@ class JitFunction:
             arg_numbers = {id(v): site.index for site, v in zip(slots.lifted, values) if isinstance(site, _ArgSite)}
             stores += [(site.write, ("arg", arg_numbers[id(new)]) if id(new) in arg_numbers else made.stored(new))
                        for site, new in numbers_stored]
-            for container, _, (how, items) in rewritten:
+            for container, (how, items) in rewritten:
                 if how == "extend":
                     stores.append((functools.partial(_extend, container), made.stored(items)))
                 else:
@@ -2757,9 +2757,9 @@ class JitFunction:
                     stores.append((functools.partial(_rewrite, container, layout), made.stored(new_items)))
             # a list whose length the function read (``if len(hist) > k``) or whose items it moved: each
             # length has a program of its own
-            info["lengths"] = [container for _, container, before, _ in saved_slots[2].places
+            info["lengths"] = [container for _, container, _, _ in saved_slots[2].places
                                if isinstance(container, list) and id(container) in len_reads]
-            info["lengths"] += [container for container, _, (how, _) in rewritten if how == "rewrite"]
+            info["lengths"] += [container for container, (how, _) in rewritten if how == "rewrite"]
             leaf_grads = tuple((k, made.stored(g)) for k, g in made.grads_of_made_leaves)
             made.grads_of_made_leaves.clear()
             # (one node for all outputs: with several, a backward through one would free the others')
@@ -3542,7 +3542,7 @@ class _Places:
         return out
 
     def take_rewritten(self) -> list:
-        """(list, its items before, recipe) per list holding no tensors whose items the trace changed
+        """(list, recipe) per list holding no tensors whose items the trace changed
         (numbers appended, ``losses.append(loss.item())``; a window's ``pop(0)``), put back as it was:
         each call makes the same change with its own values (`_extend`, `_rewrite`). The recipe is
         ``("extend", new items)`` where the list only grew, else ``("rewrite", items)``: per item,
@@ -3559,12 +3559,12 @@ class _Places:
             new = container[:]
             container[:] = old
             if len(new) >= len(old) and all(map(operator.is_, old, new)):
-                out.append((container, old, ("extend", new[len(old):])))
+                out.append((container, ("extend", new[len(old):])))
                 continue
             # (small ints, True, None are one object wherever they are: such an item is taken as a new value)
             where = {id(v): i for i, v in reversed(list(enumerate(old))) if not isinstance(v, (int, str, type(None)))}
-            out.append((container, old, ("rewrite", [("old", where[id(v)]) if id(v) in where else ("new", v)
-                                                     for v in new])))
+            out.append((container, ("rewrite", [("old", where[id(v)]) if id(v) in where else ("new", v)
+                                                for v in new])))
         return out
 
     def restore(self, lists: bool = False):
@@ -3668,10 +3668,11 @@ def _renewable(post, new_storages, out_leaves) -> dict:
     """
     made = {id(st) for st in new_storages}
     owners = collections.Counter(id(target._t2j_storage) for _, target, _, _ in post if isinstance(target, Tensor))
-    renewable = tuple(k for k, (setter, target, _, argument) in enumerate(post)
+    renewable = tuple(k for k, (_, target, _, argument) in enumerate(post)
                       if type(target) is Tensor and argument is None and not target.requires_grad
                       and id(target._t2j_storage) in made and owners[id(target._t2j_storage)] == 1)
-    returned = frozenset(k for k in renewable if any(kind[0] == "const" and kind[1] is post[k][1] for kind in out_leaves))
+    returned = frozenset(k for k in renewable
+                         if any(kind[0] == "const" and kind[1] is post[k][1] for kind in out_leaves))
     return {"renewable": renewable, "returned": returned}
 
 
