@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import collections
-
 import copy
 import functools
 import importlib
 import itertools
 import math
 import sys
+import types
 import warnings
 
 import jax
@@ -1808,6 +1808,19 @@ def test_python_values_the_function_reads_are_guarded():
         assert "the Python value global _FLAG: True -> False" in t2j.explain_recompiles()[-1]
     finally:
         _SCALE, _FLAG, _CONFIG["shift"] = 2.0, True, 1.0
+
+
+def test_items_of_lists_the_function_reads_are_guarded():
+    # ``scale[0]``, a list in a tuple, a list attribute: a new item traces again (or, for a number
+    # changing from call to call, becomes a program input); a string item retraces
+    scale, nested, holder = [2.0], (1.0, [4.0]), types.SimpleNamespace(modes=["sum", "x"])
+    run = t2j.jit(lambda x: (x * scale[0] * nested[1][0]).sum() if holder.modes[0] == "sum" else x.mean())
+    x = torch.ones(3, device="jax")
+    got = []
+    for s, n, mode in [(2.0, 4.0, "sum"), (5.0, 4.0, "sum"), (5.0, 7.0, "sum"), (5.0, 7.0, "mean"), (6.0, 7.0, "sum")]:
+        scale[0], nested[1][0], holder.modes[0] = s, n, mode
+        got.append(run(x).item())
+    assert got == [24.0, 60.0, 105.0, 1.0, 126.0]
 
 
 def test_a_python_value_changing_every_call_warns():

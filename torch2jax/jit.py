@@ -35,7 +35,7 @@ How state is found and carried:
   stored in the same place after every call (`_Entry.stores`).
 * Python values the trace takes as constants are guarded, as torch.compile guards
   them: numbers, strings and flags in the closure cells and globals the function
-  names, named attributes of the objects it reaches, items of dicts it reaches,
+  names, named attributes of the objects it reaches, items of dicts and lists it reaches,
   its modules' plain attributes and hooks, CPU tensors (by version). A new value
   retraces. A number the trace itself changes (``self.step += 1``) becomes a program
   input whose new value is an output, stored back after every call (`_LiftNumbers`);
@@ -160,11 +160,13 @@ class _Roots:
         # the host (`GeneratorDraws`)
         self.generators = []
         self.objects = []  # other objects whose attributes were searched (see _python_state)
+        self.held = []  # lists and dicts held by those objects' attributes (``cfg.sizes``): their items are guarded
         self.values = []  # (where, cell or globals dict, name): Python values the functions read (`python_values`)
         self.cells = []  # the closure cells of the functions (`_Places`)
         self.globals = []  # (globals dict, the names a function's code uses) (`_Places`)
         self.names = set()  # the global and attribute names the functions' code uses
         self.unguarded = frozenset()  # values the function itself changes when traced: not guarded
+        self.own_lists = {}  # lists of plain values (by id) every call changes (`_Entry.own_lists`): items not guarded
         self.lifts: _Hyperparameters | None = None  # which numbers among the values are program inputs
         self._seen = set()
         self._sites, self._labels = set(), {}  # (`add_value`)
@@ -208,14 +210,13 @@ class _Roots:
             self.add(obj.__self__, depth)  # (``draw = rng.random`` held: a method of a C type)
         elif isinstance(obj, (list, tuple)):
             self._seen.add(id(obj))
-            if isinstance(obj, list) and not summarized:
-                self.objects.append(obj)
+            if isinstance(obj, list):
+                (self.held if summarized else self.objects).append(obj)
             for o in obj[:256]:
                 self.add(o, depth + 1, summarized)
         elif isinstance(obj, dict):
             self._seen.add(id(obj))
-            if not summarized:
-                self.objects.append(obj)
+            (self.held if summarized else self.objects).append(obj)
             for o in list(obj.values())[:256]:
                 self.add(o, depth + 1, summarized)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
@@ -279,8 +280,9 @@ class _Roots:
     def python_values(self, lift=None, raw: bool = False) -> tuple:
         """The Python numbers, strings and flags (and jax.Arrays, by identity: `_Same`) the
         functions read as constants: closure cells and globals their code names, attributes of
-        the objects they reach that their code names (``cfg.scale``) and the items of dicts they
-        reach (``CONFIG["scale"]``).
+        the objects they reach that their code names (``cfg.scale``) and the first 32 items of
+        the dicts and lists they reach (``CONFIG["scale"]``, ``scale[0]``, ``cfg.sizes[1]``; not those
+        of a list every call changes, `own_lists`).
         Each new value traces again, as torch.compile guards on them, but a number that
         changes from call to call becomes a program input (`lifts`): `_LiftedNumber` stands
         in the result for it, and ``lift(site, id)`` is called with its `_ValueSite`. ``raw``:
@@ -307,13 +309,14 @@ class _Roots:
         values = [(where, source.cell_contents if name is None else source.get(name), source, name)
                   for where, source, name in self.values]
         lifted = self.lifts.lifted if self.lifts is not None else ()
-        for obj in self.objects:
+        for obj in (*self.objects, *self.held):
             if isinstance(obj, dict):
                 if len(obj) <= 32:
                     values += [(f"dict item {k!r}", v, obj, k) for k, v in obj.items()]
-            elif isinstance(obj, list):  # (only the numbers a trace advanced: `number_sites`)
+            elif isinstance(obj, list):  # its plain items (``scale[0]``), and the numbers a trace advanced
+                own = id(obj) in self.own_lists
                 values += [(where, v, obj, i) for i, v in enumerate(obj[:32])
-                           if ("value", where := _list_item(obj, i)) in lifted]
+                           if ("value", where := _list_item(obj, i)) in lifted or (not own and _watched(v))]
             else:
                 attrs, kind = vars(obj), type(obj).__name__
                 # the attributes its code names, and numbers its methods advance (`number_sites`)
@@ -2053,6 +2056,8 @@ class _Entry:
     saves: bool = False
     saved_results: tuple = ()
     lengths: tuple = ()  # lists whose lengths the trace depends on (`JitFunction._lengths`)
+    # lists of plain values whose items each call changes (`_Places.take_rewritten`): their items are not guarded
+    own_lists: tuple = ()
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -2136,6 +2141,7 @@ class JitFunction:
         self._escapes = None
         # the lists whose lengths its traces depended on (``if len(hist) > k: hist.pop(0)``): part of the key
         self._lengths: list = []
+        self._own_lists: dict = {}  # id -> a list of plain values its traces change (`_Entry.own_lists`)
         self._hooks_seen = None  # (hook changes, root state, slots, `_hooks_key` of the state) when last read
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0, "eager_calls": 0}
         functools.update_wrapper(self, fn)
@@ -2273,7 +2279,7 @@ class JitFunction:
         roots = _find_roots(self.fn, args, kwargs)
         for found in self._found_roots:
             roots.add(found)
-        roots.unguarded, roots.lifts = self._unguarded, self._hypers
+        roots.unguarded, roots.own_lists, roots.lifts = self._unguarded, self._own_lists, self._hypers
         retried = ()
         for _ in range(4):
             slots = _collect(leaves, roots, memo=self._roots_memo, hypers=self._hypers)
@@ -2389,6 +2395,10 @@ class JitFunction:
             changed = {w for w in values.keys() | after.keys() if values.get(w, _MISSING) != after.get(w, _MISSING)
                        and not _is_flag_change(values.get(w), after.get(w))
                        and not _is_number(values.get(w)) and not _is_number(after.get(w))}
+            if found := [c for c in entry.own_lists if id(c) not in self._own_lists]:
+                self._own_lists.update((id(c), c) for c in found)
+                key = _unguarding(key, {w for c in found for i in range(32)
+                                        if ("value", w := _list_item(c, i)) not in self._hypers.lifted})
             if changed:  # the trace's own bookkeeping (warned of by _check_python_state): a cached call skips it
                 self._unguarded = roots.unguarded = self._unguarded | changed
                 key = _unguarding(key, changed)
@@ -2642,7 +2652,7 @@ class JitFunction:
                       made_leaves=info["made_leaves"], leaf_grads=info["leaf_grads"], out_order=info["out_order"],
                       saves=info["saves"], saved_results=info["saved_results"],
                       draws=info["draws"], reseeded=info["reseeded"], grad_mode=info["grad_mode"],
-                      lengths=tuple(info["lengths"]),
+                      lengths=tuple(info["lengths"]), own_lists=tuple(info["own_lists"]),
                       **_renewable(info["post"], info["new_storages"], info["out_leaves"]))
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2760,6 +2770,7 @@ class JitFunction:
             info["lengths"] = [container for _, container, _, _ in saved_slots[2].places
                                if isinstance(container, list) and id(container) in len_reads]
             info["lengths"] += [container for container, (how, _) in rewritten if how == "rewrite"]
+            info["own_lists"] = [container for container, _ in rewritten]
             leaf_grads = tuple((k, made.stored(g)) for k, g in made.grads_of_made_leaves)
             made.grads_of_made_leaves.clear()
             # (one node for all outputs: with several, a backward through one would free the others')
