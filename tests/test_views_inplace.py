@@ -674,3 +674,29 @@ def test_views_of_an_inference_tensor_are_inference_tensors(view):
         results[device] = (v.is_inference(), errors, z.tolist())
     assert results["jax"] == results["cpu"]
     assert results["cpu"][0] and None not in results["cpu"][1]
+
+
+@pytest.mark.parametrize("write", [
+    lambda x: x.view(8, 3)[:, :1].expand(8, 0).mul_(2),  # a zero-size expanded view: no element twice
+    lambda x: x.view(4, 6).unfold(0, 2, 1)[:, :0].mul_(2),
+    lambda x: x.view(4, 6)[:0].unsqueeze(0).expand(2, 0, 6).clamp_(max=0.1),
+    lambda x: x.view(4, 6)[:, 2:2].copy_(torch.ones(4, 0, device=x.device)),
+], ids=["expand", "unfold", "clamp", "copy"])
+def test_writes_into_zero_size_views_write_nothing(write):
+    for device in ("cpu", "jax"):
+        x = torch.arange(24.0, device=device)
+        before = x._version
+        write(x)
+        assert x.cpu().tolist() == list(map(float, range(24))) and x._version > before
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "mean", "cumsum", "cumprod"])
+def test_a_dtype_argument_and_an_out_of_another_dtype_raise(op):
+    fn = getattr(torch, op)
+    for device in ("cpu", "jax"):
+        x = torch.ones(3, 2, device=device)
+        out = torch.zeros((3, 2) if op.startswith("cum") else (2,), device=device)
+        with pytest.raises(RuntimeError, match="dtype"):
+            fn(x, 0, dtype=torch.float64, out=out)
+        fn(x, 0, dtype=torch.float32, out=out)  # (the same dtype: written)
+        assert out.sum().item() > 0

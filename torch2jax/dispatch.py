@@ -1662,7 +1662,8 @@ def _checking_overlap(func, handler):
             if storage is None:
                 continue
             # a base tensor is dense; only a view can repeat elements (expand, as_strided)
-            if internal and w._t2j_view and any(st == 0 and sz > 1 for sz, st in zip(w.shape, w.stride())):
+            if internal and w._t2j_view and w.numel() and \
+                    any(st == 0 and sz > 1 for sz, st in zip(w.shape, w.stride())):
                 raise TorchRuntimeError(INTERNAL_OVERLAP_MESSAGE)
             for j, rname, is_list in read:
                 a = args[j] if j < n else kwargs.get(rname)
@@ -1806,12 +1807,14 @@ def _mutation_handler(func, functional):
             args = (*args, *positional[len(args):])
         if by_name:
             kwargs = {**by_name, **kwargs}
+        from_out = False
         if is_out:
             targets = [kwargs[n] for n in names]
             fkwargs = {k: v for k, v in kwargs.items() if k not in names}
             if dtype_from_out and fkwargs.get("dtype") is None and isinstance(targets[0], torch.Tensor) and (
                     op_name not in _INEXACT_FROM_OUT or all(inexact(t) for t in (targets[0], args[0]))):
                 fkwargs["dtype"] = targets[0].dtype
+                from_out = True
         else:
             targets, fkwargs = [args[0]], kwargs
 
@@ -1822,7 +1825,7 @@ def _mutation_handler(func, functional):
         values = compute()
         if is_out:
             # computed in the out's dtype, or cast into it: the input's dtype is the one it may refuse
-            given = [_dt.to_jax(args[0].dtype)] * len(targets) if (dtype_from_out or cast_into_out) and \
+            given = [_dt.to_jax(args[0].dtype)] * len(targets) if (from_out or cast_into_out) and \
                 isinstance(args[0], torch.Tensor) else [v.dtype for v in values]
             _check_out_dtypes(func, args, kwargs, targets, given)
         if cast_into_out:
@@ -1908,6 +1911,8 @@ def _write_rounds(func, args, kwargs, targets, values):
 @functools.lru_cache(maxsize=1024)
 def _self_overlapping(shape, stride) -> bool:
     """Whether a tensor of ``shape`` and ``stride`` shows some element more than once."""
+    if 0 in shape:
+        return False
     reach = 0
     for st, size in sorted((st, size) for size, st in zip(shape, stride) if size > 1):
         if st <= reach:

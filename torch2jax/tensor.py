@@ -450,6 +450,9 @@ class Tensor(torch.Tensor):
             st.array = placed_as(old, value) if type(old) is _ArrayImpl else _gradcut.written(old, value, False)
             st.version += 1
             return
+        if value.size == 0:  # (writes nothing; the inverse of ``expand(8, 0)`` or ``unfold(...)[:, :0]`` need not exist)
+            st.version += 1
+            return
         bases = [old]
         for step in chain[:-1]:
             bases.append(step.forward(bases[-1]))
