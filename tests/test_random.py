@@ -548,6 +548,22 @@ def test_generator_argument_under_jit_draws_what_eager_draws(device):
     assert f.stats["traces"] == 1 and f.stats["eager_calls"] == 0
 
 
+@pytest.mark.parametrize("n", [16, 5000])  # (above 4096 elements a constant result is not folded into the trace)
+def test_factories_of_any_size_under_jit_draw_what_eager_draws(n):
+    import torch2jax as t2j
+
+    def f(x):
+        return (x.sum() + torch.randn(n, device="jax"), torch.randint(0, 9, (n,), device="jax"),
+                torch.randperm(n, device="jax"))
+
+    x = torch.zeros(2, device="jax")
+    torch.manual_seed(0)
+    eager, after = f(x), torch.jax.get_rng_state()
+    torch.manual_seed(0)
+    assert _same(t2j.jit(f)(x), eager)
+    assert torch.equal(torch.jax.get_rng_state(), after)
+
+
 def test_generators_reached_created_and_reseeded_inside_a_jitted_function():
     """A generator the function reaches through a closure is drawn from on each call; one it
     creates (a sampler's ``torch.Generator(device).manual_seed(0)``) or re-seeds gives the same

@@ -644,7 +644,9 @@ def _constant_operands(uargs, ukwargs) -> bool:
 def _folded(lowering, uargs, ukwargs):
     with jax.ensure_compile_time_eval():
         out = lowering(*uargs, **ukwargs)
-    if all(np.size(o) <= _FOLD_LIMIT for o in jax.tree.leaves(out) if hasattr(o, "shape")):
+    # (a result that depends on the traced RNG key is no constant: running the lowering again would draw twice)
+    if all(np.size(o) <= _FOLD_LIMIT or isinstance(o, jax.core.Tracer) for o in jax.tree.leaves(out)
+           if hasattr(o, "shape")):
         return out
     return lowering(*uargs, **ukwargs)
 
