@@ -364,7 +364,7 @@ def test_jax_generator_state_round_trips_and_pickles():
     # the default generator's state drives a jax Generator too
     torch.jax.set_rng_state(state)
     assert torch.equal(torch.randn(6, device="jax").cpu(), a)
-    with pytest.raises(TypeError, match=r"Generator.set_state: expected .* torch.uint8 tensor of 8 bytes"):
+    with pytest.raises(TypeError, match=r"Generator.set_state: expected .* torch.uint8 tensor of 16 bytes"):
         g.set_state(torch.zeros(3))
     with pytest.raises(RuntimeError, match=r"Generator.set_state: expected .* got a torch.uint8 tensor of 3"):
         g.set_state(torch.zeros(3, dtype=torch.uint8))  # (a wrong size: torch's CPU generator's error type)
@@ -806,3 +806,18 @@ def test_exponential_draws_are_never_zero(dtype):
     assert e.min().item() >= torch.finfo(dtype).eps / 2
     torch.manual_seed(0)
     assert not torch.nn.functional.gumbel_softmax(torch.zeros(1000, 10000, device="jax")).isnan().any()
+
+
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_a_restored_state_restores_the_seed(device):
+    g = torch.Generator(device=device).manual_seed(5)
+    state = g.get_state()
+    g.manual_seed(77)
+    assert g.set_state(state).initial_seed() == 5
+    torch.manual_seed(4)
+    with torch.random.fork_rng(device_type="jax"):
+        torch.manual_seed(99)
+    assert torch.initial_seed() == torch.jax.initial_seed() == 4
+    old = torch.jax.get_rng_state()[:-8]  # (a state saved before it held the seed: the seed stays)
+    torch.jax.set_rng_state(old)
+    assert torch.jax.initial_seed() == 4 and torch.equal(torch.jax.get_rng_state()[:-8], old)

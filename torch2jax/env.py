@@ -172,23 +172,31 @@ class RngState:
         return sub
 
     def state_bytes(self) -> torch.Tensor:
-        """The stored key's data as bytes: a CPU uint8 tensor, as torch's generators give their state."""
+        """The stored key's data, then the seed (8 bytes, little-endian), as bytes: a CPU uint8
+        tensor, as torch's generators give their state (theirs holds the seed too)."""
         with jax.ensure_compile_time_eval():
             data = np.asarray(jax.random.key_data(self.key)).astype(np.uint32)
-        return torch.from_numpy(data.view(np.uint8).copy())
+        seed = np.array([self.initial_seed & 0xFFFFFFFFFFFFFFFF], "<u8")
+        return torch.from_numpy(np.concatenate([data.view(np.uint8).reshape(-1), seed.view(np.uint8)]))
 
     def set_state_bytes(self, state: torch.Tensor, caller: str) -> None:
-        """Continue the stream from ``state`` (what `state_bytes` gave)."""
-        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 4 * KEY_WORDS:
+        """Continue the stream from ``state`` (what `state_bytes` gave; without the seed, as
+        states saved before it held one, the seed stays)."""
+        sizes = (4 * KEY_WORDS + 8, 4 * KEY_WORDS)
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() not in sizes:
             got = (f"a {state.dtype} tensor of {state.numel()} elements" if isinstance(state, torch.Tensor)
                    else type(state).__name__)
             # (the error types of torch's CPU generator: a wrong size is a RuntimeError)
             error = RuntimeError if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 else TypeError
             raise error(f"{caller}: expected the state a jax-device generator gives (a torch.uint8 tensor of "
-                        f"{4 * KEY_WORDS} bytes, from get_state()), got {got}")
-        data = state.detach().cpu().numpy().reshape(-1).view(np.uint32)
+                        f"{sizes[0]} bytes, from get_state()), got {got}")
+        raw = state.detach().cpu().numpy().reshape(-1)
+        data = raw[:4 * KEY_WORDS].copy().view(np.uint32)
         with jax.ensure_compile_time_eval():
-            self.key = jax.random.wrap_key_data(jax.numpy.asarray(data))
+            key = jax.random.wrap_key_data(jax.numpy.asarray(data))
+        if raw.size == sizes[0]:
+            self.initial_seed = int(raw[4 * KEY_WORDS:].copy().view("<u8")[0])
+        self.key = key
 
     @contextlib.contextmanager
     def traced_key(self, key):
@@ -556,6 +564,7 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
     def set_state(self, new_state):
         self._reseeding()
         self._stream.set_state_bytes(new_state, "Generator.set_state")
+        super().manual_seed(self._stream.initial_seed)  # (what initial_seed() reads; the stream keeps its key)
         return self
 
     def _reseeding(self):
@@ -622,7 +631,9 @@ def rng_state_bytes() -> torch.Tensor:
         from .tensor import new_tensor
 
         data = jax.random.key_data(default_rng._traced).astype(jax.numpy.uint32)
-        return new_tensor(jax.lax.bitcast_convert_type(data, jax.numpy.uint8).reshape(-1))
+        seed = np.array([default_rng.initial_seed & 0xFFFFFFFFFFFFFFFF], "<u8").view(np.uint8)
+        return new_tensor(jax.numpy.concatenate([jax.lax.bitcast_convert_type(data, jax.numpy.uint8).reshape(-1),
+                                                 jax.numpy.asarray(seed)]))
     return default_rng.state_bytes()
 
 
@@ -633,7 +644,8 @@ def set_rng_state_bytes(state: torch.Tensor) -> None:
         from .tensor import Tensor
 
         data = state._value() if isinstance(state, Tensor) else jax.numpy.asarray(state.cpu().numpy())
-        data = jax.lax.bitcast_convert_type(data.astype(jax.numpy.uint8).reshape(-1, 4), jax.numpy.uint32)
+        data = data.astype(jax.numpy.uint8).reshape(-1)[:4 * KEY_WORDS]  # (the key; the seed after it stays)
+        data = jax.lax.bitcast_convert_type(data.reshape(-1, 4), jax.numpy.uint32)
         default_rng._traced = jax.random.wrap_key_data(data)
         return
     default_rng.set_state_bytes(state, "torch.jax.set_rng_state")
