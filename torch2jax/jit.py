@@ -2055,6 +2055,9 @@ class _Entry:
     # the backward raise), as in torch (`_DifferentiableCall`)
     saves: bool = False
     saved_results: tuple = ()
+    # torch's error for a tensor its graph saved that the function then wrote in place (`_stale_saved`): raised
+    # by a backward through the call, as torch's backward raises it
+    stale: str | None = None
     lengths: tuple = ()  # lists whose lengths the trace depends on (`JitFunction._lengths`)
     # lists of plain values whose items each call changes (`_Places.take_rewritten`): their items are not guarded
     own_lists: tuple = ()
@@ -2650,7 +2653,7 @@ class JitFunction:
                       shardings=tuple(info["shardings"]), mirrors=tuple(info["mirrors"]), spent=spent,
                       inference=info["inference"], argument_flags=info["argument_flags"], reaches=reaches,
                       made_leaves=info["made_leaves"], leaf_grads=info["leaf_grads"], out_order=info["out_order"],
-                      saves=info["saves"], saved_results=info["saved_results"],
+                      saves=info["saves"], saved_results=info["saved_results"], stale=info["stale"],
                       draws=info["draws"], reseeded=info["reseeded"], grad_mode=info["grad_mode"],
                       lengths=tuple(info["lengths"]), own_lists=tuple(info["own_lists"]),
                       **_renewable(info["post"], info["new_storages"], info["out_leaves"]))
@@ -2775,6 +2778,7 @@ class JitFunction:
             made.grads_of_made_leaves.clear()
             # (one node for all outputs: with several, a backward through one would free the others')
             saves = len(made.nodes) == 1 and not backward and _saves_tensors(made.nodes)
+            stale = None if backward else _stale_saved(made.nodes)
             made.nodes.clear()
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
             stores += [(functools.partial(_put, "attr", sub, "training"), ("const", sub.training))
@@ -2809,7 +2813,7 @@ class JitFunction:
                 out_order=out_order,
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
                 histories=made.histories, inference=frozenset(made.inference), made_leaves=tuple(made.made_leaves),
-                leaf_grads=leaf_grads, saves=saves, saved_results=tuple(made.saved_results),
+                leaf_grads=leaf_grads, saves=saves, saved_results=tuple(made.saved_results), stale=stale,
                 draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
                 else [],
@@ -2946,6 +2950,28 @@ def _saves_tensors(nodes, limit=10_000) -> bool:
             return True
         todo.extend(next_node for next_node, _ in node.next_functions)
     return bool(todo)
+
+
+def _stale_saved(nodes, limit=10_000) -> str | None:
+    """torch's error for a saved tensor that the graph reached from ``nodes`` would find written
+    in place since it was saved (``y = a.exp(); y[1:3].mul_(2)``), or None. The trace's graph
+    never runs backward (the call's VJP does), so torch's check runs here: unpacking a saved
+    tensor checks its version."""
+    seen, todo = set(), list(nodes)
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    getattr(node, name)
+                except RuntimeError as e:
+                    if "modified by an inplace operation" in str(e):
+                        return str(e)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return None
 
 
 def _is_saved_tensor(value) -> bool:
@@ -3258,6 +3284,8 @@ class _DifferentiableCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         call = ctx.call
+        if call.entry.stale is not None:
+            raise RuntimeError(call.entry.stale)
         if call.entry.saves:
             ctx.saved_tensors  # noqa: B018 - torch's checks: freed by an earlier backward, or written in place since
         # a view's gradient (its storage's, narrowed by the chain) is not one JAX function of the
