@@ -1713,6 +1713,7 @@ class _Outputs:
         self.inference = []  # the outputs made under torch.inference_mode()
         self.leaves = {}  # id of an output tensor -> its position among the output leaves
         self.kept = {}  # id -> the output tensor (alive while the trace's outputs are classified)
+        self.bases = {}  # id -> (kind, tensor) of a base of returned views the trace made (`_view_of_made`)
 
     def kind(self, leaf, position: int) -> tuple:
         """The kind of output leaf ``leaf`` at ``position``, adding its value to the program's outputs
@@ -1741,6 +1742,7 @@ class _Outputs:
     def release(self):
         """Hold the outputs weakly from now on: those no slot keeps die with the trace."""
         self.kept = {k: weakref.ref(t) for k, t in self.kept.items()}
+        self.bases.clear()
 
     def repointed(self, kinds, post):
         """Outputs that a slot points to after the call (a new ``.grad``, new optimizer state
@@ -1770,7 +1772,9 @@ class _Outputs:
                 or base.dtype != leaf.dtype or leaf.dtype is torch.complex32 or not leaf._t2j_view \
                 or not _tensor.strided_steps(leaf._t2j_view):
             return None
-        return "view_of_made", (self._kind(base), tuple(leaf.shape), tuple(leaf.stride()),
+        if id(base) not in self.bases:  # (views of one base share its storage: one output for it)
+            self.bases[id(base)] = (self._kind(base), base)
+        return "view_of_made", (self.bases[id(base)][0], tuple(leaf.shape), tuple(leaf.stride()),
                                 leaf.storage_offset() - base.storage_offset(), _grad_mode_of(leaf))
 
     def _kind(self, leaf) -> tuple:
