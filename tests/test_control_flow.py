@@ -393,6 +393,41 @@ def test_torch_utils_checkpoint_is_remat_under_jit():
     assert torch.utils.checkpoint.checkpoint(lambda v: v * 2, torch.ones(2), use_reentrant=False).tolist() == [2, 2]
 
 
+class _CountingBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # (torch's recompute in the backward pass counts again)
+        return torch.tanh(self.lin(x)) * self.calls
+
+
+def test_a_checkpointed_block_that_changes_python_state_under_jit_matches_torch():
+    # jax.checkpoint cannot carry ``self.calls`` out of its trace: torch's own checkpoint runs in the
+    # program instead, whose recompute repeats the change, as in torch
+    def run(device, wrap):
+        torch.manual_seed(0)
+        block = _CountingBlock().to(device)
+        opt = torch.optim.SGD(block.parameters(), lr=0.1)
+
+        def step(x):
+            opt.zero_grad()
+            loss = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        fn = wrap(step)
+        losses = [fn(torch.ones(2, 4, device=device)).item() for _ in range(3)]
+        return losses, block.calls, getattr(fn, "stats", {}).get("eager_calls", 0)
+
+    expected, got = run("cpu", lambda f: f), run("jax", t2j.jit)
+    assert got[1:] == (expected[1], 0) == (6, 0)
+    assert got[0] == pytest.approx(expected[0], rel=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
 @pytest.mark.parametrize("scanned", [False, True])
 def test_hf_gradient_checkpointing_under_jit_matches_torch(scanned):

@@ -40,10 +40,11 @@ from jax.extend.core import primitives as _prims
 
 from . import dispatch as _dispatch
 from . import gradcut as _gradcut
+from . import symbolic as _sym
 from . import tensor as _tensor
 from .env import default_rng as _rng
 from .interop import _torch_context, differentiable_vjp, torch_pullback, zero_cotangent
-from .jit import _Capture, _find_roots, _inputs_reaching, _Retrace
+from .jit import _Capture, _find_roots, _inputs_reaching, _put, _Retrace
 from .tensor import Tensor, jax_array, new_tensor
 
 
@@ -227,16 +228,30 @@ def _run_body(state, values, carried, key, call, loop=False):
     result, the new values of the carried state and the key after its draws. ``loop``:
     a loop's body, whose draws from explicit generators differ from iteration to iteration."""
     _rng.loop_bodies += loop
+    places = _sym.PLACES.moved() if _sym.PLACES is not None else None
     try:
         with _Installed(state, values) as inst, _torch_context(), _rng.traced_key(key) as rng:
             result = call()
             after = inst.new_values()
     finally:
         _rng.loop_bodies -= loop
+    if stored := _sym.stored_in_body(places):
+        # (a value the JAX transform traced would escape it: put back what was there)
+        for kind, container, name, old in stored:
+            _put(kind, container, name, old)
+        raise BodyStores(
+            f"t2j.jit: a loop body or checkpointed block stores a tensor or traced number in Python state "
+            f"({type(stored[0][1]).__name__} {stored[0][2]!r}, e.g. ``self.calls += 1``), which its JAX transform "
+            "cannot carry out; return the value from the block instead")
     newly = [i for i, (a, b) in enumerate(zip(values, after)) if a is not b and i not in carried]
     if newly:
         raise _NeedCarry(newly)
     return result, [after[i] for i in carried], rng.key
+
+
+class BodyStores(_dispatch.OpError):
+    """A body traced by a JAX transform inside t2j.jit stored a value in Python state (`_run_body`): the
+    jitted function runs eagerly (a graph break), or torch's checkpoint runs in the trace instead."""
 
 
 def _write_back(state, carried, arrays):
@@ -975,9 +990,12 @@ def _torch_checkpoint(original):
         # torch saves: both keep torch's path.
         default_context = context_fn is None or context_fn is torch.utils.checkpoint.noop_context_fn
         if use_reentrant is False and default_context and not _dispatch._eager() and _on_jax(args, kwargs):
-            for name in ("preserve_rng_state", "determinism_check", "debug", "early_stop"):
-                kwargs.pop(name, None)
-            return checkpoint(function)(*args, **kwargs)
+            plain = {k: v for k, v in kwargs.items()
+                     if k not in ("preserve_rng_state", "determinism_check", "debug", "early_stop")}
+            try:
+                return checkpoint(function)(*args, **plain)
+            except BodyStores:  # (``self.calls += 1``: torch's recompute in the trace repeats it, as torch does)
+                pass
         if context_fn is not None:
             kwargs["context_fn"] = context_fn
         return original(function, *args, use_reentrant=use_reentrant, **kwargs)

@@ -2703,7 +2703,7 @@ class JitFunction:
             _sym.GUARDS, _hints.HINTS = guards, state_hints
             backward_passes = _device.backward_passes
             key, drawn = keys
-            _sym.LEN_READS, _sym.VALUE_ERRORS = {}, []
+            _sym.LEN_READS, _sym.VALUE_ERRORS, _sym.PLACES = {}, [], saved_slots[2]
             with _rng.traced_key(key) as rng, _generator_draws(drawn, leaves, roots.generators) as generators, \
                     torch.autograd.set_multithreading_enabled(False), \
                     _distribution_validation(), _scaler_steps_in_program(), \
@@ -2724,7 +2724,7 @@ class JitFunction:
             if not generators.complete:
                 raise _MoreDraws(len(generators.sources))
             backward = _device.backward_passes != backward_passes
-            _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = None
+            _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = _sym.PLACES = None
             rewritten = saved_slots[2].take_rewritten()
             len_reads, _sym.LEN_READS = _sym.LEN_READS, None
             if changed := [(where, site, v) for where, site, v in numbers if site.read() is not v]:
@@ -2835,7 +2835,7 @@ class JitFunction:
             ok = True
             return result
         finally:
-            _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = _sym.LEN_READS = _sym.VALUE_ERRORS = None
+            _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = _sym.LEN_READS = _sym.VALUE_ERRORS = _sym.PLACES = None
             torch._C._set_grad_enabled(grad_mode)
             for st, a in saved:
                 st.array = a
