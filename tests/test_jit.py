@@ -240,6 +240,26 @@ def test_a_view_of_an_intermediate_is_a_view_of_it(view):
     assert run("jax", t2j.jit(f)) == run("cpu", f)
 
 
+@pytest.mark.parametrize("split", [lambda b: b.unbind(0), lambda b: b.split(2), lambda b: b.chunk(2)],
+                         ids=["unbind", "split", "chunk"])
+def test_views_of_a_multi_output_view_op_refuse_in_place_writes(split):
+    # as torch: the outputs of unbind / split / chunk share one autograd node, so writing one in place
+    # is refused (while grad mode is on); a plain slice is writable
+    def run(device, fn):
+        x = torch.arange(1.0, 5.0, device=device).requires_grad_()
+        parts = fn(x)
+        try:
+            parts[0].mul_(3)
+        except RuntimeError as e:
+            return "view and is being modified inplace" in str(e)
+        return parts[0].tolist()
+
+    f = lambda a: (*split(a * 2), (a * 2)[1:])  # noqa: E731
+    assert run("jax", t2j.jit(f)) == run("cpu", f) is True
+    g = lambda a: (a * 2)[1:]  # noqa: E731
+    assert run("jax", lambda x: (t2j.jit(g)(x),)) == run("cpu", lambda x: (g(x),)) == [12.0, 18.0, 24.0]
+
+
 def test_a_view_of_a_returned_grad_is_its_view():
     # backward makes a Linear's weight gradient as a transposed view of a buffer inside the trace;
     # the call returns the .grad itself, and its row as a view of it, as torch does

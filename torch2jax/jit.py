@@ -1655,10 +1655,19 @@ def _replayed(base, calls, grad_mode):
     return base
 
 
+_MULTI_OUTPUT_VIEW = torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE
+
+
 def _grad_mode_of(t):
     """How view output ``t`` relates to autograd, for `_view_of`: True (a view with a history),
-    None (made under no_grad from a tensor that requires grad), False (detached)."""
-    return (True if t.grad_fn is not None else None) if t.requires_grad else False
+    ``_MULTI_OUTPUT_VIEW`` (one of ``unbind`` / ``split`` / ``chunk``'s views, which torch refuses
+    to write in place), None (made under no_grad from a tensor that requires grad), False (detached)."""
+    if not t.requires_grad:
+        return False
+    if t.grad_fn is None:
+        return None
+    return _MULTI_OUTPUT_VIEW if t._is_view() and torch._C._autograd._get_creation_meta(t) == _MULTI_OUTPUT_VIEW \
+        else True
 
 
 def _dense_order(t) -> tuple | None:
@@ -1830,7 +1839,10 @@ def _view_of(base, size, stride, offset, grad_mode):
             return base.detach()  # (``x.detach()``, ``x.data``: not a view in autograd's sense, no ``_base``)
         base = base.detach()
     with torch.set_grad_enabled(bool(grad_mode)):
-        return base.as_strided(size, stride, offset)
+        view = base.as_strided(size, stride, offset)
+    if grad_mode is _MULTI_OUTPUT_VIEW:
+        torch._C._autograd._set_creation_meta(view, _MULTI_OUTPUT_VIEW)
+    return view
 
 
 def _stored_value(stored, result, arrays, slots, leaves):
