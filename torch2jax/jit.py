@@ -2950,43 +2950,48 @@ def _backward_hooks_on(modules) -> bool:
         sub._backward_hooks or sub._backward_pre_hooks for m in modules for sub in _submodules(m))
 
 
-def _saves_tensors(nodes, limit=10_000) -> bool:
-    """Whether an autograd node reached from ``nodes`` saved a tensor for its backward (a node of
-    ``x + 1`` saves none; torch then allows a second backward)."""
+def _graph_nodes(nodes, limit=10_000):
+    """The autograd nodes reached from ``nodes``, each once; None last where there are more than ``limit``."""
     seen, todo = set(), list(nodes)
-    while todo and len(seen) < limit:
+    while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
+        if len(seen) >= limit:
+            yield None
+            return
         seen.add(id(node))
+        yield node
+        todo.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _saves_tensors(nodes) -> bool:
+    """Whether an autograd node reached from ``nodes`` saved a tensor for its backward (a node of
+    ``x + 1`` saves none; torch then allows a second backward)."""
+    for node in _graph_nodes(nodes):
+        if node is None:  # (a graph this large saved some)
+            return True
         try:
             if any(_is_saved_tensor(getattr(node, name)) for name in dir(node) if name.startswith("_saved_")):
                 return True
         except RuntimeError:  # (freed by a backward inside: it saved some)
             return True
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return bool(todo)
+    return False
 
 
-def _stale_saved(nodes, limit=10_000) -> str | None:
+def _stale_saved(nodes) -> str | None:
     """torch's error for a saved tensor that the graph reached from ``nodes`` would find written
     in place since it was saved (``y = a.exp(); y[1:3].mul_(2)``), or None. The trace's graph
     never runs backward (the call's VJP does), so torch's check runs here: unpacking a saved
     tensor checks its version."""
-    seen, todo = set(), list(nodes)
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for name in dir(node):
+    for node in _graph_nodes(nodes):
+        for name in dir(node) if node is not None else ():
             if name.startswith("_saved_"):
                 try:
                     getattr(node, name)
                 except RuntimeError as e:
                     if "modified by an inplace operation" in str(e):
                         return str(e)
-        todo.extend(next_node for next_node, _ in node.next_functions)
     return None
 
 
