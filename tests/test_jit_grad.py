@@ -591,3 +591,17 @@ def test_index_put_with_repeated_indices_differentiates_as_torch():
         return (y * y).sum().jax()
 
     assert jax.hessian(g)(jax.numpy.arange(1.0, 5.0)).shape == (4, 4)
+
+
+@pytest.mark.parametrize("f", [
+    lambda a: torch.linalg.eigvals(a).abs().sum(),
+    lambda a: (lambda w, v: w.real.sum() + v.abs().pow(2).mul(torch.arange(4.0, device=a.device)).sum())(
+        *torch.linalg.eig(a)),
+], ids=["eigvals", "eig"])
+def test_eigen_decomposition_of_a_general_matrix_differentiates_through_a_jitted_forward(f):
+    # JAX differentiates the program: eigenvectors' derivatives as torch's (unit norm, phase-invariant loss)
+    a = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    cpu, jx = a.clone().requires_grad_(), a.to("jax").requires_grad_()
+    f(cpu).backward()
+    t2j.jit(f)(jx).backward()
+    torch.testing.assert_close(jx.grad.cpu(), cpu.grad, atol=1e-5, rtol=1e-4)

@@ -1360,7 +1360,7 @@ def linalg_eig(a):
         raise TorchRuntimeError("torch.linalg.eig: input tensor should not contain infs or NaNs.")
     _check_square(a.shape, "linalg.eig")
     _check_kernel("linalg_eig_out_cpu", a.dtype)
-    values, vectors = lax_linalg.eig(a, compute_left_eigenvectors=False)
+    values, vectors = lax_linalg.eig(a, compute_left_eigenvectors=False, enable_eigvec_derivs=True)
     return values, vectors
 
 
