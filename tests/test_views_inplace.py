@@ -700,3 +700,26 @@ def test_a_dtype_argument_and_an_out_of_another_dtype_raise(op):
             fn(x, 0, dtype=torch.float64, out=out)
         fn(x, 0, dtype=torch.float32, out=out)  # (the same dtype: written)
         assert out.sum().item() > 0
+
+
+@pytest.mark.parametrize("op", [
+    lambda x, c, o: torch.add(x, 1, out=o), lambda x, c, o: torch.neg(x, out=o),
+    lambda x, c, o: torch.mm(x, x.t(), out=o), lambda x, c, o: torch.cumsum(x, 0, out=o),
+    lambda x, c, o: torch.exp(c, out=o), lambda x, c, o: torch.mul(c, c, out=o),
+    lambda x, c, o: torch.linalg.inv(x[:3], out=o), lambda x, c, o: torch.cat([x, x], 1, out=o),
+], ids=["add", "neg", "mm", "cumsum", "exp_channels_last", "mul_channels_last", "inv", "cat"])
+def test_an_out_the_op_resizes_takes_the_result_s_layout(op):
+    # as torch: a resized out= tensor is laid out as the op's result would be (a transposed input's
+    # elementwise result is transposed, a channels_last one stays channels_last)
+    def run(device):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 4, generator=g).to(device).t()
+        c = torch.randn(1, 2, 3, 3, generator=g).to(device).contiguous(memory_format=torch.channels_last)
+        o = torch.empty(5, device=device)
+        with pytest.warns(UserWarning, match="was resized"):
+            op(x, c, o)
+        return o.stride(), o.cpu()
+
+    (got_stride, got), (want_stride, want) = run("jax"), run("cpu")
+    assert got_stride == want_stride
+    torch.testing.assert_close(got, want)

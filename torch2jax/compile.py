@@ -35,7 +35,7 @@ class CompiledModule(torch.nn.Module):
         return self._forward(*args, **kwargs)
 
 
-def compile(module: torch.nn.Module, *, fullgraph: bool = False) -> CompiledModule:  # noqa: A001 - mirrors torch.compile
+def compile(module: torch.nn.Module, *, fullgraph: bool = False) -> CompiledModule:  # noqa: A001 - torch.compile's
     """Wrap ``module`` so that its forward runs as a compiled program, cached per
     input shapes, dtypes and non-tensor arguments; gradients flow back to the
     module's parameters and the inputs (see this module's docstring).

@@ -1834,8 +1834,9 @@ def _mutation_handler(func, functional):
             values = [v.astype(_dt.to_jax(t.dtype)) for v, t in zip(values, targets)]
         rounds = _write_rounds(func, args, kwargs, targets, values) if pointwise else None
         if rounds is None:
-            for target, value in zip(targets, values):
-                write(target, value, func, resize=resize)
+            layouts = _resized_layouts(functional, args, fkwargs, targets, values) if is_out else [None] * len(values)
+            for target, value, layout in zip(targets, values, layouts):
+                write(target, value, func, resize=resize, strides=layout)
         else:
             _write_in_rounds(compute, targets[0], values[0], rounds, func)
         if is_out:
@@ -2104,10 +2105,27 @@ def _is_set_to_handler(func, args, kwargs):
     )
 
 
-def write(target, value, func, resize=False):
+def _resized_layouts(functional, args, kwargs, targets, values) -> list:
+    """Per ``out=`` tensor that the op resizes, the strides torch gives it: those of the result of
+    the op's functional form (``torch.add(x.t(), 1, out=torch.empty(0))`` is transposed, as
+    ``x.t() + 1``), from torch's meta kernel; None for the others, and where the meta kernel
+    cannot say."""
+    resized = [isinstance(t, Tensor) and tuple(t.shape) != tuple(v.shape) for t, v in zip(targets, values)]
+    if not any(resized):
+        return [None] * len(values)
+    try:
+        margs, mkwargs = _tree_map_tensors(_to_meta, (args, kwargs))
+        results = functional(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel, or a data-dependent one: contiguous
+        return [None] * len(values)
+    results = (results,) if isinstance(results, torch.Tensor) else tuple(results)
+    return [tuple(m.stride()) if r and isinstance(m, torch.Tensor) else None for m, r in zip(results, resized)]
+
+
+def write(target, value, func, resize=False, strides=None):
     """Write array ``value`` into tensor ``target`` as op ``func`` does (cast, shape checks). ``resize``:
     a target of another shape is resized to ``value``'s, with torch's warning where it had elements
-    (``"quietly"``: without it)."""
+    (``"quietly"``: without it), and laid out with ``strides`` where they are a dense layout."""
     if not isinstance(target, Tensor):
         if func is torch.ops.aten.copy_.default and target.device.type == "cpu":
             # cpu_tensor.copy_(jax_tensor), as from CUDA: a CPU model's load_state_dict of a jax checkpoint
@@ -2127,6 +2145,10 @@ def write(target, value, func, resize=False):
                     stacklevel=5,
                 )
             _resize_handler(aten.resize_.default, (target, value.shape), {})
+            if strides is not None and strides != target.stride() and \
+                    _tensor.dense_order(tuple(value.shape), strides) is not None:
+                target._rebind(dispatch(aten.as_strided.default,
+                                        (target, tuple(value.shape), strides, target.storage_offset()), {}))
             target._assign(value)
             return
         raise TorchRuntimeError(

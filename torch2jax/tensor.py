@@ -450,7 +450,7 @@ class Tensor(torch.Tensor):
             st.array = placed_as(old, value) if type(old) is _ArrayImpl else _gradcut.written(old, value, False)
             st.version += 1
             return
-        if value.size == 0:  # (writes nothing; the inverse of ``expand(8, 0)`` or ``unfold(...)[:, :0]`` need not exist)
+        if value.size == 0:  # (nothing to write; ``expand(8, 0)`` or ``unfold(...)[:, :0]`` has no inverse step)
             st.version += 1
             return
         bases = [old]
