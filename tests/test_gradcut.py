@@ -391,3 +391,20 @@ def test_eager_detach_and_no_grad_are_unchanged():
     d.add_(1)  # writes through, as in torch
     torch.testing.assert_close(x.detach().cpu(), (y / 2 + 1).cpu())
     assert copy.copy(d)._t2j_storage is x._t2j_storage
+
+
+@pytest.mark.parametrize("how", ["call_torch", "jit_forward"])
+def test_item_is_a_constant_where_jax_differentiates(how):
+    # torch's t.item() is a Python number: no gradient flows through it (nor through max() of one)
+    def f(t):
+        return (t * t.sum().item()).sum() + t.sum() * max(t.max().item(), 0.5)
+
+    t = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    f(t).backward()
+    if how == "call_torch":
+        got = np.asarray(jax.grad(lambda a: t2j.call_torch(f, a))(jnp.array([1.0, 2.0, 3.0])))
+    else:
+        tj = torch.tensor([1.0, 2.0, 3.0], device="jax", requires_grad=True)
+        t2j.jit(f)(tj).backward()
+        got = tj.grad.cpu().numpy()
+    np.testing.assert_allclose(got, t.grad.numpy())

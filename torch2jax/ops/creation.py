@@ -333,7 +333,8 @@ def copy(x, src, non_blocking=False):
 @register(aten._local_scalar_dense)
 def _local_scalar_dense(x):
     """``t.item()``: a Python number, or a traced one while ``t`` is being traced
-    (see torch2jax/symbolic.py)."""
+    (see torch2jax/symbolic.py). Like torch's Python number it carries no gradient where JAX
+    differentiates the program (a jitted forward's backward, ``call_torch`` under ``jax.grad``)."""
     if isinstance(x, jax.core.Tracer):
-        return traced_number(x)
+        return traced_number(jax.lax.stop_gradient(x))
     return np.asarray(x).item()
