@@ -406,3 +406,15 @@ def test_call_torch_under_jax_jit_keeps_item_numbers_traced():
         return x[(x.sum() / 5).int().item()] * 2
 
     assert float(jax.jit(lambda a: t2j.call_torch(pick, a))(jnp.arange(5.0))) == 4.0
+
+
+def test_functionalize_refuses_a_state_of_another_structure():
+    # a name the module does not have would be ignored (its own tensor used: zero gradients)
+    fn, state = t2j.functionalize(torch.nn.Linear(3, 1).to("jax"))
+    x = jnp.ones((2, 3))
+    with pytest.raises(TypeError, match="must be .'params'"):
+        fn(state["params"], x)
+    with pytest.raises(KeyError, match="biass"):
+        fn({"params": {"weight": state["params"]["weight"], "biass": state["params"]["bias"]}}, x)
+    grads = jax.grad(lambda p: fn({"params": p}, x).sum())(state["params"])  # (a partial state is allowed)
+    np.testing.assert_allclose(grads["weight"], np.full((1, 3), 2.0))

@@ -404,6 +404,7 @@ class Functional:
 
     def __init__(self, module: torch.nn.Module, x64: bool | None = None):
         self.module = module
+        self._names: dict = {}  # "params" / "buffers" -> the module's names (`_check_state`)
         # whether the JAX code calling it has 64-bit types (None: JAX's configuration, for users'
         # JAX code; torch2jax's own programs, t2j.compile and t2j.export, keep torch's dtypes)
         self.x64 = x64
@@ -418,6 +419,7 @@ class Functional:
 
         >>> out, state = fn.apply(state, x)
         """
+        self._check_state(state)
         tensors = {name: new_tensor(a) for name, a in state.get("params", {}).items()}
         buffers = {name: new_tensor(a) for name, a in state.get("buffers", {}).items()}
         tensors.update(buffers)
@@ -431,6 +433,24 @@ class Functional:
         new_state = {"params": {n: tensors[n]._value() for n in state.get("params", {})},
                      "buffers": {n: b._value() for n, b in buffers.items()}}
         return jax_view(out), new_state
+
+
+    def _check_state(self, state):
+        """Refuse a state that is not ``{"params": {...}, "buffers": {...}}`` of the module's names: a
+        name the module does not have would be ignored, and its own tensor used (zero gradients)."""
+        if not isinstance(state, dict) or not set(state) <= {"params", "buffers"} or \
+                not all(isinstance(v, dict) for v in state.values()):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise TypeError(f"functionalize: the state must be {{'params': {{name: array}}, 'buffers': {{name: "
+                            f"array}}}} as functionalize returned it, got {got}")
+        for kind, named in (("params", self.module.named_parameters), ("buffers", self.module.named_buffers)):
+            known = self._names.get(kind, frozenset())
+            if not known.issuperset(state.get(kind, ())):  # (the module's names are read again only then)
+                known = self._names[kind] = {n for n, _ in named(remove_duplicate=False)}
+            if unknown := set(state.get(kind, ())) - known:
+                raise KeyError(f"functionalize: state[{kind!r}] names {sorted(unknown)[:5]}, which "
+                               f"{type(self.module).__name__} does not have; its names are those of "
+                               f"module.named_{'parameters' if kind == 'params' else 'buffers'}()")
 
 
 def functionalize(module: torch.nn.Module):
