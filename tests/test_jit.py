@@ -9,7 +9,6 @@ import importlib
 import itertools
 import math
 import sys
-import types
 import warnings
 
 import jax
@@ -1832,14 +1831,14 @@ def test_python_values_the_function_reads_are_guarded():
 
 
 def test_items_of_lists_the_function_reads_are_guarded():
-    # ``scale[0]``, a list in a tuple, a list attribute: a new item traces again (or, for a number
-    # changing from call to call, becomes a program input); a string item retraces
-    scale, nested, holder = [2.0], (1.0, [4.0]), types.SimpleNamespace(modes=["sum", "x"])
-    run = t2j.jit(lambda x: (x * scale[0] * nested[1][0]).sum() if holder.modes[0] == "sum" else x.mean())
+    # ``scale[0]``, a list in a tuple: a new item traces again (or, for a number changing from call to
+    # call, becomes a program input); a string item retraces
+    scale, nested, modes = [2.0], (1.0, [4.0]), ["sum", "x"]
+    run = t2j.jit(lambda x: (x * scale[0] * nested[1][0]).sum() if modes[0] == "sum" else x.mean())
     x = torch.ones(3, device="jax")
     got = []
     for s, n, mode in [(2.0, 4.0, "sum"), (5.0, 4.0, "sum"), (5.0, 7.0, "sum"), (5.0, 7.0, "mean"), (6.0, 7.0, "sum")]:
-        scale[0], nested[1][0], holder.modes[0] = s, n, mode
+        scale[0], nested[1][0], modes[0] = s, n, mode
         got.append(run(x).item())
     assert got == [24.0, 60.0, 105.0, 1.0, 126.0]
 

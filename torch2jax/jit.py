@@ -160,7 +160,6 @@ class _Roots:
         # the host (`GeneratorDraws`)
         self.generators = []
         self.objects = []  # other objects whose attributes were searched (see _python_state)
-        self.held = []  # lists and dicts held by those objects' attributes (``cfg.sizes``): their items are guarded
         self.values = []  # (where, cell or globals dict, name): Python values the functions read (`python_values`)
         self.cells = []  # the closure cells of the functions (`_Places`)
         self.globals = []  # (globals dict, the names a function's code uses) (`_Places`)
@@ -210,13 +209,14 @@ class _Roots:
             self.add(obj.__self__, depth)  # (``draw = rng.random`` held: a method of a C type)
         elif isinstance(obj, (list, tuple)):
             self._seen.add(id(obj))
-            if isinstance(obj, list):
-                (self.held if summarized else self.objects).append(obj)
+            if isinstance(obj, list) and not summarized:
+                self.objects.append(obj)
             for o in obj[:256]:
                 self.add(o, depth + 1, summarized)
         elif isinstance(obj, dict):
             self._seen.add(id(obj))
-            (self.held if summarized else self.objects).append(obj)
+            if not summarized:
+                self.objects.append(obj)
             for o in list(obj.values())[:256]:
                 self.add(o, depth + 1, summarized)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
@@ -281,8 +281,9 @@ class _Roots:
         """The Python numbers, strings and flags (and jax.Arrays, by identity: `_Same`) the
         functions read as constants: closure cells and globals their code names, attributes of
         the objects they reach that their code names (``cfg.scale``) and the first 32 items of
-        the dicts and lists they reach (``CONFIG["scale"]``, ``scale[0]``, ``cfg.sizes[1]``; not those
-        of a list every call changes, `own_lists`).
+        the dicts and lists they reach (``CONFIG["scale"]``, ``scale[0]``; not those of a list every
+        call changes, `own_lists`, nor of those an object's attribute holds: a counter dict such as
+        a `JitFunction`'s ``stats`` changes on every call).
         Each new value traces again, as torch.compile guards on them, but a number that
         changes from call to call becomes a program input (`lifts`): `_LiftedNumber` stands
         in the result for it, and ``lift(site, id)`` is called with its `_ValueSite`. ``raw``:
@@ -309,7 +310,7 @@ class _Roots:
         values = [(where, source.cell_contents if name is None else source.get(name), source, name)
                   for where, source, name in self.values]
         lifted = self.lifts.lifted if self.lifts is not None else ()
-        for obj in (*self.objects, *self.held):
+        for obj in self.objects:
             if isinstance(obj, dict):
                 if len(obj) <= 32:
                     values += [(f"dict item {k!r}", v, obj, k) for k, v in obj.items()]
