@@ -44,7 +44,7 @@ from . import symbolic as _sym
 from . import tensor as _tensor
 from .env import default_rng as _rng
 from .interop import _torch_context, differentiable_vjp, torch_pullback, zero_cotangent
-from .jit import _Capture, _find_roots, _inputs_reaching, _put, _Retrace
+from .jit import _Capture, _find_roots, _inputs_reaching, _Retrace
 from .tensor import Tensor, jax_array, new_tensor
 
 
@@ -228,20 +228,19 @@ def _run_body(state, values, carried, key, call, loop=False):
     result, the new values of the carried state and the key after its draws. ``loop``:
     a loop's body, whose draws from explicit generators differ from iteration to iteration."""
     _rng.loop_bodies += loop
-    places = _sym.PLACES.moved() if _sym.PLACES is not None else None
+    places = _sym.PLACES
+    before = places.moved() if places is not None else None
     try:
         with _Installed(state, values) as inst, _torch_context(), _rng.traced_key(key) as rng:
             result = call()
             after = inst.new_values()
     finally:
         _rng.loop_bodies -= loop
-    if stored := _sym.stored_in_body(places):
-        # (a value the JAX transform traced would escape it: put back what was there)
-        for kind, container, name, old in stored:
-            _put(kind, container, name, old)
+    # (a value the JAX transform traced would escape it: what was there is put back)
+    if places is not None and (stored := places.put_back_since(before)):
         raise BodyStores(
             f"t2j.jit: a loop body or checkpointed block stores a tensor or traced number in Python state "
-            f"({type(stored[0][1]).__name__} {stored[0][2]!r}, e.g. ``self.calls += 1``), which its JAX transform "
+            f"({type(stored[0][0]).__name__} {stored[0][1]!r}, e.g. ``self.calls += 1``), which its JAX transform "
             "cannot carry out; return the value from the block instead")
     newly = [i for i, (a, b) in enumerate(zip(values, after)) if a is not b and i not in carried]
     if newly:

@@ -176,8 +176,7 @@ class RngState:
         tensor, as torch's generators give their state (theirs holds the seed too)."""
         with jax.ensure_compile_time_eval():
             data = np.asarray(jax.random.key_data(self.key)).astype(np.uint32)
-        seed = np.array([self.initial_seed & 0xFFFFFFFFFFFFFFFF], "<u8")
-        return torch.from_numpy(np.concatenate([data.view(np.uint8).reshape(-1), seed.view(np.uint8)]))
+        return torch.from_numpy(np.concatenate([data.view(np.uint8).reshape(-1), _seed_bytes(self.initial_seed)]))
 
     def set_state_bytes(self, state: torch.Tensor, caller: str) -> None:
         """Continue the stream from ``state`` (what `state_bytes` gave; without the seed, as
@@ -220,6 +219,11 @@ class RngState:
     def skip(self, n: int) -> None:
         for _ in range(n):
             self.next_key()
+
+
+def _seed_bytes(seed: int) -> np.ndarray:
+    """The last 8 bytes of a generator's state: its seed, little-endian (`RngState.state_bytes`)."""
+    return np.array([seed & 0xFFFFFFFFFFFFFFFF], "<u8").view(np.uint8)
 
 
 class _KeyBox:
@@ -631,9 +635,8 @@ def rng_state_bytes() -> torch.Tensor:
         from .tensor import new_tensor
 
         data = jax.random.key_data(default_rng._traced).astype(jax.numpy.uint32)
-        seed = np.array([default_rng.initial_seed & 0xFFFFFFFFFFFFFFFF], "<u8").view(np.uint8)
         return new_tensor(jax.numpy.concatenate([jax.lax.bitcast_convert_type(data, jax.numpy.uint8).reshape(-1),
-                                                 jax.numpy.asarray(seed)]))
+                                                 jax.numpy.asarray(_seed_bytes(default_rng.initial_seed))]))
     return default_rng.state_bytes()
 
 

@@ -434,7 +434,6 @@ class Functional:
                      "buffers": {n: b._value() for n, b in buffers.items()}}
         return jax_view(out), new_state
 
-
     def _check_state(self, state):
         """Refuse a state that is not ``{"params": {...}, "buffers": {...}}`` of the module's names: a
         name the module does not have would be ignored, and its own tensor used (zero gradients)."""

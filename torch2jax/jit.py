@@ -3602,6 +3602,16 @@ class _Places:
                     out.append((kind, container, key, new))
         return out
 
+    def put_back_since(self, before: list) -> list:
+        """Put back what was in each place that got another value since ``before`` (what `moved`
+        gave then); the (container, key) of those places."""
+        then = {(id(c), k): v for _, c, k, v in before}
+        start = {id(c): b for _, c, b, _ in self.places}
+        changed = [(kind, c, k) for kind, c, k, v in self.moved() if then.get((id(c), k), _MISSING) is not v]
+        for kind, c, k in changed:
+            _put(kind, c, k, then.get((id(c), k), start[id(c)].get(k, _MISSING)))
+        return [(c, k) for _, c, k in changed]
+
     def take_rewritten(self) -> list:
         """(list, recipe) per list holding no tensors whose items the trace changed
         (numbers appended, ``losses.append(loss.item())``; a window's ``pop(0)``), put back as it was:

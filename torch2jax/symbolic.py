@@ -653,19 +653,9 @@ def _noted(error):
 
 
 # While t2j.jit traces: its `jit._Places`, the places where the function may store a tensor or a traced
-# number; a body traced by a JAX transform inside it (a checkpointed block) must not store there (`stored_in_body`)
+# number; a body traced by a JAX transform inside it (a checkpointed block) must not store there
+# (`jit._Places.put_back_since`)
 PLACES = None
-
-
-def stored_in_body(before: list | None) -> list:
-    """(kind, container, key, value before) per place (`PLACES`) that got another value since
-    ``before`` (what `PLACES.moved()` gave then; ``None`` outside t2j.jit: none)."""
-    if before is None or PLACES is None:
-        return []
-    then = {(id(c), k): v for _, c, k, v in before}
-    start = {id(c): b for _, c, b, _ in PLACES.places}
-    return [(kind, c, k, then.get((id(c), k), start[id(c)].get(k, _MISSING))) for kind, c, k, v in PLACES.moved()
-            if then.get((id(c), k), _MISSING) is not v]
 
 
 # While t2j.jit traces: id -> list for each list whose length Python code read (``len(hist) > k``); the
