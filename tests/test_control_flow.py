@@ -602,3 +602,34 @@ def test_state_a_body_can_reach_but_does_not_use_gets_no_gradient(how, jitted):
     assert model.unused.weight.grad is None and model.used.weight.grad is not None
     assert model.unused.weight not in opt.state
     assert torch.equal(model.unused.weight.detach().cpu(), unused_before.cpu())
+
+
+def _programs_on_either_device(x, layers):
+    """Every construct, for a model that runs on the CPU and on the jax device alike."""
+    c, ys = t2j.scan(lambda c, xi: (c * 0.5 + xi.sin(), c * 2), torch.zeros_like(x[0]), x)
+    back, _ = t2j.scan(lambda c, xi: (c + xi, None), x[0], x, reverse=True)
+    i_loop = t2j.fori_loop(0, 3, lambda i, v: v * 2 + i, x[1])
+    w_loop = t2j.while_loop(lambda v: v.sum() < 50, lambda v: v * 2 + 1, x[2].detach().abs())
+    branch = t2j.cond(x.sum() > 0, lambda v: v.exp(), lambda v: -v, x[3])
+    remat = t2j.checkpoint(lambda v: (v.tanh() * 3).cos())(x)
+    h = t2j.scan_layers(layers, x)
+    return [c, ys, back, i_loop, w_loop, branch, remat, h]
+
+
+def test_control_flow_on_cpu_tensors_runs_as_torch_code():
+    # (the results stay on the CPU and torch's backward runs; they jumped to the jax device and the
+    # backward crashed in torch's engine)
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(3, 3) for _ in range(2)])
+    jax_layers = copy.deepcopy(layers).to("jax")
+    x = torch.randn(4, 3, requires_grad=True)
+    xj = x.detach().to("jax").requires_grad_()
+    got, expected = _programs_on_either_device(xj, jax_layers), _programs_on_either_device(x, layers)
+    for g, e in zip(got, expected):
+        assert e.device.type == "cpu"
+        torch.testing.assert_close(g.detach().cpu(), e.detach(), rtol=1e-5, atol=1e-6)
+    sum(t.sum() for t in got if t.requires_grad).backward()
+    sum(t.sum() for t in expected if t.requires_grad).backward()
+    torch.testing.assert_close(xj.grad.cpu(), x.grad, rtol=1e-5, atol=1e-5)
+    for p, q in zip(jax_layers.parameters(), layers.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-5)

@@ -132,6 +132,48 @@ def test_custom_function_forward_is_differentiated_not_cut():
     np.testing.assert_allclose(got, [0.0, 2.0, 4.0])
 
 
+class _CubeWithOwnRule(torch.autograd.Function):
+    """x ** 3 whose gradient rule says x ** 2: a second derivative through it is the rule's (2x),
+    not the forward's (6x)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return x ** 2 * g
+
+
+def test_second_derivative_through_a_custom_function_under_jax():
+    f = lambda t: _CubeWithOwnRule.apply(t).sum()  # noqa: E731
+    x = np.array([1.0, 2.0, -0.5])
+    expected = torch.autograd.functional.hessian(f, torch.tensor(x))
+    got = jax.hessian(lambda a: t2j.call_torch(f, a))(jnp.asarray(x))
+    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-6)
+    got = jax.jit(jax.grad(lambda a: jax.grad(lambda b: t2j.call_torch(f, b))(a).sum()))(jnp.asarray(x))
+    np.testing.assert_allclose(got, expected.sum(1).numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_gradient_penalty_through_a_custom_function(jit):
+    def step(w, x):
+        g, = torch.autograd.grad(_CubeWithOwnRule.apply(w * x).sum(), w, create_graph=True)
+        penalty = (g ** 2).sum()
+        penalty.backward()
+        return penalty.detach()
+
+    x = torch.tensor([0.5, 1.5, -1.0])
+    w, wj = torch.tensor([1.0, 2.0, 3.0], requires_grad=True), torch.tensor([1.0, 2.0, 3.0], device="jax",
+                                                                             requires_grad=True)
+    expected = step(w, x)
+    got = (t2j.jit(step) if jit else step)(wj, x.to("jax"))
+    torch.testing.assert_close(got.cpu(), expected)
+    torch.testing.assert_close(wj.grad.cpu(), w.grad)
+
+
 class _ReverseGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lam):
@@ -408,3 +450,42 @@ def test_item_is_a_constant_where_jax_differentiates(how):
         t2j.jit(f)(tj).backward()
         got = tj.grad.cpu().numpy()
     np.testing.assert_allclose(got, t.grad.numpy())
+
+
+def _hooked(x):
+    y = x * 2
+    y.register_hook(lambda g: -g)  # (a gradient reversal)
+    z = y.sin()
+    removed = z.register_hook(lambda g: g * 100)
+    removed.remove()
+    z.register_hook(lambda g: None)  # (returns nothing: the gradient passes as it is)
+    return (z ** 2).sum() + y.sum()
+
+
+class _Clipped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h.register_hook(lambda g: g.clamp(-0.5, 0.5))
+        return (h ** 3).sum()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_gradient_hooks_run_where_jax_differentiates(jit):
+    x = torch.linspace(-1, 1, 3, requires_grad=True)
+    _hooked(x).backward()
+    grad = jax.grad(lambda a: t2j.call_torch(_hooked, a))
+    np.testing.assert_allclose((jax.jit(grad) if jit else grad)(jnp.linspace(-1, 1, 3)), x.grad.numpy(), rtol=1e-5)
+
+    torch.manual_seed(0)
+    ref = _Clipped()
+    fn, state = t2j.functionalize(copy.deepcopy(ref).to("jax"))
+    xs = torch.randn(4, 3)
+    ref(xs).backward()
+    grad = jax.grad(fn)
+    got = (jax.jit(grad) if jit else grad)(state, jnp.asarray(xs.numpy()))
+    np.testing.assert_allclose(got["params"]["lin.weight"], ref.lin.weight.grad.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got["params"]["lin.bias"], ref.lin.bias.grad.numpy(), rtol=1e-5)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,6 +248,43 @@ def test_jax_loss_over_torch_submodule_trains():
     assert losses[-1] < losses[0] * 0.8
 
 
+@jax.custom_vjp
+def _double_clipping_gradient(x):
+    return x * 2.0
+
+
+_double_clipping_gradient.defvjp(lambda x: (x * 2.0, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
+
+
+@jax.custom_jvp
+def _sine_with_slope_100(x):
+    return jnp.sin(x)
+
+
+_sine_with_slope_100.defjvp(lambda p, t: (jnp.sin(p[0]), 100.0 * t[0]))
+
+
+@pytest.mark.parametrize("how", ["eager", "jitted forward", "jitted step"])
+def test_call_jax_keeps_jax_custom_derivative_rules(how):
+    w = torch.tensor([1.0, 2.0], device="jax", requires_grad=True)
+
+    def forward(x):
+        return t2j.call_jax(_double_clipping_gradient, w * x).sum() + t2j.call_jax(_sine_with_slope_100, w).sum()
+
+    def step(x):
+        loss = forward(x)
+        loss.backward()
+        return loss
+
+    x = torch.tensor([3.0, 4.0], device="jax")
+    if how == "jitted step":
+        t2j.jit(step)(x)
+    else:
+        (t2j.jit(forward) if how == "jitted forward" else forward)(x).backward()
+    # the rules' gradients: clip(1, -0.1, 0.1) * x and 100, not JAX's derivative of the functions
+    torch.testing.assert_close(w.grad.cpu(), torch.tensor([100.3, 100.4]))
+
+
 def test_call_jax_inside_jitted_training_step():
     torch.manual_seed(0)
     lin = nn.Linear(3, 3)
@@ -418,3 +458,87 @@ def test_functionalize_refuses_a_state_of_another_structure():
         fn({"params": {"weight": state["params"]["weight"], "biass": state["params"]["bias"]}}, x)
     grads = jax.grad(lambda p: fn({"params": p}, x).sum())(state["params"])  # (a partial state is allowed)
     np.testing.assert_allclose(grads["weight"], np.full((1, 3), 2.0))
+
+
+def _scan_and_loop(x):
+    c, ys = t2j.scan(lambda c, xi: (c + xi.sin(), c * 2), torch.zeros(3, device=x.device, dtype=x.dtype), x)
+    return c.sum() + ys.sum() + t2j.fori_loop(0, 3, lambda i, v: v * 2 + i, x[0]).sum()
+
+
+@pytest.mark.parametrize("transform", ["jax.jit", "jax.grad", "jax.vmap"])
+def test_torch_control_flow_drawing_nothing_needs_no_key_under_jax(transform):
+    x = np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(4, 3)
+    f = functools.partial(t2j.call_torch, _scan_and_loop)
+    got = {"jax.jit": jax.jit(f), "jax.grad": jax.grad(f), "jax.vmap": jax.vmap(f)}[transform](
+        jnp.asarray(np.stack([x, -x]) if transform == "jax.vmap" else x))
+    if transform == "jax.grad":
+        xt = torch.tensor(x, requires_grad=True)
+        _scan_and_loop(xt).backward()
+        expected = xt.grad
+    elif transform == "jax.vmap":
+        expected = torch.stack([_scan_and_loop(torch.tensor(v)) for v in (x, -x)])
+    else:
+        expected = _scan_and_loop(torch.tensor(x))
+    np.testing.assert_allclose(np.asarray(got), expected.detach().numpy(), rtol=1e-5)
+
+
+def test_rng_key_entered_outside_jax_jit_is_refused():
+    noisy = functools.partial(t2j.call_torch, lambda t: t + torch.rand_like(t))
+    with t2j.rng_key(jax.random.key(0)), pytest.raises(RuntimeError, match="entered outside it"):
+        jax.jit(noisy)(jnp.ones(2))
+
+    @jax.jit
+    def inside(a, key):
+        with t2j.rng_key(key):
+            return noisy(a)
+
+    first, second = inside(jnp.ones(2), jax.random.key(0)), inside(jnp.ones(2), jax.random.key(1))
+    assert not np.allclose(first, second)
+    np.testing.assert_array_equal(first, inside(jnp.ones(2), jax.random.key(0)))
+    with t2j.rng_key(jax.random.key(0)):  # (jax.grad splits a concrete key concretely: nothing is baked in)
+        got = jax.grad(lambda a: noisy(a).sum())(jnp.ones(2))
+    np.testing.assert_allclose(got, np.ones(2))
+
+
+def test_distribution_argument_validation_under_jax_jit():
+    def log_prob(mu, scale, x):
+        return torch.distributions.Normal(mu, scale, validate_args=True).log_prob(x).sum()
+
+    f = jax.jit(functools.partial(t2j.call_torch, log_prob))
+    mu, x = np.zeros(3, np.float32), np.linspace(-1, 1, 3, dtype=np.float32)
+    expected = log_prob(torch.tensor(mu), torch.ones(3), torch.tensor(x))
+    np.testing.assert_allclose(f(mu, np.ones(3, np.float32), x), expected.numpy(), rtol=1e-6)
+    # an invalid scale fails the program's check when it runs (a bool() of the traced check raised before)
+    with pytest.raises(Exception, match="does not satisfy its constraint"):
+        jax.block_until_ready(f(mu, -np.ones(3, np.float32), x))
+
+
+def test_donated_functional_state_is_written_back_to_the_module():
+    torch.manual_seed(0)
+    ref = nn.Linear(3, 2)
+    model = copy.deepcopy(ref).to("jax")
+    fn, state = t2j.functionalize(model)
+    x = np.ones((4, 3), np.float32)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def sgd(state, x):
+        grads = jax.grad(lambda s: fn(s, x).sum())(state)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads)
+
+    state = sgd(state, x)
+    with pytest.raises(t2j.OpError, match="donated to a JAX program.*write_back"):
+        model(torch.ones(1, 3, device="jax"))
+    fn.write_back(state)
+    ref(torch.from_numpy(x)).sum().backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), msg=n)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("move", [lambda t: t.tolist(), lambda t: t.cpu(), lambda t: t.numpy()])
+def test_moving_a_traced_tensor_to_the_host_says_what_to_do(move):
+    with pytest.raises(t2j.OpError, match=r"not known until the program runs.*return it and move it after the call"):
+        jax.jit(functools.partial(t2j.call_torch, lambda t: torch.as_tensor(move(t)).sum()))(jnp.arange(3.0))

@@ -2969,3 +2969,101 @@ def test_in_place_writes_to_a_cpu_tensor_argument_reach_it():
     unchanged = torch.ones(3)
     t2j.jit(lambda z: z * 2)(unchanged)
     assert unchanged.tolist() == [1.0, 1.0, 1.0]
+
+
+def _grads_pair():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = copy.deepcopy(ref).to("jax")
+    return ref, model
+
+
+def test_forward_keeps_its_program_when_a_backward_outside_creates_grads():
+    # the gradients are no state of a function that never touches them: the backward outside the
+    # jitted forward gives the parameters a .grad, an optimizer steps them, and the program stays
+    ref, model = _grads_pair()
+    forward = t2j.jit(lambda x: model(x))
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.1) for m in (model, ref))
+    for i in range(4):
+        x = torch.randn(3, 4)
+        loss, ref_loss = forward(x.to("jax")).pow(2).sum(), ref(x).pow(2).sum()
+        loss.backward()
+        ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+        if i == 2:  # (zero_grad: the gradients are dropped again)
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        torch.testing.assert_close(loss.detach().cpu(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+    assert forward.stats["traces"] == 1 and forward.stats["hits"] == 3
+
+
+def test_compiled_module_traces_once_across_training_steps():
+    ref, model = _grads_pair()
+    compiled = t2j.compile(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        for m, o, inp in ((compiled, opt, x.to("jax")), (ref, ref_opt, x)):
+            o.zero_grad()
+            m(inp).pow(2).mean().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+    assert compiled._forward.stats["traces"] == 1
+
+
+_GRAD = "gr" + "ad"  # (read with getattr: no name in the function's code says it reads gradients)
+
+
+def test_a_forward_reading_grads_unseen_by_name_carries_them():
+    _, model = _grads_pair()
+
+    def f(x):
+        g = getattr(model[0].weight, _GRAD)
+        return model(x).sum() + (0.0 if g is None else g.sum())
+
+    jitted = t2j.jit(f)
+    x = torch.ones(2, 4, device="jax")
+    torch.testing.assert_close(jitted(x), f(x))
+    model(x).sum().backward()
+    torch.testing.assert_close(jitted(x), f(x))  # (the gradient now read: a new program, not the stale one)
+    assert any("reads or writes a .grad" in m for m in t2j.explain_recompiles())
+
+
+def test_a_backward_unseen_by_name_accumulates_into_grads():
+    ref, model = _grads_pair()
+
+    def step(m, x):
+        loss = m(x).pow(2).sum()
+        getattr(loss, "back" + "ward")()
+        return loss
+
+    jitted = t2j.jit(functools.partial(step, model))
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(jitted(x.to("jax")).detach().cpu(), step(ref, x).detach(), rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_training_steps_first_program_is_compiled_for_one_run(monkeypatch):
+    # its first call creates .grad and the optimizer state, so its next call has a program of its own
+    jit_module = sys.modules["torch2jax.jit"]
+    once = []
+    real = jit_module._compiled_once
+    monkeypatch.setattr(jit_module, "_compiled_once", lambda *a: once.append(1) or real(*a))
+    ref, model = _grads_pair()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, ref))
+    mse = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
+    step, ref_step = (_train_step(m, o, mse) for m, o in ((model, opt), (ref, ref_opt)))
+    jitted = t2j.jit(step)
+    forward = t2j.jit(lambda x: model(x))
+    for _ in range(3):
+        x, y = torch.randn(6, 4), torch.randn(6, 2)
+        torch.testing.assert_close(jitted(x.to("jax"), y.to("jax")).detach().cpu(), ref_step(x, y).detach(),
+                                   rtol=1e-5, atol=1e-6)
+        forward(x.to("jax"))
+    assert once == [1] and jitted.stats["compiles"] == 2

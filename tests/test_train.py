@@ -50,6 +50,29 @@ def test_optax_adamw_loss_decreases_and_module_stays_usable():
     assert model(x.to("jax")).shape == (32, 4)
 
 
+def test_loss_reading_parameters_outside_the_forward_is_differentiated():
+    # an L2 penalty over m.parameters() and a term on one weight: both reach the step's parameters
+    def loss_fn(m, x, y):
+        penalty = sum((p ** 2).sum() for p in m.parameters())
+        return F.mse_loss(m(x), y) + 1e-2 * penalty + m[3].bias.sum()
+
+    ref = _model()
+    model = copy.deepcopy(ref).to("jax")
+    step = t2j.train.make_train_step(model, loss_fn, optax.sgd(0.1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+        opt.zero_grad()
+        expected = loss_fn(ref, x, y)
+        expected.backward()
+        opt.step()
+        torch.testing.assert_close(step(x, y).cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-4, msg=n)
+    assert all(isinstance(p, nn.Parameter) or getattr(p, "_is_param", False) for p in model.parameters())
+
+
 def test_module_on_cpu_is_rejected():
     with pytest.raises(TypeError, match="jax device"):
         t2j.train.make_train_step(nn.Linear(2, 2), lambda m, x: m(x).sum(), optax.sgd(0.1))

@@ -63,6 +63,37 @@ def _flatten(tree):
     return leaves, spec, tensors
 
 
+def _on_host(*trees) -> bool:
+    """Whether the tensors among ``trees`` are all torch's own (CPU) tensors, none on the jax
+    device: the loop or branch then runs as the torch code it stands for (`_host_scan`...), its
+    results on their device and its backward torch's, as for a model that runs on either device."""
+    tensors = [x for x in torch_pytree.tree_leaves(trees) if isinstance(x, torch.Tensor)]
+    return bool(tensors) and not any(isinstance(x, Tensor) for x in tensors)
+
+
+def _host_scan(fn, init, xs, length, reverse):
+    """`scan` as a Python loop over torch tensors."""
+    xs_leaves, xs_spec = torch_pytree.tree_flatten(xs)
+    sizes = {len(x) for x in xs_leaves if isinstance(x, torch.Tensor)}
+    if length is not None:
+        sizes.add(length)
+    if len(sizes) != 1:
+        raise ControlFlowError(f"t2j.scan: xs' leading sizes and length must agree, got {sorted(sizes)}")
+    (n,) = sizes
+    carry, ys = init, []
+    for i in (reversed(range(n)) if reverse else range(n)):
+        x = torch_pytree.tree_unflatten([a[i] if isinstance(a, torch.Tensor) else a for a in xs_leaves], xs_spec)
+        carry, y = fn(carry, x)
+        ys.append(y)
+    if reverse:
+        ys.reverse()
+    if not ys:
+        raise ControlFlowError("t2j.scan: an empty scan over CPU tensors has no output to stack; give it steps")
+    flat = [torch_pytree.tree_flatten(y)[0] for y in ys]
+    stacked = [torch.stack(col) if isinstance(col[0], torch.Tensor) else col[0] for col in zip(*flat)]
+    return carry, torch_pytree.tree_unflatten(stacked, torch_pytree.tree_flatten(ys[0])[1])
+
+
 def _arrays(leaves, positions):
     out = []
     for i in positions:
@@ -363,10 +394,12 @@ def scan(fn, init, xs=None, length: int | None = None, reverse: bool = False, un
 
     >>> h, hs = t2j.scan(lambda h, x: (h * 0.9 + x, h), torch.zeros(3, device="jax"), xs)
     """
+    if _on_host(init, xs):
+        return _host_scan(fn, init, xs, length, reverse)
     init_leaves, init_spec, init_pos = _flatten(init)
     xs_leaves, xs_spec, xs_pos = _flatten(xs)
     n_init, n_xs = len(init_pos), len(xs_pos)
-    key = _rng.next_key()
+    key = _rng.body_key()
 
     def attempt(state):
         carry_out, ys = _Structure(), _Structure()
@@ -409,6 +442,11 @@ def fori_loop(lower: int, upper: int, body, init):
 
     >>> x = t2j.fori_loop(0, 10, lambda i, x: x * 0.5 + i, torch.ones(3, device="jax"))
     """
+    if _on_host(init):
+        carry = init
+        for i in range(lower, upper):
+            carry = body(torch.tensor(i), carry)
+        return carry
     steps = torch.arange(lower, upper, device=_tensor.DEVICE)
     carry, _ = scan(lambda c, i: (body(i, c), None), init, steps)
     return carry
@@ -420,8 +458,13 @@ def while_loop(cond_fn, body_fn, init):
 
     >>> n = t2j.while_loop(lambda x: x < 100, lambda x: x * 2, torch.tensor(1, device="jax"))
     """
+    if _on_host(init):
+        carry = init
+        while bool(cond_fn(carry)):
+            carry = body_fn(carry)
+        return carry
     leaves, spec, pos = _flatten(init)
-    key = _rng.next_key()
+    key = _rng.body_key()
 
     def attempt(state):
         carry_out = _Structure()
@@ -471,8 +514,10 @@ def cond(pred, true_fn, false_fn, *operands):
 
     >>> y = t2j.cond(x.sum() > 0, lambda x: x * 2, lambda x: -x, x)
     """
+    if _on_host(pred, operands):
+        return true_fn(*operands) if bool(pred) else false_fn(*operands)
     leaves, spec, pos = _flatten(operands)
-    key = _rng.next_key()
+    key = _rng.body_key()
 
     def both(*fns):
         return lambda *a, **k: [f(*a, **k) for f in fns]
@@ -582,6 +627,12 @@ def scan_layers(layers, hidden, *args, remat=None, **kwargs):
 
     >>> h = t2j.scan_layers(model.blocks, h)            # instead of: for b in model.blocks: h = b(h)
     """
+    if not isinstance(layers, _ScannedModuleList) and _on_host(hidden, args, kwargs,
+                                                               [list(layer.parameters()) for layer in layers]):
+        for layer in layers:
+            out = layer(hidden, *args, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
     if isinstance(layers, _ScannedModuleList):  # already converted by use_scan_layers
         return _scan_layers(layers._modules.values(), hidden, args, kwargs, remat, layers._stacked_parameters())[0]
     return _scan_layers(layers, hidden, args, kwargs, remat)[0]
@@ -618,7 +669,7 @@ def _scan_layers(layers, hidden, args, kwargs, remat, stacked=None):
         per_layer.append([params[n] for n in pnames] + [buffers[n] for n in bnames])
     n_p, n_b = len(pnames), len(bnames)
     leaves, spec, pos = _flatten(((hidden, *args), kwargs))
-    key = _rng.next_key()
+    key = _rng.body_key()
     policy = None if remat is True else remat
     if remat is False:
         remat = None
@@ -688,6 +739,8 @@ def checkpoint(fn, *, policy=None):
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        if _on_host(args, kwargs):  # (the policy is JAX's: torch's checkpoint saves nothing)
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
         leaves, spec, pos = _flatten((args, kwargs))
         # the block draws from the head of the generator's stream, which then skips its draws:
         # its dropout masks are the plain block's under the same seed, as torch's checkpoint

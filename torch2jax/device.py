@@ -364,7 +364,7 @@ def register() -> None:
     torch._C._acc.register_python_privateuseone_device_guard(_backend._DummyDeviceGuard())
     torch.autograd.graph._engine_run_backward = _on_calling_thread(torch.autograd.graph._engine_run_backward)
     torch.autograd._engine_run_backward = torch.autograd.graph._engine_run_backward
-    torch.Tensor.register_hook = _hook_errors_deferred(torch.Tensor.register_hook)
+    torch.Tensor.register_hook = _hook_errors_deferred(torch.Tensor.register_hook, gradient_hook=True)
     torch.Tensor.register_post_accumulate_grad_hook = _hook_errors_deferred(
         torch.Tensor.register_post_accumulate_grad_hook)
     torch.utils.hooks.BackwardHook.__init__ = _module_hook_errors_deferred(torch.utils.hooks.BackwardHook.__init__)
@@ -411,6 +411,9 @@ def register() -> None:
 # How many backward passes (``backward()``, ``autograd.grad``) without ``create_graph`` have
 # started in this process: `t2j.jit` tells a training step from a differentiable forward by it.
 backward_passes = 0
+# Called before each backward pass that accumulates into ``.grad`` (``backward()``, not ``autograd.grad``):
+# a `t2j.jit` trace that holds no gradients as state stops there (`torch2jax.jit._watching_grads`).
+accumulating_watchers: list = []
 
 
 def _refusing_jax_storages(new):
@@ -447,6 +450,9 @@ def _on_calling_thread(engine_run_backward):
         # (outputs, grad_outputs, retain_graph, create_graph, inputs, ...)
         if not (args[3] if len(args) > 3 else kwargs.get("create_graph", False)):
             backward_passes += 1
+        if kwargs.get("accumulate_grad", True):
+            for watch in accumulating_watchers:
+                watch()
         threaded = torch._C._is_multithreading_enabled()
         torch._C._set_multithreading_enabled(False)
         try:
@@ -458,17 +464,25 @@ def _on_calling_thread(engine_run_backward):
     return run
 
 
-def _hook_errors_deferred(register):
-    """``Tensor.register_hook`` (or ``register_post_accumulate_grad_hook``) that, for a jax
-    tensor, registers the hook through `torch2jax.dispatch.deferring_errors`."""
+def _hook_errors_deferred(register, gradient_hook: bool = False):
+    """``Tensor.register_hook`` (``gradient_hook``) or ``register_post_accumulate_grad_hook``
+    that, for a jax tensor, registers the hook through `torch2jax.dispatch.deferring_errors`;
+    a gradient hook in torch code JAX differentiates runs in JAX's VJP
+    (`torch2jax.gradcut.hook_where_jax_differentiates`)."""
 
     @functools.wraps(register)
     def run(self, hook):
+        from . import gradcut
         from .dispatch import deferring_errors, tensor_hook_result
         from .tensor import Tensor
 
         if not isinstance(self, Tensor):
             return register(self, hook)
+        if gradient_hook and gradcut._state.jax_differentiated and gradcut.differentiable(self._t2j_storage.array):
+            # (JAX differentiates the code: its tensors need not require grad, and torch's engine is not what
+            # computes their gradients; a backward() the code runs itself still runs the hook)
+            return gradcut.hook_where_jax_differentiates(
+                self, hook, register(self, hook) if self.requires_grad else None)
         return register(self, deferring_errors(hook, tensor_hook_result, jax_tensor=True))
 
     return run

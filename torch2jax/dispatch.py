@@ -213,13 +213,26 @@ def _run(handler, func, args, kwargs):
     except RuntimeError as e:
         # exactly RuntimeError: a lowering's check in torch's words, or torch's own CPU kernel
         # (JAX's failures are subclasses of it, or other types)
+        _refuse_deleted_input(func, e)
         if type(e) is RuntimeError:
             raise
         _reraise_with_torch_message(func, args, kwargs, e)
         raise
     except Exception as e:
+        _refuse_deleted_input(func, e)
         _reraise_with_torch_message(func, args, kwargs, e)
         raise
+
+
+def _refuse_deleted_input(func, error):
+    """A clear error where an op's input holds a deleted jax.Array (JAX says so as a RuntimeError
+    or, from a compiled op, a ValueError)."""
+    if "has been deleted" in str(error) or "deleted or donated" in str(error):
+        raise OpError(
+            f"torch2jax: {func}: an input's jax.Array was deleted, most likely donated to a JAX program "
+            "(jax.jit(..., donate_argnums=...) of t2j.functionalize's state, which shares the module's "
+            "arrays). Put the state the program returned back into the module with fn.write_back(state), "
+            "or do not donate it") from error
 
 
 def _reraise_with_torch_message(func, args, kwargs, error):
@@ -2363,7 +2376,10 @@ def _host_run(func, args, kwargs):
         return func(*_tree_map_tensors(_to_meta, args), **_tree_map_tensors(_to_meta, kwargs))
     if _is_traced((args, kwargs)):
         if foreign:
-            raise OpError(f"torch2jax: {func} cannot produce a CPU tensor inside a traced function")
+            raise OpError(
+                f"torch2jax: {func} cannot produce a CPU tensor inside a traced function (t2j.jit, jax.jit): "
+                "its values are not known until the program runs (.cpu(), .numpy(), .tolist(), .to('cpu') of a "
+                "traced tensor). Keep it on the jax device, or return it and move it after the call")
         return _host_callback(func, args, kwargs)
     cargs, ckwargs = _tree_map_tensors(_to_cpu, (args, _cpu_kwargs(kwargs)))
     out = func(*cargs, **ckwargs)

@@ -152,7 +152,16 @@ class RngState:
 
     def next_key(self):
         if self._traced is not None:
-            self._traced, sub = jax.random.split(self._traced)
+            key = self._traced
+            self._traced, sub = jax.random.split(key)
+            if isinstance(sub, jax.core.Tracer) and not isinstance(key, jax.core.Tracer):
+                # (a concrete key split into a staged program: jax.grad or vmap would split it concretely)
+                self._traced = key
+                raise RuntimeError(
+                    "torch2jax: a random op ran inside jax.jit (or another JAX transform) whose `t2j.rng_key` "
+                    "block was entered outside it: its key would be a constant of the compiled program, every "
+                    "call drawing the same numbers. Pass the key to the jitted function and enter "
+                    "`with t2j.rng_key(key):` inside it (or pass rng=key to a functionalized module).")
             self.draws += 1
             return sub
         if not _trace_state_clean():
@@ -163,6 +172,14 @@ class RngState:
                 "`with t2j.rng_key(key):` around the code."
             )
         return self.next_stored_key()
+
+    def body_key(self):
+        """The key a traced body (a t2j.scan / fori_loop / cond branch) draws from: the next key,
+        or None inside a JAX transform that has none, where only a draw in the body raises
+        (`next_key`): a body that draws nothing runs under a plain ``jax.jit``."""
+        if self._traced is None and not _trace_state_clean():
+            return None
+        return self.next_key()
 
     def next_stored_key(self):
         """The next key of the stored stream, concrete also while a function is traced: the stored

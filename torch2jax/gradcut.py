@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import types
@@ -61,6 +62,7 @@ _grad_enabled = torch.is_grad_enabled
 
 class _State(threading.local):
     functions = 0  # how many autograd.Function.apply calls are running on this thread
+    jax_differentiated = 0  # how many blocks of torch code JAX differentiates are running (`interop`)
 
 
 _state = _State()
@@ -326,7 +328,10 @@ def _with_own_backward(cls, args, kwargs):
     def backward(cotangents, outs, tensors):
         pairs = [(o, new_tensor(c)) for o, c in zip(outs, cotangents) if o.requires_grad]
         wrt = [t for t in tensors if t.requires_grad]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True)
+        # create_graph: the backward's ops run with grad mode on, so JAX differentiates them again (a
+        # Hessian); without it torch runs them under no_grad, which cuts their gradients (`cutting`)
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True,
+                                         create_graph=True)
                      if pairs and wrt else [None] * len(wrt))
         result = [next(grads) if t.requires_grad else None for t in tensors]
         return [None if g is None else g._value() for g in result]
@@ -371,6 +376,46 @@ class _Refusing(torch.autograd.Function):
             "term that passes through it. Differentiate with jax.grad / jax.hessian on a functionalized "
             "module (t2j.functionalize), or run this part eagerly."
         )
+
+
+def hook_where_jax_differentiates(t, hook, handle=None):
+    """``t.register_hook(hook)`` inside torch code that JAX differentiates (`call_torch`,
+    `functionalize` under `jax.grad`), where torch's engine, which runs hooks, is not what
+    computes the gradients: from here on ``t`` holds its value through an identity whose VJP
+    gives ``hook`` the gradient and passes on what it returns, until the returned handle (or
+    ``handle``, torch's own, where ``t`` requires grad) is removed. Uses of ``t`` before the
+    hook was registered do not reach it. Views refuse: a hook on their gradient is not one on
+    their storage's."""
+    from .tensor import new_tensor
+
+    if t._t2j_view:
+        raise RuntimeError(
+            "torch2jax: register_hook on a view inside torch code JAX differentiates (call_torch, "
+            "functionalize under jax.grad) is not supported: register it on a clone (y = y.clone())")
+    own = None
+    if handle is None:
+        own = collections.OrderedDict()  # (the handle refers to it weakly: a plain dict cannot be)
+        handle = torch.utils.hooks.RemovableHandle(own)
+        own[handle.id] = hook
+
+    def registered() -> bool:
+        hooks = own if own is not None else handle.hooks_dict_ref()
+        return hooks is not None and handle.id in hooks
+
+    @jax.custom_vjp
+    def identity(a):
+        return a
+
+    def backward(_, g):
+        if not registered():
+            return (g,)
+        out = hook(new_tensor(g))
+        return (g if out is None else out._value().astype(g.dtype),)
+
+    identity.defvjp(lambda a: (a, None), backward)
+    t._t2j_storage.array = identity(t._t2j_storage.array)
+    t._t2j_storage.version += 1
+    return handle
 
 
 def creates_graph(inputs) -> bool:

@@ -44,8 +44,13 @@ def _torch_context():
     # 64-bit types as in torch; backward on this thread, so it runs inside a JAX trace. Inside one,
     # ``t.item()`` is a traced number: Python and torch functions given one keep it traced
     # (`symbolic.traced_builtins`) or refuse it, as in t2j.jit.
-    traced = _sym.traced_builtins() if not _trace_state_clean() else contextlib.nullcontext()
-    with jax.enable_x64(True), torch.autograd.set_multithreading_enabled(False), traced:
+    # torch.distributions' argument checks become checks the program makes when it runs (`_distribution_validation`)
+    from .jit import _distribution_validation
+
+    staged = not _trace_state_clean()
+    traced = _sym.traced_builtins() if staged else contextlib.nullcontext()
+    validation = _distribution_validation() if staged else contextlib.nullcontext()
+    with jax.enable_x64(True), torch.autograd.set_multithreading_enabled(False), traced, validation:
         yield
 
 
@@ -53,8 +58,12 @@ def _torch_context():
 def _jax_differentiated():
     """`_torch_context` for torch code that JAX differentiates: grad mode on whatever the
     caller's, so that only the code's own ``no_grad`` blocks cut gradients (gradcut.py)."""
-    with _torch_context(), torch.enable_grad():
-        yield
+    _gradcut._state.jax_differentiated += 1
+    try:
+        with _torch_context(), torch.enable_grad():
+            yield
+    finally:
+        _gradcut._state.jax_differentiated -= 1
 
 
 def _to_jax(x):
@@ -273,7 +282,13 @@ class _JaxFunction(torch.autograd.Function):
     def forward(call, x64, saved, *tensors):
         with jax.enable_x64(x64):
             saved.arrays = [_as_seen(_to_jax(t), x64) for t in tensors]
-            outs, saved.vjp = jax.vjp(call, *saved.arrays)
+            if any(isinstance(a, jax.core.Tracer) for a in saved.arrays):
+                # staged (a t2j.jit trace): ``call`` itself, so that JAX differentiating the program
+                # meets its jax.custom_vjp / custom_jvp rules, where jax.vjp would leave their forward's
+                # ops; the backward takes its VJP then (`differentiable_vjp`)
+                outs, saved.vjp = call(*saved.arrays), None
+            else:
+                outs, saved.vjp = jax.vjp(call, *saved.arrays)
         saved.avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
         return tuple(map(new_tensor, outs))
 
@@ -434,6 +449,32 @@ class Functional:
                      "buffers": {n: b._value() for n, b in buffers.items()}}
         return jax_view(out), new_state
 
+    def write_back(self, state):
+        """Make ``state``'s arrays (a state trained by JAX code, ``{"params": ..., "buffers": ...}`` as
+        `functionalize` gives it) the values of the module's parameters and buffers, in their dtypes.
+        The state `functionalize` returns shares the module's arrays: a jitted step that donates it
+        leaves the module without values until its result is written back.
+
+        >>> state = train_step(state, batch)   # jax.jit(..., donate_argnums=0)
+        >>> fn.write_back(state)               # the module holds the trained values
+        """
+        self._check_state(state)
+        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        for group in ("params", "buffers"):
+            for name, a in state.get(group, {}).items():
+                t = tensors[name]
+                with jax.enable_x64(True):
+                    value = jax.numpy.asarray(a, _dt.to_jax(t.dtype))
+                if tuple(value.shape) != tuple(t.shape):
+                    raise ValueError(f"write_back: {group}[{name!r}] has shape {tuple(value.shape)}, the module's "
+                                     f"tensor {tuple(t.shape)}")
+                if isinstance(t, Tensor) and not t._t2j_view:
+                    t._t2j_storage.array = value
+                    t._t2j_storage.version += 1
+                else:
+                    with torch.no_grad():
+                        t.copy_(torch_view(value).to(t.device))
+
     def _check_state(self, state):
         """Refuse a state that is not ``{"params": {...}, "buffers": {...}}`` of the module's names: a
         name the module does not have would be ignored, and its own tensor used (zero gradients)."""
@@ -462,7 +503,10 @@ def functionalize(module: torch.nn.Module):
     and `jax.lax.scan`. The module's train/eval mode applies; random ops
     (dropout) draw from ``rng``, a JAX key, which is required under a JAX
     transform. ``fn.apply(state, ...)`` also returns the updated state (new
-    BatchNorm running statistics in train mode).
+    BatchNorm running statistics in train mode). ``jax.jit(fn)`` compiles the
+    mode the module had at its trace: jit again after ``module.eval()``.
+    ``state`` shares the module's arrays: a step that donates it leaves the
+    module without values until ``fn.write_back(new_state)``.
 
     >>> fn, state = t2j.functionalize(torch.nn.Linear(4, 2))
     >>> y = jax.jit(fn)(state, jnp.ones((3, 4)))

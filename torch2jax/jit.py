@@ -167,6 +167,7 @@ class _Roots:
         self.unguarded = frozenset()  # values the function itself changes when traced: not guarded
         self.own_lists = {}  # lists of plain values (by id) every call changes (`_Entry.own_lists`): items not guarded
         self.lifts: _Hyperparameters | None = None  # which numbers among the values are program inputs
+        self.grads = True  # whether the parameters' (and arguments') ``.grad`` are state (`JitFunction._sees_grads`)
         self._seen = set()
         self._sites, self._labels = set(), {}  # (`add_value`)
 
@@ -1171,8 +1172,9 @@ class _Walk:
     slot's name and setter are made) is recorded only when ``full``: a walk runs on
     every call and must stay cheap."""
 
-    def __init__(self, full: bool, grads_seen=(), hypers: _Hyperparameters | None = None):
+    def __init__(self, full: bool, grads_seen=(), hypers: _Hyperparameters | None = None, grads: bool = True):
         self.full = full
+        self.grads = grads  # whether ``.grad`` slots are walked
         self.tensors, self.origins, self.static, self.lifted, self.lifted_ids = [], [], [], [], []
         self.grads_seen = set(grads_seen)
         self.hypers = hypers
@@ -1184,10 +1186,11 @@ class _Walk:
             self.origins.append(origin)
 
     def add_grad(self, p, origin):
-        if _new_grad_slot(p, self.grads_seen):
+        if self.grads and _new_grad_slot(p, self.grads_seen):
             self.add(p.grad, ("grad", p, origin) if self.full else None)
 
     def roots(self, roots: _Roots):
+        self.grads = roots.grads
         for i, t in enumerate(roots.tensors):
             self.add(t, ("captured", i))
             self.add_grad(t, ("captured", i))  # a closed-over leaf's .grad accumulates across calls
@@ -1195,7 +1198,7 @@ class _Walk:
             self.static.append((("cpu", i, "tensor"), _guard(t)))
         self.static.append((_PYTHON_VALUES, roots.python_values(self.lift_number)))
         # the loops below run on every call, over every parameter: origins are built only when full
-        full, tensors, grads_seen = self.full, self.tensors, self.grads_seen
+        full, tensors, grads_seen, grads = self.full, self.tensors, self.grads_seen, self.grads
         for k, m in enumerate(roots.modules):
             subs = _submodules(m)
             self.static.append((("module", k, "training"), tuple([sub.training for sub in subs])))
@@ -1209,7 +1212,7 @@ class _Walk:
                             self.add_grad(p, ("param", m, sub, name))
                         continue
                     tensors.append(p)
-                    if p is not None and _new_grad_slot(p, grads_seen):
+                    if grads and p is not None and _new_grad_slot(p, grads_seen):
                         tensors.append(p.grad)
                 if full:
                     for name, b in sub._buffers.items():
@@ -1409,8 +1412,8 @@ class _Unchanged:
         self.lists = [c for c in containers if c and not isinstance(c, dict)]
         self.lens = list(map(len, self.dicts + self.lists))
         self.values = self._values()
-        self.params = params
-        self.grads = list(map(_grad_of, params))
+        self.params = params if roots.grads else []  # (gradients that are no slots need not stay the same)
+        self.grads = list(map(_grad_of, self.params))
 
     def _values(self) -> list:
         return [*itertools.chain.from_iterable(map(_dict_values, self.dicts)), *itertools.chain(*self.lists)]
@@ -1472,6 +1475,7 @@ class _RootState:
         self.lifted = walk.lifted
         self.lifted_ids = walk.lifted_ids
         self.grads_seen = walk.grads_seen
+        self.grads = walk.grads
         self.storages, self.index, self.sig = [], {}, []
         for t in walk.tensors:
             self.sig.append(_signature(t, self.storages, self.index))
@@ -1491,7 +1495,7 @@ class _RootState:
 
     def matches(self, walk: _Walk) -> bool:
         ts = walk.tensors
-        if not _same(ts, self.tensors):
+        if walk.grads != self.grads or not _same(ts, self.tensors):
             return False
         if walk.static != self.static or walk.lifted_ids != self.lifted_ids:
             return False
@@ -1499,7 +1503,8 @@ class _RootState:
 
     def holds_for(self, roots: _Roots) -> bool:
         """Whether a walk over ``roots`` would find this state again (`_Unchanged`), checked without walking."""
-        return self.unchanged is not None and self.unchanged.hold(roots) and self.same_contents()
+        return (roots.grads == self.grads and self.unchanged is not None and self.unchanged.hold(roots)
+                and self.same_contents())
 
     def same_contents(self) -> bool:
         """The slot tensors, known to be the same objects, still have the same storages and flags."""
@@ -1583,7 +1588,7 @@ def _collect(args_leaves, roots: _Roots, full: bool = False, memo: list | None =
             # the same state in other containers (a lowering put copies of the optimizer's state dicts
             # back): take a new snapshot, or every later call would walk again
             state.unchanged = _RootState.unchanged_for(walk, roots)
-    args = _Walk(full, state.grads_seen).args(args_leaves)
+    args = _Walk(full, state.grads_seen, grads=state.grads).args(args_leaves)
     if (i := _off_device(args)) is not None:
         if not full:
             return _collect(args_leaves, roots, full=True, hypers=hypers)
@@ -2076,6 +2081,11 @@ class _Entry:
     # by a backward through the call, as torch's backward raises it
     stale: str | None = None
     lengths: tuple = ()  # lists whose lengths the trace depends on (`JitFunction._lengths`)
+    # whether a call leaves state its own walk did not find (a first ``.grad``, an optimizer's first state,
+    # `_creates_state`): the next call has another cache key
+    creates_state: bool = False
+    # whether its first run compiles the program for one run only (`JitFunction._first_entry`)
+    once: bool = False
     # lists of plain values whose items each call changes (`_Places.take_rewritten`): their items are not guarded
     own_lists: tuple = ()
 
@@ -2163,6 +2173,9 @@ class JitFunction:
         self._lengths: list = []
         self._own_lists: dict = {}  # id -> a list of plain values its traces change (`_Entry.own_lists`)
         self._hooks_seen = None  # (hook changes, root state, slots, `_hooks_key` of the state) when last read
+        # whether its traces read or write ``.grad`` (or run backward): until one does, the gradients are no
+        # slots, so that a gradient a backward outside creates or drops keeps the program (`_watching_grads`)
+        self._sees_grads = False
         self.stats = {"traces": 0, "compiles": 0, "hits": 0, "calls": 0, "eager_calls": 0}
         functools.update_wrapper(self, fn)
 
@@ -2301,7 +2314,8 @@ class JitFunction:
             roots.add(found)
         roots.unguarded, roots.own_lists, roots.lifts = self._unguarded, self._own_lists, self._hypers
         retried = ()
-        for _ in range(4):
+        for _ in range(6):
+            roots.grads = self._sees_grads or bool(roots.optimizers) or not _GRAD_NAMES.isdisjoint(roots.names)
             slots = _collect(leaves, roots, memo=self._roots_memo, hypers=self._hypers)
             numbers = self._number_arguments(leaves)
             if numbers:  # (a new list: the roots' part may be the last call's, kept)
@@ -2358,6 +2372,11 @@ class JitFunction:
                     roots.add(o)
                 self._log(f"it steps {len(r.found)} optimizer(s) found only while tracing (held deeper in objects "
                           "than the walk from the function looks): now carried too")
+                continue
+            except _SeesGrads:
+                self._sees_grads = True
+                self._log("it reads or writes a .grad, or runs a backward pass: the gradients are now part of the "
+                          "state it carries")
                 continue
             except _KeepViews:
                 self._copy_views = False
@@ -2422,10 +2441,22 @@ class JitFunction:
             if changed:  # the trace's own bookkeeping (warned of by _check_python_state): a cached call skips it
                 self._unguarded = roots.unguarded = self._unguarded | changed
                 key = _unguarding(key, changed)
+            if not self._cache:
+                self._first_entry(entry)
             self._cache.setdefault(key, []).append(entry)
             self._breaks = 0
             return entry, leaves, slots, storages
         raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
+
+    @staticmethod
+    def _first_entry(entry):
+        """A function's first trace that creates state (a training step's first call: no ``.grad`` and
+        no optimizer state yet) is likely run once: its next call finds that state, has another key
+        and compiles the program every later call runs. Its program is compiled for that one run, at
+        the backend's lowest optimization level, which compiles in about half the time (measured in
+        benchmarks/RESULTS.md); running it op by op, or the function eagerly, took longer than
+        compiling it."""
+        entry.once = entry.creates_state and not entry.diff
 
     def _hooks_key(self, slots, roots) -> tuple:
         """The hooks on the tensors of the call's slots (``w.register_hook``, a post-accumulate-grad hook) and on
@@ -2545,7 +2576,11 @@ class JitFunction:
             start = time.perf_counter()
             _sym.failed_check()  # one left by a program run outside t2j.jit is not this call's
             try:
-                written, outs, new, key = jitted(*arguments(inputs, _hyper_values(slots), keys))
+                args = arguments(inputs, _hyper_values(slots), keys)
+                once = entry.once and jitted is entry.jitted
+                if once:  # (the program later calls run is compiled at the first of them)
+                    entry.once, jitted = False, _compiled_once(jitted, args)
+                written, outs, new, key = jitted(*args)
             except BaseException as e:
                 if entry.undo is not None:
                     _restore(entry.undo)
@@ -2556,8 +2591,9 @@ class JitFunction:
                     raise
                 raise _CheckFailed(failed) from None
             entry.undo = None
-            if not entry.compile_s:
-                entry.compile_s = time.perf_counter() - start
+            if first:
+                if not once:
+                    entry.compile_s = time.perf_counter() - start
                 self.stats["compiles"] += 1
                 _debug.count("compiles")
         for i, a in zip(entry.written, written):
@@ -2673,6 +2709,7 @@ class JitFunction:
                       saves=info["saves"], saved_results=info["saved_results"], stale=info["stale"],
                       draws=info["draws"], reseeded=info["reseeded"], grad_mode=info["grad_mode"],
                       lengths=tuple(info["lengths"]), own_lists=tuple(info["own_lists"]),
+                      creates_state=info["creates_state"],
                       **_renewable(info["post"], info["new_storages"], info["out_leaves"]))
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2721,8 +2758,11 @@ class JitFunction:
                     torch.autograd.set_multithreading_enabled(False), \
                     _distribution_validation(), _scaler_steps_in_program(), \
                     _wide_step_counters(roots.optimizers), \
-                    _sym.traced_builtins(), _unreached_optimizers(roots), _gradient_hooks_counted() as hooks:
+                    _sym.traced_builtins(), _unreached_optimizers(roots), _gradient_hooks_counted() as hooks, \
+                    _watching_grads(not roots.grads) as grads_seen:
                 out = self.fn(*args, **kwargs)
+            if grads_seen:  # (the function caught `_SeesGrads`)
+                raise _SeesGrads()
             if _sym.VALUE_ERRORS:  # (one the function caught: it took another branch than torch takes)
                 raise _sym.VALUE_ERRORS[0]
             # (a trace is run again after some of its stops: each starts in the call's mode, set again below)
@@ -2805,6 +2845,7 @@ class JitFunction:
             made.release()
             del out_leaves, leaf
             post_slots = _collect(leaves, roots, full=True)
+            info["creates_state"] = _creates_state(slots, post_slots)
             del args, kwargs
             gc.collect()
             input_ids = {id(a) for a in inputs}
@@ -2942,6 +2983,63 @@ def _gradient_hooks_counted():
                 delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, method)
+
+
+class _SeesGrads(Exception):
+    """A trace that carries no gradients as state read or wrote a ``.grad`` or ran a backward pass."""
+
+
+# Names whose use in a function's code means it likely works with ``.grad``: its first trace
+# carries the gradients rather than finding out by stopping (`_watching_grads`)
+_GRAD_NAMES = frozenset({"backward", "grad", "zero_grad", "clip_grad_norm_", "clip_grad_value_"})
+
+
+@contextlib.contextmanager
+def _watching_grads(watch: bool):
+    """While a trace that carries no gradients as state runs (``watch``): a read or write of a
+    tensor's ``.grad``, or a backward pass accumulating into ``.grad``, raises `_SeesGrads`.
+    Yields a list that is non-empty once that happened (in case the function caught it)."""
+    seen = []
+    if not watch:
+        yield seen
+        return
+
+    def stop(*_):
+        seen.append(True)
+        raise _SeesGrads()
+
+    saved = vars(torch.Tensor).get("grad", _MISSING)
+    torch.Tensor.grad = property(stop, stop, stop)
+    _device.accumulating_watchers.append(stop)
+    try:
+        yield seen
+    finally:
+        _device.accumulating_watchers.remove(stop)
+        if saved is _MISSING:
+            del torch.Tensor.grad
+        else:
+            torch.Tensor.grad = saved
+
+
+# XLA options for a program compiled to run once (`JitFunction._first_entry`): the lowest backend
+# (LLVM) optimization level
+_ONCE_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def _compiled_once(jitted, args):
+    """``jitted`` compiled for ``args`` with `_ONCE_OPTIONS`, or ``jitted`` itself where the backend
+    takes no such options."""
+    try:
+        return jitted.lower(*args).compile(compiler_options=_ONCE_OPTIONS)
+    except jax.errors.JaxRuntimeError:
+        return jitted
+
+
+def _creates_state(before, after) -> bool:
+    """Whether the slots a walk finds after a call (``after``) hold state the walk before it did
+    not find (a ``.grad`` that was None, an optimizer's new state): `_Entry.creates_state`."""
+    return len(after.tensors) != len(before.tensors) or any(
+        a is None and b is not None for a, b in zip(before.tensors, after.tensors))
 
 
 def _backward_hooks_on(modules) -> bool:

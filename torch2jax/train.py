@@ -19,6 +19,7 @@ import jax
 import optax
 import torch
 import torch.utils._pytree as torch_pytree
+from torch.nn.utils.stateless import _reparametrize_module
 
 from .env import default_rng as _rng
 from .interop import _jax_differentiated, _to_jax
@@ -52,13 +53,10 @@ class TrainStep:
         buf = {n: new_tensor(a) for n, a in buffers.items()}
         args, kwargs = torch_pytree.tree_map(lambda a: new_tensor(a) if isinstance(a, jax.Array | jax.core.Tracer) else a,
                                              batch)
-        model = self.model
-
-        def call(*a, **k):
-            return torch.func.functional_call(model, {**tensors, **buf}, a, k, tie_weights=True, strict=False)
-
-        with _jax_differentiated():
-            loss = self.loss_fn(_Bound(model, call), *args, **kwargs)
+        # the whole loss sees the step's tensors in the module, not only its forward: a penalty over
+        # ``m.parameters()`` or a term reading ``m.head.weight`` is differentiated too
+        with _jax_differentiated(), _reparametrize_module(self.model, {**tensors, **buf}, tie_weights=True):
+            loss = self.loss_fn(self.model, *args, **kwargs)
         return loss._value(), {n: b._value() for n, b in buf.items()}
 
     def _pure(self, trainable, frozen, opt_state, buffers, key, batch):
@@ -89,27 +87,13 @@ class TrainStep:
         return new_tensor(loss)
 
 
-class _Bound:
-    """The module as the loss function sees it: calling it runs the functional
-    forward; attribute access reaches the module itself."""
-
-    def __init__(self, module, call):
-        self._module = module
-        self._call = call
-
-    def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
-
-
 def make_train_step(model: torch.nn.Module, loss_fn, optimizer: optax.GradientTransformation, *, remat=None,
                     donate: bool = True) -> TrainStep:
     """A jitted training step for ``model`` with an optax ``optimizer``.
 
     ``loss_fn(model, *batch)`` is torch code returning a scalar loss tensor;
-    inside it, calling ``model`` runs the forward on the step's parameters.
+    inside it, ``model`` holds the step's parameters: calling it, or reading them
+    (a weight penalty over ``model.parameters()``), is differentiated.
     ``remat`` rematerializes the forward in the backward pass: ``True`` saves
     nothing, or pass a JAX checkpoint policy (``jax.checkpoint_policies.dots_saveable``).
     Parameters are read from and written back to ``model``; the optax state is
