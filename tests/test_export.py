@@ -164,3 +164,10 @@ def test_dynamic_sequence_length_with_causal_attention():
         q = torch.randn(1, 2, t, 8)
         out = _call(exported, state, q.numpy())[0]
         np.testing.assert_allclose(out, model(q).numpy(), atol=1e-5)
+
+
+def test_symbolic_dims_through_functionalize_point_to_t2j_export():
+    fn, state = t2j.functionalize(nn.Linear(4, 2).to("jax"))
+    (b,) = jax.export.symbolic_shape("b")
+    with pytest.raises(TypeError, match=r"symbolic dimensions.*t2j\.export"):
+        jax.export.export(jax.jit(fn))(state, jax.ShapeDtypeStruct((b, 4), jnp.float32))

@@ -772,7 +772,16 @@ def new_tensor(array, requires_grad: bool = False) -> Tensor:
     dtype = _TORCH_DTYPES.get(jax_dtype)
     if dtype is None:
         dtype = _TORCH_DTYPES[jax_dtype] = _dt.to_torch(jax_dtype)
-    r = torch.Tensor._make_wrapper_subclass(Tensor, array.shape, dtype=dtype, device=DEVICE, requires_grad=requires_grad)
+    try:
+        r = torch.Tensor._make_wrapper_subclass(Tensor, array.shape, dtype=dtype, device=DEVICE,
+                                                requires_grad=requires_grad)
+    except TypeError:
+        if any(not isinstance(d, int) for d in array.shape):
+            raise TypeError(
+                f"torch2jax: an array of shape {tuple(array.shape)} cannot become a torch tensor: its symbolic "
+                "dimensions (jax.export.symbolic_shape) are not sizes a torch tensor can have. Export a module "
+                "with t2j.export(module, *args, dynamic_shapes=...), which gives torch symbolic sizes") from None
+        raise
     r._t2j_storage = Storage(array)
     return r
 
