@@ -73,6 +73,7 @@ import logging
 import math
 import operator
 import sys
+import threading
 import time
 import types
 import warnings
@@ -3003,13 +3004,28 @@ def _watching_grads(watch: bool):
     if not watch:
         yield seen
         return
+    tracing = threading.get_ident()
+    base = torch._C.TensorBase.grad
 
-    def stop(*_):
-        seen.append(True)
-        raise _SeesGrads()
+    def stop():
+        if threading.get_ident() == tracing:  # (another thread reading a gradient meanwhile reads it)
+            seen.append(True)
+            raise _SeesGrads()
+
+    def get(t):
+        stop()
+        return base.__get__(t)
+
+    def set_(t, value):
+        stop()
+        base.__set__(t, value)
+
+    def delete(t):
+        stop()
+        base.__delete__(t)
 
     saved = vars(torch.Tensor).get("grad", _MISSING)
-    torch.Tensor.grad = property(stop, stop, stop)
+    torch.Tensor.grad = property(get, set_, delete)
     _device.accumulating_watchers.append(stop)
     try:
         yield seen
