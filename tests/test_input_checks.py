@@ -407,6 +407,95 @@ _DTYPE_CASES = [
 ]
 
 
+def _long(*shape, d):
+    return torch.zeros(*shape, dtype=torch.long, device=d)
+
+
+def _complex(d):
+    return _t([1 + 2j, -1.5j], d)
+
+
+_INDEX_SHAPE_CASES = [
+    _case("gather index larger than self", lambda d: torch.gather(torch.ones(3, 4, device=d), 1, _long(4, 2, d=d)),
+          RuntimeError, "Size does not match at dimension 0 expected index [4, 2] to be no larger than self [3, 4] "
+                        "apart from dimension 1"),
+    _case("gather int16 index", lambda d: torch.gather(torch.ones(3, 4, device=d), 0,
+                                                       torch.zeros(1, 4, dtype=torch.int16, device=d)),
+          RuntimeError, "gather(): Expected dtype int32/int64 for index"),
+    _case("scatter index larger than src", lambda d: torch.ones(3, 4, device=d).scatter(0, _long(2, 3, d=d),
+                                                                                        torch.ones(1, 3, device=d)),
+          RuntimeError, "Expected index [2, 3] to be no larger than self [3, 4] apart from dimension 0 and to be no "
+                        "larger size than src [1, 3]"),
+    _case("scatter value, index larger than self", lambda d: torch.ones(3, 4, device=d).scatter(0, _long(2, 5, d=d), 1.0),
+          RuntimeError, "Expected index [2, 5] to be no larger than self [3, 4] apart from dimension 0"),
+    _case("scatter_add int16 index", lambda d: torch.ones(3, 4, device=d).scatter_add(
+        0, torch.zeros(2, 3, dtype=torch.int16, device=d), torch.ones(2, 3, device=d)),
+          RuntimeError, "scatter(): Expected dtype int32/int64 for index"),
+    _case("index_select matrix index", lambda d: torch.ones(3, 4, device=d).index_select(0, _long(1, 2, d=d)),
+          IndexError, "index_select(): Index is supposed to be a vector"),
+    _case("index_select int16 index", lambda d: torch.ones(3, 4, device=d).index_select(
+        0, torch.zeros(2, dtype=torch.int16, device=d)), RuntimeError, "Expected dtype int32 or int64 for index"),
+]
+
+# torch's CPU kernels that refuse a dtype the lowering could compute
+_KERNEL_DTYPE_CASES = [
+    _case("round of bools", lambda d: torch.round(_bools(d)), NotImplementedError, "not implemented for 'Bool'"),
+    _case("floor_ of bools", lambda d: _bools(d).floor_(), NotImplementedError, "not implemented for 'Bool'"),
+    _case("frac of bools", lambda d: torch.frac(_bools(d)), NotImplementedError, "\"frac_cpu\" not implemented for 'Bool'"),
+    _case("round of complex", lambda d: torch.round(_complex(d)), NotImplementedError,
+          "not implemented for 'ComplexFloat'"),
+    _case("relu of bools", lambda d: torch.relu(_bools(d)), RuntimeError, "Boolean inputs not supported for relu"),
+    _case("relu of complex", lambda d: torch.relu(_complex(d)), NotImplementedError,
+          "clamp is not supported for complex types"),
+    _case("pow of bools", lambda d: _bools(d) ** _bools(d), NotImplementedError, "\"pow\" not implemented for 'Bool'"),
+    _case("addcmul of bools", lambda d: torch.addcmul(_bools(d), _bools(d), _bools(d)), NotImplementedError,
+          "\"addcmul_cpu_out\" not implemented for 'Bool'"),
+    _case("floor division of bools", lambda d: _bools(d) // _bools(d), NotImplementedError,
+          "\"div_floor_cpu\" not implemented for 'Bool'"),
+    _case("remainder of bools", lambda d: _bools(d) % _bools(d), NotImplementedError,
+          "\"remainder_cpu\" not implemented for 'Bool'"),
+    _case("topk of bools", lambda d: _bools(d).topk(1), RuntimeError, "topk does not support bool dtypes on CPU"),
+    _case("kthvalue of bools", lambda d: _bools(d).kthvalue(1), NotImplementedError,
+          "\"kthvalue_cpu\" not implemented for 'Bool'"),
+    _case("median of bools", lambda d: _bools(d).median(), NotImplementedError,
+          "\"median_cpu\" not implemented for 'Bool'"),
+    _case("searchsorted of complex", lambda d: torch.searchsorted(_complex(d), _complex(d)), NotImplementedError,
+          "\"searchsorted_out_cpu\" not implemented for 'ComplexFloat'"),
+    _case("isin of bools", lambda d: torch.isin(_bools(d), _bools(d)), RuntimeError,
+          "Unsupported input type encountered for isin(): Bool"),
+    _case("hypot of integers", lambda d: torch.hypot(_t([3], d), _t([4], d)), NotImplementedError,
+          "\"hypot_cpu\" not implemented for 'Long'"),
+    _case("lerp of integers", lambda d: torch.lerp(_t([1], d), _t([3], d), 0.5), NotImplementedError,
+          "\"lerp_kernel_scalar\" not implemented for 'Long'"),
+    _case("logcumsumexp of integers", lambda d: _t([1, 2], d).logcumsumexp(0), NotImplementedError,
+          "\"logcumsumexp_out_cpu\" not implemented for 'Long'"),
+    _case("<<= of bools", lambda d: _bools(d).__ilshift__(1), RuntimeError,
+          "result type Long can't be cast to the desired output type Bool"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("call,error,message", _INDEX_SHAPE_CASES + _KERNEL_DTYPE_CASES)
+def test_rejects_like_torch_also_under_jit(call, error, message, device):
+    with pytest.raises(error, match=re.escape(message)):
+        (t2j.jit(call, fullgraph=True) if device == "jax" else call)(device)
+
+
+@pytest.mark.parametrize("value_device", DEVICES)
+def test_mask_assignment_of_one_host_value_of_another_dtype(value_device):
+    # torch fills a mask with a one-element CPU value as with a Scalar (masked_fill_); a device value must match
+    expected = torch.arange(6.0)
+    expected[expected > 2] = torch.tensor(5.5, dtype=torch.float64)
+    x = torch.arange(6.0, device="jax")
+    value = torch.tensor(5.5, dtype=torch.float64, device=value_device)
+    if value_device == "jax":
+        with pytest.raises(RuntimeError, match="Index put requires the source and destination dtypes match"):
+            x[x > 2] = value
+        return
+    x[x > 2] = value
+    torch.testing.assert_close(x.cpu(), expected)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_scalars_that_fit_are_accepted_as_torch_does(device):
     u8 = torch.zeros(2, dtype=torch.uint8, device=device).fill_(-255)  # wraps to 1
@@ -423,7 +512,7 @@ _EAGER_VALUE_CASES = [_case(p.id, lambda d, inputs=p.values[0], op=p.values[1]: 
 @pytest.mark.parametrize(
     "call,error,message",
     _NLL_CASES + _ONE_HOT_CASES + _MASK_CASES + _BCE_CASES + _CONV_CASES + _CTC_CASES + _PIXEL_SHUFFLE_CASES
-    + _EAGER_VALUE_CASES + _SCALAR_CASES + _DTYPE_CASES,
+    + _EAGER_VALUE_CASES + _SCALAR_CASES + _DTYPE_CASES + _INDEX_SHAPE_CASES + _KERNEL_DTYPE_CASES,
 )
 def test_rejects_like_torch(call, error, message, device):
     with pytest.raises(error, match=re.escape(message)) as info:

@@ -3067,3 +3067,16 @@ def test_a_training_steps_first_program_is_compiled_for_one_run(monkeypatch):
                                    rtol=1e-5, atol=1e-6)
         forward(x.to("jax"))
     assert once == [1] and jitted.stats["compiles"] == 2
+
+
+def test_default_dtype_is_part_of_the_cache_key():
+    f = t2j.jit(lambda x: (x / 2, torch.ones(2, device=x.device)))
+    x = torch.arange(4, device="jax")
+    assert [t.dtype for t in f(x)] == [torch.float32] * 2
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert [t.dtype for t in f(x)] == [torch.float64] * 2
+    finally:
+        torch.set_default_dtype(before)
+    assert any("default dtype" in m for m in t2j.explain_recompiles())

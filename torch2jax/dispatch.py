@@ -283,6 +283,12 @@ def _raise_cpu_dtype_error(func, args, kwargs):
         _raise_stand_ins_dtype_error(func, args, kwargs, _DTYPE_WORDS, full_shapes=False)
 
 
+def raise_cpu_dtype_error(func, args, kwargs):
+    """`_raise_cpu_dtype_error` on stand-ins of the operands' full shapes (a kernel may check its
+    other arguments, ``topk``'s k, before the dtype), for `registry.refused_dtypes`."""
+    _raise_stand_ins_dtype_error(func, args, kwargs, _DTYPE_WORDS, full_shapes=True)
+
+
 # what torch's errors are raised as, by their type
 _TORCH_ERRORS = {RuntimeError: TorchRuntimeError, TypeError: TorchTypeError, NotImplementedError: NotImplementedError}
 
@@ -1739,6 +1745,9 @@ def functional_variant(func):
     if is_out:
         candidates = [name]
         want = [str(a.type) for i, a in enumerate(schema.arguments) if i not in mutated]
+    elif name.startswith("__i") and mutated == [0]:  # (``x <<= 1``: __ilshift__ -> __lshift__)
+        candidates = ["__" + name[3:]]
+        want = [str(a.type) for a in schema.arguments]
     elif name.endswith("_") and mutated == [0]:
         candidates = [name[:-1], name[:-1] + "_functional"]
         want = [str(a.type) for a in schema.arguments]

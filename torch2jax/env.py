@@ -126,6 +126,9 @@ class RngState:
     def __init__(self, seed: int):
         self.seed(seed)
         self._traced = None
+        # whether the key of the innermost `traced_key` block is a concrete one given outside any JAX trace
+        # (``with t2j.rng_key(key): jax.jit(f)(x)``): a program staged inside it must not bake it in
+        self._outside = False
         self.draws = 0  # draws from the traced key in the innermost `traced_key` block
         self.generator_draws = None  # inside a t2j.jit trace: its `GeneratorDraws`
         self.loop_bodies = 0  # loop bodies (t2j.scan, fori_loop, while_loop, scan_layers) being traced
@@ -138,6 +141,7 @@ class RngState:
             # seed on every call, as the eager function's do
             with jax.ensure_compile_time_eval():
                 self._traced = self.key
+            self._outside = False  # (the program's own seed: its draws are the same on every call, as eagerly)
 
     @property
     def key(self):
@@ -154,7 +158,7 @@ class RngState:
         if self._traced is not None:
             key = self._traced
             self._traced, sub = jax.random.split(key)
-            if isinstance(sub, jax.core.Tracer) and not isinstance(key, jax.core.Tracer):
+            if self._outside and isinstance(sub, jax.core.Tracer) and not isinstance(key, jax.core.Tracer):
                 # (a concrete key split into a staged program: jax.grad or vmap would split it concretely)
                 self._traced = key
                 raise RuntimeError(
@@ -218,14 +222,15 @@ class RngState:
     def traced_key(self, key):
         """Draw from ``key`` (usually a tracer) inside the block; ``block.key`` is the
         key after the last draw, to be carried to the next call."""
-        outer, outer_draws = self._traced, self.draws
+        outer, outer_draws, outer_outside = self._traced, self.draws, self._outside
         box = _KeyBox(key)
         self._traced, self.draws = key, 0
+        self._outside = not isinstance(key, jax.core.Tracer) and _trace_state_clean()
         try:
             yield box
         finally:
             box.key = self._traced
-            self._traced, self.draws = outer, outer_draws
+            self._traced, self.draws, self._outside = outer, outer_draws, outer_outside
 
     def stream_key(self):
         """The key the next draw splits: the traced key inside a trace, else the stored one.
@@ -667,5 +672,6 @@ def set_rng_state_bytes(state: torch.Tensor) -> None:
         data = data.astype(jax.numpy.uint8).reshape(-1)[:4 * KEY_WORDS]  # (the key; the seed after it stays)
         data = jax.lax.bitcast_convert_type(data.reshape(-1, 4), jax.numpy.uint32)
         default_rng._traced = jax.random.wrap_key_data(data)
+        default_rng._outside = False
         return
     default_rng.set_state_bytes(state, "torch.jax.set_rng_state")

@@ -2330,6 +2330,7 @@ class JitFunction:
             key = (spec, _static_key(leaves, numbers, self._by_value), slots.key, tuple(id(s) for s in extra),
                    tuple((tuple(s.array.shape), s.array.dtype) for s in extra), copied, _config(),
                    torch.is_grad_enabled(), torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"),
+                   torch.get_default_dtype(),
                    self._hooks_key(slots, roots), tuple(map(len, self._lengths)))
             if key in self._eager:
                 return _Eager(key, self._eager[key]), plain, slots, storages
@@ -3980,16 +3981,18 @@ def _diff(old, old_names, new, new_names):
         if ostat.get(name, _MISSING) != nstat.get(name, _MISSING):
             reasons.append(_static_change(name, ostat.get(name, _MISSING), nstat.get(name, _MISSING)))
     # the key ends with: the arguments passed as copies, torch2jax's settings, grad mode, autocast
-    # enabled, autocast dtype, the hooks (`JitFunction._hooks_key`), the guarded lists' lengths
+    # enabled, autocast dtype, the default dtype, the hooks (`JitFunction._hooks_key`), the guarded lists' lengths
+    if orest[-8] != nrest[-8]:
+        reasons.append(f"the argument views passed as copies of their values (`_view_copies`): {orest[-8]} -> "
+                       f"{nrest[-8]}")
     if orest[-7] != nrest[-7]:
-        reasons.append(f"the argument views passed as copies of their values (`_view_copies`): {orest[-7]} -> "
-                       f"{nrest[-7]}")
+        reasons.append(f"settings: {orest[-7]} -> {nrest[-7]}")
     if orest[-6] != nrest[-6]:
-        reasons.append(f"settings: {orest[-6]} -> {nrest[-6]}")
-    if orest[-5] != nrest[-5]:
-        reasons.append(f"grad mode: {orest[-5]} -> {nrest[-5]}")
-    if orest[-4:-2] != nrest[-4:-2]:
-        reasons.append(f"autocast (enabled, dtype): {tuple(orest[-4:-2])} -> {tuple(nrest[-4:-2])}")
+        reasons.append(f"grad mode: {orest[-6]} -> {nrest[-6]}")
+    if orest[-5:-3] != nrest[-5:-3]:
+        reasons.append(f"autocast (enabled, dtype): {tuple(orest[-5:-3])} -> {tuple(nrest[-5:-3])}")
+    if orest[-3] != nrest[-3]:
+        reasons.append(f"torch's default dtype: {orest[-3]} -> {nrest[-3]}")
     if orest[-2] != nrest[-2]:
         reasons.append("a gradient hook on a tensor it reads or an optimizer step hook was added or removed")
     if orest[-1] != nrest[-1]:

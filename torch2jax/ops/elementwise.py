@@ -19,8 +19,8 @@ from jax import lax
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import (as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote, register,
-                       scalar_type_name, strides, true_divide, view, warning)
+from .registry import (as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote,
+                       refused_dtypes, register, scalar_type_name, strides, true_divide, view, warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -207,6 +207,12 @@ def _rounding(fn):
 
     return lowering
 
+
+# torch's CPU kernels round no bools (nor complex numbers), and compute none of these of bools
+refused_dtypes(aten.floor, aten.ceil, aten.trunc, aten.frac, aten.addcmul, aten.floor_divide, aten.remainder,
+               aten.fmod, aten.pow, kinds="b")
+refused_dtypes(aten.round, kinds="bc")
+refused_dtypes(aten.hypot, aten.lerp, kinds="bi")  # (floating kernels only)
 
 elementwise(aten.floor, prims.floor)(_rounding(jnp.floor))
 elementwise(aten.ceil, prims.ceil)(_rounding(jnp.ceil))

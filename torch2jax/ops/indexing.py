@@ -22,7 +22,8 @@ import torch
 from .. import dtypes as _dt
 from ..dispatch import TorchRuntimeError, TorchTypeError
 from .registry import (_HALF, as_dtype, canonical_dim, canonical_dims, check_values, checked_scalar, overflow_error,
-                       overflows, register, scalar_type_name, strides, true_divide, warning)
+                       layout_keywords, overflows, refused_dtypes, register, scalar_type_name, strides, true_divide,
+                       warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -237,8 +238,24 @@ def _check_same_dtype(x, values):
             f"destination and {scalar_type_name(values.dtype)} for the source.")
 
 
+@layout_keywords(aten.index_put.default, aten._index_put_impl.default)
+def _one_host_value(args, kwargs):
+    values = args[2] if len(args) > 2 else kwargs["values"]
+    return {"host_value": values.device.type == "cpu" and values.numel() == 1}
+
+
+def _fills_mask(indices, accumulate, host_value) -> bool:
+    """Whether torch runs this ``index_put_`` as ``masked_fill_``: one mask, no accumulation, and a
+    one-element value on the CPU (``x[mask] = torch.tensor(5.0)``), whose dtype then need not be
+    ``x``'s, as a Scalar's need not."""
+    given = [i for i in indices if i is not None]
+    return host_value and not accumulate and len(given) == 1 and given[0].dtype in (np.bool_, np.uint8)
+
+
 @register(aten.index_put.default)
-def index_put(x, indices, values, accumulate=False):
+def index_put(x, indices, values, accumulate=False, host_value=False):
+    if _fills_mask(indices, accumulate, host_value):
+        values = values.astype(x.dtype)
     _check_same_dtype(x, values)
     _check_masked_fill_mask(indices, values, accumulate)
     return _index_put(x, indices, values, accumulate, True)
@@ -250,7 +267,9 @@ def _unsafe_index_put(x, indices, values, accumulate=False):
 
 
 @register(aten._index_put_impl.default)
-def _index_put_impl(x, indices, values, accumulate=False, unsafe=False):
+def _index_put_impl(x, indices, values, accumulate=False, unsafe=False, host_value=False):
+    if _fills_mask(indices, accumulate, host_value):
+        values = values.astype(x.dtype)
     _check_same_dtype(x, values)
     _check_masked_fill_mask(indices, values, accumulate)
     return _index_put(x, indices, values, accumulate, not unsafe)
@@ -295,9 +314,14 @@ def _crop(a, shape):
 
 @register(aten.gather.default)
 def gather(x, dim, index, *, sparse_grad=False):
+    _check_index_dtype("gather", index)
     if max(index.ndim, 1) != max(x.ndim, 1) and index.size:  # torch checks no shapes of an empty index
         raise TorchRuntimeError("Index tensor must have the same number of dimensions as input tensor")
     d, x1 = _as_1d(x, dim)
+    larger = [k for k, n in enumerate(np.shape(index) or (1,)) if k != d and n > x1.shape[k]] if index.size else []
+    if larger:
+        raise TorchRuntimeError(f"Size does not match at dimension {larger[0]} expected index {list(index.shape)} to "
+                                f"be no larger than self {list(x.shape)} apart from dimension {d}")
     index1 = index.reshape(-1) if index.ndim == 0 else index
     _check_range(index1, x1.shape[d], _out_of_bounds(dim, x1.shape[d], TorchRuntimeError), negative=False)
     if index1.size == 0:
@@ -305,14 +329,35 @@ def gather(x, dim, index, *, sparse_grad=False):
     return x1[_along(d, index1)].reshape(index.shape)
 
 
+def _check_index_dtype(name, index):
+    if index.size and index.dtype not in (np.int32, np.int64):  # (an empty index of any dtype gathers nothing)
+        raise TorchRuntimeError(f"{name}(): Expected dtype int32/int64 for index")
+
+
+def _check_scatter_shapes(x1, d, index1, src):
+    """torch's scatter shape check: ``index`` no larger than ``x`` but along ``d``, nor than a tensor ``src``."""
+    tensor_src = hasattr(src, "ndim")
+    src_shape = (np.shape(src) or (1,)) if tensor_src else None
+    wrong = any(n > x1.shape[k] for k, n in enumerate(index1.shape) if k != d) or (
+        tensor_src and any(n > (src_shape[k] if k < len(src_shape) else 1) for k, n in enumerate(index1.shape)))
+    if wrong:
+        message = (f"Expected index {list(index1.shape)} to be no larger than self {list(x1.shape)} apart from "
+                   f"dimension {d}")
+        if tensor_src:
+            message += f" and to be no larger size than src {list(np.shape(src))}"
+        raise TorchRuntimeError(message)
+
+
 def _scatter_args(x, dim, index, src):
     if hasattr(src, "dtype") and src.dtype != x.dtype:  # (a Python number takes x's dtype)
         raise TorchRuntimeError("scatter(): Expected self.dtype to be equal to src.dtype")
+    _check_index_dtype("scatter", index)
     d, x1 = _as_1d(x, dim)
     index1 = index.reshape(-1) if index.ndim == 0 else index
     if index1.size == 0:  # writes nothing, whatever the index's rank (torch checks no shapes then)
         nowhere = jnp.zeros((0,), np.int64)
         return x1, (nowhere,) * x1.ndim, jnp.zeros((0,), x.dtype)
+    _check_scatter_shapes(x1, d, index1, src)
     _check_range(index1, x1.shape[d], _out_of_bounds(dim, x1.shape[d], TorchRuntimeError), negative=False)
     if hasattr(src, "ndim") and src.ndim:
         src = _crop(src, index1.shape)
@@ -442,6 +487,10 @@ def _index_select_error(x, d):
 
 @register(aten.index_select.default)
 def index_select(x, dim, index):
+    if index.dtype not in (np.int32, np.int64):
+        raise TorchRuntimeError("index_select(): Expected dtype int32 or int64 for index")
+    if index.ndim > 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
     d, x1 = _as_1d(x, dim)
     if x.ndim > 1 and x.shape[d] == 0 and index.size:
         raise TorchRuntimeError("index_select(): self indexing axis dim should be positive")
@@ -809,6 +858,9 @@ def _searchsorted(seq, values, right, out_int32):
     if values.size == 0 or seq.size == 0:
         return jnp.zeros(values.shape, out_dtype)
     return _binary_search(seq, values, right).astype(out_dtype)
+
+
+refused_dtypes(aten.searchsorted, aten.isin, kinds="bc")  # (torch's CPU kernels compare numbers)
 
 
 @register(aten.searchsorted.Tensor, aten.searchsorted.Scalar)

@@ -23,8 +23,8 @@ from .. import env as _env
 from ..dispatch import OpError, TorchRuntimeError, TorchValueError
 from .indexing import raise_as_torch, stand_in
 from .linalg import _acc_dtype, _precision
-from .registry import (canonical_dim, check_values, checked_scalar, decomposition, register, scalar_type_name,
-                       true_divide)
+from .registry import (canonical_dim, check_values, checked_scalar, decomposition, refused_dtypes, register,
+                       scalar_type_name, true_divide)
 from .shape import is_traced
 from .sparse import _warn_dense
 
@@ -367,6 +367,9 @@ def batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, s
 
 
 # -- activations -------------------------------------------------------------------
+
+
+refused_dtypes(aten.relu, kinds="bc")  # (torch's CPU relu is a clamp: no bools, no complex numbers)
 
 
 @register(aten.relu.default)

@@ -19,8 +19,8 @@ import torch
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import (_HALF, argmax_index, argmin_index, canonical_dim, canonical_dims, register, scalar_type_name,
-                       true_divide, warning)
+from .registry import (_HALF, argmax_index, argmin_index, canonical_dim, canonical_dims, refused_dtypes, register,
+                       scalar_type_name, true_divide, warning)
 from .shape import is_traced
 
 aten = torch.ops.aten
@@ -532,6 +532,9 @@ def cumprod(x, dim, *, dtype=None):
     return _scan(jnp.cumprod, x, dim, dtype)
 
 
+refused_dtypes(aten.logcumsumexp, aten._logcumsumexp, kinds="bi")
+
+
 @register(aten.logcumsumexp.default, aten._logcumsumexp.default)
 def logcumsumexp(x, dim):
     d, x1 = _dim_axis(x, dim)
@@ -707,6 +710,9 @@ def sort(x, dim=-1, descending=False):
 @_real_only(torch.sort)
 def sort_stable(x, *, stable=None, dim=-1, descending=False):
     return sort(x, dim, descending)
+
+
+refused_dtypes(aten.topk, aten.kthvalue, aten.median, aten.nanmedian, kinds="b")  # (torch's CPU selections)
 
 
 @register(aten.topk.default)

@@ -95,6 +95,33 @@ def warning(*ops):
     return deco
 
 
+_KIND = {torch.bool: "b"}
+
+
+def _dtype_kind(dtype) -> str:
+    """"b" bool, "c" complex, "i" integer, "f" floating."""
+    kind = _KIND.get(dtype)
+    if kind is None:
+        kind = _KIND[dtype] = "c" if dtype.is_complex else "f" if dtype.is_floating_point else "i"
+    return kind
+
+
+def refused_dtypes(*ops, kinds: str):
+    """Register a check that ``ops`` refuse operands of the dtype ``kinds`` ("b" bool, "c" complex,
+    "i" integer) as torch's CPU kernels do where the lowering would compute them (``round`` of a
+    bool tensor, ``hypot`` of integers: NotImplementedError): torch's kernel runs on stand-ins of
+    the operands and its error is raised. Only calls with such an operand pay for it."""
+
+    def check(func, args, kwargs):
+        if any(isinstance(a, torch.Tensor) and _dtype_kind(a.dtype) in kinds
+               for a in (*args, *kwargs.values())):
+            from ..dispatch import raise_cpu_dtype_error
+
+            raise_cpu_dtype_error(func, args, kwargs)
+
+    return warning(*ops)(check)
+
+
 def _both(first, second):
     def both(func, args, kwargs):
         first(func, args, kwargs)
