@@ -1813,7 +1813,8 @@ class _Outputs:
             if leaf.grad_fn is not None:
                 self.histories.append(len(outs))
                 self.nodes.append(leaf.grad_fn)
-                if hasattr(leaf.grad_fn, "_saved_result"):
+                # (on the node's class: reading a freed node's saved result raises, after a backward inside)
+                if hasattr(type(leaf.grad_fn), "_saved_result"):
                     self.saved_results.append(len(outs))
             else:
                 self.made_leaves.append((len(outs), isinstance(leaf, torch.nn.Parameter)))
@@ -2309,14 +2310,19 @@ class JitFunction:
         if self._by_value is None and (packed := _packed_batch_sizes(given, args, kwargs)):
             self._by_value = packed  # (torch wants a PackedSequence's batch sizes on the CPU)
         plain = self._device_leaves(given)
-        leaves = self._view_copies(plain)
         roots = _find_roots(self.fn, args, kwargs)
         for found in self._found_roots:
             roots.add(found)
         roots.unguarded, roots.own_lists, roots.lifts = self._unguarded, self._own_lists, self._hypers
+        roots.grads = self._carries_grads(roots)
+        if self._copy_views and not self._roots_memo:
+            # the first call: the state `_view_copies` keeps out of its copies, found now, so that the first
+            # call's view arguments are copies as every later call's are (one program, not two)
+            _collect(plain, roots, memo=self._roots_memo, hypers=self._hypers)
+        leaves = self._view_copies(plain)
         retried = ()
         for _ in range(6):
-            roots.grads = self._sees_grads or bool(roots.optimizers) or not _GRAD_NAMES.isdisjoint(roots.names)
+            roots.grads = self._carries_grads(roots)
             slots = _collect(leaves, roots, memo=self._roots_memo, hypers=self._hypers)
             numbers = self._number_arguments(leaves)
             if numbers:  # (a new list: the roots' part may be the last call's, kept)
@@ -2449,6 +2455,11 @@ class JitFunction:
             self._breaks = 0
             return entry, leaves, slots, storages
         raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
+
+    def _carries_grads(self, roots) -> bool:
+        """Whether a call's state holds the ``.grad`` of its parameters and arguments: where a trace read or
+        wrote one, or the function steps an optimizer or names gradients in its code (`_watching_grads`)."""
+        return self._sees_grads or bool(roots.optimizers) or not _GRAD_NAMES.isdisjoint(roots.names)
 
     @staticmethod
     def _first_entry(entry):

@@ -522,7 +522,7 @@ def _number_torch_function(cls, func, types, args=(), kwargs=None):
     so the result would be silently wrong."""
     kwargs = kwargs or {}
     if func is torch.Tensor.__getitem__ and _index_holds_traced(args[1]):
-        out = _basic_index(*args)
+        out = _basic_index(_on_device_if_host(args[0]), args[1])
         if out is not None:
             return out
     elif func is torch.Tensor.__setitem__ and _index_holds_traced(args[1]) and _set_item(*args):
@@ -539,6 +539,17 @@ def _number_torch_function(cls, func, types, args=(), kwargs=None):
             "tensor to the jax device."
         )
     return out
+
+
+def _on_device_if_host(x):
+    """``x``, a CPU tensor moved to the jax device: a table on the CPU indexed at a traced position
+    (diffusers' ``self.sigmas[self.step_index]``) becomes a constant of the program indexed where the
+    program computes, so the position stays an input (the element is a jax tensor, where torch's is a
+    0-d CPU tensor: either computes with jax tensors alike). A trace that reads a CPU tensor is keyed
+    by its values (`t2j.jit`'s guards), so the constant is the tensor's current value."""
+    from .tensor import DEVICE, Tensor
+
+    return x.to(DEVICE) if not isinstance(x, Tensor) and x.device.type == "cpu" else x
 
 
 def _traced_tensor(x) -> bool:
