@@ -112,7 +112,7 @@ def test_a_branch_on_a_parameter_still_stops_the_trace():
 def test_float_of_a_counter_stops_the_trace():
     # each value would be a program of its own: the exact value is not taken from the host
     bn = nn.BatchNorm1d(3, momentum=None).to("jax")
-    with pytest.raises(t2j.OpError, match="int\\(\\) of a traced value computed from a counter"):
+    with pytest.raises(t2j.OpError, match="int\\(\\) of a traced value computed from a one-element integer tensor"):
         t2j.jit(bn, fullgraph=True)(torch.randn(4, 3, device="jax"))
 
 

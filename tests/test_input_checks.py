@@ -857,3 +857,14 @@ def test_ctc_loss_length_checks_run_inside_jit_when_asked(bad):
     loss = t2j.jit(lambda *a: F.ctc_loss(*a, reduction="none"))
     with t2j.env(check_indices="always"), pytest.raises(RuntimeError, match=re.escape(message)):
         loss(log_probs, targets, input_lengths, target_lengths)
+
+
+def test_a_lifted_python_number_is_range_checked_when_the_program_runs():
+    # a number that changes from call to call becomes a program input; torch checks it fits the dtype
+    x = torch.tensor([1, -3, 5], dtype=torch.int8, device="jax")
+    with t2j.env(check_indices="always"):
+        clamp = t2j.jit(lambda x, v: x.clamp(max=v))
+        assert clamp(x, 3).tolist() == [1, -3, 3] and clamp(x, 2).tolist() == [1, -3, 2]
+        with pytest.raises(RuntimeError, match="value cannot be converted to type int8_t without overflow"):
+            clamp(x, -200)
+    assert clamp.stats["eager_calls"] == 0

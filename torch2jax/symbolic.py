@@ -325,10 +325,11 @@ class TracedScalar:
 
         if state is not None:
             raise _noted(OpError(
-                f"torch2jax: {what} of a traced value computed from a counter the jitted program carries (a "
-                "one-element integer state tensor): each of its values would be a program of its own, so t2j.jit "
+                f"torch2jax: {what} of a traced value computed from a one-element integer tensor (an argument, or a "
+                "counter the jitted program carries): each of its values would be a program of its own, so t2j.jit "
                 "does not take it as a constant (it does for a branch, bool()). Compute with the tensor itself "
-                "(tensor arithmetic, torch.where) instead of a Python number."
+                "(tensor arithmetic, torch.where; to index, x.index_select(0, i.view(1))) instead of a Python "
+                "number (x[i] with a 0-d tensor i asks for its value, as in torch)."
             ))
         raise _noted(OpError(
             f"torch2jax: {what} of a traced value: inside t2j.jit / jax.jit a tensor's value is not known "

@@ -279,6 +279,11 @@ def checked_scalar(value, dtype):
     >>> checked_scalar(1000, np.dtype(np.int8))
     RuntimeError: value cannot be converted to type int8_t without overflow
     """
+    if isinstance(value, jax.core.Tracer) and np.dtype(dtype) != np.bool_:
+        # a number the program takes as an input (t2j.jit lifts one that changes): checked when the program
+        # runs, as the values `check_values` checks (under check_indices="always")
+        check_values(value, lambda v: overflows(v, dtype), lambda _: overflow_error(dtype))
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float, complex)):
         return value
     dtype = np.dtype(dtype)
