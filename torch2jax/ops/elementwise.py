@@ -209,9 +209,9 @@ def _rounding(fn):
 
 
 # torch's CPU kernels round no bools (nor complex numbers), and compute none of these of bools
-refused_dtypes(aten.floor, aten.ceil, aten.trunc, aten.frac, aten.addcmul, aten.floor_divide, aten.remainder,
-               aten.fmod, aten.pow, kinds="b")
-refused_dtypes(aten.round, kinds="bc")
+refused_dtypes(aten.floor, aten.ceil, aten.trunc, aten.frac, aten.addcmul, aten.remainder, aten.fmod, aten.pow,
+               aten.bitwise_left_shift, aten.__lshift__, aten.bitwise_right_shift, aten.__rshift__, kinds="b")
+refused_dtypes(aten.round, aten.floor_divide, aten.div.Tensor_mode, aten.div.Scalar_mode, kinds="bc")
 refused_dtypes(aten.hypot, aten.lerp, kinds="bi")  # (floating kernels only)
 
 elementwise(aten.floor, prims.floor)(_rounding(jnp.floor))
