@@ -744,8 +744,9 @@ def _pick(values, indices, pos, x, d, keepdim):
 @_real_only(lambda t: torch.kthvalue(t, 1))
 def kthvalue(x, k, dim=-1, keepdim=False):
     d, x1 = _dim_axis(x, dim)
+    _require_nonempty("kthvalue", x1, (d,))
     if not 1 <= k <= x1.shape[d]:
-        raise RuntimeError(f"kthvalue(): selected number k out of range for dimension {dim}")
+        raise RuntimeError(f"kthvalue(): selected number k out of range for dimension {d}")
     values, indices = _sort(x1, d, False)
     return _pick(values, indices, k - 1, x, d, keepdim)
 
