@@ -158,8 +158,8 @@ class RngState:
         if self._traced is not None:
             key = self._traced
             self._traced, sub = jax.random.split(key)
-            if self._outside and isinstance(sub, jax.core.Tracer) and not isinstance(key, jax.core.Tracer):
-                # (a concrete key split into a staged program: jax.grad or vmap would split it concretely)
+            if self._outside and isinstance(sub, jax.core.Tracer):
+                # (the concrete key split into a staged program: jax.grad or vmap would split it concretely)
                 self._traced = key
                 raise RuntimeError(
                     "torch2jax: a random op ran inside jax.jit (or another JAX transform) whose `t2j.rng_key` "

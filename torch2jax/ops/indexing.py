@@ -224,13 +224,6 @@ def _set_with_torch_gradient(x, idx, values):
     return put(x, values, arrays)
 
 
-def _check_masked_fill_mask(indices, values, accumulate):
-    """torch sends ``x[mask] = v`` with one mask and one value to masked_fill_, which refuses a uint8 mask."""
-    given = [i for i in indices if i is not None]
-    if not accumulate and len(given) == 1 and given[0].dtype == np.uint8 and values.size == 1:
-        raise TorchRuntimeError("masked_fill_ only supports boolean masks, but got mask with dtype unsigned char")
-
-
 def _check_same_dtype(x, values):
     if values.dtype != x.dtype:
         raise TorchRuntimeError(
@@ -244,21 +237,24 @@ def _one_host_value(args, kwargs):
     return {"host_value": values.device.type == "cpu" and values.numel() == 1}
 
 
-def _fills_mask(indices, accumulate, host_value) -> bool:
-    """Whether torch runs this ``index_put_`` as ``masked_fill_``: one mask, no accumulation, and a
-    one-element value on the CPU (``x[mask] = torch.tensor(5.0)``), whose dtype then need not be
-    ``x``'s, as a Scalar's need not."""
+def _put_values(x, indices, values, accumulate, host_value):
+    """``values`` as ``index_put_`` writes them. torch sends ``x[mask] = v`` with one mask, no
+    accumulation and one value to ``masked_fill_``, which refuses a uint8 mask; with the value on
+    the CPU (``x[mask] = torch.tensor(5.0)``) it takes any dtype, as a Scalar. Otherwise the
+    source's dtype must be ``x``'s."""
     given = [i for i in indices if i is not None]
-    return host_value and not accumulate and len(given) == 1 and given[0].dtype in (np.bool_, np.uint8)
+    if not accumulate and len(given) == 1 and values.size == 1:
+        if given[0].dtype == np.uint8:
+            raise TorchRuntimeError("masked_fill_ only supports boolean masks, but got mask with dtype unsigned char")
+        if host_value and given[0].dtype == np.bool_:
+            return values.astype(x.dtype)
+    _check_same_dtype(x, values)
+    return values
 
 
 @register(aten.index_put.default)
 def index_put(x, indices, values, accumulate=False, host_value=False):
-    if _fills_mask(indices, accumulate, host_value):
-        values = values.astype(x.dtype)
-    _check_same_dtype(x, values)
-    _check_masked_fill_mask(indices, values, accumulate)
-    return _index_put(x, indices, values, accumulate, True)
+    return _index_put(x, indices, _put_values(x, indices, values, accumulate, host_value), accumulate, True)
 
 
 @register(aten._unsafe_index_put.default)
@@ -268,11 +264,7 @@ def _unsafe_index_put(x, indices, values, accumulate=False):
 
 @register(aten._index_put_impl.default)
 def _index_put_impl(x, indices, values, accumulate=False, unsafe=False, host_value=False):
-    if _fills_mask(indices, accumulate, host_value):
-        values = values.astype(x.dtype)
-    _check_same_dtype(x, values)
-    _check_masked_fill_mask(indices, values, accumulate)
-    return _index_put(x, indices, values, accumulate, not unsafe)
+    return _index_put(x, indices, _put_values(x, indices, values, accumulate, host_value), accumulate, not unsafe)
 
 
 def _clamped(x, indices):
