@@ -227,7 +227,7 @@ def test_compiled_module_runs_inside_t2j_jit_with_fresh_dropout_masks():
     model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)).train()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model.to("jax"), backend="torch2jax")
-    step = t2j.jit(lambda x: compiled(x))
+    step = t2j.jit(lambda x: compiled(x), fullgraph=True)
     x = torch.randn(4, 8)
     a, b = step(x.to("jax")), step(x.to("jax"))
     assert not torch.equal(a.cpu(), b.cpu())

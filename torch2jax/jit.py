@@ -2773,7 +2773,12 @@ class JitFunction:
                     _wide_step_counters(roots.optimizers), \
                     _sym.traced_builtins(), _unreached_optimizers(roots), _gradient_hooks_counted() as hooks, \
                     _watching_grads(not roots.grads) as grads_seen:
-                out = self.fn(*args, **kwargs)
+                try:
+                    out = self.fn(*args, **kwargs)
+                except Exception as e:
+                    if grads_seen and not isinstance(e, _SeesGrads):  # (re-raised as another error: torch.compile)
+                        raise _SeesGrads() from e
+                    raise
             if grads_seen:  # (the function caught `_SeesGrads`)
                 raise _SeesGrads()
             if _sym.VALUE_ERRORS:  # (one the function caught: it took another branch than torch takes)
