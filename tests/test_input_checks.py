@@ -481,6 +481,10 @@ _KERNEL_DTYPE_CASES = [
           "\"logcumsumexp_out_cpu\" not implemented for 'Long'"),
     _case("<<= of bools", lambda d: _bools(d).__ilshift__(1), RuntimeError,
           "result type Long can't be cast to the desired output type Bool"),
+    _case("cumsum_ of bools", lambda d: _bools(d).cumsum_(0), NotImplementedError,
+          "\"cumsum_out_cpu\" not implemented for 'Bool'"),
+    _case("cumprod_ of bools", lambda d: _bools(d).cumprod_(0), NotImplementedError,
+          "\"cumprod_out_cpu\" not implemented for 'Bool'"),
 ]
 
 

@@ -19,8 +19,8 @@ import torch
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import (_HALF, argmax_index, argmin_index, canonical_dim, canonical_dims, refused_dtypes, register,
-                       scalar_type_name, true_divide, warning)
+from .registry import (_HALF, argmax_index, argmin_index, canonical_dim, canonical_dims, decomposition, refused_dtypes,
+                       register, scalar_type_name, true_divide, warning)
 from .shape import is_traced
 
 aten = torch.ops.aten
@@ -530,6 +530,20 @@ def cumsum(x, dim, *, dtype=None):
 @register(aten.cumprod.default)
 def cumprod(x, dim, *, dtype=None):
     return _scan(jnp.cumprod, x, dim, dtype)
+
+
+# torch's in-place scans run in the tensor's own dtype (their out= kernels), not the functional
+# ops' (int64 for integers and bools): a bool tensor's ``cumsum_`` has no kernel
+
+
+@decomposition(aten.cumsum_.default)
+def cumsum_(x, dim, *, dtype=None):
+    return x.copy_(torch.cumsum(x, dim, dtype=x.dtype if dtype is None else dtype))
+
+
+@decomposition(aten.cumprod_.default)
+def cumprod_(x, dim, *, dtype=None):
+    return x.copy_(torch.cumprod(x, dim, dtype=x.dtype if dtype is None else dtype))
 
 
 refused_dtypes(aten.logcumsumexp, aten._logcumsumexp, kinds="bi")
