@@ -3132,3 +3132,17 @@ def test_view_arguments_run_one_program_from_the_first_call(kind):
             data[i * 4:(i + 1) * 4].contiguous(memory_format=torch.channels_last)
         torch.testing.assert_close(jitted(x), conv(x).sum((1, 2, 3)))
     assert jitted.stats["traces"] == 1, t2j.explain_recompiles()
+
+
+@pytest.mark.parametrize("read", ["as_strided", "as_strided at an offset", "untyped_storage"])
+def test_a_view_argument_read_through_its_storage_is_the_view_itself(read):
+    # a view argument the function only reads is passed as a copy, unless it reads storage the copy lacks
+    fn = {
+        "as_strided": lambda x: x.as_strided((2, 2), (1, 1)) * 1,
+        "as_strided at an offset": lambda x: torch.as_strided(x, (2, 2), (6, 1), 7) * 1,
+        "untyped_storage": lambda x: x.new_empty(0).set_(x.untyped_storage(), 7, (2, 2), (6, 1)) * 1,
+    }[read]
+    base = torch.arange(18.0).reshape(3, 6)
+    jitted, on_device = t2j.jit(fn, fullgraph=read != "untyped_storage"), base.to("jax")
+    for _ in range(2):
+        torch.testing.assert_close(jitted(on_device[1:, ::2]).cpu(), fn(base[1:, ::2]))

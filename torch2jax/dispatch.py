@@ -1541,6 +1541,9 @@ def strided_indices(size, stride, offset):
 def _generic_view_handler(func, args, kwargs):
     """Any view op: torch's meta kernel says where the view's elements lie in storage."""
     x = args[0]
+    if func is aten.as_strided.default:
+        for watch in _tensor.storage_watchers:
+            watch(x)
     meta = _view_meta(func, x, args[1:], kwargs)
     metas = meta if isinstance(meta, list) else [meta]
     if any(m[3] != x.dtype for m in metas) or any(s.forward is None or s.traced_offset for s in x._t2j_view):

@@ -2772,15 +2772,18 @@ class JitFunction:
                     _distribution_validation(), _scaler_steps_in_program(), \
                     _wide_step_counters(roots.optimizers), \
                     _sym.traced_builtins(), _unreached_optimizers(roots), _gradient_hooks_counted() as hooks, \
-                    _watching_grads(not roots.grads) as grads_seen:
+                    _watching_grads(not roots.grads) as grads_seen, _watching_copies(self._copies) as copies_seen:
                 try:
                     out = self.fn(*args, **kwargs)
                 except Exception as e:
-                    if grads_seen and not isinstance(e, _SeesGrads):  # (re-raised as another error: torch.compile)
-                        raise _SeesGrads() from e
+                    if (grads_seen or copies_seen) and not isinstance(e, (_SeesGrads, _KeepViews)):
+                        # (re-raised as another error: torch.compile)
+                        raise (_SeesGrads() if grads_seen else _KeepViews()) from e
                     raise
             if grads_seen:  # (the function caught `_SeesGrads`)
                 raise _SeesGrads()
+            if copies_seen:
+                raise _KeepViews()
             if _sym.VALUE_ERRORS:  # (one the function caught: it took another branch than torch takes)
                 raise _sym.VALUE_ERRORS[0]
             # (a trace is run again after some of its stops: each starts in the call's mode, set again below)
@@ -3052,6 +3055,30 @@ def _watching_grads(watch: bool):
             del torch.Tensor.grad
         else:
             torch.Tensor.grad = saved
+
+
+@contextlib.contextmanager
+def _watching_copies(copies):
+    """While a trace whose view arguments are copies (`JitFunction._view_copies`) runs: an op that
+    reads a copy's storage beyond its elements (``as_strided``, ``untyped_storage()``), where the
+    copy's layout is not the view's, raises `_KeepViews`. Yields a list that is non-empty once
+    that happened (in case the function caught it)."""
+    seen = []
+    if not copies:
+        yield seen
+        return
+    ids = {id(st) for st in copies}
+
+    def watch(t):
+        if id(t._t2j_storage) in ids:
+            seen.append(True)
+            raise _KeepViews()
+
+    _tensor.storage_watchers.append(watch)
+    try:
+        yield seen
+    finally:
+        _tensor.storage_watchers.remove(watch)
 
 
 # XLA options for a program compiled to run once (`JitFunction._first_entry`): the lowest backend

@@ -46,6 +46,9 @@ DEVICE = torch.device(_device.NAME, 0)
 # While `t2j.jit` traces a function, the tracer of its state: it learns of every
 # storage created and every tensor read (see torch2jax/jit.py).
 CAPTURE = None
+# Called with a tensor whose storage an op reads beyond the tensor's elements (``as_strided``,
+# ``untyped_storage()``): a trace whose view arguments are copies stops there (`torch2jax.jit._watching_copies`).
+storage_watchers: list = []
 
 # torch's active fake mode, if any (looked up on every op: bound once)
 _dispatch_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
@@ -558,6 +561,8 @@ class Tensor(torch.Tensor):
         return "Parameter containing:\n" + text if getattr(self, "_is_param", False) else text
 
     def untyped_storage(self):
+        for watch in storage_watchers:
+            watch(self)
         return _StorageHandle(self._t2j_storage)
 
     def data_ptr(self):
