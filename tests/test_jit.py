@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import importlib
@@ -3146,3 +3147,20 @@ def test_a_view_argument_read_through_its_storage_is_the_view_itself(read):
     jitted, on_device = t2j.jit(fn, fullgraph=read != "untyped_storage"), base.to("jax")
     for _ in range(2):
         torch.testing.assert_close(jitted(on_device[1:, ::2]).cpu(), fn(base[1:, ::2]))
+
+
+def test_a_list_or_dict_argument_the_function_changes_is_changed():
+    def f(x, log, metrics):
+        log.append(x.sum().item())
+        metrics["y"] = x + 1
+        return x * 2
+
+    jitted = t2j.jit(f)
+    for i in range(2):
+        log, metrics = [], {}
+        with pytest.warns(UserWarning, match="changed a list or dict it was passed") if i == 0 else \
+                contextlib.nullcontext():
+            out = jitted(torch.ones(2, device="jax"), log, metrics)
+        assert log == [2.0] and list(metrics) == ["y"]
+        torch.testing.assert_close(metrics["y"].cpu(), torch.full((2,), 2.0))
+        torch.testing.assert_close(out.cpu(), torch.full((2,), 2.0))

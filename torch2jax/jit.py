@@ -549,6 +549,13 @@ def _count_tensors(summary) -> int:
     return sum(_count_tensors(v) for v in summary) if isinstance(summary, tuple) else 0
 
 
+def _containers_changed(args, kwargs, leaves, spec) -> bool:
+    """Whether a trace changed the lists or dicts among its arguments: ``args`` and ``kwargs``
+    were rebuilt from ``leaves`` and ``spec`` for it, so the caller's own never see the change."""
+    now, now_spec = torch_pytree.tree_flatten((args, kwargs))
+    return now_spec != spec or any(a is not b for a, b in zip(now, leaves))
+
+
 def _find_roots(fn, args, kwargs) -> _Roots:
     roots = _Roots()
     roots.add(fn)
@@ -2250,7 +2257,9 @@ class JitFunction:
         function's own error, the eager run raises it (after the ops before it, as in torch); if
         it does not, the error was the trace's, and the key runs eagerly from now on."""
         self.stats["eager_calls"] += 1
-        args, kwargs = torch_pytree.tree_unflatten(leaves, torch_pytree.tree_structure((args, kwargs), _is_size))
+        given, spec = torch_pytree.tree_flatten((args, kwargs), _is_size)
+        if any(a is not b for a, b in zip(given, leaves)):  # (CPU tensors moved to the device)
+            args, kwargs = torch_pytree.tree_unflatten(leaves, spec)
         out = self.fn(*args, **kwargs)
         if eager.raised:
             # (a trace that fails where torch does not: a torch2jax limitation or bug, worth reporting)
@@ -2784,6 +2793,11 @@ class JitFunction:
                 raise _SeesGrads()
             if copies_seen:
                 raise _KeepViews()
+            if _containers_changed(args, kwargs, leaves, spec):
+                raise OpError(
+                    "torch2jax: the function changed a list or dict it was passed (an item set, added or removed); a "
+                    "compiled call would leave the caller's unchanged. Return the values instead, or hold the "
+                    "container in a closure or an object's attribute.")
             if _sym.VALUE_ERRORS:  # (one the function caught: it took another branch than torch takes)
                 raise _sym.VALUE_ERRORS[0]
             # (a trace is run again after some of its stops: each starts in the call's mode, set again below)
