@@ -3164,3 +3164,16 @@ def test_a_list_or_dict_argument_the_function_changes_is_changed():
         assert log == [2.0] and list(metrics) == ["y"]
         torch.testing.assert_close(metrics["y"].cpu(), torch.full((2,), 2.0))
         torch.testing.assert_close(out.cpu(), torch.full((2,), 2.0))
+
+
+def test_an_argument_bound_to_another_tensors_values_is_bound_on_every_call():
+    def f(x, z):
+        x.data = z * 3
+        return x.sum()
+
+    jitted = t2j.jit(f)
+    for i in range(3):
+        x, z = torch.zeros(3, device="jax"), torch.full((3,), float(i), device="jax")
+        with pytest.warns(UserWarning, match="binds the tensor it was given") if i == 0 else contextlib.nullcontext():
+            assert jitted(x, z).item() == 9.0 * i
+        torch.testing.assert_close(x.cpu(), torch.full((3,), 3.0 * i))

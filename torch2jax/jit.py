@@ -470,8 +470,8 @@ def _binding(t):
 def _check_layouts(slots, before, storages, arguments):
     """Stop the trace (a graph break: the call runs eagerly) where the function changed the
     shape or strides of a tensor it was given (``resize_``, ``t_``, ``.data =``), or of one it
-    reaches over its own storage (``unsqueeze_``): a compiled call writes values back, not
-    layouts, so later calls would leave the tensor as it was. State it reaches that is bound
+    reaches over its own storage (``unsqueeze_``), or bound an argument to another storage: a
+    compiled call writes values back, not layouts, so later calls would leave the tensor as it was. State it reaches that is bound
     to a new storage (``p.data = v[6:9]`` of a new ``v``, as ``vector_to_parameters``, or a
     growing ``resize_``) stays bound to it, and the program writes that storage on every call."""
     for k, (t, old, st) in enumerate(zip(slots.tensors, before, storages)):
@@ -479,6 +479,12 @@ def _check_layouts(slots, before, storages, arguments):
             name = slots.names[k] if slots.names else f"state tensor {k}"
             raise OpError(f"t2j.jit: the function changes the shape or strides of {name} in place "
                           f"({list(old[0])} -> {list(t.shape)}), which a compiled program cannot repeat")
+        if old is not None and id(t) in arguments and t._t2j_storage is not st:
+            # (the next call's argument is another tensor: the program would write a storage it does not hold)
+            name = slots.names[k] if slots.names else f"argument tensor {k}"
+            raise OpError(f"t2j.jit: the function binds the tensor it was given ({name}) to another tensor's "
+                          "values (.data =, set_), which a compiled program cannot repeat for the next call's argument; write its "
+                          "values instead (x.copy_(v))")
 
 
 def _check_python_state(fn, objects, before, names=frozenset()):
