@@ -605,3 +605,25 @@ def test_eigen_decomposition_of_a_general_matrix_differentiates_through_a_jitted
     f(cpu).backward()
     t2j.jit(f)(jx).backward()
     torch.testing.assert_close(jx.grad.cpu(), cpu.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_hook_registered_by_a_trace_that_stops_is_registered_once(hook):
+    def double_grad(p):
+        p.grad.mul_(2)
+
+    def f(x):
+        if hook == "register_hook":
+            x.register_hook(lambda g: g * 2)
+        else:
+            x.register_post_accumulate_grad_hook(double_grad)
+        nonzero = (x > 0).nonzero()  # a graph break: the call runs eagerly after the trace stops
+        (x * 3).sum().backward()
+        return nonzero
+
+    x = torch.ones(3, requires_grad=True)
+    f(x)
+    on_device = torch.ones(3, device="jax", requires_grad=True)
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        t2j.jit(f)(on_device)
+    torch.testing.assert_close(on_device.grad.cpu(), x.grad)

@@ -3689,21 +3689,28 @@ def _static_key(leaves, numbers=(), by_value=None):
 
 
 def _snapshot(slots, roots):
-    """What a failed trace must put back: slot contents, optimizer state dicts and the
-    tensors in the places the function can assign to (`_Places`)."""
+    """What a failed trace must put back: slot contents, optimizer state dicts, the
+    tensors in the places the function can assign to (`_Places`) and the slot tensors'
+    hooks (``x.register_hook`` in a trace that stops is registered again by the eager run)."""
     pointed = [(setter, t) for setter, t in zip(slots.setters, slots.tensors) if setter is not None]
     opt_states = [(opt, {p: dict(st) for p, st in opt.state.items()}) for opt in roots.optimizers]
-    return pointed, opt_states, _Places(roots)
+    hooks = [(t, set(t._backward_hooks or ()), set(t._post_accumulate_grad_hooks or ()))
+             for t in slots.tensors if t is not None]
+    return pointed, opt_states, _Places(roots), hooks
 
 
 def _restore(snapshot):
-    pointed, opt_states, places = snapshot
+    pointed, opt_states, places, hooks = snapshot
     for setter, t in pointed:
         setter(t)
     for opt, states in opt_states:
         opt.state.clear()
         opt.state.update(states)
     places.restore(lists=True)
+    for t, backward, post_accumulate in hooks:
+        for h, keys in ((t._backward_hooks, backward), (t._post_accumulate_grad_hooks, post_accumulate)):
+            for k in (h.keys() - keys if h else ()):
+                del h[k]
 
 
 def _put(kind, container, key, value):
