@@ -627,3 +627,15 @@ def test_a_hook_registered_by_a_trace_that_stops_is_registered_once(hook):
     with pytest.warns(UserWarning, match="runs eagerly"):
         t2j.jit(f)(on_device)
     torch.testing.assert_close(on_device.grad.cpu(), x.grad)
+
+
+def test_a_gradient_through_overlapping_as_strided_windows_inside_the_step():
+    def f(x):
+        x.as_strided((3, 3), (1, 1)).sum().backward()
+        return x.grad
+
+    x = torch.randn(6, requires_grad=True)
+    expected = f(x)
+    for _ in range(2):
+        on_device = torch.randn(6, device="jax", requires_grad=True)
+        torch.testing.assert_close(t2j.jit(f, fullgraph=True)(on_device).cpu(), expected)

@@ -1535,7 +1535,8 @@ def strided_indices(size, stride, offset):
         shape = [1] * len(size)
         shape[d] = n
         idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(shape)
-    return idx
+    # (int32 where they fit: JAX takes them with or without 64-bit mode, as a view is read outside it)
+    return idx.astype(np.int32) if idx.size and idx.max() < 2**31 else idx
 
 
 def _generic_view_handler(func, args, kwargs):
