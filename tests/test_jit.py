@@ -3177,3 +3177,21 @@ def test_an_argument_bound_to_another_tensors_values_is_bound_on_every_call():
         with pytest.warns(UserWarning, match="binds the tensor it was given") if i == 0 else contextlib.nullcontext():
             assert jitted(x, z).item() == 9.0 * i
         torch.testing.assert_close(x.cpu(), torch.full((3,), 3.0 * i))
+
+
+def test_a_returned_learning_rate_is_the_python_number_it_is():
+    model = nn.Linear(4, 2).to("jax")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+
+    @t2j.jit
+    def step(x):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        return {"lr": opt.param_groups[0]["lr"]}
+
+    for expected in (0.1, 0.05, 0.025):
+        lr = step(torch.randn(8, 4, device="jax"))["lr"]
+        assert type(lr) is float and lr == expected
+        schedule.step()

@@ -1731,8 +1731,9 @@ class _Outputs:
     """What a traced call gives back, and how each call makes it again (`_output`): the
     arrays a program returns, and per output a kind (see `_Entry.out_leaves`)."""
 
-    def __init__(self, slots, storages, pre_index, arg_index):
+    def __init__(self, slots, storages, pre_index, arg_index, lifted_index):
         self.slots, self.storages, self.pre_index, self.arg_index = slots, storages, pre_index, arg_index
+        self.lifted_index = lifted_index  # id of a tensor standing for a lifted number (a group's lr) -> its index
         self.arrays, self.grad_outs = [], []
         self.histories = []  # of those, the outputs an op made (with a grad_fn), not leaves made inside
         self.saved_results = []  # of those, the outputs their op saved for its backward (sigmoid's, exp's)
@@ -1815,6 +1816,8 @@ class _Outputs:
             return "const", leaf
         if id(leaf) in self.arg_index:
             return "arg", self.arg_index[id(leaf)]
+        if id(leaf) in self.lifted_index:  # (``return opt.param_groups[0]["lr"]``: the Python number it is)
+            return "lifted", self.lifted_index[id(leaf)]
         if id(leaf) in self.pre_index:
             return "pre", self.pre_index[id(leaf)]
         if (view := _view_of_slot(leaf, self.slots.tensors, self.storages)) is not None:
@@ -1904,6 +1907,8 @@ def _output(kind, v, arrays, slots, leaves):
         return slots.tensors[v]
     if kind == "arg":
         return leaves[v]
+    if kind == "lifted":
+        return slots.lifted[v].current()
     if kind == "view_of_made":  # (a base returned as an array is one tensor per call: its views share it)
         (base_kind, base_v), size, stride, offset, grad_mode = v
         base = _output(base_kind, base_v, arrays, slots, leaves)
@@ -2037,7 +2042,7 @@ class _Entry:
     # after a call; the last, for an argument's .grad, is the slot of the argument, found again on each call
     post: list
     out_def: object  # torch pytree spec of the outputs
-    # per output leaf: ("array" | "array32" | "number", k) | ("laid_out", (k, order)) | ("pre", slot)
+    # per output leaf: ("array" | "array32" | "number", k) | ("laid_out", (k, order)) | ("pre", slot) | ("lifted", i)
     # | ("arg", k) | ("view", `_view_of_slot`) | ("view_of_leaf", ...) | ("view_of_made", ...) | ("const", value)
     out_leaves: list
     # (setter, output kind | ("leaf", position)) per place the trace stored a tensor in (`_Places`),
@@ -2847,7 +2852,8 @@ class JitFunction:
             del out
             pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}
             arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
-            made = _Outputs(slots, storages, pre_index, arg_index)
+            made = _Outputs(slots, storages, pre_index, arg_index,
+                            {id(v): i for i, v in enumerate(values) if isinstance(v, Tensor)})
             out_order = _classification_order(out_leaves)
             kinds = [None] * len(out_leaves)
             for position in out_order:
