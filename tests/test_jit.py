@@ -3195,3 +3195,33 @@ def test_a_returned_learning_rate_is_the_python_number_it_is():
         lr = step(torch.randn(8, 4, device="jax"))["lr"]
         assert type(lr) is float and lr == expected
         schedule.step()
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.Adam(p, lr=0.01), lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
+    lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, fused=True)], ids=["Adam", "fused AdamW", "fused SGD"])
+def test_a_learning_rate_set_inside_the_step_from_an_argument_compiles_once(make):
+    # the fused steps take lr as a Python float: the program's lr goes to their tensor-lr overloads
+    torch.manual_seed(0)
+    model, x = nn.Linear(4, 2), torch.randn(8, 4)
+    on_device = copy.deepcopy(model).to("jax")
+
+    def make_step(m, opt, inputs):
+        def step(lr):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.zero_grad()
+            loss = m(inputs).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    step = make_step(model, make(model.parameters()), x)
+    jitted = t2j.jit(make_step(on_device, make(on_device.parameters()), x.to("jax")))
+    for i in range(5):
+        torch.testing.assert_close(jitted(0.01 / (1 + i)).cpu(), step(0.01 / (1 + i)))
+    for p, q in zip(model.parameters(), on_device.parameters()):
+        torch.testing.assert_close(q.cpu(), p)
+    assert jitted.stats["traces"] == 2, t2j.explain_recompiles()

@@ -528,6 +528,8 @@ def _number_torch_function(cls, func, types, args=(), kwargs=None):
             return out
     elif func is torch.Tensor.__setitem__ and _index_holds_traced(args[1]) and _set_item(*args):
         return None
+    elif func in _FUSED_STEPS and is_traced_number(kwargs.get("lr")):
+        kwargs = {**kwargs, "lr": _lr_tensor(kwargs["lr"], args[0])}
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
     if _host_tensors(out) and (_traced_in(args) or _traced_in(kwargs.values())):
@@ -540,6 +542,19 @@ def _number_torch_function(cls, func, types, args=(), kwargs=None):
             "tensor to the jax device."
         )
     return out
+
+
+# torch.optim's fused steps, whose Python-float ``lr`` has a tensor overload: a traced lr (a group's
+# lr set inside the step from a number the program takes) is passed as a tensor, not guarded by value
+_FUSED_STEPS = frozenset({torch._fused_adam_, torch._fused_adamw_, torch._fused_sgd_})
+
+
+def _lr_tensor(lr, params):
+    """``lr`` as the 0-d tensor torch.optim's tensor-lr paths take: float64 for float64 parameters."""
+    from .tensor import new_tensor
+
+    wide = any(p.dtype == torch.float64 for p in params)
+    return new_tensor(jnp.asarray(value_of(lr), jnp.float64 if wide else jnp.float32))
 
 
 def _on_device_if_host(x):
