@@ -3225,3 +3225,26 @@ def test_a_learning_rate_set_inside_the_step_from_an_argument_compiles_once(make
     for p, q in zip(model.parameters(), on_device.parameters()):
         torch.testing.assert_close(q.cpu(), p)
     assert jitted.stats["traces"] == 2, t2j.explain_recompiles()
+
+
+def test_a_dict_holding_the_hidden_state_between_steps_warns_of_nothing():
+    # truncated BPTT: ``state["h"]`` goes from None to the detached (h, c), stored again by every call
+    torch.manual_seed(0)
+    rnn, seq = nn.LSTM(4, 5, batch_first=True), torch.randn(2, 17, 4)
+
+    def make_step(lstm, state):
+        def step(x):
+            out, hc = lstm(x, state["h"])
+            state["h"] = tuple(t.detach() for t in hc)
+            return out.sum()
+
+        return step
+
+    state, on_device = {"h": None}, {"h": None}
+    step, jitted = make_step(rnn, state), t2j.jit(make_step(copy.deepcopy(rnn).to("jax"), on_device))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(0, 16, 4):
+            torch.testing.assert_close(jitted(seq[:, i:i + 4].to("jax")).cpu(), step(seq[:, i:i + 4]))
+    torch.testing.assert_close(on_device["h"][0].cpu(), state["h"][0])
+    assert jitted.stats["traces"] == 2, t2j.explain_recompiles()

@@ -471,8 +471,8 @@ def _check_layouts(slots, before, storages, arguments):
     """Stop the trace (a graph break: the call runs eagerly) where the function changed the
     shape or strides of a tensor it was given (``resize_``, ``t_``, ``.data =``), or of one it
     reaches over its own storage (``unsqueeze_``), or bound an argument to another storage: a
-    compiled call writes values back, not layouts, so later calls would leave the tensor as it was. State it reaches that is bound
-    to a new storage (``p.data = v[6:9]`` of a new ``v``, as ``vector_to_parameters``, or a
+    compiled call writes values back, not layouts, so later calls would leave the tensor as it
+    was. State it reaches that is bound to a new storage (``p.data = v[6:9]`` of a new ``v``, as ``vector_to_parameters``, or a
     growing ``resize_``) stays bound to it, and the program writes that storage on every call."""
     for k, (t, old, st) in enumerate(zip(slots.tensors, before, storages)):
         if old is not None and (t._t2j_storage is st or id(t) in arguments) and _layout(t) != old:
@@ -507,6 +507,8 @@ def _check_python_state(fn, objects, before, names=frozenset()):
         name = getattr(fn, "__qualname__", fn)
         if isinstance(obj, dict) and len(obj) <= 32 and _only_flags_turned(old["items"], new["items"]):
             continue  # (its items are guarded values: `_Roots._read_values`)
+        if _only_tensors_stored(obj, old["items"], new["items"]):
+            continue  # (every call stores them again: `_Places`)
         if isinstance(obj, (list, dict)):
             kind = type(obj).__name__
             if _count_tensors(new["items"]) > _count_tensors(old["items"]):
@@ -547,6 +549,32 @@ def _only_flags_turned(old_items, new_items) -> bool:
     """Whether a dict's summarized items (`_python_value`) differ only by flags turned."""
     return len(old_items) == len(new_items) and all(
         a[0] == b[0] and (a[1] == b[1] or _is_flag_change(a[1], b[1])) for a, b in zip(old_items, new_items))
+
+
+def _only_tensors_stored(obj, old_items, new_items) -> bool:
+    """Whether the items of a list or dict (summarized by `_python_value`) changed only where
+    tensors were stored (``state["h"] = (h, c)`` in place of None) or taken out, which every
+    call does again, not by an item added to a list or a Python value changed."""
+    if isinstance(obj, dict):
+        old, new = dict(old_items), dict(new_items)
+        return all(_stored_tensors(old.get(k, _MISSING), new.get(k, _MISSING)) for k in old.keys() | new.keys()
+                   if old.get(k, _MISSING) != new.get(k, _MISSING))
+    return isinstance(obj, list) and len(old_items) == len(new_items) and all(
+        a == b or _stored_tensors(a, b) for a, b in zip(old_items, new_items))
+
+
+def _stored_tensors(old, new) -> bool:
+    """Whether an item went from ``old`` to ``new`` (summaries, or _MISSING) by tensors stored or taken out."""
+    if _tensors_only(new):
+        return old is None or old is _MISSING or _tensors_only(old)
+    return new is _MISSING and _tensors_only(old)
+
+
+def _tensors_only(summary) -> bool:
+    """Whether a `_python_value` summary stands for a tensor, or a non-empty tuple of only tensors."""
+    if summary is _TENSOR:
+        return True
+    return type(summary) is tuple and len(summary) > 0 and all(_tensors_only(v) for v in summary)
 
 
 def _count_tensors(summary) -> int:
