@@ -416,6 +416,9 @@ def _complex(d):
 
 
 _INDEX_SHAPE_CASES = [
+    _case("mask assignment of another shape", lambda d: torch.zeros(3, 4, device=d).__setitem__(
+        torch.tensor([True, False], device=d), 1.0), IndexError,
+        "The shape of the mask [2] at index 0 does not match the shape of the indexed tensor [3, 4] at index 0"),
     _case("gather index larger than self", lambda d: torch.gather(torch.ones(3, 4, device=d), 1, _long(4, 2, d=d)),
           RuntimeError, "Size does not match at dimension 0 expected index [4, 2] to be no larger than self [3, 4] "
                         "apart from dimension 1"),

@@ -117,15 +117,20 @@ def _expand_masks(x, indices, name):
             x = jnp.expand_dims(x, d)
             out.append(jnp.zeros((int(bool(m)),), _LONG))
             continue
-        for k, n in enumerate(i.shape):
-            if d + k >= x.ndim or x.shape[d + k] != n:
-                raise IndexError(
-                    f"The shape of the mask {list(i.shape)} at index {k} does not match the shape of the indexed "
-                    f"tensor {list(x.shape)} at index {d + k}"
-                )
+        _check_mask_shape(x, i, d)
         (m,) = _concrete(name, i)
         out.extend(jnp.asarray(c, _LONG) for c in np.nonzero(m))
     return x, out
+
+
+def _check_mask_shape(x, mask, d):
+    """torch's IndexError for a boolean mask indexing ``x`` from dim ``d`` whose shape is not x's there."""
+    for k, n in enumerate(mask.shape):
+        if d + k >= x.ndim or x.shape[d + k] != n:
+            raise IndexError(
+                f"The shape of the mask {list(mask.shape)} at index {k} does not match the shape of the indexed "
+                f"tensor {list(x.shape)} at index {d + k}"
+            )
 
 
 def _index_tuple(x, indices, check):
@@ -169,6 +174,7 @@ def _masked_put(x, indices, values, accumulate):
     if len(masks) != 1 or not _is_mask(masks[0][1]):
         return None
     d, m = masks[0]
+    _check_mask_shape(x, m, d)
     rest = x.shape[d + m.ndim :]
     if values.ndim > len(rest) or jnp.broadcast_shapes(values.shape, rest) != tuple(rest):
         return None
