@@ -534,20 +534,65 @@ def test_an_error_part_way_leaves_torch_s_effects():
     torch.testing.assert_close(run("jax"), run("cpu"))
 
 
-def test_scheduler_inside_raises():
-    lin = nn.Linear(2, 2).to("jax")
-    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
+_SCHEDULERS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 0.1, total_steps=20),
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(o, [
+        torch.optim.lr_scheduler.LinearLR(o, 0.1, 1.0, 3), torch.optim.lr_scheduler.ExponentialLR(o, 0.9)], [3]),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5,
+                                                                              threshold=0.5),
+}
 
-    @t2j.jit
-    def step(x):
-        opt.zero_grad()
-        lin(x).sum().backward()
-        opt.step()
-        sched.step()
 
-    with pytest.raises(RuntimeError, match="scheduler"):
-        step(torch.ones(1, 2, device="jax"))
+@pytest.mark.parametrize("name", list(_SCHEDULERS))
+def test_a_scheduler_stepping_inside_the_step_runs_after_each_program(name):
+    torch.manual_seed(0)
+    model, x = nn.Linear(4, 2), torch.randn(8, 4)
+
+    def make_step(m, inputs):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        sched = _SCHEDULERS[name](opt)
+
+        def step():
+            opt.zero_grad()
+            loss = m(inputs).pow(2).mean()
+            loss.backward()
+            opt.step()
+            sched.step(*([loss] if name == "ReduceLROnPlateau" else []))
+            return loss
+
+        return step, opt
+
+    (step, opt), (jitted, opt_j) = make_step(model, x), make_step(copy.deepcopy(model).to("jax"), x.to("jax"))
+    jitted = t2j.jit(jitted, fullgraph=True)
+    for _ in range(8):
+        torch.testing.assert_close(jitted().cpu(), step())
+        assert opt_j.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert jitted.stats["traces"] == 2, t2j.explain_recompiles()
+
+
+def test_a_scheduler_stepping_before_the_optimizer_in_the_step_runs_eagerly():
+    def make_step(device):
+        lin = nn.Linear(2, 2).to(device)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
+
+        def step(x):
+            opt.zero_grad()
+            lin(x).sum().backward()
+            sched.step()
+            opt.step()
+
+        return step, opt
+
+    (step, opt), (jitted, opt_j) = make_step("cpu"), make_step("jax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's own, of a scheduler stepped before the optimizer)
+        step(torch.ones(1, 2))
+    with pytest.warns(UserWarning, match="steps an LR scheduler before an optimizer step"):
+        t2j.jit(jitted)(torch.ones(1, 2, device="jax"))
+    assert opt_j.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.05
 
 
 def test_outputs_structure_and_cpu_inputs():

@@ -807,6 +807,65 @@ def _scaler_steps_in_program():
         GradScaler._maybe_opt_step = original
 
 
+def _scheduler_classes() -> list:
+    """torch's LR scheduler classes that define ``step`` (the base class and its overriders), and users' subclasses."""
+    todo, found = [torch.optim.lr_scheduler.LRScheduler], []
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if "step" in vars(cls):
+            found.append(cls)
+    return found
+
+
+@contextlib.contextmanager
+def _scheduler_steps_after_the_program():
+    """While tracing, an LR scheduler's ``step()`` is recorded, not run: it changes Python state
+    (its epoch counter, the groups' ``lr``) that a program cannot, so each call runs it on the host
+    after the program (`_Entry.stores`), with the program's values of its arguments (the metric of
+    ReduceLROnPlateau), and the next call reads the new ``lr`` (a program input). Yields the list of
+    (scheduler, (args, kwargs), optimizer steps before it) recorded. A scheduler step an optimizer
+    step of the same call follows would change that step's ``lr``: the call runs eagerly."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps, tracing, optimizer_steps = [], threading.get_ident(), [0]
+    classes = [(cls, vars(cls)["step"]) for cls in _scheduler_classes()]
+
+    def deferring(original):
+        @functools.wraps(original)
+        def step(scheduler, *args, **kwargs):
+            if threading.get_ident() != tracing or getattr(scheduler, "_step_count", None) == 0:
+                return original(scheduler, *args, **kwargs)  # (another thread's, or its constructor's first)
+            steps.append((scheduler, (args, kwargs), optimizer_steps[0]))
+            return None
+
+        return step
+
+    def count(optimizer, args, kwargs):
+        if threading.get_ident() == tracing:
+            optimizer_steps[0] += 1
+
+    handle = register_optimizer_step_post_hook(count)
+    for cls, original in classes:
+        cls.step = deferring(original)
+    try:
+        yield steps
+    finally:
+        handle.remove()
+        for cls, original in classes:
+            cls.step = original
+    if any(n < optimizer_steps[0] for _, _, n in steps):
+        raise OpError(
+            "t2j.jit: the function steps an LR scheduler before an optimizer step of the same call; a scheduler "
+            "runs on the host after each call's program, so call scheduler.step() after the last optimizer.step() "
+            "(torch's order) or outside the jitted function")
+
+
+def _step_scheduler(scheduler, given):
+    args, kwargs = given
+    scheduler.step(*args, **kwargs)
+
+
 def _step_unless_found_inf(optimizer, found, args, kwargs):
     """``optimizer.step(*args, **kwargs)`` whose writes count only where no ``found`` tensor is set.
 
@@ -1017,6 +1076,16 @@ def _list_item(container, i) -> str:
 def _is_number(v) -> bool:
     """A Python number or a traced one (what a lifted number becomes by arithmetic in a trace)."""
     return _lifted_number(v) or _sym.is_traced_number(v)
+
+
+def _is_lr_tensor(v) -> bool:
+    """A 0-d floating-point jax tensor outside autograd: a learning rate an LR scheduler computed
+    inside a trace from the one standing for the group's (`_hyper_input`), stored back as a number."""
+    return isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point() and not v.requires_grad
+
+
+def _write_item(site, t):
+    site.write(t.item())
 
 
 def _is_cpu_scalar(v) -> bool:
@@ -2820,7 +2889,8 @@ class JitFunction:
                     _distribution_validation(), _scaler_steps_in_program(), \
                     _wide_step_counters(roots.optimizers), \
                     _sym.traced_builtins(), _unreached_optimizers(roots), _gradient_hooks_counted() as hooks, \
-                    _watching_grads(not roots.grads) as grads_seen, _watching_copies(self._copies) as copies_seen:
+                    _watching_grads(not roots.grads) as grads_seen, _watching_copies(self._copies) as copies_seen, \
+                    _scheduler_steps_after_the_program() as scheduler_steps:
                 try:
                     out = self.fn(*args, **kwargs)
                 except Exception as e:
@@ -2864,6 +2934,10 @@ class JitFunction:
                     numbers_stored.append((site, new))  # (a counter the function advances)
                 elif isinstance(site, _GroupSite) and site.changed(v) and _is_number(new := site.current()):
                     numbers_stored.append((site, new))  # (a warm-up setting ``group["lr"]`` itself)
+                elif isinstance(site, _GroupSite) and _is_lr_tensor(new := site.current()) and (
+                        site.changed(v) or v._t2j_storage.array is not a):
+                    # (a scheduler stepping: ``lr * gamma`` of the tensor standing for the lr, or written into it)
+                    numbers_stored.append((site, new))
                 elif site.changed(v) or (a is not None and v._t2j_storage.array is not a):
                     raise JitError(
                         f"t2j.jit: {site.what()} changed inside the jitted function (an LR scheduler stepping "
@@ -2880,8 +2954,9 @@ class JitFunction:
             del out
             pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}
             arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
-            made = _Outputs(slots, storages, pre_index, arg_index,
-                            {id(v): i for i, v in enumerate(values) if isinstance(v, Tensor)})
+            made = _Outputs(slots, storages, pre_index, arg_index, {
+                id(v): i for i, (v, a) in enumerate(zip(values, arrays))
+                if isinstance(v, Tensor) and v._t2j_storage.array is a})
             out_order = _classification_order(out_leaves)
             kinds = [None] * len(out_leaves)
             for position in out_order:
@@ -2892,7 +2967,10 @@ class JitFunction:
             # a number argument stored as it is (``group["lr"] = lr``) is stored from the call's arguments
             arg_numbers = {id(v): site.index for site, v in zip(slots.lifted, values) if isinstance(site, _ArgSite)}
             stores += [(site.write, ("arg", arg_numbers[id(new)]) if id(new) in arg_numbers else made.stored(new))
+                       if not isinstance(new, Tensor) else (functools.partial(_write_item, site), made.stored(new))
                        for site, new in numbers_stored]
+            stores += [(functools.partial(_step_scheduler, scheduler), made.stored(given))
+                       for scheduler, given, _ in scheduler_steps]
             for container, (how, items) in rewritten:
                 if how == "extend":
                     stores.append((functools.partial(_extend, container), made.stored(items)))
