@@ -3293,3 +3293,14 @@ def test_a_dict_holding_the_hidden_state_between_steps_warns_of_nothing():
             torch.testing.assert_close(jitted(seq[:, i:i + 4].to("jax")).cpu(), step(seq[:, i:i + 4]))
     torch.testing.assert_close(on_device["h"][0].cpu(), state["h"][0])
     assert jitted.stats["traces"] == 2, t2j.explain_recompiles()
+
+
+def test_sizes_from_tensor_values_stop_the_trace_with_a_reason():
+    def f(x, hw):
+        return F.interpolate(x, size=(hw[0], hw[1]), mode="bilinear", align_corners=True)
+
+    x, hw = torch.randn(1, 4, 4, 4), torch.tensor([3, 2])
+    with pytest.warns(UserWarning, match="a size computed from a tensor's values"):
+        torch.testing.assert_close(t2j.jit(f)(x.to("jax"), hw.to("jax")).cpu(), f(x, hw))
+    with pytest.raises(RuntimeError, match="a size computed from a tensor's values"):
+        t2j.jit(f, fullgraph=True)(x.to("jax"), hw.to("jax"))

@@ -583,6 +583,16 @@ def _count_tensors(summary) -> int:
     return sum(_count_tensors(v) for v in summary) if isinstance(summary, tuple) else 0
 
 
+def _size_from_values(e: Exception) -> Exception:
+    """``e``, or the graph break it stands for: torch's C++ refusing a traced number where a list
+    of sizes must hold concrete integers (``F.interpolate(x, size=(h, w))`` of 0-d tensors)."""
+    if type(e) is RuntimeError and "expected to contain only concrete integers" in str(e):
+        return OpError("torch2jax: a size computed from a tensor's values (a traced number: a 0-d tensor or "
+                       "t.item() as a size) reached an op whose result shape depends on it; pass the sizes as "
+                       "Python ints to keep the function one program")
+    return e
+
+
 def _containers_changed(args, kwargs, leaves, spec) -> bool:
     """Whether a trace changed the lists or dicts among its arguments: ``args`` and ``kwargs``
     were rebuilt from ``leaves`` and ``spec`` for it, so the caller's own never see the change."""
@@ -2521,6 +2531,10 @@ class JitFunction:
                 raise _leaked(self.fn) from e
             except Exception as e:
                 if not new:
+                    if (stop := _size_from_values(e)) is not e:
+                        e = stop
+                        if self.fullgraph:
+                            raise stop from None
                     if self.fullgraph or isinstance(e, JitError):
                         raise
                     if not isinstance(e, _GRAPH_BREAKS):
