@@ -507,7 +507,7 @@ def _check_python_state(fn, objects, before, names=frozenset()):
         name = getattr(fn, "__qualname__", fn)
         if isinstance(obj, dict) and len(obj) <= 32 and _only_flags_turned(old["items"], new["items"]):
             continue  # (its items are guarded values: `_Roots._read_values`)
-        if _only_tensors_stored(obj, old["items"], new["items"]):
+        if isinstance(obj, (list, dict)) and _only_tensors_stored(obj, old["items"], new["items"]):
             continue  # (every call stores them again: `_Places`)
         if isinstance(obj, (list, dict)):
             kind = type(obj).__name__
