@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import pickle
 import random
+import re
 
 import numpy as np
 import pytest
@@ -821,3 +822,32 @@ def test_a_restored_state_restores_the_seed(device):
     old = torch.jax.get_rng_state()[:-8]  # (a state saved before it held the seed: the seed stays)
     torch.jax.set_rng_state(old)
     assert torch.jax.initial_seed() == 4 and torch.equal(torch.jax.get_rng_state()[:-8], old)
+
+
+def test_bernoulli_of_a_tiny_probability_is_not_rounded_up():
+    # a float32 uniform below p would draw ones with probability 2**-24 at least (torch draws a double)
+    torch.manual_seed(0)
+    draws = torch.empty(4_000_000, device="jax")
+    assert draws.bernoulli_(1e-9).sum().item() == 0
+    assert draws.bernoulli_(1.0).sum().item() == draws.numel()
+    assert abs(draws.bernoulli_(0.3).mean().item() - 0.3) < 1e-3
+
+
+@pytest.mark.parametrize("dtype,low,high", [
+    (torch.float32, -2e38, 2e38), (torch.float64, -1e308, 1e308), (torch.bfloat16, -2e38, 2e38),
+    (torch.float16, 0, 70000), (torch.float16, -70000, 0), (torch.float32, 0, 1e39)])
+def test_uniform_bounds_beyond_the_dtype_raise_as_torch(dtype, low, high):
+    with pytest.raises(RuntimeError) as expected:
+        torch.empty(3, dtype=dtype).uniform_(low, high)
+    with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
+        torch.empty(3, dtype=dtype, device="jax").uniform_(low, high)
+
+
+@pytest.mark.parametrize("call", [
+    lambda d: torch._sample_dirichlet(torch.zeros(2, device=d)),
+    lambda d: torch.binomial(torch.full((3,), 5.0, device=d), torch.full((3,), 1.5, device=d)),
+    lambda d: torch.binomial(torch.full((3,), -5.0, device=d), torch.full((3,), 0.5, device=d)),
+    lambda d: torch._standard_gamma(torch.tensor([-1.0, 0.0], device=d)),
+], ids=["dirichlet of zeros", "binomial with p > 1", "binomial of a negative count", "gamma of alpha <= 0"])
+def test_samplers_of_degenerate_parameters_give_torchs_values(call):
+    torch.testing.assert_close(call("jax").cpu(), call("cpu"))

@@ -205,8 +205,16 @@ def rand_like(x, *, generator=None, dtype=None, layout=None, device=None, pin_me
 @register(aten.uniform.default)
 def uniform(x, low=0.0, high=1.0, *, generator=None):
     _require_float("check_uniform_bounds", x.dtype)
+    real, known = _dt.real_of(x.dtype), not any(isinstance(v, jax.core.Tracer) for v in (low, high))
+    largest = float(jnp.finfo(real).max)
+    for name, v in (("from", low), ("to", high)) if known else ():
+        if not -largest <= v <= largest:
+            raise RuntimeError(f"{name} is out of bounds for {_c_type_name(real)}")
     if low > high:
         raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={_c(low)} > to={_c(high)}")
+    if known and high - low > largest:
+        raise RuntimeError(f"uniform_ expects to-from <= std::numeric_limits<{scalar_type_name(real)}>::max(), but "
+                           f"found to={_c(high)} and from={_c(low)} which result in to-from to exceed the limit")
     return _uniform_result(generator, x.shape, x.dtype, low, high)
 
 
@@ -243,9 +251,12 @@ def log_normal(x, mean=1.0, std=2.0, *, generator=None):
 def _standard_gamma(alpha, generator=None):
     _require_float("gamma_cpu", alpha.dtype, complex_ok=False)
     dt = _sample_dtype(alpha.dtype)
-    sample = jax.random.gamma(next_key(generator), alpha.astype(dt), alpha.shape, dt)
-    # torch never returns 0 (a Dirichlet row of zeros would be 0 / 0): the smallest normal number instead
-    return jnp.maximum(sample, float(jnp.finfo(alpha.dtype).tiny)).astype(alpha.dtype)
+    a = alpha.astype(dt)
+    sample = jax.random.gamma(next_key(generator), a, alpha.shape, dt)
+    # torch never returns 0 (a Dirichlet row of zeros would be 0 / 0): the smallest normal number instead,
+    # also for a concentration that is no gamma's (<= 0), where JAX's draw is NaN
+    tiny = float(jnp.finfo(alpha.dtype).tiny)
+    return jnp.where(a > 0, jnp.maximum(sample, tiny), tiny).astype(alpha.dtype)
 
 
 @register(aten._standard_gamma_grad.default)
@@ -264,7 +275,10 @@ def _sample_dirichlet(alpha, generator=None):
     dt = _sample_dtype(alpha.dtype)
     a = alpha.astype(dt)
     log_g = jax.random.loggamma(next_key(generator), a, a.shape, dt)
-    x = jnp.exp(log_g - jax.scipy.special.logsumexp(log_g, axis=-1, keepdims=True)) if a.ndim else jnp.ones_like(a)
+    # a zero concentration's draw is 0: the smallest normal number, as torch clamps its gamma draws (a
+    # row of zero concentrations is split evenly)
+    log_g = jnp.where(jnp.isneginf(log_g), np.log(jnp.finfo(alpha.dtype).tiny).astype(dt), log_g)
+    x = jax.nn.softmax(log_g, axis=-1) if a.ndim else jnp.ones_like(a)
     info = jnp.finfo(alpha.dtype)
     return jnp.clip(x, float(info.tiny), float(1 - info.epsneg)).astype(alpha.dtype)
 
@@ -359,7 +373,20 @@ def bernoulli_p(x, p, *, generator=None):
     if _dt.is_complex(x.dtype):
         raise _unsupported("bernoulli_scalar_cpu_", x.dtype)
     _probability(p)
-    return (_uniform(generator, x.shape, np.float32) < p).astype(x.dtype)
+    if not isinstance(p, (int, float)):  # (a number the program takes)
+        return (_uniform(generator, x.shape, np.float32) < p).astype(x.dtype)
+    return _below(generator, x.shape, int(p * 2.0**64)).astype(x.dtype)
+
+
+def _below(generator, shape, threshold):
+    """Whether 64 random bits, as an integer, are below ``threshold`` (0 to 2**64): a draw with
+    probability threshold / 2**64, exact where a float32 uniform would round a tiny ``p`` (torch
+    draws a double) up to a multiple of 2**-24. Two 32-bit draws, compared in 32-bit halves."""
+    if threshold >= 2**64:
+        return jnp.ones(shape, np.bool_)
+    hi, lo = jax.random.bits(next_key(generator), (2, *shape), np.uint32)
+    t_hi, t_lo = np.uint32(threshold >> 32), np.uint32(threshold & 0xFFFFFFFF)
+    return (hi < t_hi) | ((hi == t_hi) & (lo < t_lo))
 
 
 @register(aten.bernoulli.Tensor)
@@ -434,9 +461,10 @@ def binomial(count, prob, generator=None):
     if count.dtype in _HALF:
         raise _unsupported("binomial_cpu", count.dtype)
     shape = broadcast_shapes(count.shape, prob.shape)
-    out = jax.random.binomial(next_key(generator), jnp.broadcast_to(count, shape), jnp.broadcast_to(prob, shape),
-                              shape, count.dtype)
-    return out.astype(count.dtype)
+    count, prob = jnp.broadcast_to(count, shape), jnp.broadcast_to(prob, shape)
+    # torch's kernel: no draw for a count or probability <= 0 (0) or a probability >= 1 (count)
+    out = jax.random.binomial(next_key(generator), jnp.maximum(count, 0), jnp.clip(prob, 0, 1), shape, count.dtype)
+    return jnp.where((count <= 0) | (prob <= 0), 0, jnp.where(prob >= 1, count, out)).astype(count.dtype)
 
 
 def _integers(generator, shape, low, high, dtype):
