@@ -851,3 +851,19 @@ def test_uniform_bounds_beyond_the_dtype_raise_as_torch(dtype, low, high):
 ], ids=["dirichlet of zeros", "binomial with p > 1", "binomial of a negative count", "gamma of alpha <= 0"])
 def test_samplers_of_degenerate_parameters_give_torchs_values(call):
     torch.testing.assert_close(call("jax").cpu(), call("cpu"))
+
+
+def test_the_device_modules_seeding_api_is_torch_cudas():
+    torch.manual_seed(0)
+    cpu_draw = torch.rand(1)
+    torch.manual_seed(0)
+    torch.jax.seed()  # (the jax device's generator only, as torch.cuda.seed)
+    torch.jax.seed_all()
+    assert torch.equal(torch.rand(1), cpu_draw)
+    first = torch.rand(3, device="jax")
+    torch.jax.seed()
+    assert not torch.equal(torch.rand(3, device="jax"), first)
+    states = torch.jax.get_rng_state_all()
+    drawn = torch.rand(3, device="jax")
+    torch.jax.set_rng_state_all(states)
+    assert len(states) == 1 and torch.equal(torch.rand(3, device="jax"), drawn)

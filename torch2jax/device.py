@@ -12,6 +12,7 @@ import contextlib
 
 import functools
 import inspect
+import os
 import sys
 
 import torch
@@ -63,8 +64,13 @@ class _DeviceModule:
         _env.manual_seed(seed)
 
     @staticmethod
+    def seed() -> None:
+        """Seed the jax device's generator with a non-deterministic number (the CPU's is untouched)."""
+        _env.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+    @staticmethod
     def seed_all() -> None:
-        _env.manual_seed(torch.seed())
+        _DeviceModule.seed()
 
     @staticmethod
     def initial_seed() -> int:
@@ -76,6 +82,15 @@ class _DeviceModule:
 
     @staticmethod
     def set_rng_state(state, device="jax") -> None:
+        _env.set_rng_state_bytes(state)
+
+    @staticmethod
+    def get_rng_state_all() -> list:
+        return [_env.rng_state_bytes()]
+
+    @staticmethod
+    def set_rng_state_all(states) -> None:
+        (state,) = states
         _env.set_rng_state_bytes(state)
 
     @staticmethod
