@@ -3211,6 +3211,11 @@ def test_a_list_or_dict_argument_the_function_changes_is_changed():
         torch.testing.assert_close(out.cpu(), torch.full((2,), 2.0))
 
 
+def test_a_size_argument_is_no_container_the_function_changes():
+    jitted = t2j.jit(lambda x, size: x.reshape(size) * 2, fullgraph=True)
+    assert jitted(torch.ones(6, device="jax"), torch.Size([2, 3])).shape == (2, 3)
+
+
 def test_an_argument_bound_to_another_tensors_values_is_bound_on_every_call():
     def f(x, z):
         x.data = z * 3

@@ -596,7 +596,7 @@ def _size_from_values(e: Exception) -> Exception:
 def _containers_changed(args, kwargs, leaves, spec) -> bool:
     """Whether a trace changed the lists or dicts among its arguments: ``args`` and ``kwargs``
     were rebuilt from ``leaves`` and ``spec`` for it, so the caller's own never see the change."""
-    now, now_spec = torch_pytree.tree_flatten((args, kwargs))
+    now, now_spec = torch_pytree.tree_flatten((args, kwargs), _is_size)
     return now_spec != spec or any(a is not b for a, b in zip(now, leaves))
 
 
