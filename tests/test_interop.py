@@ -542,3 +542,24 @@ def test_donated_functional_state_is_written_back_to_the_module():
 def test_moving_a_traced_tensor_to_the_host_says_what_to_do(move):
     with pytest.raises(t2j.OpError, match=r"not known until the program runs.*return it and move it after the call"):
         jax.jit(functools.partial(t2j.call_torch, lambda t: torch.as_tensor(move(t)).sum()))(jnp.arange(3.0))
+
+
+_ROW_WRITES = {  # (torch's in-place write, JAX's)
+    "y[1:] += 1": (lambda y: y[1:].add_(1.0), lambda x: x.at[1:].add(1.0)),
+    "y[1] = 2": (lambda y: y.__setitem__(1, 2.0), lambda x: x.at[1].set(2.0)),
+    "y[1, 2] = 2": (lambda y: y.__setitem__((1, 2), 2.0), lambda x: x.at[1, 2].set(2.0)),
+}
+
+
+@pytest.mark.parametrize("write", list(_ROW_WRITES))
+def test_per_example_gradients_of_torch_code_writing_a_row_in_place(write):
+    torch_write, jax_write = _ROW_WRITES[write]
+
+    def torch_fn(t):
+        y = t.clone()
+        torch_write(y)
+        return (y ** 2).sum()
+
+    xs = jnp.arange(24.0).reshape(4, 2, 3)
+    np.testing.assert_allclose(jax.vmap(jax.grad(lambda x: t2j.call_torch(torch_fn, x)))(xs),
+                               jax.vmap(jax.grad(lambda x: (jax_write(x) ** 2).sum()))(xs))

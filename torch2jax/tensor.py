@@ -464,7 +464,8 @@ class Tensor(torch.Tensor):
         if repeats:
             new = _write_positions(old, chain, chain[-1].forward(bases[-1]), value)
         elif box is not None:
-            new = jax.lax.dynamic_update_slice(old, value.reshape(box[1]), box[0])
+            # (int32 starts: a transform applied outside 64-bit mode, a vmap of its VJP, builds int32 bounds)
+            new = jax.lax.dynamic_update_slice(old, value.reshape(box[1]), [np.int32(i) for i in box[0]])
         else:
             new = value
             for step, base in zip(reversed(chain), reversed(bases)):
