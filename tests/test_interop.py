@@ -563,3 +563,32 @@ def test_per_example_gradients_of_torch_code_writing_a_row_in_place(write):
     xs = jnp.arange(24.0).reshape(4, 2, 3)
     np.testing.assert_allclose(jax.vmap(jax.grad(lambda x: t2j.call_torch(torch_fn, x)))(xs),
                                jax.vmap(jax.grad(lambda x: (jax_write(x) ** 2).sum()))(xs))
+
+
+@pytest.mark.parametrize("transform", ["hessian", "jvp"])
+def test_forward_mode_through_call_jax_with_integer_and_bool_arguments(transform):
+    a, idx = torch.arange(4.0, device="jax"), torch.tensor([0, 2], device="jax")
+    mask = torch.tensor([True, False, True, True], device="jax")
+
+    def f(backend):
+        if backend == "jax":
+            return lambda v: t2j.call_jax(lambda v, i, m: (jnp.where(m, v, 0.0)[i] ** 2).sum(), v, idx, mask)
+        return lambda v: (torch.where(mask, v, 0.0)[idx] ** 2).sum()
+
+    if transform == "hessian":
+        torch.testing.assert_close(torch.func.hessian(f("jax"))(a), torch.func.hessian(f("torch"))(a))
+    else:
+        tangent = (torch.ones(4, device="jax"),)
+        torch.testing.assert_close(torch.func.jvp(f("jax"), (a,), tangent), torch.func.jvp(f("torch"), (a,), tangent))
+
+
+def test_call_jax_returning_a_prng_key_with_gradients():
+    def noisy(x, key):
+        key, sub = jax.random.split(key)
+        return x * 2 + jax.random.normal(sub, x.shape), key
+
+    x = torch.ones(3, device="jax", requires_grad=True)
+    out, key = t2j.call_jax(noisy, x, jax.random.key(0))
+    out.sum().backward()
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    torch.testing.assert_close(x.grad.cpu(), torch.full((3,), 2.0))

@@ -90,6 +90,15 @@ def _to_torch(x):
     return x
 
 
+def _is_key(x) -> bool:
+    """Whether ``x`` is an array of JAX's typed PRNG keys (``jax.random.key``)."""
+    return isinstance(x, (jax.Array, jax.core.Tracer)) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+
+
+def _inexact_array(x) -> bool:
+    return jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+
+
 def _is_jax_leaf(x):
     return isinstance(x, (jax.Array, jax.core.Tracer, torch.Tensor, np.ndarray))
 
@@ -290,7 +299,8 @@ class _JaxFunction(torch.autograd.Function):
             else:
                 outs, saved.vjp = jax.vjp(call, *saved.arrays)
         saved.avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
-        return tuple(map(new_tensor, outs))
+        # (a PRNG key among the outputs is no tensor: it comes back as the key it is, outside autograd)
+        return tuple(o if _is_key(o) else new_tensor(o) for o in outs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -298,7 +308,8 @@ class _JaxFunction(torch.autograd.Function):
         ctx.call, ctx.x64, ctx.inputs, ctx.vjp, ctx.arrays = call, x64, tensors, saved.vjp, saved.arrays
         ctx.reaches = saved.reaches
         # (under torch.func.vmap the forward ran as the vmap rule's: no VJP was saved here)
-        ctx.out_avals = [jax.ShapeDtypeStruct(tuple(o.shape), _dt.to_jax(o.dtype)) for o in output]
+        ctx.out_avals = [jax.ShapeDtypeStruct(tuple(o.shape), o.dtype if _is_key(o) else _dt.to_jax(o.dtype))
+                         for o in output]
 
     @staticmethod
     def backward(ctx, *grads):
@@ -323,8 +334,12 @@ class _JaxFunction(torch.autograd.Function):
         dots = [jax.numpy.zeros_like(a) if t is None else t for a, t in zip(ctx.arrays, tangents)]
 
         def push(primals, tangents):
-            tangents = [t.astype(p.dtype) for p, t in zip(primals, tangents)]
-            return jax.jvp(ctx.call, primals, tangents)[1]
+            # (an integer or bool argument's tangent is JAX's float0; an integer result's, zeros of its dtype)
+            tangents = [t.astype(p.dtype) if _inexact_array(p) else np.zeros(p.shape, jax.dtypes.float0)
+                        for p, t in zip(primals, tangents)]
+            outs, dots = jax.jvp(ctx.call, primals, tangents)
+            return [jax.numpy.zeros(o.shape, o.dtype) if d.dtype == jax.dtypes.float0 else d
+                    for o, d in zip(outs, dots)]
 
         return tuple(_call_jax(push, (list(ctx.inputs), dots), {}, ctx.x64))
 
