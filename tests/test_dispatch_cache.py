@@ -210,12 +210,12 @@ def _compiled_of(handler):
 def test_compiles_only_from_the_third_call(monkeypatch):
     monkeypatch.setattr(dispatch, "_COMPILE_AFTER", 2)
     a = torch.ones(3, 5, device="jax")
-    handler = dispatch._HANDLERS.get(torch.ops.aten.sin.default) or dispatch._resolve(torch.ops.aten.sin.default)
+    handler = dispatch._HANDLERS.get(torch.ops.aten.mm.default) or dispatch._resolve(torch.ops.aten.mm.default)
     compiled = _compiled_of(handler)
     compiled.signatures.clear()
     kinds = []
     for _ in range(4):
-        torch.sin(a)
+        torch.mm(a, a.t())
         (entry,) = compiled.signatures.values()
         kinds.append(type(entry) is int)
     assert kinds == [True, True, False, False]
