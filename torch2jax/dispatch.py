@@ -991,7 +991,8 @@ class _NotArrays(Exception):
 
 def _jittable(func, lowering):
     """Whether ``lowering`` of ``func`` may run as a compiled call (see `_TRACE_SENSITIVE`)."""
-    if not isinstance(func, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in func.tags:
+    if not isinstance(func, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in func.tags \
+            or func in _reg.OP_BY_OP:
         return False
     returns = func._schema.returns
     if not returns or any(str(r.type) not in ("Tensor", "List[Tensor]") for r in returns):

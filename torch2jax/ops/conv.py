@@ -21,7 +21,7 @@ from .. import dtypes as _dt
 from ..dispatch import HostFallback, TorchRuntimeError
 from .indexing import raise_as_torch
 from .nn import _vjp, upcast
-from .registry import argmax_index, canonical_dim, register, true_divide
+from .registry import argmax_index, canonical_dim, op_by_op, register, true_divide
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -934,6 +934,9 @@ def _check_grid_sampler(x, grid, dims):
     if x.ndim != dims or grid.ndim != dims:
         raise RuntimeError(f"grid_sampler(): expected {dims}D input and grid with same number of dimensions, but got "
                            f"{given}")
+
+
+op_by_op(aten.grid_sampler_2d, aten.grid_sampler_3d)  # (float16 coordinates rounded step by step, as torch)
 
 
 @register(aten.grid_sampler_2d.default)

@@ -106,6 +106,18 @@ def _dtype_kind(dtype) -> str:
     return kind
 
 
+# Ops whose lowerings always run op by op in eager mode, never as one compiled call (`dispatch._jittable`)
+OP_BY_OP: set = set()
+
+
+def op_by_op(*ops):
+    """Keep ``ops``' lowerings op by op in eager mode: where XLA's fusion of a whole lowering computes
+    float16 steps in float32 that torch's kernel rounds one by one, and the result is a discontinuous
+    function of them (grid sampling picks other pixels)."""
+    for op in ops:
+        OP_BY_OP.update(_overloads(op))
+
+
 def refused_dtypes(*ops, kinds: str):
     """Register a check that ``ops`` refuse operands of the dtype ``kinds`` ("b" bool, "c" complex,
     "i" integer) as torch's CPU kernels do where the lowering would compute them (``round`` of a
