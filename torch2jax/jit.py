@@ -472,8 +472,9 @@ def _check_layouts(slots, before, storages, arguments):
     shape or strides of a tensor it was given (``resize_``, ``t_``, ``.data =``), or of one it
     reaches over its own storage (``unsqueeze_``), or bound an argument to another storage: a
     compiled call writes values back, not layouts, so later calls would leave the tensor as it
-    was. State it reaches that is bound to a new storage (``p.data = v[6:9]`` of a new ``v``, as ``vector_to_parameters``, or a
-    growing ``resize_``) stays bound to it, and the program writes that storage on every call."""
+    was. State it reaches that is bound to a new storage (``p.data = v[6:9]`` of a new ``v``, as
+    ``vector_to_parameters``, or a growing ``resize_``) stays bound to it, and the program writes
+    that storage on every call."""
     for k, (t, old, st) in enumerate(zip(slots.tensors, before, storages)):
         if old is not None and (t._t2j_storage is st or id(t) in arguments) and _layout(t) != old:
             name = slots.names[k] if slots.names else f"state tensor {k}"
@@ -483,8 +484,8 @@ def _check_layouts(slots, before, storages, arguments):
             # (the next call's argument is another tensor: the program would write a storage it does not hold)
             name = slots.names[k] if slots.names else f"argument tensor {k}"
             raise OpError(f"t2j.jit: the function binds the tensor it was given ({name}) to another tensor's "
-                          "values (.data =, set_), which a compiled program cannot repeat for the next call's argument; write its "
-                          "values instead (x.copy_(v))")
+                          "values (.data =, set_), which a compiled program cannot repeat for the next call's "
+                          "argument; write its values instead (x.copy_(v))")
 
 
 def _check_python_state(fn, objects, before, names=frozenset()):
@@ -1086,16 +1087,6 @@ def _list_item(container, i) -> str:
 def _is_number(v) -> bool:
     """A Python number or a traced one (what a lifted number becomes by arithmetic in a trace)."""
     return _lifted_number(v) or _sym.is_traced_number(v)
-
-
-def _is_lr_tensor(v) -> bool:
-    """A 0-d floating-point jax tensor outside autograd: a learning rate an LR scheduler computed
-    inside a trace from the one standing for the group's (`_hyper_input`), stored back as a number."""
-    return isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point() and not v.requires_grad
-
-
-def _write_item(site, t):
-    site.write(t.item())
 
 
 def _is_cpu_scalar(v) -> bool:
@@ -2149,8 +2140,9 @@ class _Entry:
     # after a call; the last, for an argument's .grad, is the slot of the argument, found again on each call
     post: list
     out_def: object  # torch pytree spec of the outputs
-    # per output leaf: ("array" | "array32" | "number", k) | ("laid_out", (k, order)) | ("pre", slot) | ("lifted", i)
-    # | ("arg", k) | ("view", `_view_of_slot`) | ("view_of_leaf", ...) | ("view_of_made", ...) | ("const", value)
+    # per output leaf: ("array" | "array32" | "number", k) | ("laid_out", (k, order)) | ("pre", slot)
+    # | ("lifted", i) | ("arg", k) | ("view", `_view_of_slot`) | ("view_of_leaf", ...) | ("view_of_made", ...)
+    # | ("const", value)
     out_leaves: list
     # (setter, output kind | ("leaf", position)) per place the trace stored a tensor in (`_Places`),
     # stored again after every call
@@ -2948,15 +2940,11 @@ class JitFunction:
                     numbers_stored.append((site, new))  # (a counter the function advances)
                 elif isinstance(site, _GroupSite) and site.changed(v) and _is_number(new := site.current()):
                     numbers_stored.append((site, new))  # (a warm-up setting ``group["lr"]`` itself)
-                elif isinstance(site, _GroupSite) and _is_lr_tensor(new := site.current()) and (
-                        site.changed(v) or v._t2j_storage.array is not a):
-                    # (a scheduler stepping: ``lr * gamma`` of the tensor standing for the lr, or written into it)
-                    numbers_stored.append((site, new))
                 elif site.changed(v) or (a is not None and v._t2j_storage.array is not a):
                     raise JitError(
-                        f"t2j.jit: {site.what()} changed inside the jitted function (an LR scheduler stepping "
-                        "inside it?); its Python state would be frozen into the program. Call scheduler.step() "
-                        "outside the jitted function."
+                        f"t2j.jit: {site.what()} changed inside the jitted function to a value computed there; "
+                        "its Python state would be frozen into the program. Set it from a number the function "
+                        "takes (group['lr'] = lr), step an LR scheduler, or change it outside the jitted function."
                     )
             for restore in saved_numbers.values():  # before the check that nothing else changed
                 restore()
@@ -2981,7 +2969,6 @@ class JitFunction:
             # a number argument stored as it is (``group["lr"] = lr``) is stored from the call's arguments
             arg_numbers = {id(v): site.index for site, v in zip(slots.lifted, values) if isinstance(site, _ArgSite)}
             stores += [(site.write, ("arg", arg_numbers[id(new)]) if id(new) in arg_numbers else made.stored(new))
-                       if not isinstance(new, Tensor) else (functools.partial(_write_item, site), made.stored(new))
                        for site, new in numbers_stored]
             stores += [(functools.partial(_step_scheduler, scheduler), made.stored(given))
                        for scheduler, given, _ in scheduler_steps]
