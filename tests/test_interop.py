@@ -136,6 +136,33 @@ def test_call_jax_gradients_reach_torch():
     torch.testing.assert_close(w.grad.cpu(), wc.grad)
 
 
+def test_call_jax_inputs_no_output_reaches_get_no_gradient():
+    # as torch's graph with no path: None, not zeros (AdamW then leaves the parameter alone)
+    w, unused, other = (torch.randn(3, device="jax", requires_grad=True) for _ in range(3))
+    loss, aux = t2j.call_jax(lambda a, b, c: (jnp.sum(jnp.sin(a)), jnp.sum(c * 2)), w, unused, other)
+    loss.backward()
+    assert w.grad is not None and unused.grad is None and other.grad is None
+    aux.backward()
+    torch.testing.assert_close(other.grad.cpu(), torch.full((3,), 2.0))
+    assert unused.grad is None
+    opt = torch.optim.AdamW([w, unused, other], lr=0.1, weight_decay=0.5)
+    before = unused.detach().clone()
+    opt.step()
+    torch.testing.assert_close(unused.detach(), before)
+
+
+def test_call_jax_on_cpu_tensors_gives_cpu_tensors():
+    x_cpu = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    y, n = t2j.call_jax(lambda v: (jnp.sum(jnp.sin(v) * v), v.shape[0]), x_cpu)
+    assert y.device.type == "cpu" and y.dtype == torch.float32 and n == 4  # (JAX's 32-bit default)
+    y.backward()
+    assert x_cpu.grad.device.type == "cpu" and x_cpu.grad.dtype == torch.float64
+    expected = (x_cpu.detach().cos() * x_cpu.detach() + x_cpu.detach().sin())
+    torch.testing.assert_close(x_cpu.grad, expected, rtol=1e-5, atol=1e-6)
+    mixed = t2j.call_jax(lambda a, b: a + b, torch.ones(2), torch.ones(2, device="jax"))
+    assert mixed.device.type == "jax"
+
+
 def test_call_jax_complex_gradients_in_torch_convention():
     # torch's gradient of a complex value is the conjugate of JAX's cotangent
     z_cpu = torch.tensor([1 + 2j, 3 - 1j], requires_grad=True)

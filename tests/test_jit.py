@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as torch_pytree
 
 import torch2jax as t2j
 from programs_util import _train_step
@@ -3200,15 +3201,80 @@ def test_a_list_or_dict_argument_the_function_changes_is_changed():
         metrics["y"] = x + 1
         return x * 2
 
-    jitted = t2j.jit(f)
+    jitted = t2j.jit(f, fullgraph=True)
+    for i in range(3):
+        log, metrics = [float(i)], {"n": i}
+        out = jitted(torch.full((2,), float(i), device="jax"), log, metrics)
+        assert log == [float(i), 2.0 * i] and list(metrics) == ["n", "y"] and metrics["n"] == i
+        torch.testing.assert_close(metrics["y"].cpu(), torch.full((2,), i + 1.0))
+        torch.testing.assert_close(out.cpu(), torch.full((2,), 2.0 * i))
+    assert jitted.stats["eager_calls"] == 0
+
+
+def test_a_batch_the_step_pops_its_labels_from_is_one_program():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    on_device = copy.deepcopy(model).to("jax")
+
+    def step(m, batch):
+        labels = batch.pop("labels")
+        return F.cross_entropy(m(**batch), labels)
+
+    jitted = t2j.jit(step, fullgraph=True)
+    for i in range(3):
+        x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+        batch, ours = {"input": x, "labels": y}, {"input": x.to("jax"), "labels": y.to("jax")}
+        torch.testing.assert_close(jitted(on_device, ours).cpu(), step(model, batch))
+        assert list(ours) == list(batch) == ["input"] and ours["input"].device.type == "jax"
+    assert jitted.stats["traces"] == 1
+
+
+@pytest.mark.parametrize("change", ["pop first", "insert", "nested", "reorder", "tuple of lists", "delete"])
+def test_argument_containers_changed_in_place_as_in_torch(change):
+    def f(x, tree):
+        if change == "pop first":
+            tree["hist"].pop(0)
+            tree["hist"].append(x * 2)
+        elif change == "insert":
+            tree["hist"].insert(1, x.sum())
+        elif change == "nested":
+            tree["inner"]["z"] = tree["inner"].pop("w") + x
+            tree["hist"].reverse()
+        elif change == "reorder":
+            tree["inner"]["w"] = tree["inner"].pop("w")
+        elif change == "tuple of lists":
+            tree["pair"][0].append(tree["pair"][1].pop())
+        else:
+            del tree["hist"][0], tree["inner"]
+        return x + 1
+
+    def make(dev):
+        hist = [torch.full((2,), float(k), device=dev) for k in range(3)]
+        pair = ([torch.ones(2, device=dev)], [torch.zeros(2, device=dev), 7])
+        return {"hist": hist, "inner": {"w": torch.arange(2.0, device=dev), "k": 3}, "pair": pair}
+
+    jitted = t2j.jit(f, fullgraph=True)
     for i in range(2):
-        log, metrics = [], {}
-        with pytest.warns(UserWarning, match="changed a list or dict it was passed") if i == 0 else \
-                contextlib.nullcontext():
-            out = jitted(torch.ones(2, device="jax"), log, metrics)
-        assert log == [2.0] and list(metrics) == ["y"]
-        torch.testing.assert_close(metrics["y"].cpu(), torch.full((2,), 2.0))
-        torch.testing.assert_close(out.cpu(), torch.full((2,), 2.0))
+        x = torch.full((2,), float(i))
+        expected, tree = make("cpu"), make("jax")
+        torch.testing.assert_close(jitted(x.to("jax"), tree).cpu(), f(x, expected))
+        got = torch_pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
+        assert torch_pytree.tree_structure(got) == torch_pytree.tree_structure(expected)
+        torch.testing.assert_close(got, expected)
+    assert jitted.stats["traces"] == 1
+
+
+def test_an_argument_container_moved_into_another_runs_eagerly():
+    def f(x, a, b):
+        b.append(a)
+        a.append(x * 2)
+        return x
+
+    jitted = t2j.jit(f)
+    a, b = [], []
+    with pytest.warns(UserWarning, match="changed a list or dict it was passed in a way"):
+        jitted(torch.ones(2, device="jax"), a, b)
+    assert b[0] is a and a[0].sum().item() == 4.0
 
 
 def test_a_size_argument_is_no_container_the_function_changes():

@@ -275,6 +275,18 @@ def _gradient_for(t, g):
     return g if isinstance(t, Tensor) else g.to(t.device)
 
 
+def _vjp_reaches(vjp, n_in: int, n_out: int) -> tuple | None:
+    """Per output of a function, the inputs its VJP ``vjp`` (``jax.vjp``'s) gives gradients (a bit set),
+    read from the linear program JAX keeps for it: an input no output depends on gets None, as with
+    no path in torch's graph (AdamW then skips its decay). None where JAX keeps no such program."""
+    from .jit import _output_dependencies
+
+    jaxpr = getattr(vjp, "jaxpr", None)
+    if not isinstance(jaxpr, jax.extend.core.Jaxpr) or len(jaxpr.invars) != n_in or len(jaxpr.outvars) != n_out:
+        return None
+    return tuple(_output_dependencies(jaxpr, [1 << i for i in range(n_in)]))
+
+
 class _Saved:
     """What `_JaxFunction.forward` hands to its ``setup_context`` (an object, not a pytree,
     so that torch.func passes it through as it is)."""
@@ -298,6 +310,8 @@ class _JaxFunction(torch.autograd.Function):
                 outs, saved.vjp = call(*saved.arrays), None
             else:
                 outs, saved.vjp = jax.vjp(call, *saved.arrays)
+                if saved.reaches is None:
+                    saved.reaches = _vjp_reaches(saved.vjp, len(saved.arrays), len(outs))
         saved.avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
         # (a PRNG key among the outputs is no tensor: it comes back as the key it is, outside autograd)
         return tuple(o if _is_key(o) else new_tensor(o) for o in outs)
@@ -307,6 +321,7 @@ class _JaxFunction(torch.autograd.Function):
         call, x64, saved, *tensors = inputs
         ctx.call, ctx.x64, ctx.inputs, ctx.vjp, ctx.arrays = call, x64, tensors, saved.vjp, saved.arrays
         ctx.reaches = saved.reaches
+        ctx.set_materialize_grads(False)  # (an output the backward does not reach gives its inputs no gradient)
         # (under torch.func.vmap the forward ran as the vmap rule's: no VJP was saved here)
         ctx.out_avals = [jax.ShapeDtypeStruct(tuple(o.shape), o.dtype if _is_key(o) else _dt.to_jax(o.dtype))
                          for o in output]
@@ -361,11 +376,18 @@ def call_jax(jax_fn, *args, **kwargs):
     ``jnp.zeros(3)`` is float32, as in any JAX program; gradients come back in the
     tensors' own dtypes.
 
+    Tensors on the jax device give tensors on it; where every tensor is a CPU one, the results
+    are CPU tensors too (the arrays are copied in and out).
+
     >>> w = torch.randn(3, device="jax", requires_grad=True)
     >>> loss = t2j.call_jax(lambda v: jnp.sum(jnp.sin(v) ** 2), w)
     >>> loss.backward()                       # w.grad from jax.vjp
     """
-    return _call_jax(jax_fn, args, kwargs, _jax_config.enable_x64.get_global())
+    out = _call_jax(jax_fn, args, kwargs, _jax_config.enable_x64.get_global())
+    tensors = [x for x in torch_pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if tensors and all(x.device.type == "cpu" for x in tensors):
+        return torch_pytree.tree_map_only(torch.Tensor, lambda t: t.cpu(), out)
+    return out
 
 
 def call_jax_64(jax_fn, *args, **kwargs):

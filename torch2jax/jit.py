@@ -594,11 +594,95 @@ def _size_from_values(e: Exception) -> Exception:
     return e
 
 
-def _containers_changed(args, kwargs, leaves, spec) -> bool:
-    """Whether a trace changed the lists or dicts among its arguments: ``args`` and ``kwargs``
-    were rebuilt from ``leaves`` and ``spec`` for it, so the caller's own never see the change."""
-    now, now_spec = torch_pytree.tree_flatten((args, kwargs), _is_size)
-    return now_spec != spec or any(a is not b for a, b in zip(now, leaves))
+def _same_tree(a, b) -> bool:
+    """Whether ``a`` and ``b`` have one pytree structure and the very same leaves."""
+    a_leaves, a_spec = torch_pytree.tree_flatten(a, _is_size)
+    b_leaves, b_spec = torch_pytree.tree_flatten(b, _is_size)
+    return a_spec == b_spec and all(map(operator.is_, a_leaves, b_leaves))
+
+
+# the pytree nodes of a call's arguments that the function can change in place
+_MUTABLE_NODES = (list, dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _argument_containers(tree, path=()) -> list:
+    """(path, container, its (key, item) pairs then) per list and dict of a call's ``(args, kwargs)``,
+    the outermost first: the places whose changes each compiled call makes again (`_argument_changes`)."""
+    if type(tree) in _MUTABLE_NODES:
+        items = list(tree.items()) if isinstance(tree, dict) else list(enumerate(tree))
+        found = [(path, tree, items)]
+    elif type(tree) is tuple or _is_namedtuple(tree):
+        items, found = list(enumerate(tree)), []
+    else:
+        return []
+    for k, v in items:
+        found += _argument_containers(v, (*path, k))
+    return found
+
+
+def _argument_changes(containers, traced_args, leaves, spec) -> list | None:
+    """(path, layout, new items) per list or dict among the arguments that the trace changed
+    (``labels = batch.pop("labels")``, ``log.append(loss)``, ``metrics["acc"] = acc``), innermost first:
+    a call rebuilds the caller's container (`_change_container`) from its own items and the new ones
+    (program outputs, `_Outputs.stored`). ``containers``: `_argument_containers` of the ``(args, kwargs)``
+    the trace ran on, rebuilt from ``leaves`` and ``spec`` (the caller's never see its changes). None
+    where the changes are not such a rebuild: a container moved into another, a nested one replaced."""
+    moved = {id(c) for _, c, _ in containers}
+    changes = []
+    for path, container, before in containers:
+        if isinstance(container, dict):
+            now = list(container.items())
+            if len(now) == len(before) and all(k == j and v is w for (k, v), (j, w) in zip(now, before)):
+                continue
+            old = dict(before)
+            layout = tuple((k, k in old and old[k] is v) for k, v in now)
+            new = [v for (_, v), (_, kept) in zip(now, layout) if not kept]
+        else:
+            old = [v for _, v in before]
+            if len(container) == len(old) and all(map(operator.is_, container, old)):
+                continue
+            # (small ints, True, None are one object wherever they are: such an item is taken as a new value)
+            where = {id(v): i for i, v in reversed(list(enumerate(old))) if not isinstance(v, (int, str, type(None)))}
+            layout = tuple(where.get(id(v)) for v in container)
+            new = [v for v, i in zip(container, layout) if i is None]
+        if any(id(node) in moved for v in new for node in _nodes(v)):
+            return None
+        changes.append((path, layout, new))
+    changes.reverse()
+    fresh = torch_pytree.tree_unflatten(leaves, spec)
+    for path, layout, new in changes:
+        _change_container(_at(fresh, path), layout, new)
+    return changes if _same_tree(fresh, traced_args) else None
+
+
+def _nodes(value):
+    """``value`` and the tuples, lists and dicts within it."""
+    yield value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _nodes(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _nodes(v)
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _change_container(container, layout, values):
+    """Make ``container`` what a trace left it (`_argument_changes`): ``layout`` gives each item
+    as its index (a list's) or ``(key, kept)`` (a dict's) before the call, or None (unkept) for the
+    next of ``values``."""
+    if isinstance(container, dict):
+        values = iter(values)
+        items = [(k, container[k] if kept else next(values)) for k, kept in layout]
+        container.clear()
+        container.update(items)
+    else:
+        _rewrite(container, layout, values)
 
 
 def _find_roots(fn, args, kwargs) -> _Roots:
@@ -2190,6 +2274,9 @@ class _Entry:
     # ones (`_renewable`), and of those, the ones it returns (always replaced before the next call)
     renewable: tuple = ()
     returned: frozenset = frozenset()
+    # (path, layout, `_Outputs.stored` kinds) per list or dict among the arguments the function changes: each
+    # call changes the caller's so (`_argument_changes`)
+    arg_changes: tuple = ()
     grad_mode: bool | None = None  # the grad mode the function leaves set (``torch.set_grad_enabled(False)``)
     # whether the graph of its one differentiable output saved tensors for its backward (a second backward
     # without retain_graph then raises), and whether its op saved it (an in-place write to it then makes
@@ -2324,7 +2411,7 @@ class JitFunction:
             if entry.grad_mode is not None:  # (its outputs are made in the mode it set)
                 torch._C._set_grad_enabled(entry.grad_mode)
             try:
-                out = self._run(entry, leaves, slots, storages)
+                out = self._run(entry, leaves, slots, storages, (args, kwargs))
             except _CheckFailed as failed:
                 if self.fullgraph:  # (the state as it was: nothing of the call took effect)
                     raise failed.error from None
@@ -2653,7 +2740,7 @@ class JitFunction:
         return [(_ArgSite(i, x), ("arg", i)) for i, x in enumerate(leaves)
                 if _lifted_number(x) and lifts.lifts(("arg", i), x)]
 
-    def _run(self, entry, leaves, slots, storages):
+    def _run(self, entry, leaves, slots, storages, given):
         if entry.diff:
             if entry.differentiable is None:
                 entry.differentiable = _Differentiable(entry)
@@ -2697,6 +2784,8 @@ class JitFunction:
             arrays[k].grad = _stored_value(grad, result, arrays, slots, leaves)
         for setter, stored in entry.stores:
             setter(_stored_value(stored, result, arrays, slots, leaves))
+        for path, layout, new in entry.arg_changes:
+            _change_container(_at(given, path), layout, [_stored_value(v, result, arrays, slots, leaves) for v in new])
         return torch_pytree.tree_unflatten(result, entry.out_def)
 
     def _execute(self, entry, slots, storages, jitted, keys, donated):
@@ -2845,7 +2934,7 @@ class JitFunction:
                       saves=info["saves"], saved_results=info["saved_results"], stale=info["stale"],
                       draws=info["draws"], reseeded=info["reseeded"], grad_mode=info["grad_mode"],
                       lengths=tuple(info["lengths"]), own_lists=tuple(info["own_lists"]),
-                      creates_state=info["creates_state"],
+                      creates_state=info["creates_state"], arg_changes=info["arg_changes"],
                       **_renewable(info["post"], info["new_storages"], info["out_leaves"]))
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -2885,6 +2974,7 @@ class JitFunction:
                 else:
                     site.write(v)
             args, kwargs = torch_pytree.tree_unflatten(leaves, spec)
+            containers = _argument_containers((args, kwargs))
             _tensor.CAPTURE = capture
             _sym.GUARDS, _hints.HINTS = guards, state_hints
             backward_passes = _device.backward_passes
@@ -2908,11 +2998,11 @@ class JitFunction:
                 raise _SeesGrads()
             if copies_seen:
                 raise _KeepViews()
-            if _containers_changed(args, kwargs, leaves, spec):
+            if (arg_changes := _argument_changes(containers, (args, kwargs), leaves, spec)) is None:
                 raise OpError(
-                    "torch2jax: the function changed a list or dict it was passed (an item set, added or removed); a "
-                    "compiled call would leave the caller's unchanged. Return the values instead, or hold the "
-                    "container in a closure or an object's attribute.")
+                    "torch2jax: the function changed a list or dict it was passed in a way a compiled call cannot "
+                    "make again (a container moved into another, or a nested one replaced). Return the values "
+                    "instead, or hold the container in a closure or an object's attribute.")
             if _sym.VALUE_ERRORS:  # (one the function caught: it took another branch than torch takes)
                 raise _sym.VALUE_ERRORS[0]
             # (a trace is run again after some of its stops: each starts in the call's mode, set again below)
@@ -2979,6 +3069,7 @@ class JitFunction:
                     layout = tuple(v if tag == "old" else None for tag, v in items)
                     new_items = [v for tag, v in items if tag == "new"]
                     stores.append((functools.partial(_rewrite, container, layout), made.stored(new_items)))
+            info["arg_changes"] = tuple((path, layout, tuple(map(made.stored, new))) for path, layout, new in arg_changes)
             # a list whose length the function read (``if len(hist) > k``) or whose items it moved: each
             # length has a program of its own
             info["lengths"] = [container for _, container, _, _ in saved_slots[2].places
