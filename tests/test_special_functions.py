@@ -132,7 +132,9 @@ def test_unary_float32(name, jit):
     torch.testing.assert_close(actual[near], _fn(name)(x)[near], equal_nan=True, **F32_TOL)
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
+# (int16, int8 and uint8 run with the slow set: CI time)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool] + [
+    pytest.param(d, marks=pytest.mark.slow) for d in (torch.int16, torch.int8, torch.uint8)])
 @pytest.mark.parametrize("name", list(UNARY))
 def test_unary_integer_and_bool_inputs(name, dtype):
     if dtype == torch.bool:
@@ -285,10 +287,10 @@ def test_polynomial_huge_degree(name):
 @pytest.mark.parametrize(
     "x_dtype,n_dtype",
     [
-        (torch.int64, torch.int64), (torch.int32, torch.int64), (torch.bool, torch.bool), (torch.int64, torch.float64),
-        (torch.float32, torch.float64), (torch.float32, torch.int32), (torch.bfloat16, torch.float32),
-        (torch.int16, torch.uint8), (torch.int8, torch.float64),
-    ],
+        (torch.int64, torch.int64), (torch.bool, torch.bool), (torch.int64, torch.float64),
+        (torch.float32, torch.float64), (torch.bfloat16, torch.float32),
+    ] + [pytest.param(*pair, marks=pytest.mark.slow) for pair in (  # (CI time)
+        (torch.int32, torch.int64), (torch.float32, torch.int32), (torch.int16, torch.uint8), (torch.int8, torch.float64))],
 )
 @pytest.mark.parametrize("name", POLYNOMIALS)
 def test_polynomial_type_promotion(name, x_dtype, n_dtype):

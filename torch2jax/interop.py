@@ -202,7 +202,8 @@ def torch_pullback(pull, primals, cotangents):
 def zero_cotangent(aval):
     """The cotangent of an output no gradient reached: zeros, of JAX's ``float0`` for an integer one."""
     if jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
-        return jax.numpy.zeros(aval.shape, aval.dtype)
+        with jax.enable_x64(True):  # (the output's own dtype, float64 too, whatever the caller's mode)
+            return jax.numpy.zeros(aval.shape, aval.dtype)
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 

@@ -375,15 +375,19 @@ def bernoulli_p(x, p, *, generator=None):
     _probability(p)
     if not isinstance(p, (int, float)):  # (a number the program takes)
         return (_uniform(generator, x.shape, np.float32) < p).astype(x.dtype)
-    return _below(generator, x.shape, int(p * 2.0**64)).astype(x.dtype)
+    return _below(generator, x.shape, p).astype(x.dtype)
 
 
-def _below(generator, shape, threshold):
-    """Whether 64 random bits, as an integer, are below ``threshold`` (0 to 2**64): a draw with
-    probability threshold / 2**64, exact where a float32 uniform would round a tiny ``p`` (torch
-    draws a double) up to a multiple of 2**-24. Two 32-bit draws, compared in 32-bit halves."""
+def _below(generator, shape, p):
+    """Draws with probability ``p`` (a Python number), exact where a float32 uniform would round
+    a tiny ``p`` (torch draws a double) up to a multiple of 2**-24: 32 random bits, as an integer,
+    below ``p * 2**32`` for a ``p`` of 2**-12 or more (within 2**-20 of ``p``, relatively), else 64
+    bits below ``p * 2**64``, compared in 32-bit halves."""
+    threshold = int(p * 2.0**64)
     if threshold >= 2**64:
         return jnp.ones(shape, np.bool_)
+    if p >= 2.0**-12 or threshold & 0xFFFFFFFF == 0:
+        return jax.random.bits(next_key(generator), shape, np.uint32) < np.uint32(threshold >> 32)
     hi, lo = jax.random.bits(next_key(generator), (2, *shape), np.uint32)
     t_hi, t_lo = np.uint32(threshold >> 32), np.uint32(threshold & 0xFFFFFFFF)
     return (hi < t_hi) | ((hi == t_hi) & (lo < t_lo))
