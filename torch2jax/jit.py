@@ -641,10 +641,7 @@ def _argument_changes(containers, traced_args, leaves, spec) -> list | None:
             old = [v for _, v in before]
             if len(container) == len(old) and all(map(operator.is_, container, old)):
                 continue
-            # (small ints, True, None are one object wherever they are: such an item is taken as a new value)
-            where = {id(v): i for i, v in reversed(list(enumerate(old))) if not isinstance(v, (int, str, type(None)))}
-            layout = tuple(where.get(id(v)) for v in container)
-            new = [v for v, i in zip(container, layout) if i is None]
+            layout, new = _list_rewrite(old, container)
         if any(id(node) in moved for v in new for node in _nodes(v)):
             return None
         changes.append((path, layout, new))
@@ -3066,8 +3063,7 @@ class JitFunction:
                 if how == "extend":
                     stores.append((functools.partial(_extend, container), made.stored(items)))
                 else:
-                    layout = tuple(v if tag == "old" else None for tag, v in items)
-                    new_items = [v for tag, v in items if tag == "new"]
+                    layout, new_items = items
                     stores.append((functools.partial(_rewrite, container, layout), made.stored(new_items)))
             info["arg_changes"] = tuple((path, layout, tuple(map(made.stored, new))) for path, layout, new in arg_changes)
             # a list whose length the function read (``if len(hist) > k``) or whose items it moved: each
@@ -4005,8 +4001,7 @@ class _Places:
         """(list, recipe) per list holding no tensors whose items the trace changed
         (numbers appended, ``losses.append(loss.item())``; a window's ``pop(0)``), put back as it was:
         each call makes the same change with its own values (`_extend`, `_rewrite`). The recipe is
-        ``("extend", new items)`` where the list only grew, else ``("rewrite", items)``: per item,
-        ``("old", i)`` for the list's item ``i`` before the call, or ``("new", value)``."""
+        ``("extend", new items)`` where the list only grew, else ``("rewrite", `_list_rewrite`)``."""
         out = []
         for _, container, before, _ in self.places:
             if not isinstance(container, list):
@@ -4021,10 +4016,7 @@ class _Places:
             if len(new) >= len(old) and all(map(operator.is_, old, new)):
                 out.append((container, ("extend", new[len(old):])))
                 continue
-            # (small ints, True, None are one object wherever they are: such an item is taken as a new value)
-            where = {id(v): i for i, v in reversed(list(enumerate(old))) if not isinstance(v, (int, str, type(None)))}
-            out.append((container, ("rewrite", [("old", where[id(v)]) if id(v) in where else ("new", v)
-                                                for v in new])))
+            out.append((container, ("rewrite", _list_rewrite(old, new))))
         return out
 
     def restore(self, lists: bool = False):
@@ -4046,6 +4038,15 @@ class _Places:
 
 def _extend(container, values):
     container.extend(values)
+
+
+def _list_rewrite(old: list, new: list) -> tuple:
+    """(layout, new values) that make list ``old`` into ``new`` (`_rewrite`): per item of ``new``, the
+    index of the same object in ``old``, or None for the next of the new values."""
+    # (small ints, True, None are one object wherever they are: such an item is taken as a new value)
+    where = {id(v): i for i, v in reversed(list(enumerate(old))) if not isinstance(v, (int, str, type(None)))}
+    layout = tuple(where.get(id(v)) for v in new)
+    return layout, [v for v, i in zip(new, layout) if i is None]
 
 
 def _rewrite(container, layout, values):
