@@ -3229,6 +3229,60 @@ def test_a_batch_the_step_pops_its_labels_from_is_one_program():
     assert jitted.stats["traces"] == 1
 
 
+def _word_tokenizer():
+    """A real fast tokenizer built offline: its batches are ``BatchEncoding`` objects holding ``Encoding``s."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "a", "b", "c", "d"])}
+    inner = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    inner.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]")
+
+
+def test_a_batch_encoding_the_step_pops_its_labels_from_is_one_program():
+    torch.manual_seed(0)
+    tokenizer = _word_tokenizer()
+    model = nn.Embedding(6, 3)
+    on_device = copy.deepcopy(model).to("jax")
+
+    def step(m, batch):
+        labels = batch.pop("labels")
+        return F.cross_entropy(m(batch["input_ids"]).mean(1), labels), batch
+
+    jitted = t2j.jit(step, fullgraph=True)
+    for text in (["a b c", "d a"], ["b b", "c d a"], ["d c b", "a"]):
+        batch = tokenizer(text, padding=True, return_tensors="pt")
+        assert batch.encodings is not None  # (new Encoding objects every batch: still one program)
+        batch["labels"] = torch.tensor([0, 2])
+        ours = batch.copy()
+        ours.data = {k: v.to("jax") for k, v in batch.items()}
+        ours._encodings = batch.encodings
+        loss, returned = jitted(on_device, ours)
+        expected, _ = step(model, batch)
+        torch.testing.assert_close(loss.cpu(), expected)
+        assert type(ours) is type(batch) and list(ours) == list(batch) == ["input_ids", "attention_mask"]
+        assert returned is ours
+    assert jitted.stats["traces"] == 1
+
+
+def test_a_dict_subclass_argument_keeps_its_class_and_attributes():
+    class Batch(dict):
+        pass
+
+    def f(batch):
+        batch["y"] = batch.pop("x") * batch.scale
+        return batch
+
+    jitted = t2j.jit(f, fullgraph=True)
+    for i in range(3):
+        batch = Batch(x=torch.full((2,), float(i), device="jax"))
+        batch.scale = 3
+        out = jitted(batch)
+        assert out is batch and out.scale == 3 and list(batch) == ["y"]
+        torch.testing.assert_close(batch["y"].cpu(), torch.full((2,), 3.0 * i))
+    assert jitted.stats["traces"] == 1
+
+
 @pytest.mark.parametrize("change", ["pop first", "insert", "nested", "reorder", "tuple of lists", "delete"])
 def test_argument_containers_changed_in_place_as_in_torch(change):
     def f(x, tree):

@@ -78,6 +78,7 @@ import time
 import types
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -102,6 +103,7 @@ from .env import _trace_state_clean
 from . import debug as _debug
 from . import gradcut as _gradcut
 from . import hints as _hints
+from . import pytree as _pytree
 from . import symbolic as _sym
 from . import tensor as _tensor
 from .dispatch import OpError
@@ -601,15 +603,16 @@ def _same_tree(a, b) -> bool:
     return a_spec == b_spec and all(map(operator.is_, a_leaves, b_leaves))
 
 
-# the pytree nodes of a call's arguments that the function can change in place
+# the pytree nodes of a call's arguments that the function can change in place (and the dict-like
+# classes `_pytree.register_mapping_arguments` made nodes: a ``BatchEncoding``)
 _MUTABLE_NODES = (list, dict, collections.OrderedDict, collections.defaultdict)
 
 
 def _argument_containers(tree, path=()) -> list:
     """(path, container, its (key, item) pairs then) per list and dict of a call's ``(args, kwargs)``,
     the outermost first: the places whose changes each compiled call makes again (`_argument_changes`)."""
-    if type(tree) in _MUTABLE_NODES:
-        items = list(tree.items()) if isinstance(tree, dict) else list(enumerate(tree))
+    if type(tree) in _MUTABLE_NODES or _pytree.is_registered_mapping(tree):
+        items = list(tree.items()) if isinstance(tree, Mapping) else list(enumerate(tree))
         found = [(path, tree, items)]
     elif type(tree) is tuple or _is_namedtuple(tree):
         items, found = list(enumerate(tree)), []
@@ -630,7 +633,7 @@ def _argument_changes(containers, traced_args, leaves, spec) -> list | None:
     moved = {id(c) for _, c, _ in containers}
     changes = []
     for path, container, before in containers:
-        if isinstance(container, dict):
+        if isinstance(container, Mapping):
             now = list(container.items())
             if len(now) == len(before) and all(k == j and v is w for (k, v), (j, w) in zip(now, before)):
                 continue
@@ -658,7 +661,7 @@ def _nodes(value):
     if isinstance(value, (tuple, list)):
         for v in value:
             yield from _nodes(v)
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):
         for v in value.values():
             yield from _nodes(v)
 
@@ -673,13 +676,39 @@ def _change_container(container, layout, values):
     """Make ``container`` what a trace left it (`_argument_changes`): ``layout`` gives each item
     as its index (a list's) or ``(key, kept)`` (a dict's) before the call, or None (unkept) for the
     next of ``values``."""
-    if isinstance(container, dict):
+    if isinstance(container, Mapping):
         values = iter(values)
         items = [(k, container[k] if kept else next(values)) for k, kept in layout]
         container.clear()
         container.update(items)
     else:
         _rewrite(container, layout, values)
+
+
+def _returned_containers(out, containers, path=()):
+    """(output path, argument path) per list or dict of the arguments (``containers``: id -> path) that
+    ``out`` holds, the outermost ones."""
+    if id(out) in containers:
+        yield path, containers[id(out)]
+    elif isinstance(out, (tuple, list)):
+        for k, v in enumerate(out):
+            yield from _returned_containers(v, containers, (*path, k))
+    elif isinstance(out, Mapping):
+        for k, v in out.items():
+            yield from _returned_containers(v, containers, (*path, k))
+
+
+def _with_node(tree, path, node):
+    """``tree`` with ``node`` at ``path`` (its tuples made anew)."""
+    if not path:
+        return node
+    k = path[0]
+    child = _with_node(tree[k], path[1:], node)
+    if isinstance(tree, tuple):
+        items = [*tree[:k], child, *tree[k + 1:]]
+        return type(tree)(*items) if _is_namedtuple(tree) else type(tree)(items)
+    tree[k] = child
+    return tree
 
 
 def _find_roots(fn, args, kwargs) -> _Roots:
@@ -2274,6 +2303,9 @@ class _Entry:
     # (path, layout, `_Outputs.stored` kinds) per list or dict among the arguments the function changes: each
     # call changes the caller's so (`_argument_changes`)
     arg_changes: tuple = ()
+    # (output path, argument path) per list or dict among the arguments that the function returns: the
+    # caller's own, as in torch (`_returned_containers`)
+    returned_args: tuple = ()
     grad_mode: bool | None = None  # the grad mode the function leaves set (``torch.set_grad_enabled(False)``)
     # whether the graph of its one differentiable output saved tensors for its backward (a second backward
     # without retain_graph then raises), and whether its op saved it (an in-place write to it then makes
@@ -2395,6 +2427,7 @@ class JitFunction:
             # its ops are that program's, as torch.compile inlines a compiled function it reaches
             return self.fn(*args, **kwargs)
         self.stats["calls"] += 1
+        _pytree.register_mapping_arguments((args, kwargs))
         if self._escapes is not None:
             _renew_escaped(*self._escapes)
             self._escapes = None
@@ -2481,6 +2514,7 @@ class JitFunction:
         return self._lower(None, args, kwargs)
 
     def _lower(self, target, args, kwargs) -> jax.stages.Lowered:
+        _pytree.register_mapping_arguments((args, kwargs))
         leaves = [_to_device(x) for x in torch_pytree.tree_leaves((args, kwargs))]
         roots = _find_roots(self.fn, args, kwargs)
         before = _snapshot(_collect(leaves, roots, full=True), roots)
@@ -2783,7 +2817,10 @@ class JitFunction:
             setter(_stored_value(stored, result, arrays, slots, leaves))
         for path, layout, new in entry.arg_changes:
             _change_container(_at(given, path), layout, [_stored_value(v, result, arrays, slots, leaves) for v in new])
-        return torch_pytree.tree_unflatten(result, entry.out_def)
+        out = torch_pytree.tree_unflatten(result, entry.out_def)
+        for out_path, arg_path in entry.returned_args:
+            out = _with_node(out, out_path, _at(given, arg_path))
+        return out
 
     def _execute(self, entry, slots, storages, jitted, keys, donated):
         """Run one compiled program and write its state back; its outputs as arrays."""
@@ -2932,6 +2969,7 @@ class JitFunction:
                       draws=info["draws"], reseeded=info["reseeded"], grad_mode=info["grad_mode"],
                       lengths=tuple(info["lengths"]), own_lists=tuple(info["own_lists"]),
                       creates_state=info["creates_state"], arg_changes=info["arg_changes"],
+                      returned_args=info["returned_args"],
                       **_renewable(info["post"], info["new_storages"], info["out_leaves"]))
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -3040,6 +3078,7 @@ class JitFunction:
             if capture.unknown:
                 raise _Retrace([t._t2j_storage for t in capture.unknown.values()])
             out_leaves, out_def = torch_pytree.tree_flatten(out, _is_size)
+            info["returned_args"] = tuple(_returned_containers(out, {id(c): path for path, c, _ in containers}))
             del out
             pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}
             arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}

@@ -9,6 +9,8 @@ objects that hold tensors (a Hugging Face ``DynamicCache``, returned with
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 import torch
@@ -159,4 +161,97 @@ def _register_object_class(cls) -> None:
     try:
         jax.tree_util.register_pytree_node(cls, flatten, lambda skeleton, leaves: _rebuild(skeleton, iter(leaves)))
     except ValueError:  # JAX knows it already
+        pass
+
+
+# -- dict-like arguments -------------------------------------------------------------
+#
+# A mapping class torch's pytree does not know (transformers' ``BatchEncoding``, a ``UserDict``; a
+# dict subclass) is a leaf to it: t2j.jit would take the whole batch for an object it reaches, whose
+# changes (``batch.pop("labels")``) it cannot make again. Registered, its values are children and the
+# rest of the instance (its keys, its other attributes) is the static part.
+
+_MAPPING_CLASSES: set = set()
+
+
+def register_mapping_arguments(tree, depth=0) -> None:
+    """Register with torch's pytree every dict-like class among ``tree``'s containers that is not a
+    node yet: a ``collections.UserDict`` subclass or a ``dict`` subclass. Its values are its children.
+
+    >>> register_mapping_arguments(((batch_encoding,), {}))
+    >>> torch.utils._pytree.tree_leaves(batch_encoding)   # its tensors
+    """
+    from torch.utils import _pytree as tp
+
+    if isinstance(tree, (list, tuple)):
+        children = tree
+    elif isinstance(tree, (dict, collections.UserDict)):
+        if type(tree) not in tp.SUPPORTED_NODES:
+            _register_mapping_class(type(tree))
+        children = tree.values()
+    else:
+        return
+    if depth < 8:
+        for child in children:
+            register_mapping_arguments(child, depth + 1)
+
+
+def is_registered_mapping(x) -> bool:
+    """Whether ``x`` is an instance of a class `register_mapping_arguments` registered."""
+    return type(x) in _MAPPING_CLASSES
+
+
+class _MappingContext:
+    """The static part of a registered mapping: its keys, and its other attributes. Those that are
+    plain values (None, numbers, strings) compare by value; any other by type only, so that a new
+    batch's tokenizer ``Encoding`` objects keep one pytree structure (a jitted function reading
+    them sees the values of the call it was traced with)."""
+
+    __slots__ = ("keys", "attrs")
+
+    def __init__(self, keys, attrs):
+        self.keys, self.attrs = keys, attrs
+
+    def _compared(self):
+        return self.keys, tuple((k, v if v is None or type(v) in (bool, int, float, str) else type(v))
+                                for k, v in self.attrs)
+
+    def __eq__(self, other):
+        return type(other) is _MappingContext and self._compared() == other._compared()
+
+    def __hash__(self):
+        return hash(self.keys)
+
+    def __repr__(self):
+        return f"_MappingContext({list(self.keys)})"
+
+
+def _register_mapping_class(cls) -> None:
+    from torch.utils import _pytree as tp
+
+    if cls in _MAPPING_CLASSES:
+        return
+    _MAPPING_CLASSES.add(cls)
+    user_dict = issubclass(cls, collections.UserDict)
+
+    def flatten(obj):
+        attrs = tuple((k, v) for k, v in vars(obj).items() if not (user_dict and k == "data"))
+        return list(obj.values()), _MappingContext(tuple(obj.keys()), attrs)
+
+    def unflatten(children, context):
+        obj = cls.__new__(cls)
+        obj.__dict__.update(context.attrs)
+        items = dict(zip(context.keys, children))
+        if user_dict:
+            obj.__dict__["data"] = items
+        else:
+            dict.update(obj, items)
+        return obj
+
+    def flatten_with_keys(obj):
+        return [(tp.MappingKey(k), v) for k, v in obj.items()], flatten(obj)[1]
+
+    try:
+        tp.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
+    except ValueError:  # registered meanwhile
         pass
