@@ -1325,12 +1325,22 @@ def _attention(q, k, v, bias, dropout_p, is_causal, scale, key):
     return out, jax.nn.logsumexp(s, axis=-1)
 
 
+@functools.partial(jax.jit, static_argnames=("dropout_p", "is_causal", "scale"))
+def _attention_program(q, k, v, bias, key, dropout_p, is_causal, scale):
+    """`_attention` and the seed its backward gets, as one compiled program. The fused op returns
+    sizes besides tensors, so dispatch runs it op by op (`dispatch._jittable`), where each of its
+    primitives would compile on its own for every new sequence length (eager generation)."""
+    key = jax.random.key(0) if key is None else key
+    out, lse = _attention(q, k, v, bias, dropout_p, is_causal, scale, key)
+    return out, lse, jax.random.key_data(key).astype(np.int64)
+
+
 @register(aten._scaled_dot_product_fused_attention_overrideable.default)
 def _sdpa_overrideable(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                        scale=None):
-    key = _env.next_key() if dropout_p > 0 else jax.random.key(0)
-    out, lse = _attention(q, k, v, attn_bias, dropout_p, is_causal, scale, key)
-    seed = jax.random.key_data(key).astype(np.int64)
+    key = _env.next_key() if dropout_p > 0 else None
+    out, lse, seed = _attention_program(q, k, v, attn_bias, key, dropout_p=float(dropout_p), is_causal=bool(is_causal),
+                                        scale=None if scale is None else float(scale))
     empty = jnp.zeros((0,), np.int64)
     return out, lse, empty, empty, q.shape[-2], k.shape[-2], seed, empty, jnp.zeros((0,), q.dtype)
 
