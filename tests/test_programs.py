@@ -1170,6 +1170,35 @@ def test_grad_scaler_step_inside_jit(optimizer):
     _assert_params_close(model, ref)
 
 
+def test_grad_scaler_skipped_first_steps_leave_no_optimizer_state():
+    # torch makes SGD's momentum buffer from the gradient of the first step that is not skipped
+    # (with dampening, not what a zero buffer gives): a jitted step whose steps so far were all
+    # skipped has no optimizer state either
+    torch.manual_seed(0)
+    base = nn.Linear(4, 2)
+
+    def run(device, jit):
+        model = copy.deepcopy(base).to(device)
+        opt = O.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+        scaler = torch.amp.GradScaler(device, init_scale=3e38, backoff_factor=1e-30)
+
+        def step(x):
+            scaler.scale(model(x).pow(2).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+        run_step, states = t2j.jit(step, fullgraph=True) if jit else step, []
+        for i in range(4):
+            run_step(torch.full((3, 4), i + 1.0, device=device))
+            states.append(sorted(k for st in opt.state.values() for k in st))
+        return model, states
+
+    (ref, expected), (model, actual) = run("cpu", False), run("jax", True)
+    assert actual == expected and expected[0] == [] and expected[1] == ["momentum_buffer"] * 2
+    _assert_params_close(model, ref)
+
+
 # -- save / load ------------------------------------------------------------------------
 
 

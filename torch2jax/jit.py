@@ -910,20 +910,24 @@ def _scaler_steps_in_program():
     ``optimizer.step()`` on the host when the unscaled gradients hold an inf or NaN
     (``if not sum(found_inf.item() ...)``), which a trace cannot decide; here the step
     always runs in the program and every parameter and optimizer-state tensor it writes
-    is put back where ``found_inf`` is set, so a skipped step leaves them as they were."""
+    is put back where ``found_inf`` is set, so a skipped step leaves them as they were. Yields
+    the list of (optimizer, its state entries the step created, the skip flag) per step that made
+    optimizer state: a call whose step was skipped removes them after the program
+    (`_drop_skipped_state`), as torch never makes them."""
     from torch.amp import GradScaler
 
     original = GradScaler._maybe_opt_step
+    created: list = []
 
     def maybe_opt_step(scaler, optimizer, optimizer_state, *args, **kwargs):
         found = list(optimizer_state["found_inf_per_device"].values())
         if not any(isinstance(f, Tensor) for f in found):
             return original(scaler, optimizer, optimizer_state, *args, **kwargs)
-        return _step_unless_found_inf(optimizer, found, args, kwargs)
+        return _step_unless_found_inf(optimizer, found, args, kwargs, created)
 
     GradScaler._maybe_opt_step = maybe_opt_step
     try:
-        yield
+        yield created
     finally:
         GradScaler._maybe_opt_step = original
 
@@ -987,15 +991,16 @@ def _step_scheduler(scheduler, given):
     scheduler.step(*args, **kwargs)
 
 
-def _step_unless_found_inf(optimizer, found, args, kwargs):
+def _step_unless_found_inf(optimizer, found, args, kwargs, created):
     """``optimizer.step(*args, **kwargs)`` whose writes count only where no ``found`` tensor is set.
 
     A state tensor the step creates (its first step) falls back to its initial value,
-    read right after the optimizer's ``_init_group`` made it, as torch would have made it
-    at the next step that is not skipped.
+    read right after the optimizer's ``_init_group`` made it, and the entries it created are
+    appended to ``created`` with the skip flag (`_scaler_steps_in_program`).
     """
     with torch.no_grad():
         skip = functools.reduce(torch.add, [f.to(found[0].device) for f in found]).reshape(()) > 0
+        had = {(id(p), key) for p, st in optimizer.state.items() for key in st}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         before = [p.detach().clone() for p in params]
         initial = {(id(p), k): v.detach().clone() for p, st in optimizer.state.items()
@@ -1029,7 +1034,24 @@ def _step_unless_found_inf(optimizer, found, args, kwargs):
                 if isinstance(v, torch.Tensor):
                     old = initial.get((id(p), key))
                     v.copy_(torch.where(skip, old if old is not None else torch.zeros_like(v), v))
+    new = [(p, key) for p, st in optimizer.state.items() for key in st if (id(p), key) not in had]
+    if new:
+        created.append((optimizer, new, skip))
     return out
+
+
+def _drop_skipped_state(optimizer, entries, skipped):
+    """After a call whose GradScaler step was skipped, remove the optimizer state ``entries``
+    ((param, key) pairs) that its step made: torch makes a parameter's state at its first step
+    that is not skipped (from that step's gradient: SGD's momentum buffer)."""
+    if not skipped.item():
+        return
+    for p, key in entries:
+        state = optimizer.state.get(p)
+        if state is not None:
+            state.pop(key, None)
+            if not state:
+                del optimizer.state[p]
 
 
 class _Lifted:
@@ -3017,7 +3039,7 @@ class JitFunction:
             _sym.LEN_READS, _sym.VALUE_ERRORS, _sym.PLACES = {}, [], saved_slots[2]
             with _rng.traced_key(key) as rng, _generator_draws(drawn, leaves, roots.generators) as generators, \
                     torch.autograd.set_multithreading_enabled(False), \
-                    _distribution_validation(), _scaler_steps_in_program(), \
+                    _distribution_validation(), _scaler_steps_in_program() as scaler_state, \
                     _wide_step_counters(roots.optimizers), \
                     _sym.traced_builtins(), _unreached_optimizers(roots), _gradient_hooks_counted() as hooks, \
                     _watching_grads(not roots.grads) as grads_seen, _watching_copies(self._copies) as copies_seen, \
@@ -3098,6 +3120,8 @@ class JitFunction:
                        for site, new in numbers_stored]
             stores += [(functools.partial(_step_scheduler, scheduler), made.stored(given))
                        for scheduler, given, _ in scheduler_steps]
+            stores += [(functools.partial(_drop_skipped_state, optimizer, entries), made.stored(skip))
+                       for optimizer, entries, skip in scaler_state]
             for container, (how, items) in rewritten:
                 if how == "extend":
                     stores.append((functools.partial(_extend, container), made.stored(items)))
