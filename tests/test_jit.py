@@ -2475,6 +2475,36 @@ def test_a_stopped_trace_leaves_the_functions_globals_alone():
     assert _UNRELATED_GLOBAL == "kept"
 
 
+_CALLS = 0
+
+
+def test_a_stopped_trace_does_not_repeat_the_functions_python_side_effects():
+    # Python bookkeeping before a value-dependent branch: the trace stops there and the call runs
+    # eagerly, which must start from the state as the call found it (each change made once)
+    class Counter:
+        n = 0
+
+    counter, table, ema = Counter(), {"k": 0}, torch.ones(3)
+
+    def f(x):
+        global _CALLS
+        _CALLS += 1
+        counter.n += 1
+        table["k"] += 1
+        ema.mul_(0.5)
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+    jitted = t2j.jit(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            jitted(torch.ones(2, device="jax"))
+    assert (_CALLS, counter.n, table["k"]) == (3, 3, 3) and jitted.stats["eager_calls"] == 3
+    torch.testing.assert_close(ema, torch.full((3,), 0.125))
+
+
 def test_values_computed_from_constants_are_known_to_the_trace():
     # ops on constants run at trace time (small results): reading their values does not stop the trace
     def f(x):

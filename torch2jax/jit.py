@@ -3001,6 +3001,7 @@ class JitFunction:
         slot_storage = [None if t is None else index[id(t._t2j_storage)] for t in slots.tensors]
         saved_slots = _snapshot(slots, roots)
         structure = _module_structure(roots)
+        python_places = _python_places(roots)
         modes = [(sub, sub.training) for sub, _, _ in structure]
         layouts = list(map(_layout, slots.tensors))
         layout_storages = [None if t is None else t._t2j_storage for t in slots.tensors]
@@ -3204,6 +3205,7 @@ class JitFunction:
             if not ok:
                 _restore_structure(structure)
                 _restore(saved_slots)
+                _restore_python_places(python_places)
                 for t, twin in bindings:  # (``.data =`` a new tensor: another storage, maybe another layout)
                     if t._t2j_storage is not twin._t2j_storage or _layout(t) != _layout(twin):
                         t._rebind(twin)
@@ -3960,6 +3962,68 @@ def _snapshot(slots, roots):
     hooks = [(t, set(t._backward_hooks or ()), set(t._post_accumulate_grad_hooks or ()))
              for t in slots.tensors if t is not None]
     return pointed, opt_states, _Places(roots), hooks
+
+
+# CPU tensors up to this many elements that a function reaches are copied before each trace, so that
+# a trace that stops puts back what it changed in place (`_python_places`)
+_CPU_COPY_LIMIT = 1 << 16
+
+
+def _python_places(roots):
+    """What a trace that stops must put back before the call runs eagerly or is traced again, so that
+    the function's Python side effects happen once (``G += 1``, ``o.n += 1``, ``cfg["k"] += 1``,
+    ``ema.mul_(0.5)`` of a CPU tensor): the items of the lists and dicts and the attributes of the
+    objects it reaches, the globals its code names, its closure cells, and copies of the small CPU
+    tensors it reaches (larger ones by their version counters only, `_restore_python_places`)."""
+    objects = []
+    for obj in roots.objects:
+        if isinstance(obj, list):
+            objects.append((obj, list(obj)))
+        elif isinstance(obj, dict):
+            objects.append((obj, list(obj.items())))
+        else:
+            objects.append((obj, dict(vars(obj))))
+    names = [(g, name, g.get(name, _MISSING)) for g, used in roots.globals for name in used]
+    cells = [(cell, _cell_value(cell)) for cell in roots.cells]
+    cpu = [(t, t._version, t.detach().clone() if t.numel() <= _CPU_COPY_LIMIT else None)
+           for t in roots.cpu_tensors]
+    return objects, names, cells, cpu
+
+
+def _restore_python_places(places):
+    objects, names, cells, cpu = places
+    for obj, before in objects:
+        if isinstance(obj, list):
+            if len(obj) != len(before) or any(a is not b for a, b in zip(obj, before)):
+                obj[:] = before
+        elif isinstance(obj, dict):
+            if len(obj) != len(before) or any(k is not j or v is not obj.get(j, _MISSING)
+                                              for k, (j, v) in zip(obj, before)):
+                obj.clear()
+                obj.update(before)
+        else:
+            now = vars(obj)
+            for k in [k for k in now if k not in before]:
+                del now[k]
+            for k, v in before.items():
+                if now.get(k, _MISSING) is not v:
+                    now[k] = v
+    for g, name, value in names:
+        if g.get(name, _MISSING) is not value:
+            if value is _MISSING:
+                g.pop(name, None)
+            else:
+                g[name] = value
+    for cell, value in cells:
+        _put("cell", cell, None, value)
+    for t, version, copy in cpu:
+        if t._version != version:
+            if copy is None:
+                warnings.warn(f"t2j.jit: a trace that stopped changed a CPU tensor of shape {list(t.shape)} in "
+                              "place; the eager run of the call changes it again", stacklevel=4)
+            else:
+                with torch.no_grad():
+                    t.copy_(copy)
 
 
 def _restore(snapshot):
