@@ -2505,6 +2505,22 @@ def test_a_stopped_trace_does_not_repeat_the_functions_python_side_effects():
     torch.testing.assert_close(ema, torch.full((3,), 0.125))
 
 
+def test_a_write_into_a_cpu_tensor_at_a_position_the_program_takes_is_made():
+    # hist[i] of a CPU tensor with a lifted i is read from a device copy; writing it must reach hist
+    hist = torch.zeros(4)
+
+    def f(x, i):
+        hist[i].copy_(x.sum())
+        return x * 2
+
+    jitted = t2j.jit(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k in range(4):
+            jitted(torch.full((2,), float(k), device="jax"), k)
+    torch.testing.assert_close(hist, torch.tensor([0.0, 2.0, 4.0, 6.0]))
+
+
 def test_values_computed_from_constants_are_known_to_the_trace():
     # ops on constants run at trace time (small results): reading their values does not stop the trace
     def f(x):

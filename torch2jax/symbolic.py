@@ -563,9 +563,13 @@ def _on_device_if_host(x):
     program computes, so the position stays an input (the element is a jax tensor, where torch's is a
     0-d CPU tensor: either computes with jax tensors alike). A trace that reads a CPU tensor is keyed
     by its values (`t2j.jit`'s guards), so the constant is the tensor's current value."""
-    from .tensor import DEVICE, Tensor
+    from .tensor import DEVICE, HOST_COPIES, Tensor
 
-    return x.to(DEVICE) if not isinstance(x, Tensor) and x.device.type == "cpu" else x
+    if isinstance(x, Tensor) or x.device.type != "cpu":
+        return x
+    copy = x.to(DEVICE)
+    HOST_COPIES.add(copy._t2j_storage)
+    return copy
 
 
 def _traced_tensor(x) -> bool:

@@ -57,6 +57,10 @@ _dispatch_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchMode
 # transform tracing that call may write tracers into them, as nothing outlives the call.
 CALL_LOCAL: set = set()
 
+# Storages holding the jax-device copy of a CPU tensor that a trace indexes at a traced position
+# (`symbolic._on_device_if_host`): reads see its values, a write would miss the CPU tensor.
+HOST_COPIES: weakref.WeakSet = weakref.WeakSet()
+
 
 @contextlib.contextmanager
 def call_local(storages):
@@ -91,7 +95,15 @@ class Storage:
         ``jax.jit`` of torch code) is mutating persistent state: the tracer would
         escape into a parameter, buffer or optimizer state.
         """
-        if isinstance(value, jax.core.Tracer) and not isinstance(self.array, jax.core.Tracer) and CAPTURE is None \
+        if CAPTURE is not None:
+            if HOST_COPIES and self in HOST_COPIES:
+                from .dispatch import OpError
+
+                raise OpError(
+                    "torch2jax: a write into a CPU tensor at a position the program computes (hist[i][...] = v "
+                    "with i a number the jitted program takes): a program cannot write a CPU tensor. Keep the "
+                    "tensor on the jax device to make this one program.")
+        elif isinstance(value, jax.core.Tracer) and not isinstance(self.array, jax.core.Tracer) \
                 and self not in CALL_LOCAL:
             from .dispatch import OpError
 
