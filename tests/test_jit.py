@@ -539,6 +539,8 @@ _SCHEDULERS = {
     "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
     "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10),
     "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 0.1, total_steps=20),
+    # (its step() never counts _step_count)
+    "CosineAnnealingWarmRestarts": lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, 2, eta_min=1e-3),
     "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(o, [
         torch.optim.lr_scheduler.LinearLR(o, 0.1, 1.0, 3), torch.optim.lr_scheduler.ExponentialLR(o, 0.9)], [3]),
     "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5,

@@ -959,7 +959,7 @@ def _scheduler_steps_after_the_program():
     def deferring(original):
         @functools.wraps(original)
         def step(scheduler, *args, **kwargs):
-            if threading.get_ident() != tracing or getattr(scheduler, "_step_count", None) == 0:
+            if threading.get_ident() != tracing or getattr(scheduler, "_is_initial", False):
                 return original(scheduler, *args, **kwargs)  # (another thread's, or its constructor's first)
             steps.append((scheduler, (args, kwargs), optimizer_steps[0]))
             return None
