@@ -2523,6 +2523,21 @@ def test_a_write_into_a_cpu_tensor_at_a_position_the_program_takes_is_made():
     torch.testing.assert_close(hist, torch.tensor([0.0, 2.0, 4.0, 6.0]))
 
 
+def test_requires_grad_set_on_state_inside_the_step_is_set_by_every_call():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)).to("jax")
+
+    def step(x, freeze):
+        model[0].requires_grad_(not freeze)
+        model.zero_grad()
+        model(x).sum().backward()
+
+    jitted = t2j.jit(step, fullgraph=True)
+    for freeze in (True, False, True, False, True):
+        jitted(torch.ones(1, 2, device="jax"), freeze)
+        assert model[0].weight.requires_grad is (not freeze) and (model[0].weight.grad is None) is freeze
+    assert jitted.stats["hits"] >= 1
+
+
 def test_values_computed_from_constants_are_known_to_the_trace():
     # ops on constants run at trace time (small results): reading their values does not stop the trace
     def f(x):

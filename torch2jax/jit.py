@@ -2316,7 +2316,7 @@ class _Entry:
     # (index, `_Outputs.stored` kind) per such leaf a backward inside gave a .grad: each call's leaf gets its own
     leaf_grads: tuple = ()
     out_order: tuple = ()  # the order in which a call makes its output leaves (`_classification_order`)
-    argument_flags: tuple = ()  # (slot, requires_grad) per argument tensor whose flag the function sets
+    argument_flags: tuple = ()  # (slot, requires_grad) per argument or state tensor whose flag the function sets
     reaches: tuple = ()  # per differentiable output (grad_outs, then rebased): the inputs it depends on, a bit set
     # indices into ``post`` of the tensors the trace made and put in a slot that a call may replace by new
     # ones (`_renewable`), and of those, the ones it returns (always replaced before the next call)
@@ -4297,10 +4297,10 @@ def _argument_of(setter, slots: _Slots, index) -> int | None:
 
 
 def _argument_flags(slots: _Slots, flags) -> tuple:
-    """(slot, requires_grad) for each argument tensor whose flag the trace changed (``x.requires_grad_()``):
-    every call changes its own argument's."""
+    """(slot, requires_grad) for each argument or state tensor whose flag the trace changed
+    (``x.requires_grad_()``, ``layer.requires_grad_(False)``): every call changes it so."""
     return tuple((k, t.requires_grad) for k, (t, flag) in enumerate(zip(slots.tensors, flags))
-                 if k >= slots.first_argument and t is not None and t.requires_grad != flag)
+                 if t is not None and t.requires_grad != flag)
 
 
 def _unindexed(sig):
