@@ -2538,6 +2538,36 @@ def test_requires_grad_set_on_state_inside_the_step_is_set_by_every_call():
     assert jitted.stats["hits"] >= 1
 
 
+def test_a_hyperparameter_set_from_a_number_argument_is_set_by_every_call():
+    # a momentum schedule passed in: its first value is the group's (no change), the next ones are
+    # traced numbers stored into the group, which must become program inputs, not leak out
+    torch.manual_seed(0)
+    base = nn.Linear(2, 1)
+
+    def make(device):
+        model = copy.deepcopy(base).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, momentum):
+            opt.param_groups[0]["momentum"] = momentum
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+
+        return model, opt, step
+
+    (model, opt, step), (ours, opt_j, jitted) = make("cpu"), make("jax")
+    jitted = t2j.jit(jitted, fullgraph=True)
+    for momentum in (0.9, 0.8, 0.7, 0.6):
+        x = torch.full((1, 2), momentum)
+        step(x, momentum)
+        jitted(x.to("jax"), momentum)
+        assert type(opt_j.param_groups[0]["momentum"]) is float and opt_j.param_groups[0]["momentum"] == momentum
+    for p, q in zip(ours.parameters(), model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach())
+    assert jitted.stats["compiles"] <= 3
+
+
 def test_values_computed_from_constants_are_known_to_the_trace():
     # ops on constants run at trace time (small results): reading their values does not stop the trace
     def f(x):

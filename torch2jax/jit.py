@@ -3094,6 +3094,8 @@ class JitFunction:
                         "its Python state would be frozen into the program. Set it from a number the function "
                         "takes (group['lr'] = lr), step an LR scheduler, or change it outside the jitted function."
                     )
+            if traced := _traced_hyperparameters(roots.optimizers, slots.lifted):
+                raise _LiftNumbers(traced)
             for restore in saved_numbers.values():  # before the check that nothing else changed
                 restore()
             _check_python_state(self.fn, roots.objects, python_state, roots.names)
@@ -3964,6 +3966,21 @@ def _snapshot(slots, roots):
     return pointed, opt_states, _Places(roots), hooks
 
 
+def _traced_hyperparameters(optimizers, lifted) -> list:
+    """The ids (`_Hyperparameters`) of the float hyperparameters that a trace set to a traced number
+    (``group["momentum"] = m`` of a number argument) where they are not program inputs (``lifted``
+    sites): the trace runs again with them as inputs, whose new values are stored after each call."""
+    inputs = {(id(site.group), site.hk, site.ti) for site in lifted if isinstance(site, _GroupSite)}
+    found = []
+    for k, opt in enumerate(optimizers):
+        for gi, group in enumerate(opt.param_groups):
+            for hk, hv in group.items():
+                parts = enumerate(hv) if type(hv) is tuple else [(None, hv)] if hk != "params" else []
+                found += [(k, gi, hk, ti) for ti, v in parts
+                          if _sym.is_traced_number(v) and (id(group), hk, ti) not in inputs]
+    return found
+
+
 # CPU tensors up to this many elements that a function reaches are copied before each trace, so that
 # a trace that stops puts back what it changed in place (`_python_places`)
 _CPU_COPY_LIMIT = 1 << 16
@@ -3976,7 +3993,7 @@ def _python_places(roots):
     objects it reaches, the globals its code names, its closure cells, and copies of the small CPU
     tensors it reaches (larger ones by their version counters only, `_restore_python_places`)."""
     objects = []
-    for obj in roots.objects:
+    for obj in [*roots.objects, *(group for opt in roots.optimizers for group in opt.param_groups)]:
         if isinstance(obj, list):
             objects.append((obj, list(obj)))
         elif isinstance(obj, dict):
