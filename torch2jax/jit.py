@@ -3975,7 +3975,9 @@ def _traced_hyperparameters(optimizers, lifted) -> list:
     for k, opt in enumerate(optimizers):
         for gi, group in enumerate(opt.param_groups):
             for hk, hv in group.items():
-                parts = enumerate(hv) if type(hv) is tuple else [(None, hv)] if hk != "params" else []
+                if hk == "params":
+                    continue
+                parts = enumerate(hv) if type(hv) is tuple else [(None, hv)]
                 found += [(k, gi, hk, ti) for ti, v in parts
                           if _sym.is_traced_number(v) and (id(group), hk, ti) not in inputs]
     return found
@@ -4014,8 +4016,7 @@ def _restore_python_places(places):
             if len(obj) != len(before) or any(a is not b for a, b in zip(obj, before)):
                 obj[:] = before
         elif isinstance(obj, dict):
-            if len(obj) != len(before) or any(k is not j or v is not obj.get(j, _MISSING)
-                                              for k, (j, v) in zip(obj, before)):
+            if len(obj) != len(before) or any(k is not j or v is not w for (k, v), (j, w) in zip(obj.items(), before)):
                 obj.clear()
                 obj.update(before)
         else:
