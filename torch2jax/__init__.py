@@ -16,7 +16,8 @@ from .env import Config, config, disable, enable, env, manual_seed, rng_key
 from .checkpoint import load, load_safetensors, save
 from .compile import CompiledModule, compile
 from . import control_flow
-from .control_flow import checkpoint, cond, fori_loop, scan, scan_layers, use_scan_layers, while_loop
+from .control_flow import checkpoint, cond, fori_loop, scan, while_loop
+from .layer_scan import scan_layers, use_scan_layers
 from .export import export
 from .interop import call_jax, call_torch, functionalize, jax_view, torch_view
 from .jit import JitError, JitFunction, explain_recompiles, jit

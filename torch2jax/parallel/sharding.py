@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..control_flow import stacked_parameter_names
+from ..layer_scan import stacked_parameter_names
 from ..tensor import Tensor, from_torch_cpu, new_tensor
 
 

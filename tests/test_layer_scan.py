@@ -1,0 +1,187 @@
+"""Scanned layer stacks whose layers differ: attributes, patterns, per-layer arguments (torch CPU is the oracle)."""
+
+import collections
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torch2jax as t2j
+
+
+RUNS = collections.Counter()  # Block.forward calls, by kind: a scan runs a layer's forward once for all
+
+
+class Block(nn.Module):
+    """A layer whose forward depends on a Python attribute (``kind``) and optionally on its index."""
+
+    def __init__(self, kind="a", index=0, reads_index=False, norm=False, width=8):
+        super().__init__()
+        self.lin = nn.Linear(width, 8)
+        self.norm = nn.BatchNorm1d(8) if norm else None
+        self.kind, self.index, self.reads_index = kind, index, reads_index
+
+    def forward(self, x, scale=None):
+        RUNS[self.kind] += 1
+        h = torch.tanh(self.lin(x))
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.kind == "b":
+            h = h * 2
+        if self.reads_index:
+            h = h + self.index
+        if scale is not None:
+            h = h * scale
+        return h + x[..., :8]
+
+
+class Stack(nn.Module):
+    def __init__(self, kinds, **kw):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(kind, i, **kw) for i, kind in enumerate(kinds)])
+
+    def forward(self, x, scales=None, stop=None):
+        for i, layer in enumerate(self.layers):
+            if i == stop:
+                break
+            x = layer(x, None if scales is None else scales[i])
+        return x
+
+
+def _pair(kinds, **kw):
+    torch.manual_seed(0)
+    ref = Stack(kinds, **kw)
+    return ref, t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+
+
+def _runs(fn, *args, **kwargs):
+    """How many times ``fn`` runs a layer's forward (eagerly on the jax device)."""
+    RUNS.clear()
+    fn(*args, **kwargs)
+    return sum(RUNS.values())
+
+
+def _check(ref, model, x, **kw):
+    expected = ref(x, **kw)
+    got = model(x.to("jax"), **{k: v.to("jax") if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+    torch.testing.assert_close(got.cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+    return got, expected
+
+
+def test_alternating_layers_scan_a_period_at_a_time():
+    ref, model = _pair(["a", "b"] * 3)
+    x = torch.randn(2, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, expected = _check(ref, model, x)
+    got.sum().backward()
+    expected.sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-4, msg=n)
+    assert _runs(model, x.detach().to("jax")) == 4  # layers 0 and 1 as they are, then one of each kind
+    # explicit scan_layers takes the same pattern
+    h = t2j.scan_layers(model.layers, x.detach().to("jax"))
+    torch.testing.assert_close(h.cpu(), ref(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_forward_reading_an_attribute_that_differs_in_every_layer_runs_the_layers_one_by_one():
+    ref, model = _pair(["a"] * 4, reads_index=True)
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match=r"reads ``index``, which differs from layer to layer"):
+        _check(ref, model, x)
+    assert ("", "index") in model.layers._t2j_read
+    _check(ref, model, x)  # (known now: no trace is attempted)
+    assert _runs(model, x.to("jax")) == 4
+    # an index the forward does not read does not stop the scan
+    ref, model = _pair(["a"] * 4)
+    _check(ref, model, x)
+    assert _runs(model, x.to("jax")) == 1
+
+
+def test_per_layer_arguments_are_each_layers_own():
+    # the scan starts with layer 0's arguments; layer 1 gets another scale, so the rest runs as called,
+    # and the BatchNorm statistics the scan wrote for layers 1.. are put back first
+    ref, model = _pair(["a"] * 4, norm=True)
+    x = torch.randn(6, 8)
+    scales = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    with pytest.warns(UserWarning, match="called layer 1 with other arguments than layer 0"):
+        _check(ref, model, x, scales=list(scales))
+    for k, (a, b) in enumerate(zip(model.layers, ref.layers)):
+        torch.testing.assert_close(a.norm.running_mean.cpu(), b.norm.running_mean, msg=f"layer {k}")
+        assert a.norm.num_batches_tracked.item() == b.norm.num_batches_tracked.item() == 1
+    # arguments that repeat with the layers' pattern are scanned a period at a time
+    ref, model = _pair(["a", "b"] * 3)
+    per_kind = {"a": torch.tensor(0.5), "b": torch.tensor(-1.5)}
+    scales = [per_kind[layer.kind] for layer in ref.layers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check(ref, model, x, scales=scales)
+    assert _runs(model, x.to("jax"), scales=[s.to("jax") for s in scales[:2]] * 3) == 4
+
+
+def test_a_loop_that_stops_early_leaves_the_later_layers_buffers():
+    ref, model = _pair(["a"] * 5, norm=True)
+    x = torch.randn(6, 8)
+    _check(ref, model, x, stop=2)
+    for a, b in zip(model.layers, ref.layers):
+        torch.testing.assert_close(a.norm.running_var.cpu(), b.norm.running_var)
+        assert a.norm.num_batches_tracked.item() == b.norm.num_batches_tracked.item()
+
+
+def test_layers_that_differ_in_structure_scan_the_part_that_repeats():
+    torch.manual_seed(0)
+    ref = Stack(["a"] * 5)
+    ref.layers[0] = Block(width=8)
+    ref.layers[0].extra = nn.Parameter(torch.ones(8))  # a first layer unlike the others (DeepSeek's dense layers)
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    x = torch.randn(2, 8)
+    _check(ref, model, x)
+    assert _runs(model, x.to("jax")) == 2
+    with pytest.raises(t2j.control_flow.ControlFlowError, match="stack_parameters needs layers of one structure"):
+        t2j.use_scan_layers(copy.deepcopy(ref), stack_parameters=True)
+    # no run of layers repeats: nothing to scan, said at conversion
+    odd = Stack(["a", "a"])
+    odd.layers[1] = Block(width=8)
+    odd.layers[1].lin = nn.Linear(8, 8, bias=False)
+    with pytest.raises(t2j.control_flow.ControlFlowError, match=r"layers: no run of its layers repeats \(layer 1: "
+                                                                 r"it has 1 parameters, layer 0 has 2\)"):
+        t2j.use_scan_layers(odd)
+
+
+def test_the_loop_sees_each_layer_as_itself():
+    _, model = _pair(["a", "b"])
+    seen = [(isinstance(layer, Block), layer.kind) for layer in model.layers]
+    assert seen == [(True, "a"), (True, "b")]
+    assert [layer.kind for layer in model.layers[1:]] == ["b"]
+    assert isinstance(model.layers[0], Block)
+
+
+def test_hf_gemma2_alternating_sliding_and_full_attention_matches_torch():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4)
+    ref = transformers.Gemma2ForCausalLM(cfg)
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    ids = torch.randint(0, 128, (2, 12))  # longer than the window: sliding and full attention differ
+    out = model(ids.to("jax"), labels=ids.to("jax"), use_cache=False)
+    expected = ref(ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(out.logits.detach().cpu(), expected.logits.detach(), atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    expected.loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-6, rtol=1e-4, msg=n)
+    calls = collections.Counter()
+    forward = transformers.models.gemma2.modeling_gemma2.Gemma2DecoderLayer.forward
+
+    def counted(self, *args, **kwargs):
+        calls[self.self_attn.sliding_window] += 1
+        return forward(self, *args, **kwargs)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.models.gemma2.modeling_gemma2.Gemma2DecoderLayer, "forward", counted)
+        model(ids.to("jax"), use_cache=False)
+    assert calls == {4: 2, None: 2}  # layers 0 and 1 as they are, then one body for layers 2..5

@@ -1,0 +1,802 @@
+"""Stacks of layers run as one ``lax.scan``: `scan_layers` and `use_scan_layers`.
+
+A deep model's layers are traced once for all of them: their parameters are
+stacked and a ``lax.scan`` runs one traced body over the stack, so the model
+compiles one layer instead of dozens.
+
+What the traced body may assume about the layers it stands for is checked, not
+hoped for. Layers are compared by *signature*: their modules' classes, the names,
+shapes and dtypes of their parameters and buffers, and the plain Python
+attributes of every submodule (``training``, ``sliding_window``, a per-layer
+``attention_type``, the hooks registered on it). The layers one body runs must
+have equal signatures:
+
+- Layers that alternate (Gemma 2's sliding and full attention, Gemma 3's five
+  sliding layers and one full, a hybrid model's repeating pattern) repeat with a
+  *period* ``p``: the scan's body runs ``p`` consecutive layers, one of each kind.
+- An attribute that differs in every layer (``layer_idx``, which HF layers only
+  read with a KV cache) is hidden from the traced body; if the body reads it after
+  all, the layers run one by one (`_PerLayerRead`).
+- Layers that fit no pattern (DeepSeek-V3's first dense layers before its MoE
+  layers) run one by one, and the scan covers the part of the stack that does.
+
+`use_scan_layers` also checks the *arguments*: the model's own loop
+(``for i, layer in enumerate(self.layers): h = layer(h, mask=masks[types[i]])``)
+calls each layer through a `_LayerCall`, and a scan assumes that layer ``k``
+gets the arguments layer ``k - p`` got. A call that breaks the assumption (other
+arguments, a hidden state other than the previous layer's output) is run as it
+is, the scan's results for the layers from there on discarded, never used.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import types
+import warnings
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+
+from .control_flow import (ControlFlowError, _apply, _carried, _check_carry, _flatten, _folding_transposes, _on_host,
+                           _run_body, _Structure, _with_state, _write_back)
+from .env import default_rng as _rng
+from .tensor import Tensor, new_tensor
+
+# ---------------------------------------------------------------------------
+# layer signatures
+# ---------------------------------------------------------------------------
+
+_PLAIN = (type(None), bool, int, str, bytes, torch.dtype, torch.device, enum.Enum)
+# module internals compared by structure (`_structure`), not as attributes
+_CONTAINERS = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def _value_key(v, depth=0, memo=None):
+    """A hashable stand-in for an attribute value: plain values, containers of them, helper
+    objects (a ``functools.partial``, an activation's callable, a shared config) and
+    functions (by code and closure) by value; a tensor that is no parameter, a module held
+    as a plain attribute and anything past three levels by identity."""
+    if isinstance(v, float):
+        return ("float", repr(v))  # (repr: NaN equals NaN)
+    if isinstance(v, _PLAIN):
+        return (type(v).__name__, v)
+    memo = {} if memo is None else memo
+    if id(v) in memo:
+        return memo[id(v)]
+    key = ("object", id(v))
+    if depth < 3 and not isinstance(v, (torch.Tensor, torch.nn.Module)):
+        sub = functools.partial(_value_key, depth=depth + 1, memo=memo)
+        if isinstance(v, (tuple, list, set, frozenset)) and len(v) <= 256:
+            items = [sub(x) for x in v]
+            key = (type(v).__name__, tuple(sorted(items, key=repr) if isinstance(v, (set, frozenset)) else items))
+        elif isinstance(v, dict) and len(v) <= 256:
+            key = (type(v).__name__, tuple((sub(k), sub(x)) for k, x in v.items()))
+        elif isinstance(v, functools.partial):
+            key = ("partial", sub(v.func), sub(v.args), sub(v.keywords))
+        elif isinstance(v, types.FunctionType):
+            cells = tuple(c.cell_contents for c in v.__closure__ or ())
+            key = ("function", id(v.__code__), sub(cells), sub(v.__defaults__), sub(v.__kwdefaults__))
+        elif isinstance(v, types.MethodType):
+            owner = v.__self__
+            key = ("method", sub(v.__func__), type(owner) if isinstance(owner, torch.nn.Module) else sub(owner))
+        elif hasattr(v, "__dict__") and not isinstance(v, (type, types.ModuleType)) and len(vars(v)) <= 256:
+            key = (type(v), sub(vars(v)))
+    memo[id(v)] = key
+    return key
+
+
+def _hooks_key(hooks):
+    # by the functions registered: each layer's handles have ids of their own
+    return ("hooks", tuple(("object", id(h)) for h in hooks.values()))
+
+
+def _attributes(layer: torch.nn.Module, memo: dict) -> dict:
+    """``(submodule path, attribute name) -> value key`` for every plain attribute of ``layer``'s modules."""
+    out = {}
+    for path, m in layer.named_modules(remove_duplicate=False):
+        for name, v in vars(m).items():
+            if name in _CONTAINERS or name.startswith("_t2j_"):
+                continue
+            out[(path, name)] = _hooks_key(v) if name.endswith("hooks") and isinstance(v, dict) \
+                else _value_key(v, memo=memo)
+    return out
+
+
+def _structure(layer: torch.nn.Module, stacked: dict) -> tuple:
+    """Classes of ``layer``'s modules, and names, shapes and dtypes of its parameters (also
+    those stored stacked, in ``stacked``: name -> this layer's slice) and buffers."""
+    params = {n: p for n, p in stacked.items()}
+    params.update(layer.named_parameters())
+    return (tuple((path, type(m)) for path, m in layer.named_modules(remove_duplicate=False)),
+            tuple((n, p.dtype, tuple(p.shape)) for n, p in params.items()),
+            tuple((n, b.dtype, tuple(b.shape)) for n, b in layer.named_buffers()))
+
+
+class _Signatures:
+    """The layers' signatures (module docstring). ``hidden``: the attributes whose value
+    differs in every layer, left out of the signatures and hidden from the traced body;
+    ``read``: attributes known to be read, which stay in the signatures however they vary."""
+
+    def __init__(self, layers, stacked, read=frozenset()):
+        self.structures = [_structure(m, {n: s[k] for n, s in stacked.items()}) for k, m in enumerate(layers)]
+        memo = {}
+        attrs = [_attributes(m, memo) for m in layers]
+        names = sorted(set().union(*attrs))
+        n = len(layers)
+        self.hidden = {name for name in names if n > 1 and name not in read and all(name in a for a in attrs)
+                       and len({a[name] for a in attrs}) == n}
+        kept = [name for name in names if name not in self.hidden]
+        self.sigs = [(s, tuple(a.get(name) for name in kept)) for s, a in zip(self.structures, attrs)]
+
+    def repeats(self, start, p, end=None):
+        """Whether layers ``start..end`` (by default the last) repeat with period ``p``."""
+        end = len(self.sigs) if end is None else end
+        return all(self.sigs[j] == self.sigs[j - p] for j in range(start + p, end))
+
+    def period(self, start, end=None):
+        """The smallest period with which layers ``start..end`` repeat at least twice, or None."""
+        end = len(self.sigs) if end is None else end
+        return next((p for p in range(1, (end - start) // 2 + 1) if self.repeats(start, p, end)), None)
+
+    def first_difference(self, k) -> str:
+        """How layer ``k``'s parameters or modules differ from layer 0's, in words."""
+        (mods0, params0, bufs0), (mods, params, bufs) = self.structures[0], self.structures[k]
+        for what, a, b in (("parameter", params, params0), ("buffer", bufs, bufs0)):
+            for x, y in zip(a, b):
+                if x != y:
+                    return f"{what} {x[0]} is {x[1]}{list(x[2])} but {y[0]} is {y[1]}{list(y[2])} in layer 0"
+            if len(a) != len(b):
+                return f"it has {len(a)} {what}s, layer 0 has {len(b)}"
+        for x, y in zip(mods, mods0):
+            if x != y:
+                return f"its module {x[0] or '(the layer)'} is a {x[1].__name__}, in layer 0 a {y[1].__name__}"
+        return "its Python attributes differ"
+
+
+# ---------------------------------------------------------------------------
+# attributes hidden from the traced body
+# ---------------------------------------------------------------------------
+
+
+class _PerLayerRead(Exception):
+    """The traced body read an attribute whose value differs in every layer (`_Hidden`)."""
+
+    def __init__(self, path, name):
+        super().__init__(f"{path}.{name}" if path else name)
+        self.key = (path, name)
+
+
+class _StackedAccess:
+    """Mixed into the class of a module whose parameters were moved into a stacked
+    Parameter: reading ``module.weight`` gives its layer's slice of the stack (a
+    view, so autograd reaches the stack), or inside the scan the slice being run.
+    Also how a traced body's read of an attribute hidden from it is caught (`_Hidden`)."""
+
+    def __getattr__(self, name):
+        refs = self.__dict__.get("_t2j_stacked_refs")
+        if refs is not None and name in refs:
+            override = self.__dict__.get("_t2j_slices")
+            if override is not None and name in override:
+                return override[name]
+            owner, key, index = refs[name]
+            return owner._parameters[key][index]
+        hidden = self.__dict__.get("_t2j_hidden")
+        if hidden is not None and name in hidden:
+            raise _PerLayerRead(hidden[name][0], name)
+        return super().__getattr__(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _with_stacked_access(cls):
+    return type(cls.__name__, (_StackedAccess, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+class _Hidden:
+    """Within the block, the templates' attributes named in ``hidden`` are not there: reading
+    one raises `_PerLayerRead` (the body would bake the template's value into every layer)."""
+
+    def __init__(self, templates, hidden):
+        self.templates, self.hidden = templates, hidden
+
+    def __enter__(self):
+        self.changed = []
+        for layer in self.templates:
+            for path, name in self.hidden:
+                sub = layer.get_submodule(path)
+                if name not in sub.__dict__:
+                    continue
+                cls = type(sub)
+                if not isinstance(sub, _StackedAccess):
+                    sub.__class__ = _with_stacked_access(cls)
+                value = sub.__dict__.pop(name)
+                sub.__dict__.setdefault("_t2j_hidden", {})[name] = (path, value)
+                self.changed.append((sub, cls, name, value))
+
+    def __exit__(self, *exc):
+        for sub, cls, name, value in reversed(self.changed):
+            sub.__dict__["_t2j_hidden"].pop(name)
+            if not sub.__dict__["_t2j_hidden"]:
+                del sub.__dict__["_t2j_hidden"]
+            sub.__dict__[name] = value
+            sub.__class__ = cls
+
+
+class _StackedSlices:
+    """Within the block, ``layer``'s stacked parameters read as the given tensors."""
+
+    def __init__(self, layer, slices):
+        self.layer, self.slices = layer, slices
+
+    def __enter__(self):
+        self.set = []
+        for name, t in self.slices.items():
+            sub, leaf = _owner(self.layer, name)
+            sub.__dict__.setdefault("_t2j_slices", {})[leaf] = t
+            self.set.append((sub, leaf))
+
+    def __exit__(self, *exc):
+        for sub, leaf in self.set:
+            sub.__dict__["_t2j_slices"].pop(leaf, None)
+
+
+def _owner(module, name):
+    path, _, leaf = name.rpartition(".")
+    return module.get_submodule(path), leaf
+
+
+# ---------------------------------------------------------------------------
+# the scan
+# ---------------------------------------------------------------------------
+
+
+class _Call:
+    """One layer call's arguments, flattened; the hidden state is the first positional argument."""
+
+    def __init__(self, args, kwargs):
+        self.args, self.kwargs = args, kwargs
+        self.leaves, self.spec, self.positions = _flatten((args, kwargs))
+        self.versions = [x._version if isinstance(x, torch.Tensor) else None for x in self.leaves]
+
+    @property
+    def hidden(self):
+        return self.args[0] if self.args and isinstance(self.args[0], torch.Tensor) else None
+
+    def same_as(self, other: "_Call", hidden=None) -> bool:
+        """Whether this call passes what ``other`` passed, except for the hidden state, which
+        must be ``hidden`` (unchanged since) when given."""
+        if self.spec != other.spec or self.hidden is None:
+            return False
+        if hidden is not None and (self.hidden is not hidden[0] or self.hidden._version != hidden[1]):
+            return False
+        for i, (a, b) in enumerate(zip(self.leaves, other.leaves)):
+            if i == 0:
+                continue
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                if a is not b or a._version != other.versions[i]:
+                    return False
+            elif _value_key(a) != _value_key(b):
+                return False
+        return True
+
+
+class _Scanned:
+    """The outputs of layers ``start .. start + m * p`` computed by one scan, given out
+    as the model's loop calls the layers (`take`)."""
+
+    def __init__(self, start, p, calls, outputs, restore):
+        self.start, self.p, self.calls = start, p, calls
+        self.end = start + len(outputs)
+        self.outputs = outputs
+        self.restore = restore  # layer -> [(storage, array before the scan)] of the buffers it wrote
+        self.next = start  # the layer the loop should call next
+        self.given = None  # (hidden state given out for the previous layer, its version)
+
+    def take(self, k, call: _Call):
+        """Layer ``k``'s output for ``call``, or None when the scan assumed other arguments."""
+        t = (k - self.start) % self.p
+        if k != self.next or (k != self.start and not call.same_as(self.calls[t], self.given)):
+            return None
+        out = self.outputs[k - self.start]
+        h = out if isinstance(out, torch.Tensor) else out[0]
+        self.given = (h, h._version)
+        self.next += 1
+        self.restore.pop(k, None)
+        return out
+
+    def discard(self, k):
+        """The model's loop left the scan's assumptions at layer ``k``: the buffers of layers
+        from there on get back the values they had before the scan."""
+        for layer in range(k, self.end):
+            for st, array in self.restore.pop(layer, ()):
+                st.array = array
+                st.version += 1
+
+
+def _scan(layers, start, p, m, calls, remat, stacked, hidden) -> _Scanned:
+    """Run ``layers[start : start + m * p]`` as ``m`` steps of one ``lax.scan`` whose body runs
+    the ``p`` templates ``layers[start : start + p]`` in turn, template ``t`` with the
+    arguments of ``calls[t]`` (its hidden state replaced by the previous template's output).
+    ``stacked``: parameter name -> the layers' stacked Parameter (`use_scan_layers(...,
+    stack_parameters=True)`); ``hidden``: attributes hidden from the body (`_Hidden`)."""
+    templates = layers[start:start + p]
+    run_layers = layers[start:start + m * p]
+    on_list = stacked or {}
+    pnames = [list(on_list) + [n for n, _ in tpl.named_parameters()] for tpl in templates]
+    bnames = [[n for n, _ in tpl.named_buffers()] for tpl in templates]
+    # the program's inputs: the arguments' tensors (one input per tensor however many calls pass
+    # it); the hidden state of templates after the first is the previous template's output
+    inputs, index = [], {}
+    where = []
+    for t, call in enumerate(calls):
+        slots = []
+        for i in call.positions:
+            if i == 0 and t > 0:
+                continue
+            x = call.leaves[i]
+            if id(x) not in index:
+                index[id(x)] = len(inputs)
+                inputs.append(x)
+            slots.append((i, index[id(x)]))
+        where.append(slots)
+    whole = []
+    for t, tpl in enumerate(templates):
+        for n in pnames[t]:
+            if n in on_list:
+                whole.append(on_list[n][start + t:start + m * p:p])
+            else:
+                whole.append(torch.stack([run_layers[i * p + t].get_parameter(n) for i in range(m)]))
+        whole += [torch.stack([run_layers[i * p + t].get_buffer(n) for i in range(m)]) for n in bnames[t]]
+    key = _rng.body_key()
+    policy = None if remat is True else remat
+    if remat is False:
+        remat = None
+    structures = [_Structure() for _ in templates]
+    sizes = [len(pnames[t]) + len(bnames[t]) for t in range(p)]
+
+    def attempt(state):
+        carried = _carried(state)
+        n_in, n_w = len(inputs), len(whole)
+
+        def run(arrays):
+            args_a = arrays[:n_in]
+            weights = arrays[n_in:n_in + n_w]
+            state_a = arrays[n_in + n_w:]
+
+            def body(c, xs):
+                h, carried_c, k = c
+                values = list(state_a)
+                for i, v in zip(carried, carried_c):
+                    values[i] = v
+
+                def call():
+                    hid = new_tensor(h)
+                    outs, bufs, offset = [], [], 0
+                    for t, (tpl, c) in enumerate(zip(templates, calls)):
+                        filled = list(c.leaves)
+                        for i, j in where[t]:
+                            filled[i] = new_tensor(args_a[j])
+                        filled[0] = hid
+                        a, kw = torch_pytree.tree_unflatten(filled, c.spec)
+                        names = pnames[t] + bnames[t]
+                        tensors = {n: new_tensor(x) for n, x in zip(names, xs[offset:offset + sizes[t]])}
+                        offset += sizes[t]
+                        with _StackedSlices(tpl, {n: tensors.pop(n) for n in on_list}):
+                            out = torch.func.functional_call(tpl, tensors, a, kw, tie_weights=False, strict=True)
+                        new_h = out if isinstance(out, torch.Tensor) else out[0]
+                        if not isinstance(new_h, torch.Tensor):
+                            raise ControlFlowError(
+                                f"t2j.scan_layers: layer {start + t} ({type(tpl).__name__}) returned "
+                                f"{type(new_h).__name__}; a layer returns the next hidden state, or a tuple whose "
+                                "first element it is")
+                        outs.append(structures[t].flatten(out, "layer output"))
+                        bufs.append([tensors[n]._value() for n in bnames[t]])
+                        hid = new_h
+                    return outs, bufs, hid._value()
+
+                (outs, bufs, new_h), carried_new, k = _run_body(state, values, carried, k, call, loop=True)
+                _check_carry("scan_layers", [h], [new_h])
+                return (new_h, carried_new, k), (outs, bufs)
+
+            body = _folding_transposes(body)
+            if remat is not None:
+                body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+            h0 = args_a[index[id(calls[0].leaves[0])]]
+            (h, s, _), (outs, bufs) = jax.lax.scan(body, (h0, [state_a[i] for i in carried], key), weights)
+            return [h, *jax.tree.leaves(outs), *jax.tree.leaves(bufs), *s]
+
+        # Stacked in torch, so that torch autograd unstacks the gradients: each layer's
+        # .grad is then a view of one stacked gradient, and the program has no
+        # per-layer slices of its own (each would be a kernel of its own to compile).
+        outs = _apply(run, inputs + whole + state.tensors)
+        final, outs = outs[0], outs[1:]
+        per_template = []
+        for st in structures:
+            n = len(st.positions)
+            per_template.append(outs[:n])
+            outs = outs[n:]
+        restore = {}
+        for t in range(p):
+            for j, name in enumerate(bnames[t]):
+                for i in range(m):
+                    st = run_layers[i * p + t].get_buffer(name)._t2j_storage
+                    restore.setdefault(start + i * p + t, []).append((st, st.array))
+                    st.array = outs[j]._value()[i]
+                    st.version += 1
+            outs = outs[len(bnames[t]):]
+        _write_back(state, carried, outs)
+        results = []
+        for i in range(m):
+            for t, st in enumerate(structures):
+                leaves = [y[i] for y in per_template[t]]
+                if i == m - 1 and t == p - 1:
+                    # (from the carry: the stacked outputs are then dead code to XLA when the loop
+                    # only chains the hidden state)
+                    leaves[0] = final
+                filled = list(st.leaves)
+                for pos, x in zip(st.positions, leaves):
+                    filled[pos] = x
+                results.append(torch_pytree.tree_unflatten(filled, st.spec))
+        return _Scanned(start, p, calls, results, restore)
+
+    with _Hidden(templates, hidden):
+        return _with_state(templates[0], attempt)
+
+
+# ---------------------------------------------------------------------------
+# scan_layers
+# ---------------------------------------------------------------------------
+
+_WARNED = set()
+
+
+def _warn_once(message):
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=4)
+
+
+def _one_by_one(layers, start, hidden, args, kwargs):
+    for layer in layers[start:]:
+        out = layer(hidden, *args, **kwargs)
+        hidden = out if isinstance(out, torch.Tensor) else out[0]
+    return hidden
+
+
+def _hidden_read(layers, key):
+    path, name = key
+    where = f"{path}.{name}" if path else name
+    return (f"t2j.scan_layers: the layers' forward ({type(layers[0]).__name__}) reads ``{where}``, which differs from "
+            "layer to layer; one traced body cannot stand for them all, so they run one by one")
+
+
+def scan_layers(layers, hidden, *args, remat=None, **kwargs):
+    """Run a stack of modules one after another as a single ``lax.scan``.
+
+    ``layers`` is an ``nn.ModuleList`` (or sequence) of modules with the same
+    parameter names, shapes and dtypes; each is called as
+    ``layer(hidden, *args, **kwargs)`` and returns the next ``hidden`` (or a tuple
+    whose first element it is). Their parameters are stacked and one traced body
+    runs them all, so a deep model compiles one layer. Layers whose Python
+    attributes differ in a repeating pattern (sliding and full attention in turn)
+    are scanned a period at a time; layers that read an attribute that differs in
+    each of them run one by one, with a warning. Gradients reach every layer's own
+    parameters; buffers the layers update are written back per layer. ``remat``
+    rematerializes each step in the backward pass: ``True``, or a JAX checkpoint
+    policy (``jax.checkpoint_policies.dots_saveable``).
+
+    >>> h = t2j.scan_layers(model.blocks, h)            # instead of: for b in model.blocks: h = b(h)
+    """
+    stacked, read = {}, frozenset()
+    if isinstance(layers, _ScannedModuleList):  # already converted by use_scan_layers
+        stacked, read = layers._stacked_parameters(), layers._t2j_read
+        layers = list(layers._modules.values())
+    layers = list(layers)
+    if not layers:
+        return hidden
+    if not stacked and _on_host(hidden, args, kwargs, [list(layer.parameters()) for layer in layers]):
+        return _one_by_one(layers, 0, hidden, args, kwargs)
+    signatures = _Signatures(layers, stacked, read)
+    n = len(layers)
+    p = 1 if n == 1 else signatures.period(0)
+    if p is None:
+        different = next(k for k in range(1, n) if signatures.structures[k] != signatures.structures[0]) \
+            if len(set(signatures.structures)) > 1 else None
+        if different is not None:
+            raise ControlFlowError(
+                f"t2j.scan_layers: layer {different} ({type(layers[different]).__name__}) does not have the structure "
+                f"of layer 0 ({type(layers[0]).__name__}): {signatures.first_difference(different)}; the layers must "
+                "have the same shapes, or repeat a pattern of layers")
+        _warn_once(f"t2j.scan_layers: the {type(layers[0]).__name__} layers' Python attributes differ with no "
+                   "repeating pattern; they run one by one")
+        return _one_by_one(layers, 0, hidden, args, kwargs)
+    m = n // p
+    call = _Call((hidden, *args), kwargs)
+    try:
+        scanned = _scan(layers, 0, p, m, [call] * p, remat, stacked, signatures.hidden)
+    except _PerLayerRead as e:
+        _warn_once(_hidden_read(layers, e.key))
+        return _one_by_one(layers, 0, hidden, args, kwargs)
+    out = scanned.outputs[-1]
+    return _one_by_one(layers, m * p, out if isinstance(out, torch.Tensor) else out[0], args, kwargs)
+
+
+# ---------------------------------------------------------------------------
+# the model's own loop over a converted layer list
+# ---------------------------------------------------------------------------
+
+# transformers names the layers' cache argument past_key_value(s), layer_past or (from 5.x) cache
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache")
+
+
+def _is_cache(x):
+    return type(x).__name__.endswith("Cache")
+
+
+class _LayerRun:
+    """One pass of the model's loop over a converted layer list: layer by layer, runs the
+    layer as it is or scans it and the layers after it (module docstring)."""
+
+    def __init__(self, owner, layers, stacked):
+        self.owner, self.layers, self.stacked = owner, layers, stacked or {}
+        self.signatures = None
+        self.calls = {}  # layer -> `_Call` of each layer run as it is
+        self.scanned = None
+        self.stopped = False  # the loop left a scan's assumptions: the rest runs as it is
+
+    def __call__(self, k, args, kwargs):
+        call = _Call(args, kwargs)
+        if self.scanned is not None:
+            if k < self.scanned.end:
+                out = self.scanned.take(k, call)
+                if out is not None:
+                    return out
+                self._leave(k)
+            self.scanned = None
+        if not self.stopped and self._may_scan(call):
+            self.scanned = self._start(k, call)
+            if self.scanned is not None:
+                return self.scanned.take(k, call)
+        out = self.layers[k](*args, **kwargs)
+        self.calls[k] = call
+        return out
+
+    def close(self):
+        """The loop is over: layers the scan ran that the loop did not call keep their buffers."""
+        if self.scanned is not None and self.scanned.next < self.scanned.end:
+            self.scanned.discard(self.scanned.next)
+        self.scanned = None
+
+    def _leave(self, k):
+        s = self.scanned
+        s.discard(k)
+        self.stopped = True
+        _warn_once(
+            f"t2j.use_scan_layers: the loop over the {type(self.layers[0]).__name__} layers called layer {k} with "
+            f"other arguments than layer {k - s.p} (or not with layer {k - 1}'s output) after the scan of layers "
+            f"{s.start}..{s.end - 1} assumed them; the scan's results from layer {k} on are discarded and the rest "
+            "run one by one")
+
+    def _may_scan(self, call):
+        return isinstance(call.hidden, Tensor) and not any(call.kwargs.get(a) is not None for a in _CACHE_ARGUMENTS) \
+            and not any(_is_cache(x) for x in (*call.args, *call.kwargs.values()))
+
+    def _start(self, k, call):
+        """A scan of layers ``k`` on, or None when they fit no pattern (yet)."""
+        if self.signatures is None:
+            self.signatures = _Signatures(self.layers, self.stacked, self.owner._t2j_read)
+        signatures, n = self.signatures, len(self.layers)
+        for p in range(1, (n - k) // 2 + 1):
+            # a period of several layers needs their arguments: it starts once each ran as it is
+            first = k if p == 1 else k - p
+            if first < 0 or not signatures.repeats(first, p):
+                continue
+            if p > 1 and (any(j not in self.calls for j in range(first, k)) or not call.same_as(self.calls[first])):
+                continue
+            calls = [call] + [self.calls[j] for j in range(first + 1, k)]
+            try:
+                return _scan(self.layers, k, p, (n - k) // p, calls, self.owner._t2j_remat, self.stacked,
+                             signatures.hidden)
+            except _PerLayerRead as e:
+                self.owner._t2j_read = self.owner._t2j_read | {e.key}
+                self.stopped = True
+                _warn_once(_hidden_read(self.layers, e.key))
+                return None
+        return None
+
+
+class _LayerCall:
+    """What iterating a converted layer list gives for layer ``k``: it reads as the layer
+    (attributes, ``isinstance``), and calling it goes through the loop's `_LayerRun`."""
+
+    __slots__ = ("_t2j_run", "_t2j_k")
+
+    def __init__(self, run, k):
+        object.__setattr__(self, "_t2j_run", run)
+        object.__setattr__(self, "_t2j_k", k)
+
+    @property
+    def _t2j_layer(self):
+        return self._t2j_run.layers[self._t2j_k]
+
+    @property
+    def __class__(self):
+        return type(self._t2j_layer)
+
+    def __getattr__(self, name):
+        return getattr(self._t2j_layer, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._t2j_layer, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self._t2j_run(self._t2j_k, args, kwargs)
+
+    def __repr__(self):
+        return repr(self._t2j_layer)
+
+
+class _LayerCalls(list):
+    """The `_LayerCall` of each layer, as iterating or slicing a converted list gives them;
+    the run ends (`_LayerRun.close`) when a loop over them finishes or leaves."""
+
+    def __init__(self, run):
+        super().__init__(_LayerCall(run, k) for k in range(len(run.layers)))
+        self._run = run
+
+    def __iter__(self):
+        try:
+            yield from super().__iter__()
+        finally:
+            self._run.close()
+
+
+class _ScannedModuleList(torch.nn.ModuleList):
+    """A ModuleList whose layers a loop over it runs as scans (`_LayerRun`)."""
+
+    _t2j_remat = None
+    _t2j_stacked = None  # layer parameter name -> name of the stacked Parameter on this list
+    _t2j_read = frozenset()  # attributes varying per layer that the layers' forward reads
+
+    def _stacked_parameters(self):
+        if not self._t2j_stacked:
+            return {}
+        return {n: self._parameters[key] for n, key in self._t2j_stacked.items()}
+
+    def __iter__(self):
+        return iter(_LayerCalls(_LayerRun(self, list(self._modules.values()), self._stacked_parameters())))
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            stacked = {n: p[idx] for n, p in self._stacked_parameters().items()}
+            return _LayerCalls(_LayerRun(self, list(self._modules.values())[idx], stacked))
+        return super().__getitem__(idx)
+
+
+# ---------------------------------------------------------------------------
+# layers whose parameters are stored stacked
+# ---------------------------------------------------------------------------
+
+def _stack_parameters(layers: _ScannedModuleList):
+    """Move the layers' parameters into one stacked Parameter per name, registered
+    on ``layers``; the layers read their slices (`_StackedAccess`), and the state
+    dict keeps the per-layer names (``layers.3.attn.weight``)."""
+    modules = list(layers._modules.values())
+    names = [n for n, _ in modules[0].named_parameters()]
+    every = [p for m in modules for _, p in m.named_parameters(remove_duplicate=False)]
+    if len({id(p) for p in every}) != len(every):
+        raise ControlFlowError("t2j.use_scan_layers: stack_parameters cannot stack layers with tied parameters")
+    keys = {}
+    for name in names:
+        values = [dict(m.named_parameters())[name] for m in modules]
+        key = "stacked_" + name.replace(".", "__")
+        with torch.no_grad():
+            stacked = torch.nn.Parameter(torch.stack([v.detach() for v in values]),
+                                         requires_grad=values[0].requires_grad)
+        layers.register_parameter(key, stacked)
+        keys[name] = key
+        for k, m in enumerate(modules):
+            sub, leaf = _owner(m, name)
+            del sub._parameters[leaf]
+            if not isinstance(sub, _StackedAccess):
+                sub.__class__ = _with_stacked_access(type(sub))
+            sub.__dict__.setdefault("_t2j_stacked_refs", {})[leaf] = (layers, key, k)
+    layers._t2j_stacked = keys
+    layers._register_state_dict_hook(_per_layer_state_dict)
+    layers._register_load_state_dict_pre_hook(_stack_loaded_state_dict, with_module=True)
+
+
+def _per_layer_state_dict(layers, state_dict, prefix, local_metadata):
+    for name, key in layers._t2j_stacked.items():
+        stacked = state_dict.pop(prefix + key)
+        for k in range(stacked.shape[0]):
+            state_dict[f"{prefix}{k}.{name}"] = stacked[k]
+    return state_dict
+
+
+def _stack_loaded_state_dict(layers, state_dict, prefix, *args):
+    n = len(layers._modules)
+    for name, key in layers._t2j_stacked.items():
+        per_layer = [f"{prefix}{k}.{name}" for k in range(n)]
+        if all(k in state_dict for k in per_layer):
+            state_dict[prefix + key] = torch.stack([state_dict.pop(k) for k in per_layer])
+
+
+def stacked_parameter_names(module: torch.nn.Module) -> dict:
+    """For each parameter of ``module`` that holds a stack of layers' parameters
+    (`use_scan_layers` with ``stack_parameters=True``), its name in ``named_parameters()`` ->
+    the name of the first layer's parameter it replaces: sharding rules written for one
+    layer's parameters apply to the stack's trailing dimensions.
+
+    >>> stacked_parameter_names(model)["model.layers.stacked_mlp__up_proj__weight"]
+    'model.layers.0.mlp.up_proj.weight'
+    """
+    out = {}
+    for prefix, sub in module.named_modules():
+        for name, key in (getattr(sub, "_t2j_stacked", None) or {}).items():
+            where = f"{prefix}." if prefix else ""
+            out[f"{where}{key}"] = f"{where}0.{name}"
+    return out
+
+
+def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h", "blocks", "layer"),
+                    stack_parameters: bool = False):
+    """Make ``model`` run its stack of layers with `scan_layers`, in place.
+
+    Finds each ``nn.ModuleList`` attribute called one of ``names`` (an HF Llama's
+    ``model.layers``, GPT-2's ``transformer.h``, BERT's ``encoder.layer``) and makes
+    ``for layer in layers: ...`` in the model's own forward run them as a
+    ``lax.scan``: one traced body for layers that are alike, a period of layers
+    at a time for layers that alternate (Gemma 2's sliding and full attention).
+    Layers that fit no pattern (DeepSeek-V3's first dense layers) run one by one
+    and the scan takes the rest; every layer still gets the arguments the loop
+    passes it (a per-layer mask), checked call by call. Parameters, state dict and
+    optimizers are unchanged. With a KV cache (generation) the layers run one by
+    one as before. Returns ``model``.
+
+    ``stack_parameters=True`` also stores the layers' parameters as JAX models
+    do: one Parameter per name holding all layers (``[n_layers, ...]``), so an
+    optimizer updates a dozen tensors instead of a dozen per layer (much faster
+    to compile) and the scan reads them without stacking. ``model.parameters()``
+    then yields the stacked Parameters (create the optimizer afterwards);
+    ``layer.attn.weight`` still reads its layer's slice, and ``state_dict()`` /
+    ``load_state_dict()`` keep the per-layer names, so checkpoints are unchanged
+    (save the state dict: the layers' classes are specialized, so pickling the
+    whole module is not supported). It needs layers of one structure.
+
+    >>> t2j.use_scan_layers(llama)     # llama.model.layers now traces one layer
+    """
+    found, skipped = 0, []
+    for prefix, module in model.named_modules():
+        for name in names:
+            child = module._modules.get(name)
+            if not isinstance(child, torch.nn.ModuleList) or len(child) < 2:
+                continue
+            where = f"{prefix}.{name}" if prefix else name
+            layers = list(child._modules.values())
+            stacked = child._stacked_parameters() if isinstance(child, _ScannedModuleList) else {}
+            signatures = _Signatures(layers, stacked)
+            if not any(signatures.period(k) for k in range(len(layers) - 1)):
+                k = next((k for k in range(1, len(layers)) if signatures.structures[k] != signatures.structures[0]), 1)
+                skipped.append(f"{where}: no run of its layers repeats (layer {k}: {signatures.first_difference(k)})")
+                continue
+            if stack_parameters and len(set(signatures.structures)) > 1:
+                k = next(k for k in range(1, len(layers)) if signatures.structures[k] != signatures.structures[0])
+                raise ControlFlowError(
+                    f"t2j.use_scan_layers: stack_parameters needs layers of one structure, but in {where} layer {k} "
+                    f"differs: {signatures.first_difference(k)}; leave stack_parameters off")
+            child.__class__ = _ScannedModuleList
+            child._t2j_remat = remat
+            if stack_parameters and not child._t2j_stacked:
+                _stack_parameters(child)
+            found += 1
+    if not found:
+        why = "".join(f"; {s}" for s in skipped)
+        raise ControlFlowError(
+            f"t2j.use_scan_layers: {type(model).__name__} has no ModuleList of layers to scan named one of {names}{why}; "
+            "call t2j.scan_layers(layers, hidden, ...) in its forward instead"
+        )
+    for s in skipped:
+        _warn_once(f"t2j.use_scan_layers: {type(model).__name__}.{s}; its layers run one by one")
+    return model
