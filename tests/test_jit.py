@@ -1691,6 +1691,46 @@ def test_plain_module_attributes_are_guarded():
     assert run.stats["traces"] == 4
 
 
+
+def test_attributes_of_an_object_a_module_holds_are_guarded():
+    # an HF model reads its settings from ``self.config``, shared by all its modules
+    class Config:
+        def __init__(self):
+            self.softcap, self.mode = None, "plain"
+
+    class Head(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config, self.lin = config, torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.lin(x)
+            if self.config.softcap is not None:
+                y = torch.tanh(y / self.config.softcap) * self.config.softcap
+            return y * 2 if self.config.mode == "double" else y
+
+    torch.manual_seed(0)
+    m = Head(Config()).to("jax")
+    run = t2j.jit(lambda x: m(x))
+    x = torch.randn(2, 3, device="jax") * 10
+    for softcap, mode in [(None, "plain"), (0.5, "plain"), (0.5, "double"), (None, "plain")]:
+        m.config.softcap, m.config.mode = softcap, mode
+        torch.testing.assert_close(run(x).cpu(), m(x).detach().cpu())
+    assert run.stats["traces"] == 3
+
+
+def test_hf_config_changed_after_the_first_call_is_seen():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(cfg).to("jax")
+    run = t2j.jit(lambda ids: model(ids, use_cache=False))
+    ids = torch.randint(0, 64, (1, 5), device="jax")
+    assert run(ids).hidden_states is None
+    model.config.output_hidden_states = True
+    assert len(run(ids).hidden_states) == 3
+
 def test_cpu_tensor_module_attributes_are_guarded():
     # module.to("jax") leaves plain tensor attributes on the CPU; a trace reads their values
     class Scaled(torch.nn.Module):

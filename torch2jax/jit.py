@@ -169,6 +169,7 @@ class _Roots:
         self.names = set()  # the global and attribute names the functions' code uses
         self.unguarded = frozenset()  # values the function itself changes when traced: not guarded
         self.own_lists = {}  # lists of plain values (by id) every call changes (`_Entry.own_lists`): items not guarded
+        self.held = set()  # ids of the objects modules hold (`_module_extras`): all their plain attributes guarded
         self.lifts: _Hyperparameters | None = None  # which numbers among the values are program inputs
         self.grads = True  # whether the parameters' (and arguments') ``.grad`` are state (`JitFunction._sees_grads`)
         self._seen = set()
@@ -191,9 +192,13 @@ class _Roots:
                     self.add(t, depth)
                 # what its hooks close over (``feats.append(out)``) and the lists it keeps
                 # (``self.maps.append(x)``): places a trace may store into, as the function's own
-                extras, read = _module_extras(obj)
+                extras, held, read = _module_extras(obj)
                 for extra in extras:
                     self.add(extra, depth + 1)
+                # (a config its forward reads: ``self.config.final_logit_softcapping``)
+                for o in held:
+                    self.held.add(id(o))
+                    self.add(o, depth + 1)
                 for value in read:
                     self.add_value(*value)
         elif isinstance(obj, torch.optim.Optimizer):
@@ -326,7 +331,7 @@ class _Roots:
                 attrs, kind = vars(obj), type(obj).__name__
                 # the attributes its code names, and numbers its methods advance (`number_sites`)
                 values += [(f"{kind}.{k}", attrs[k], obj, k) for k in attrs
-                           if k in self.names or ("value", f"{kind}.{k}") in lifted]
+                           if k in self.names or id(obj) in self.held or ("value", f"{kind}.{k}") in lifted]
                 # and the class's defaults of those the instance does not hold yet (``n = 0`` in the
                 # class body, then ``self.n += 1``)
                 values += [(f"{kind}.{k}", v, obj, k) for k in self.names if k not in attrs
@@ -377,24 +382,36 @@ _EXTRAS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module 
 
 def _module_extras(module) -> tuple:
     """(the functions hooked on ``module`` and its submodules and the lists they hold as public
-    attributes, the Python values their ``forward`` functions read from globals: `_Roots.values`
-    entries, guarded as the jitted function's own), read again only after a module attribute was
-    set or a hook registered or removed somewhere (reading every submodule's attributes on each
-    call would cost more than the rest of finding the roots)."""
+    attributes, the other objects they hold as public attributes (an HF model's ``config``, whose
+    plain attributes its code reads all over: each is guarded as a module's own), the Python
+    values their ``forward`` functions read from globals: `_Roots.values` entries, guarded as the
+    jitted function's own), read again only after a module attribute was set or a hook registered
+    or removed somewhere (reading every submodule's attributes on each call would cost more than
+    the rest of finding the roots)."""
     now = (_ATTRIBUTE_WRITES[0], _HOOK_CHANGES[0])
     seen = _EXTRAS_SEEN.get(module)
     if seen is None or seen[0] != now:
         subs = _submodules(module)
         extras = [hook for sub in subs for name in _MODULE_HOOK_DICTS for hook in getattr(sub, name).values()]
         extras += [v for sub in subs for name, v in sub.__dict__.items() if type(v) is list and name[0] != "_"]
+        held = list({id(v): v for sub in subs for name, v in sub.__dict__.items()
+                     if name[0] != "_" and _plain_object(v)}.values())
         forwards = {getattr(type(sub).forward, "__code__", None): type(sub).forward for sub in subs}
         read = {(id(fn.__globals__), name): (f"global {name}", fn.__globals__, name)
                 for code, fn in forwards.items()
                 if code is not None and not (getattr(fn, "__module__", None) or "").startswith("torch.")
                 for name in _global_names(code)
                 if name in fn.__globals__ and not name.startswith("__") and _watched(fn.__globals__[name])}
-        seen = _EXTRAS_SEEN[module] = (now, (extras, list(read.values())))
+        seen = _EXTRAS_SEEN[module] = (now, (extras, held, list(read.values())))
     return seen[1]
+
+
+def _plain_object(v) -> bool:
+    """An instance of a plain Python class (a config, a settings object): neither a module,
+    tensor, optimizer, function, class nor container."""
+    return hasattr(v, "__dict__") and not isinstance(v, (
+        torch.nn.Module, torch.Tensor, torch.optim.Optimizer, type, types.ModuleType, types.FunctionType,
+        types.MethodType, functools.partial, torch._C.Generator, *_HOST_RNGS))
 
 
 def _on_jax(module) -> bool:
