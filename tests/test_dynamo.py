@@ -183,6 +183,36 @@ def test_comparisons_and_constants_on_jax_inputs(name):
     _assert_close(torch.compile(fn, backend="torch2jax")(x.to("jax")), fn(x))
 
 
+def test_constants_made_from_data_under_autograd_on_jax_inputs():
+    # AOTAutograd lifted ``torch.tensor(..., device="jax")`` as a fake constant and refused the graph
+    # when differentiating ("Unexpected fake buffer _tensor_constant0")
+    torch._dynamo.reset()
+
+    def fn(x):
+        scale = torch.tensor([1.0, 2.0, 3.0], device=x.device) * torch.as_tensor([2.0], device="jax")
+        return torch.cat([torch.tensor([], device=x.device), x * scale]).pow(2).sum()
+
+    x = torch.tensor([1.0, -2.0, 3.0], device="jax", requires_grad=True)
+    loss = torch.compile(fn, backend="torch2jax")(x)
+    loss.backward()
+    _assert_close(loss.detach(), torch.tensor(4 * (1 + 16 + 81.0)))
+    _assert_close(x.grad, torch.tensor([8.0, -64.0, 216.0]))
+
+
+def test_hf_training_with_its_kv_cache_on_matches_eager():
+    model = _llama().train()
+    reference = copy.deepcopy(model)
+    model.to("jax")
+    ids = _lm_batch(0)[0]
+    loss = torch.compile(model, backend="torch2jax")(input_ids=ids.to("jax"), labels=ids.to("jax")).loss
+    loss.backward()
+    expected = reference(input_ids=ids, labels=ids).loss
+    expected.backward()
+    _assert_close(loss.detach(), expected.detach(), atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        np.testing.assert_allclose(p.grad.cpu().numpy(), q.grad.numpy(), atol=1e-5, rtol=1e-4, err_msg=name)
+
+
 def test_jax_device_training_with_a_compiled_optimizer_step_matches_eager():
     model = _mlp()
     reference = copy.deepcopy(model)

@@ -55,6 +55,33 @@ _cpu_cube.register_autograd(
 )
 
 
+@torch.library.custom_op("t2jtest::segment_sums", mutates_args=())
+def _segment_sums(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """A device-agnostic kernel that reads its input's values (as transformers' grouped matmul fallback)."""
+    starts = [0] + ends.tolist()[:-1]
+    return torch.stack([x[a:b].sum(0) for a, b in zip(starts, ends.tolist())])
+
+
+_segment_sums.register_fake(lambda x, ends: x.new_empty(ends.shape[0], *x.shape[1:]))
+
+
+def test_a_custom_op_whose_kernel_reads_values_runs_on_the_host_when_traced():
+    x, ends = torch.arange(12.0).view(6, 2), torch.tensor([2, 5, 6])
+    expected = _segment_sums(x, ends) * 2
+    xj, ej = x.to("jax"), ends.to("jax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # eagerly the kernel runs on the jax device
+        torch.testing.assert_close(_segment_sums(xj, ej).cpu() * 2, expected)
+    with pytest.warns(UserWarning, match=r"segment_sums.default has no JAX lowering that runs traced \(its function "
+                                         r"needs its inputs' values"):
+        jitted = t2j.jit(lambda a, e: _segment_sums(a, e) * 2)
+        torch.testing.assert_close(jitted(xj, ej).cpu(), expected)
+    assert jitted.stats["eager_calls"] == 0  # one program, the op a host callback inside it
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, e: _segment_sums(a, e) * 2, backend="torch2jax")
+    torch.testing.assert_close(compiled(xj, ej).cpu(), expected)
+
+
 def test_host_fallback_is_differentiated_by_torch_on_the_host():
     # a traced host fallback differentiated by JAX (a jitted forward whose backward runs
     # outside it, jax.grad of a jitted function) runs the op's torch backward on the CPU

@@ -71,6 +71,33 @@ def test_dynamic_batch_eval_matches_torch_at_several_sizes():
         _call(exported, state, np.zeros((65, 16), np.float32))
 
 
+class _Scaled(nn.Module):
+    def forward(self, x):
+        return x / 4.0 + x[..., :1] / torch.tensor(3.0)
+
+
+def test_division_by_a_number_with_a_dynamic_dimension():
+    # the correctly rounded division picked its iota's axis with np.argmax over the shape, which
+    # compared the symbolic dimension (InconclusiveDimensionOperation)
+    for example, dims in [(torch.randn(6, 5), ({0: Dim("batch", min=2, max=64)},)),
+                          (torch.randn(6, 1), ({0: Dim("batch", min=2, max=64)},))]:
+        exported = t2j.export(_Scaled(), example, dynamic_shapes=dims)
+        for n in (2, 11):
+            x = torch.randn(n, example.shape[1])
+            out, _, _ = _call(exported, {"params": {}, "buffers": {}}, x.numpy())
+            np.testing.assert_allclose(out, _Scaled()(x).numpy(), rtol=1e-6)
+
+
+def test_windows_over_a_dynamic_dimension_are_refused_by_name():
+    class Patches(nn.Module):
+        def forward(self, x):
+            return nn.functional.unfold(x, kernel_size=2)
+
+    dims = ({2: Dim("h", min=3, max=64), 3: Dim("w", min=3, max=64)},)
+    with pytest.raises(t2j.OpError, match=r"aten.im2col.default needs concrete sizes .* symbolic"):
+        t2j.export(Patches(), torch.randn(2, 3, 6, 6), dynamic_shapes=dims)
+
+
 def test_dynamic_batch_train_mode_updates_batchnorm_statistics():
     model = _model().train()
     # batch statistics need two samples, as in torch: min=2 makes that provable for the symbolic batch

@@ -3562,3 +3562,48 @@ def test_sizes_from_tensor_values_stop_the_trace_with_a_reason():
         torch.testing.assert_close(t2j.jit(f)(x.to("jax"), hw.to("jax")).cpu(), f(x, hw))
     with pytest.raises(RuntimeError, match="a size computed from a tensor's values"):
         t2j.jit(f, fullgraph=True)(x.to("jax"), hw.to("jax"))
+
+
+class _CountingSGD(torch.optim.Optimizer):
+    """A hand-written optimizer keeping its step count as a Python int in its state, with a decaying step size."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                p.add_(p.grad, alpha=-group["lr"] * math.pow(state["step"], -0.5))
+
+
+@pytest.mark.parametrize("make", ["counting_sgd", "adafactor"])
+def test_a_python_number_in_optimizer_state_becomes_a_program_input(make):
+    # it retraced on every call, each step count a program of its own
+    def optimizer(params):
+        if make == "counting_sgd":
+            return _CountingSGD(params, lr=0.1)
+        transformers = pytest.importorskip("transformers")
+        return transformers.Adafactor(params, lr=None)  # relative_step: lr from state["step"] and the RMS
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    model = copy.deepcopy(ref).to("jax")
+    opt, ref_opt = optimizer(model.parameters()), optimizer(ref.parameters())
+
+    def step(model, opt, x):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    jitted = t2j.jit(step)
+    x = torch.randn(5, 4)
+    for _ in range(6):
+        torch.testing.assert_close(jitted(model, opt, x.to("jax")).cpu(), step(ref, ref_opt, x))
+    torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach())
+    assert opt.state[model.weight]["step"] == ref_opt.state[ref.weight]["step"] == 6
+    assert jitted.stats["traces"] <= 3 and jitted.stats["hits"] >= 3

@@ -52,6 +52,11 @@ class OpError(RuntimeError):
     """An op could not run on the jax device; the message names the op and why."""
 
 
+class ValueNeeded(OpError):
+    """Python asked for the value of a tensor or number being traced (``.tolist()``, ``int(t.item())``,
+    ``.cpu()``): it is known only when the program runs."""
+
+
 class ExportError(OpError, BufferError):
     """A tensor traced inside jit exported through DLPack (a BufferError, as torch's refusals to
     export are): its value exists only when the program runs. Under `t2j.jit` a graph break."""
@@ -573,7 +578,7 @@ def _choose(func):
         return _composite_handler, "decomposition"
     custom = _custom_op_function(func)
     if custom is not None:
-        return _decomposition_handler(custom), "decomposition"
+        return _custom_op_handler(custom), "decomposition"
     return _host_handler, "fallback"
 
 
@@ -604,6 +609,26 @@ def _custom_op_function(func):
     if opdef is None:
         return None
     return opdef._backend_fns.get(DEVICE.type) or opdef._backend_fns.get(None)
+
+
+def _custom_op_handler(function):
+    """A custom op's Python function, run as a decomposition. Traced, a function that needs its
+    inputs' values (``offs.tolist()``, as transformers' grouped matmul fallback) runs on the
+    host instead, its result shapes from the op's fake implementation (torch.compile leaves
+    such an op out of its graph, too)."""
+
+    def run(func, args, kwargs):
+        COUNTERS["decompositions"] += 1
+        if not _is_traced((args, kwargs)):
+            return function(*args, **kwargs)
+        try:
+            return function(*args, **kwargs)
+        except (ValueNeeded, jax.errors.ConcretizationTypeError) as e:
+            _sym.forget(e)
+            return _host_handler(func, args, kwargs, f" that runs traced (its function needs its inputs' values: "
+                                                     f"{type(e).__name__})")
+
+    return run
 
 
 def _has_composite(func):
@@ -2390,7 +2415,7 @@ def _host_run(func, args, kwargs):
         return func(*_tree_map_tensors(_to_meta, args), **_tree_map_tensors(_to_meta, kwargs))
     if _is_traced((args, kwargs)):
         if foreign:
-            raise OpError(
+            raise ValueNeeded(
                 f"torch2jax: {func} cannot produce a CPU tensor inside a traced function (t2j.jit, jax.jit): "
                 "its values are not known until the program runs (.cpu(), .numpy(), .tolist(), .to('cpu') of a "
                 "traced tensor). Keep it on the jax device, or return it and move it after the call")

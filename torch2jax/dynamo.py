@@ -148,7 +148,44 @@ def backend(gm: torch.fx.GraphModule, example_inputs, **options):
     compile_with_aot = aot_autograd(
         fw_compiler=_compile_graph, bw_compiler=_compile_graph, decompositions=fx.decompositions()
     )
+    _constants_made_on_host(gm)
     return compile_with_aot(gm, example_inputs)
+
+
+# tensors made from Python data (``at::lift_fresh`` of a tensor made outside the trace)
+_FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
+
+
+def _constants_made_on_host(gm: torch.fx.GraphModule) -> None:
+    """Make each ``torch.tensor(data, device="jax")`` of Dynamo's graph on the CPU, then move it.
+
+    AOTAutograd traces such a call by making the tensor for real and lifting it into the
+    graph as a constant; on the jax device that constant meets the fake mode, which makes a
+    fake of it (`tensor._as_fake`), and AOTAutograd refuses a graph with a fake constant when
+    it differentiates (``Unexpected fake buffer _tensor_constant0``: transformers' cache makes
+    ``torch.tensor([], device=...)``). A CPU constant is real, and the move is a graph op.
+    """
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _FROM_DATA or not node.args:
+            continue
+        positional = node.target is torch.as_tensor and len(node.args) > 2
+        device = node.args[2] if positional else node.kwargs.get("device")
+        data = torch.utils._pytree.tree_leaves(node.args[0])
+        if not isinstance(device, (str, torch.device)) or torch.device(device).type != _device.NAME \
+                or node.kwargs.get("requires_grad") or any(isinstance(a, torch.fx.Node) for a in data):
+            continue
+        if positional:
+            node.args = (*node.args[:2], "cpu", *node.args[3:])
+        else:
+            node.kwargs = {**node.kwargs, "device": "cpu"}
+        with graph.inserting_after(node):
+            moved = graph.call_method("to", (node, device))
+        node.replace_all_uses_with(moved, delete_user_cb=lambda user: user is not moved)
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 def skip_jax_frames() -> None:

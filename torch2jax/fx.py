@@ -274,13 +274,26 @@ def call_op(op, args, kwargs):
     if op in _reg.VIEWS:
         return _reg.VIEWS[op][0](*args, **kwargs)
     if op in _reg.LOWERINGS:
-        return _reg.LOWERINGS[op](*args, **kwargs)
+        return _lowered(op, args, kwargs)
     if op._schema.is_mutable:
         raise OpError(
             f"torch2jax.fx: {op} mutates its input; the graph must be functional (export it with "
             f"torch.export / AOTAutograd, which functionalize it)"
         )
     return _via_dispatch(op, args, kwargs)
+
+
+def _lowered(op, args, kwargs):
+    try:
+        return _reg.LOWERINGS[op](*args, **kwargs)
+    except (jax.errors.ConcretizationTypeError, jax.errors.InconclusiveDimensionOperation) as e:
+        sizes = [a.shape for a in jax.tree.leaves((args, kwargs)) if isinstance(a, (jax.Array, jax.core.Tracer))]
+        if not (_has_symbolic((args, list(kwargs.values()))) or any(_has_symbolic(s) for s in sizes)):
+            raise
+        raise OpError(
+            f"torch2jax.fx: {op} needs concrete sizes to compute where its windows or blocks lie, and its "
+            f"operands' sizes are symbolic ({type(e).__name__}); export with those dimensions static "
+            "(Dim.STATIC, or leave them out of dynamic_shapes)") from e
 
 
 def _call_function(target, args, kwargs):

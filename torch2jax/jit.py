@@ -359,6 +359,12 @@ class _Roots:
             for si, sub in enumerate(_submodules(m)):
                 out += [(("module attribute", k, si, name), _ValueSite(sub, name, f"{type(sub).__name__}.{name}"), v)
                         for name, v in sub.__dict__.items() if type(v) in (int, float) and name[0] != "_"]
+        for k, opt in enumerate(self.optimizers):  # (as `_Walk.optimizer` numbers them)
+            for gi, group in enumerate(opt.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    st = opt.state.get(p) or {}
+                    out += [(where, _ValueSite(st, sk, _lifted_name(where)), v) for sk, v in st.items()
+                            if type(v) in (int, float) and (where := ("optimizer state", k, gi, pi, sk))]
         return out
 
 
@@ -1522,7 +1528,7 @@ class _Walk:
                     sv = st[sk]
                     if not isinstance(sv, Tensor):  # (the cheaper test first: torch.Tensor's is slow)
                         if not isinstance(sv, torch.Tensor):
-                            values.append((sk, _guard(sv)))
+                            values.append((sk, self.state_number(st, ("optimizer state", k, gi, pi, sk), sv)))
                             continue
                         # capturable: a step counter on the CPU would count traces, not calls (one
                         # a trace created holds a value known then: a constant, not a tracer)
@@ -1535,6 +1541,14 @@ class _Walk:
                     values.append(sk)
                 layouts.append(tuple(values))
             static.append((("optimizer", k, "state", gi), tuple(layouts)))
+
+    def state_number(self, st, where, v):
+        """A Python value in an optimizer's state (``state["step"] += 1`` of transformers' Adafactor):
+        guarded, or once it changes from call to call, a program input (`lifted`)."""
+        if self.hypers is not None and _lifted_number(v) and self.hypers.lifts(where, v):
+            self.lift_number(_ValueSite(st, where[-1], _lifted_name(where)), where)
+            return _LiftedNumber(type(v))
+        return _guard(v)
 
     def lift(self, group, k, gi, hk, ti):
         # (a group two optimizers share, as a wrapper optimizer holds its base's: one input)
@@ -3884,6 +3898,8 @@ def _lifted_name(where) -> str:
         return where[1]
     if where[0] == "module attribute":
         return f"module #{where[1]} attribute {where[3]!r}"
+    if where[0] == "optimizer state":
+        return f"optimizer #{where[1]} state[{where[3]}][{where[4]!r}] (param_groups[{where[2]}])"
     return f"optimizer #{where[0]} param_groups[{where[1]}][{where[2]!r}]"
 
 

@@ -321,17 +321,17 @@ class TracedScalar:
             outcome = bool(state.hint)
             GUARDS.append(_hints.StateGuard(state, outcome))
             return outcome
-        from .dispatch import OpError
+        from .dispatch import ValueNeeded
 
         if state is not None:
-            raise _noted(OpError(
+            raise _noted(ValueNeeded(
                 f"torch2jax: {what} of a traced value computed from a one-element integer tensor (an argument, or a "
                 "counter the jitted program carries): each of its values would be a program of its own, so t2j.jit "
                 "does not take it as a constant (it does for a branch, bool()). Compute with the tensor itself "
                 "(tensor arithmetic, torch.where; to index, x.index_select(0, i.view(1))) instead of a Python "
                 "number (x[i] with a 0-d tensor i asks for its value, as in torch)."
             ))
-        raise _noted(OpError(
+        raise _noted(ValueNeeded(
             f"torch2jax: {what} of a traced value: inside t2j.jit / jax.jit a tensor's value is not known "
             "while the program is traced, so Python control flow on it (if t.item() > 0, float(t), int(t), "
             "bool(t)) cannot be compiled. Compute with tensors instead (torch.where), or move the check "
@@ -621,6 +621,19 @@ def _traced_math(name, fn):
     return math_fn
 
 
+def _traced_pow(fn):
+    """``math.pow`` that keeps a traced number traced (``math.pow(state["step"], -0.8)`` of a step
+    counter that is a program input); other arguments go to ``fn``, Python's."""
+
+    @functools.wraps(fn)
+    def pow_fn(x, y):
+        if is_traced_number(x) or is_traced_number(y):
+            return torch.sym_float(x) ** torch.sym_float(y)
+        return fn(x, y)
+
+    return pow_fn
+
+
 def _traced_data(data) -> bool:
     return is_traced_number(data) or (type(data) in (list, tuple) and any(map(_traced_data, data)))
 
@@ -683,6 +696,12 @@ def _noted(error):
     return error
 
 
+def forget(error):
+    """``error`` was handled (the op that needed a value ran on the host instead): it stops no trace."""
+    if VALUE_ERRORS is not None and any(e is error for e in VALUE_ERRORS):
+        VALUE_ERRORS[:] = [e for e in VALUE_ERRORS if e is not error]
+
+
 # While t2j.jit traces: its `jit._Places`, the places where the function may store a tensor or a traced
 # number; a body traced by a JAX transform inside it (a checkpointed block) must not store there
 # (`jit._Places.put_back_since`)
@@ -708,6 +727,7 @@ def _trace_replacements():
            (builtins, "max", _traced_extremum(builtins.max, torch.sym_max, operator.gt)),
            (builtins, "len", _recording_len)]
     out += [(math, name, _traced_math(name, getattr(math, name))) for name in _MATH]
+    out.append((math, "pow", _traced_pow(math.pow)))
     out += [(torch, "tensor", _traced_factory(torch.tensor)), (torch, "as_tensor", _traced_factory(torch.as_tensor)),
             (torch.Tensor, "new_tensor", _traced_factory(torch.Tensor.new_tensor, method=True))]
     out += [(sym, "__torch_function__", classmethod(_number_torch_function)) for sym in _SYM_TYPES.values()]
@@ -717,7 +737,7 @@ def _trace_replacements():
 @contextlib.contextmanager
 def traced_builtins():
     """While a trace runs: Python's ``min`` and ``max`` of traced numbers (`_traced_extremum`),
-    ``math.exp`` / ``log`` / ``sqrt`` / ... of one (`_traced_math`) and ``torch.tensor`` /
+    ``math.exp`` / ``log`` / ``sqrt`` / ``pow`` / ... of one (`_traced_math`) and ``torch.tensor`` /
     ``as_tensor`` / ``new_tensor`` of them (`_traced_factory`) stay in the program, as
     torch.compile traces them. They are replaced in `builtins`, `math`, `torch` and
     ``torch.Tensor``, so for every module (but code that imported ``from math import exp``

@@ -195,9 +195,12 @@ def true_divide(a, b):
         # along the longest dimension: an iota of length 1 is a known zero. A quotient of
         # one element (a constant 0-d divisor is rewritten too) hides it behind a barrier.
         full = shape or (1,)
-        axis = int(np.argmax(full))
+        static = [d if isinstance(d, (int, np.integer)) else 0 for d in full]
+        # (a symbolic dimension of an export with dynamic shapes cannot be compared: one is
+        # taken where every static dimension is 1)
+        axis = int(np.argmax(static)) if max(static) > 1 or len(static) == full.count(1) else static.index(0)
         iota = jax.lax.broadcasted_iota(b.dtype, full, axis)
-        if full[axis] == 1:
+        if static[axis] == 1:
             iota = jax.lax.optimization_barrier(iota)
         b = b - jnp.zeros((), b.dtype) * iota
         return (a / b).reshape(shape)
