@@ -3607,3 +3607,21 @@ def test_a_python_number_in_optimizer_state_becomes_a_program_input(make):
     torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach())
     assert opt.state[model.weight]["step"] == ref_opt.state[ref.weight]["step"] == 6
     assert jitted.stats["traces"] <= 3 and jitted.stats["hits"] >= 3
+
+
+def test_check_tensor_all_on_traced_values_is_checked_when_the_program_runs():
+    # cond._is_all_true().item() stopped the trace: every HF vision-language step (its image-token check) ran eagerly
+    def f(ids, feats):
+        n = (ids == 3).sum()
+        torch._check_tensor_all_with(ValueError, n * 2 == feats.numel(), lambda: "image tokens and features differ")
+        torch._check_tensor_all(feats.isfinite())
+        return feats * 2
+
+    run = t2j.jit(f)
+    feats = torch.ones(2, 2, device="jax")
+    assert run(torch.tensor([1, 3, 3, 4], device="jax"), feats).tolist() == [[2.0, 2.0], [2.0, 2.0]]
+    assert run.stats["eager_calls"] == 0 and run.stats["compiles"] == 1
+    with pytest.raises(ValueError, match="image tokens and features differ"):
+        run(torch.tensor([1, 3, 3, 3], device="jax"), feats)
+    with pytest.raises(RuntimeError, match="Expected cond to be True"):
+        run(torch.tensor([1, 3, 3, 4], device="jax"), feats / 0)

@@ -195,6 +195,14 @@ def _encoder_or_multimodal(name, g):
             eos_token_id=2, decoder_start_token_id=1))
         return model, dict(input_features=torch.randn(2, 16, 32, generator=g),
                            decoder_input_ids=torch.randint(3, V, (2, 8), generator=g))
+    if name == "llava":  # its forward checks that the image tokens match the image features
+        vision = dict(image_size=16, patch_size=4, **tiny)
+        model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+            vision_config=transformers.CLIPVisionConfig(**vision), image_token_id=5,
+            text_config=transformers.LlamaConfig(vocab_size=V, num_key_value_heads=2, **tiny)))
+        ids = torch.randint(6, V, (2, 20), generator=g)
+        ids[:, 2:18] = 5  # one token per patch
+        return model, dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g))
     raise ValueError(name)
 
 
@@ -203,7 +211,7 @@ def _score(out):
     return logits.pow(2).mean()
 
 
-@pytest.mark.parametrize("name", ["roberta", pytest.param("distilbert", marks=pytest.mark.slow), "vit",
+@pytest.mark.parametrize("name", ["roberta", pytest.param("distilbert", marks=pytest.mark.slow), "vit", "llava",
                                   pytest.param("clip", marks=pytest.mark.slow),
                                   pytest.param("whisper", marks=pytest.mark.slow)])
 def test_encoders_and_multimodal_jitted_training_matches_torch(name):
@@ -228,3 +236,5 @@ def test_encoders_and_multimodal_jitted_training_matches_torch(name):
         expected.backward()
         ref_opt.step()
         torch.testing.assert_close(step(inputs).cpu(), expected.detach(), atol=1e-5, rtol=5e-5)
+    if name == "llava":
+        assert step.stats["eager_calls"] == 0

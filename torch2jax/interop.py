@@ -44,12 +44,12 @@ def _torch_context():
     # 64-bit types as in torch; backward on this thread, so it runs inside a JAX trace. Inside one,
     # ``t.item()`` is a traced number: Python and torch functions given one keep it traced
     # (`symbolic.traced_builtins`) or refuse it, as in t2j.jit.
-    # torch.distributions' argument checks become checks the program makes when it runs (`_distribution_validation`)
-    from .jit import _distribution_validation
+    # torch.distributions' argument checks become checks the program makes when it runs (`_checks_when_run`)
+    from .jit import _checks_when_run
 
     staged = not _trace_state_clean()
     traced = _sym.traced_builtins() if staged else contextlib.nullcontext()
-    validation = _distribution_validation() if staged else contextlib.nullcontext()
+    validation = _checks_when_run() if staged else contextlib.nullcontext()
     with jax.enable_x64(True), torch.autograd.set_multithreading_enabled(False), traced, validation:
         yield
 

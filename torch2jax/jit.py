@@ -898,22 +898,28 @@ def _wide_step_counters(optimizers):
 
 
 @contextlib.contextmanager
-def _distribution_validation():
-    """While tracing, torch.distributions' argument validation (``if not valid.all(): raise``,
-    which a trace cannot decide) becomes a check the program makes when it runs, as index
-    checks do (`symbolic.check_when_run`): for distributions built with ``validate_args=True``,
-    and for all of them under ``check_indices="always"``. Otherwise torch's default
-    validation is off in a trace: each would cost every step a host sync."""
+def _checks_when_run():
+    """While tracing, checks of a tensor's values that a trace cannot decide become checks the
+    program makes when it runs, as index checks do (`symbolic.check_when_run`):
+
+    - ``torch._check_tensor_all(cond, message)`` (transformers' check that a vision-language
+      model's image tokens match its image features), with its error type and message;
+    - torch.distributions' argument validation (``if not valid.all(): raise``), for
+      distributions built with ``validate_args=True``, and for all of them under
+      ``check_indices="always"``. Otherwise torch's default validation is off in a trace:
+      each would cost every step a host sync."""
     from torch.distributions import Distribution
 
-    before, all_true = Distribution._validate_args, torch._is_all_true
+    before, all_true, check_all = Distribution._validate_args, torch._is_all_true, torch._check_tensor_all_with
     if _config().check_indices != "always":
         Distribution.set_default_validate_args(False)
     torch._is_all_true = functools.partial(_all_true_when_run, all_true)
+    torch._check_tensor_all_with = functools.partial(_check_all_when_run, check_all)
     try:
         yield
     finally:
         torch._is_all_true = all_true
+        torch._check_tensor_all_with = check_all
         Distribution.set_default_validate_args(before)
 
 
@@ -925,6 +931,22 @@ def _all_true_when_run(all_true, valid):
         "torch.distributions: a parameter or value of a distribution does not satisfy its constraint (the "
         "program's argument validation failed)"), jax.numpy.zeros((), np.int32))
     return torch.tensor(True)
+
+
+def _check_all_when_run(check_all, error_type, cond, message=None):
+    value = cond._value() if isinstance(cond, Tensor) else None
+    if not isinstance(value, jax.core.Tracer) or cond.dtype != torch.bool:
+        return check_all(error_type, cond, message)
+    # the message, made now: it may format traced numbers, which print as stand-ins but stop no trace
+    noted = len(_sym.VALUE_ERRORS) if _sym.VALUE_ERRORS is not None else None
+    try:
+        text = "Expected cond to be True, but got False." if message is None else str(message())
+    except Exception as e:
+        text = f"torch._check_tensor_all failed (its message could not be made while tracing: {type(e).__name__})"
+    if noted is not None:
+        del _sym.VALUE_ERRORS[noted:]
+    _sym.check_when_run(~jax.numpy.all(value), lambda _: error_type(f"{text} (checked at run time by torch2jax)"),
+                        jax.numpy.zeros((), np.int32))
 
 
 @contextlib.contextmanager
@@ -3071,7 +3093,7 @@ class JitFunction:
             _sym.LEN_READS, _sym.VALUE_ERRORS, _sym.PLACES = {}, [], saved_slots[2]
             with _rng.traced_key(key) as rng, _generator_draws(drawn, leaves, roots.generators) as generators, \
                     torch.autograd.set_multithreading_enabled(False), \
-                    _distribution_validation(), _scaler_steps_in_program() as scaler_state, \
+                    _checks_when_run(), _scaler_steps_in_program() as scaler_state, \
                     _wide_step_counters(roots.optimizers), \
                     _sym.traced_builtins(), _unreached_optimizers(roots), _gradient_hooks_counted() as hooks, \
                     _watching_grads(not roots.grads) as grads_seen, _watching_copies(self._copies) as copies_seen, \
