@@ -417,6 +417,18 @@ def test_views_under_inference_mode_are_normal_tensors(device):
     assert y.tolist() == [[3.0, 3.0], [12.0, 12.0]]
 
 
+def test_python_numbers_of_tensors_under_inference_mode():
+    # aten.item reaches the device undecomposed there: it went to the host fallback (prims.item), with a warning
+    x = torch.tensor([1.5, -2.0], device="jax")
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("error")
+        y = x * 2
+        got = (y.sum().item(), bool(y[0] > 0), float(y[1]), int(y[0]), y.tolist())
+        with pytest.raises(RuntimeError, match="a Tensor with 2 elements cannot be converted to Scalar"):
+            y.item()
+    assert got == (-1.0, True, -4.0, 3, [3.0, -4.0])
+
+
 @pytest.mark.parametrize("device", ["cpu", "jax"])
 def test_copy_copy_shares_the_storage_as_torch(device):
     import copy

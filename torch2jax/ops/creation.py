@@ -330,11 +330,13 @@ def copy(x, src, non_blocking=False):
     return out
 
 
-@register(aten._local_scalar_dense)
+@register(aten._local_scalar_dense, aten.item)
 def _local_scalar_dense(x):
     """``t.item()``: a Python number, or a traced one while ``t`` is being traced
     (see torch2jax/symbolic.py). Like torch's Python number it carries no gradient where JAX
-    differentiates the program (a jitted forward's backward, ``call_torch`` under ``jax.grad``)."""
+    differentiates the program (a jitted forward's backward, ``call_torch`` under ``jax.grad``).
+    (``aten.item`` itself reaches the jax device under ``torch.inference_mode()``, where torch
+    does not decompose it.)"""
     if isinstance(x, jax.core.Tracer):
         return traced_number(jax.lax.stop_gradient(x))
     return np.asarray(x).item()
