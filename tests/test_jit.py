@@ -9,6 +9,7 @@ import functools
 import importlib
 import itertools
 import math
+import types
 import sys
 import warnings
 
@@ -3625,3 +3626,34 @@ def test_check_tensor_all_on_traced_values_is_checked_when_the_program_runs():
         run(torch.tensor([1, 3, 3, 3], device="jax"), feats)
     with pytest.raises(RuntimeError, match="Expected cond to be True"):
         run(torch.tensor([1, 3, 3, 4], device="jax"), feats / 0)
+
+
+def test_a_view_of_state_at_a_position_the_program_takes_is_a_view():
+    # with pos a program input (it changes every call), the view came back as a copy: later writes to the
+    # cache were not seen through it, nor writes through it by the cache
+    def run(device, wrap, store):
+        cache = torch.zeros(4, 6, device=device)
+        holder = types.SimpleNamespace(window=None)
+
+        def f(pos):
+            cache[:, pos] += pos + 1
+            if store:
+                holder.window = cache[pos:pos + 2]
+            return cache[:, pos]
+
+        fn = wrap(f)
+        columns = [fn(pos) for pos in range(3)]
+        window = holder.window
+        cache.mul_(10)
+        columns[1].add_(1)  # through the view, into the cache
+        seen = [c.tolist() for c in columns] + [cache.tolist()] + ([window.tolist()] if store else [])
+        return seen, fn
+
+    for store in (False, True):
+        expected, _ = run("cpu", lambda f: f, store)
+        got, jitted = run("jax", t2j.jit, store)
+        assert got == expected
+        assert jitted.stats["eager_calls"] == 0
+    # (a view stored in state is state whose offset is part of the cache key: each position traces)
+    _, jitted = run("jax", t2j.jit, False)
+    assert jitted.stats["hits"] == 1

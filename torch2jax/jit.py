@@ -2090,6 +2090,27 @@ class _Outputs:
         return "view_of_made", (self.bases[id(base)][0], tuple(leaf.shape), tuple(leaf.stride()),
                                 leaf.storage_offset() - base.storage_offset(), _grad_mode_of(leaf))
 
+    def _view_at_traced_position(self, leaf) -> tuple | None:
+        """``("view_at", (slot, size, stride, offset output, grad mode))`` for a view of a slot's storage at
+        a position the program takes (``cache[:, pos]``, ``cache[pos:pos + 2]``, ``pos`` a lifted number):
+        the program also returns where the view starts (its first element's index in the storage, found
+        by taking the view of the storage's indices), and each call takes the view of the slot's tensor
+        there, so writes through it reach the state as in torch. Its strides do not depend on the position."""
+        chain = leaf._t2j_view
+        if not chain or not all(map(_tensor.moves_elements, chain)) or not any(s.traced_offset for s in chain) \
+                or leaf.numel() == 0 or leaf.dtype is torch.complex32:
+            return None
+        st = leaf._t2j_storage
+        slot = next((k for k, s in enumerate(self.slots.tensors)
+                     if s is not None and s._t2j_storage is st and s.dtype == leaf.dtype), None)
+        if slot is None:
+            return None
+        index = jax.numpy.arange(st.array.size, dtype=np.int32).reshape(st.array.shape)
+        for step in chain:
+            index = step.forward(index)
+        self.arrays.append(index.reshape(-1)[0])
+        return "view_at", (slot, tuple(leaf.shape), tuple(leaf.stride()), len(self.arrays) - 1, _grad_mode_of(leaf))
+
     def _kind(self, leaf) -> tuple:
         outs = self.arrays
         if not isinstance(leaf, Tensor):
@@ -2106,6 +2127,8 @@ class _Outputs:
         if (view := _view_of_slot(leaf, self.slots.tensors, self.storages)) is not None:
             return "view", view
         if (view := self._view_of_made(leaf)) is not None:
+            return view
+        if (view := self._view_at_traced_position(leaf)) is not None:
             return view
         if leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex()):
             self.grad_outs.append(len(outs))
@@ -2186,6 +2209,9 @@ def _output(kind, v, arrays, slots, leaves):
         if v[0] == "replay":
             return _replayed(slots.tensors[v[1][0]], *v[1][1:])
         return _view_of(slots.tensors[v[0]], *v[1:])
+    if kind == "view_at":
+        slot, size, stride, where, grad_mode = v
+        return _view_of(slots.tensors[slot], size, stride, int(arrays[where].item()), grad_mode)
     if kind == "pre":
         return slots.tensors[v]
     if kind == "arg":
