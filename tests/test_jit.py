@@ -1289,8 +1289,9 @@ def test_optimizer_state_holding_lists_runs_eagerly():
     assert losses[7] < losses[0]
     assert step.stats["eager_calls"] == 8
     # its state's shapes change on every call, each a new key whose trace stops again: after a
-    # few in a row, new keys run eagerly without a trace
-    assert step.stats["traces"] == 4
+    # few in a row (one more where its Python counters, func_evals and n_iter, become inputs), new
+    # keys run eagerly without a trace
+    assert step.stats["traces"] == 5
 
 
 def test_python_min_and_max_of_traced_values_stay_in_the_program():
