@@ -194,7 +194,16 @@ class RngState:
 
     def state_bytes(self) -> torch.Tensor:
         """The stored key's data, then the seed (8 bytes, little-endian), as bytes: a CPU uint8
-        tensor, as torch's generators give their state (theirs holds the seed too)."""
+        tensor, as torch's generators give their state (theirs holds the seed too). Inside a
+        traced function the stream is the program's traced key, so the state is a jax tensor
+        holding its traced bytes: what `set_state_bytes` takes back (``fork_rng``, reentrant
+        checkpointing's replay, ``g.set_state(g.get_state())`` around draws)."""
+        if self._traced is not None:
+            from .tensor import new_tensor
+
+            data = jax.random.key_data(self._traced).astype(jax.numpy.uint32)
+            return new_tensor(jax.numpy.concatenate([jax.lax.bitcast_convert_type(data, jax.numpy.uint8).reshape(-1),
+                                                     jax.numpy.asarray(_seed_bytes(self.initial_seed))]))
         with jax.ensure_compile_time_eval():
             data = np.asarray(jax.random.key_data(self.key)).astype(np.uint32)
         return torch.from_numpy(np.concatenate([data.view(np.uint8).reshape(-1), _seed_bytes(self.initial_seed)]))
@@ -210,6 +219,17 @@ class RngState:
             error = RuntimeError if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 else TypeError
             raise error(f"{caller}: expected the state a jax-device generator gives (a torch.uint8 tensor of "
                         f"{sizes[0]} bytes, from get_state()), got {got}")
+        if self._traced is not None:
+            # inside a trace: the program's stream restarts from ``state`` on every call, as the eager
+            # function's does (the seed after the key stays)
+            from .tensor import Tensor
+
+            data = state._value() if isinstance(state, Tensor) else jax.numpy.asarray(state.cpu().numpy())
+            data = data.astype(jax.numpy.uint8).reshape(-1)[:4 * KEY_WORDS]
+            self._traced = jax.random.wrap_key_data(jax.lax.bitcast_convert_type(data.reshape(-1, 4),
+                                                                                 jax.numpy.uint32))
+            self._outside = False
+            return
         raw = state.detach().cpu().numpy().reshape(-1)
         data = raw[:4 * KEY_WORDS].copy().view(np.uint32)
         with jax.ensure_compile_time_eval():
@@ -649,29 +669,10 @@ def manual_seed(seed: int) -> None:
 
 
 def rng_state_bytes() -> torch.Tensor:
-    """``torch.jax.get_rng_state()``: the default stream's key as bytes (a CPU uint8 tensor, as
-    torch's generators give theirs). Inside a traced function the stream is the program's
-    traced key, so the state is a jax tensor holding its traced bytes: what
-    `set_rng_state_bytes` takes back (``fork_rng``, reentrant checkpointing's replay)."""
-    if default_rng._traced is not None:
-        from .tensor import new_tensor
-
-        data = jax.random.key_data(default_rng._traced).astype(jax.numpy.uint32)
-        return new_tensor(jax.numpy.concatenate([jax.lax.bitcast_convert_type(data, jax.numpy.uint8).reshape(-1),
-                                                 jax.numpy.asarray(_seed_bytes(default_rng.initial_seed))]))
+    """``torch.jax.get_rng_state()``: the default stream's key as bytes (`RngState.state_bytes`)."""
     return default_rng.state_bytes()
 
 
 def set_rng_state_bytes(state: torch.Tensor) -> None:
-    """``torch.jax.set_rng_state(state)``; inside a traced function it restarts the program's
-    stream from ``state`` (on every call, as the eager function does), not the stored key."""
-    if default_rng._traced is not None:
-        from .tensor import Tensor
-
-        data = state._value() if isinstance(state, Tensor) else jax.numpy.asarray(state.cpu().numpy())
-        data = data.astype(jax.numpy.uint8).reshape(-1)[:4 * KEY_WORDS]  # (the key; the seed after it stays)
-        data = jax.lax.bitcast_convert_type(data.reshape(-1, 4), jax.numpy.uint32)
-        default_rng._traced = jax.random.wrap_key_data(data)
-        default_rng._outside = False
-        return
+    """``torch.jax.set_rng_state(state)`` (`RngState.set_state_bytes`)."""
     default_rng.set_state_bytes(state, "torch.jax.set_rng_state")
