@@ -2823,6 +2823,27 @@ def test_argument_views_at_new_offsets_reuse_the_program():
     assert step.stats["traces"] == 1  # (the first call too passes copies of the views: one program)
 
 
+def test_argument_views_that_require_grad_at_new_offsets_reuse_the_program():
+    # ``step(xs[i])`` with xs a leaf: each offset traced a program of its own
+    def run(device, wrap):
+        torch.manual_seed(0)
+        xs = torch.randn(6, 4).to(device).requires_grad_()
+        w = torch.linspace(-1, 1, 4, device=device, requires_grad=True)
+        f = wrap(lambda x: (x * w).square().sum())
+        losses = [f(xs[i]) for i in range(5)]
+        sum(losses).backward()
+        return [v.item() for v in losses], xs.grad.cpu(), w.grad.cpu(), f
+
+    expected, got = run("cpu", lambda f: f), run("jax", t2j.jit)
+    assert got[0] == pytest.approx(expected[0], rel=1e-6)
+    torch.testing.assert_close(got[1], expected[1])
+    torch.testing.assert_close(got[2], expected[2])
+    assert got[3].stats["traces"] <= 2 and got[3].stats["hits"] >= 3
+    # one written in place stays a view: torch refuses it, as for the view itself
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        t2j.jit(lambda x: x.mul_(2))(torch.ones(3, 2, device="jax", requires_grad=True)[1])
+
+
 def test_argument_views_written_or_returned_stay_views():
     def scale(x):
         x.mul_(2)

@@ -2843,10 +2843,11 @@ class JitFunction:
         sliced from a dataset on the device) replaced by a copy of its values (in its memory
         order), where the function only reads it: the program then takes the slice as an array
         of its own, and one program serves every offset, where the view's offset would key a
-        trace of its own. Not for views that require grad, nor views of a storage that other
-        state or a whole argument holds (the function could write it); a trace that writes a
-        copy, returns it or keeps it raises `_KeepViews`, after which every call passes the views
-        themselves."""
+        trace of its own. A view that requires grad (``step(xs[i])``, ``xs`` a leaf) is cloned
+        by torch, so that its gradient reaches ``xs`` through the clone and the view. Not for
+        views of a storage that other state or a whole argument holds (the function could write
+        it); a trace that writes a copy, returns it or keeps it raises `_KeepViews`, after which
+        every call passes the views themselves."""
         self._copies = []
         if not self._copy_views or not self._roots_memo:  # (the first call's state is not known yet)
             return leaves
@@ -2854,10 +2855,14 @@ class JitFunction:
         whole = {id(x._t2j_storage) for x in leaves if type(x) is Tensor and not x._t2j_view}
         out = None
         for i, x in enumerate(leaves):
-            if type(x) is Tensor and x._t2j_view and not x.requires_grad and id(x._t2j_storage) not in state \
+            if type(x) is Tensor and x._t2j_view and id(x._t2j_storage) not in state \
                     and id(x._t2j_storage) not in whole:
                 if out is None:
                     out = list(leaves)
+                if x.requires_grad:
+                    out[i] = x.clone(memory_format=torch.preserve_format)
+                    self._copies.append(out[i]._t2j_storage)
+                    continue
                 copy = new_tensor(x._value())
                 # a dense view in another order (channels_last, a transpose) keeps its strides: the
                 # function may branch on them, and its results have that layout
