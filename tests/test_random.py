@@ -593,6 +593,30 @@ def test_generators_reached_created_and_reseeded_inside_a_jitted_function():
     assert torch.equal(jitted[0][1].cpu(), jitted[1][1].cpu())
 
 
+def test_an_explicit_generators_state_saved_and_restored_inside_a_jitted_function():
+    # get_state() gave the trace's state and set_state() of it re-seeded with it: every call drew the
+    # first call's numbers
+    import torch2jax as t2j
+
+    def run(wrap):
+        g = torch.Generator(device="jax").manual_seed(0)
+
+        def f(x):
+            state = g.get_state()
+            first = torch.rand(3, generator=g, device="jax")
+            g.set_state(state)
+            return first, torch.rand(3, generator=g, device="jax"), torch.rand(3, generator=g, device="jax")
+
+        fn = wrap(f)
+        return [[t.tolist() for t in fn(torch.zeros(1, device="jax"))] for _ in range(3)], g.get_state()
+
+    with pytest.warns(UserWarning, match=r"get_state\(\) of a torch.Generator the function draws from"):
+        got = run(t2j.jit)
+    expected = run(lambda f: f)
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1])
+    assert got[0][0][0] == got[0][0][1] != got[0][1][0]
+
+
 def test_generator_noise_under_jit_is_differentiated_with_the_forwards_draws():
     import torch2jax as t2j
 

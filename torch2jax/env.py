@@ -405,6 +405,11 @@ class GeneratorDraws:
         self.reseeded: list = []
         self.drew_on_the_host = False
 
+    def fixed(self, generator) -> bool:
+        """Whether ``generator``'s draws are the same on every call (created or re-seeded in the trace)."""
+        dispatched = _dispatched_generator(generator)
+        return dispatched is not None and self._fixed(dispatched)
+
     def _fixed(self, generator) -> bool:
         """Whether ``generator``'s draws are the same on every call (created or re-seeded in the trace)."""
         return any(generator is g for g in self.created) or any(generator is g for g, _ in self.before)
@@ -605,6 +610,16 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
         return seed
 
     def get_state(self) -> torch.Tensor:
+        draws = default_rng.generator_draws
+        if draws is not None and not draws.fixed(self):
+            from .dispatch import OpError
+
+            # (its draws in the program are keys the call passes in: a state read here would be the
+            # trace's, and a set_state of it would replay the trace's numbers on every call)
+            raise OpError(
+                "t2j.jit: get_state() of a torch.Generator the function draws from: its state inside the program "
+                "differs from call to call, which a trace cannot read, so the function runs eagerly "
+                "(torch.jax.get_rng_state() of the default generator stays in the program)")
         return self._stream.state_bytes()
 
     def set_state(self, new_state):
