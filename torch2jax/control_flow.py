@@ -254,6 +254,15 @@ def _carried(state):
     return [i for i, t in enumerate(state.tensors) if id(t._t2j_storage) in written]
 
 
+def _state_values(arrays, carried, carried_values):
+    """The state's arrays inside a loop body: ``arrays``, with those ``carried`` (indices) replaced
+    by the loop carry's ``carried_values``."""
+    values = list(arrays)
+    for i, v in zip(carried, carried_values):
+        values[i] = v
+    return values
+
+
 def _run_body(state, values, carried, key, call, loop=False):
     """Trace ``call()`` (torch code) with the state holding ``values``; returns its
     result, the new values of the carried state and the key after its draws. ``loop``:
@@ -410,9 +419,7 @@ def scan(fn, init, xs=None, length: int | None = None, reverse: bool = False, un
 
             def body(c, x):
                 user_c, carried_c, k = c
-                values = list(state_a)
-                for i, v in zip(carried, carried_c):
-                    values[i] = v
+                values = _state_values(state_a, carried, carried_c)
 
                 def call():
                     new_carry, y = fn(_rebuild(init_leaves, init_spec, init_pos, user_c),
@@ -472,10 +479,7 @@ def while_loop(cond_fn, body_fn, init):
         state_a = state.arrays()
 
         def values_of(carried_c):
-            values = list(state_a)
-            for i, v in zip(carried, carried_c):
-                values[i] = v
-            return values
+            return _state_values(state_a, carried, carried_c)
 
         def cond(c):
             user_c, carried_c, k = c

@@ -40,7 +40,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from .control_flow import (ControlFlowError, _apply, _carried, _check_carry, _flatten, _folding_transposes, _on_host,
-                           _run_body, _Structure, _with_state, _write_back)
+                           _run_body, _state_values, _Structure, _with_state, _write_back)
 from .env import default_rng as _rng
 from .tensor import Tensor, new_tensor
 
@@ -366,9 +366,7 @@ def _scan(layers, start, p, m, calls, remat, stacked, hidden) -> _Scanned:
 
             def body(c, xs):
                 h, carried_c, k = c
-                values = list(state_a)
-                for i, v in zip(carried, carried_c):
-                    values[i] = v
+                values = _state_values(state_a, carried, carried_c)
 
                 def call():
                     hid = new_tensor(h)
