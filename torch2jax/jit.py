@@ -286,7 +286,7 @@ class _Roots:
         n = self._labels[where] = self._labels.get(where, 0) + 1
         self.values.append((where if n == 1 else f"{where} #{n}", source, name))
 
-    def python_values(self, lift=None, raw: bool = False) -> tuple:
+    def python_values(self, lift=None, raw: bool = False, held: bool = True) -> tuple:
         """The Python numbers, strings and flags (and jax.Arrays, by identity: `_Same`) the
         functions read as constants: closure cells and globals their code names, attributes of
         the objects they reach that their code names (``cfg.scale``) and the first 32 items of
@@ -296,10 +296,11 @@ class _Roots:
         Each new value traces again, as torch.compile guards on them, but a number that
         changes from call to call becomes a program input (`lifts`): `_LiftedNumber` stands
         in the result for it, and ``lift(site, id)`` is called with its `_ValueSite`. ``raw``:
-        the values themselves, none lifted."""
+        the values themselves, none lifted; ``held=False``: without the attributes of the objects
+        modules hold (`_Unchanged` checks those by identity)."""
         out = []
         lifts = None if raw else self.lifts
-        for where, v, source, name in self._read_values():
+        for where, v, source, name in self._read_values(held):
             if _constant_array(v) and where not in self.unguarded:
                 out.append((where, _Same(v)))
                 continue
@@ -314,7 +315,7 @@ class _Roots:
         return tuple(out)
 
 
-    def _read_values(self) -> list:
+    def _read_values(self, held: bool = True) -> list:
         """(where, value, source, name) of each value `python_values` considers."""
         values = [(where, source.cell_contents if name is None else source.get(name), source, name)
                   for where, source, name in self.values]
@@ -329,9 +330,13 @@ class _Roots:
                            if ("value", where := _list_item(obj, i)) in lifted or (not own and _watched(v))]
             else:
                 attrs, kind = vars(obj), type(obj).__name__
+                if id(obj) in self.held:
+                    if held:
+                        values += [(f"{kind}.{k}", v, obj, k) for k, v in attrs.items()]
+                    continue
                 # the attributes its code names, and numbers its methods advance (`number_sites`)
                 values += [(f"{kind}.{k}", attrs[k], obj, k) for k in attrs
-                           if k in self.names or id(obj) in self.held or ("value", f"{kind}.{k}") in lifted]
+                           if k in self.names or ("value", f"{kind}.{k}") in lifted]
                 # and the class's defaults of those the instance does not hold yet (``n = 0`` in the
                 # class body, then ``self.n += 1``)
                 values += [(f"{kind}.{k}", v, obj, k) for k in self.names if k not in attrs
@@ -1676,7 +1681,10 @@ class _Unchanged:
     def __init__(self, roots: _Roots, hypers: _Hyperparameters | None):
         self.roots = (*roots.modules, *roots.optimizers, *roots.tensors, *roots.cpu_tensors)
         self.cpu = [_guard(t) for t in roots.cpu_tensors]
-        self.python = roots.python_values()
+        self.python = roots.python_values(held=False)
+        # (an object modules hold has dozens of attributes: the same objects in them, compared by
+        # identity, are the same plain values)
+        self.held_attributes = [(d, list(d.values())) for d in (vars(o) for o in roots.objects if id(o) in roots.held)]
         self.hypers = hypers
         self.hyper_sets = self._hyper_sets()
         self.subs = [sub for m in roots.modules for sub in _submodules(m)]
@@ -1725,7 +1733,9 @@ class _Unchanged:
             return False
         if self._hyper_sets() != self.hyper_sets or [_guard(t) for t in roots.cpu_tensors] != self.cpu:
             return False
-        if roots.python_values() != self.python:
+        if roots.python_values(held=False) != self.python:
+            return False
+        if not all(_same(list(d.values()), values) for d, values in self.held_attributes):
             return False
         if not _same([d.get(k) for d, keys in self.holders for k in keys], self.held):
             return False
