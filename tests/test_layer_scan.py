@@ -1,6 +1,7 @@
 """Scanned layer stacks whose layers differ: attributes, patterns, per-layer arguments (torch CPU is the oracle)."""
 
 import collections
+import types
 import copy
 import warnings
 
@@ -185,3 +186,153 @@ def test_hf_gemma2_alternating_sliding_and_full_attention_matches_torch():
         mp.setattr(transformers.models.gemma2.modeling_gemma2.Gemma2DecoderLayer, "forward", counted)
         model(ids.to("jax"), use_cache=False)
     assert calls == {4: 2, None: 2}  # layers 0 and 1 as they are, then one body for layers 2..5
+
+
+class _Shifted(nn.Module):
+    shift = 0.0  # a class default under the per-layer value
+
+    def __init__(self, shift):
+        super().__init__()
+        self.lin, self.shift, self.scale, self.aux = nn.Linear(8, 8), shift, 1.0, None
+
+    def forward(self, x, ctx=None):
+        h = torch.tanh(self.lin(x)) * self.scale * (1.0 if ctx is None else ctx.scale)
+        return x + h
+
+
+class _Loop(nn.Module):
+    """Layers called by a loop that does more than chain them (each case a way the scan's assumptions break)."""
+
+    def __init__(self, case, n=4):
+        super().__init__()
+        self.case = case
+        self.layers = nn.ModuleList([_Shifted(float(i) if case == "class_default" else 0.0) for i in range(n)])
+
+    def forward(self, x):
+        ctx = types.SimpleNamespace(scale=1.0)
+        for i, layer in enumerate(self.layers):
+            if self.case == "class_default":
+                x = layer(x) + layer.shift
+            elif self.case == "mutated_argument":  # one object passed to every layer, changed in between
+                ctx.scale = float(i + 1)
+                x = layer(x, ctx)
+            elif self.case == "attribute_set_by_the_loop":
+                layer.scale = 1.0 if i == 0 else 0.5
+                x = layer(x)
+            elif self.case == "transformed_between_layers":
+                x = torch.tanh(layer(x))
+            elif self.case == "reversed":
+                pass
+        if self.case == "reversed":
+            for layer in self.layers[::-1]:
+                x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("case", ["class_default", "mutated_argument", "attribute_set_by_the_loop",
+                                  "transformed_between_layers", "reversed"])
+def test_loops_that_break_the_scans_assumptions_match_torch(case):
+    torch.manual_seed(0)
+    ref = _Loop(case)
+    x = torch.randn(2, 8)
+    for stack in ([False, True] if case == "reversed" else [False]):
+        model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"), stack_parameters=stack)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (each case says why the layers ran one by one)
+            torch.testing.assert_close(model(x.to("jax")).cpu(), ref(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_layer_the_loop_skips_keeps_its_buffers():
+    ref, model = _pair(["a"] * 4, norm=True)
+    x = torch.randn(6, 8)
+
+    def skip_one(stack, x):
+        for i, layer in enumerate(stack.layers):
+            if i != 1:  # (LayerDrop)
+                x = layer(x)
+        return x
+
+    with pytest.warns(UserWarning, match="discarded"):
+        torch.testing.assert_close(skip_one(model, x.to("jax")).cpu(), skip_one(ref, x).detach(), atol=1e-5,
+                                   rtol=1e-5)
+    for a, b in zip(model.layers, ref.layers):
+        torch.testing.assert_close(a.norm.running_mean.cpu(), b.norm.running_mean)
+        assert a.norm.num_batches_tracked.item() == b.norm.num_batches_tracked.item()
+
+
+def test_hooks_and_stores_of_each_layer_happen_per_layer():
+    torch.manual_seed(0)
+    ref = Stack(["a"] * 4)
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    seen, expected = [], []
+    for layer in model.layers:  # one function on every layer, recording each layer's output
+        layer.register_forward_hook(lambda m, args, out: seen.append(out.detach().cpu()))
+    for layer in ref.layers:
+        layer.register_forward_hook(lambda m, args, out: expected.append(out.detach()))
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(model(x.to("jax")).cpu(), ref(x).detach(), atol=1e-5, rtol=1e-5)
+    assert len(seen) == len(expected) == 4
+    for a, b in zip(seen, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # a forward that stores a value in its layer (an MoE auxiliary loss) runs per layer, with a warning
+    torch.manual_seed(0)
+    ref = _Chain([_Storing() for _ in range(4)])
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    with pytest.warns(UserWarning, match="stores a value in ``aux``"):
+        torch.testing.assert_close(model(x.to("jax")).cpu(), ref(x).detach(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(model.layers, ref.layers):
+        torch.testing.assert_close(a.aux.detach().cpu(), b.aux.detach(), atol=1e-6, rtol=1e-5)
+
+
+class _Storing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.aux = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        self.aux = h.square().mean()
+        return x + h
+
+
+class _Chain(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_stacking_refuses_layers_frozen_unlike_the_others_and_ties_within_a_layer_scan():
+    torch.manual_seed(0)
+    ref = Stack(["a"] * 4)
+    ref.layers[0].requires_grad_(False)
+    with pytest.raises(t2j.control_flow.ControlFlowError, match="some of layers's layers are frozen"):
+        t2j.use_scan_layers(copy.deepcopy(ref), stack_parameters=True)
+    ref = Stack(["a"] * 4, width=8)
+    for layer in ref.layers:  # a parameter under two names in each layer
+        layer.tied = nn.Linear(8, 8)
+        layer.tied.weight = layer.lin.weight
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    x = torch.randn(2, 8)
+    _check(ref, model, x)
+    assert _runs(model, x.to("jax")) == 1
+
+
+def test_hf_hybrid_of_convolution_and_attention_layers_matches_torch():
+    # LFM2's conv layers hold conv.layer_idx, its attention layers self_attn.layer_idx: each differs in every
+    # layer that has it (the list was refused: no period)
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.Lfm2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                  layer_types=["conv", "full_attention"] * 3)
+    ref = transformers.Lfm2ForCausalLM(cfg).eval()
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    ids = torch.randint(0, 128, (2, 10))
+    torch.testing.assert_close(model(ids.to("jax"), use_cache=False).logits.detach().cpu(),
+                               ref(ids, use_cache=False).logits.detach(), atol=1e-5, rtol=1e-5)

@@ -88,8 +88,9 @@ def _value_key(v, depth=0, memo=None):
 
 
 def _hooks_key(hooks):
-    # by the functions registered: each layer's handles have ids of their own
-    return ("hooks", tuple(("object", id(h)) for h in hooks.values()))
+    # a hook runs once per layer in torch, with that layer's output (a side effect, such as recording
+    # activations): a layer that has one is unlike the others (one in each layer: read, so one by one)
+    return ("hooks", ("object", id(hooks)) if hooks else ())
 
 
 def _attributes(layer: torch.nn.Module, memo: dict) -> dict:
@@ -124,11 +125,21 @@ class _Signatures:
         memo = {}
         attrs = [_attributes(m, memo) for m in layers]
         names = sorted(set().union(*attrs))
-        n = len(layers)
-        self.hidden = {name for name in names if n > 1 and name not in read and all(name in a for a in attrs)
-                       and len({a[name] for a in attrs}) == n}
-        kept = [name for name in names if name not in self.hidden]
-        self.sigs = [(s, tuple(a.get(name) for name in kept)) for s, a in zip(self.structures, attrs)]
+        # (distinct among the layers that have it: a hybrid model's conv layers hold ``conv.layer_idx``,
+        # its attention layers ``self_attn.layer_idx``)
+        self.hidden = {name for name in names if name not in read
+                       and len(have := [a[name] for a in attrs if name in a]) > 1 and len(set(have)) == len(have)}
+        self.kept = [name for name in names if name not in self.hidden]
+        self.stacked = stacked
+        self.sigs = [self._signature(s, a) for s, a in zip(self.structures, attrs)]
+
+    def _signature(self, structure, attrs):
+        return structure, tuple(attrs.get(name) for name in self.kept)
+
+    def now(self, k, layer) -> tuple:
+        """Layer ``k``'s signature as it is now (the loop may set its attributes before calling it)."""
+        stacked = {n: s[k] for n, s in self.stacked.items()}
+        return self._signature(_structure(layer, stacked), _attributes(layer, {}))
 
     def repeats(self, start, p, end=None):
         """Whether layers ``start..end`` (by default the last) repeat with period ``p``."""
@@ -168,11 +179,40 @@ class _PerLayerRead(Exception):
         self.key = (path, name)
 
 
+class _LayerStores(Exception):
+    """The traced body stored a value in a layer's attribute (``self.aux_loss = ...``): each layer
+    stores its own in torch, the body's would be a placeholder of the trace (`_Stores`)."""
+
+    def __init__(self, path, name):
+        super().__init__(f"{path}.{name}" if path else name)
+
+
+def _plain_attributes(module) -> dict:
+    return {k: v for k, v in vars(module).items() if k not in _CONTAINERS and not k.startswith("_t2j_")}
+
+
+class _Stores:
+    """Checks that calling a template changed none of its modules' plain attributes (`_LayerStores`),
+    putting back what it did change."""
+
+    def __init__(self, layer):
+        self.subs = [(path, sub, _plain_attributes(sub)) for path, sub in layer.named_modules(remove_duplicate=False)]
+
+    def check(self):
+        for path, sub, before in self.subs:
+            now = _plain_attributes(sub)
+            changed = [k for k in before.keys() | now.keys() if before.get(k, self) is not now.get(k, self)]
+            if changed:
+                for k in changed:
+                    sub.__dict__.pop(k, None)
+                sub.__dict__.update({k: before[k] for k in changed if k in before})
+                raise _LayerStores(path, changed[0])
+
+
 class _StackedAccess:
     """Mixed into the class of a module whose parameters were moved into a stacked
     Parameter: reading ``module.weight`` gives its layer's slice of the stack (a
-    view, so autograd reaches the stack), or inside the scan the slice being run.
-    Also how a traced body's read of an attribute hidden from it is caught (`_Hidden`)."""
+    view, so autograd reaches the stack), or inside the scan the slice being run."""
 
     def __getattr__(self, name):
         refs = self.__dict__.get("_t2j_stacked_refs")
@@ -182,9 +222,6 @@ class _StackedAccess:
                 return override[name]
             owner, key, index = refs[name]
             return owner._parameters[key][index]
-        hidden = self.__dict__.get("_t2j_hidden")
-        if hidden is not None and name in hidden:
-            raise _PerLayerRead(hidden[name][0], name)
         return super().__getattr__(name)
 
 
@@ -193,34 +230,64 @@ def _with_stacked_access(cls):
     return type(cls.__name__, (_StackedAccess, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
+class _HiddenAttribute:
+    """A data descriptor standing for an attribute hidden from the traced body (`_Hidden`): reading
+    it raises `_PerLayerRead`, unless the body set it itself. (A data descriptor, so that neither
+    the instance nor a class-level default of the same name answers first.)"""
+
+    def __init__(self, path, name):
+        self.path, self.name = path, name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        if self.name in obj.__dict__:
+            return obj.__dict__[self.name]
+        raise _PerLayerRead(self.path, self.name)
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.name] = value
+
+    def __delete__(self, obj):
+        obj.__dict__.pop(self.name, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _hiding(cls, path, names):
+    """``cls`` with the attributes ``names`` (of the submodule at ``path``) hidden (`_HiddenAttribute`)."""
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                       **{n: _HiddenAttribute(path, n) for n in names}})
+
+
 class _Hidden:
     """Within the block, the templates' attributes named in ``hidden`` are not there: reading
     one raises `_PerLayerRead` (the body would bake the template's value into every layer)."""
 
     def __init__(self, templates, hidden):
-        self.templates, self.hidden = templates, hidden
+        self.templates = templates
+        self.by_path = {}
+        for path, name in sorted(hidden):
+            self.by_path.setdefault(path, []).append(name)
 
     def __enter__(self):
         self.changed = []
         for layer in self.templates:
-            for path, name in self.hidden:
-                sub = layer.get_submodule(path)
-                if name not in sub.__dict__:
+            for path, names in self.by_path.items():
+                try:
+                    sub = layer.get_submodule(path)
+                except AttributeError:  # (a module some layers have: a hybrid's attention)
                     continue
                 cls = type(sub)
-                if not isinstance(sub, _StackedAccess):
-                    sub.__class__ = _with_stacked_access(cls)
-                value = sub.__dict__.pop(name)
-                sub.__dict__.setdefault("_t2j_hidden", {})[name] = (path, value)
-                self.changed.append((sub, cls, name, value))
+                values = {n: sub.__dict__.pop(n) for n in names if n in sub.__dict__}
+                sub.__class__ = _hiding(cls, path, tuple(names))
+                self.changed.append((sub, cls, names, values))
 
     def __exit__(self, *exc):
-        for sub, cls, name, value in reversed(self.changed):
-            sub.__dict__["_t2j_hidden"].pop(name)
-            if not sub.__dict__["_t2j_hidden"]:
-                del sub.__dict__["_t2j_hidden"]
-            sub.__dict__[name] = value
+        for sub, cls, names, values in reversed(self.changed):
             sub.__class__ = cls
+            for n in names:  # (what the body set is not kept: the values are put back)
+                sub.__dict__.pop(n, None)
+            sub.__dict__.update(values)
 
 
 class _StackedSlices:
@@ -257,7 +324,8 @@ class _Call:
     def __init__(self, args, kwargs):
         self.args, self.kwargs = args, kwargs
         self.leaves, self.spec, self.positions = _flatten((args, kwargs))
-        self.versions = [x._version if isinstance(x, torch.Tensor) else None for x in self.leaves]
+        # (taken now: the loop may change an object it passes every layer, ``ctx.scale = ...``)
+        self.keys = [x._version if isinstance(x, torch.Tensor) else _value_key(x) for x in self.leaves]
 
     @property
     def hidden(self):
@@ -273,10 +341,8 @@ class _Call:
         for i, (a, b) in enumerate(zip(self.leaves, other.leaves)):
             if i == 0:
                 continue
-            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-                if a is not b or a._version != other.versions[i]:
-                    return False
-            elif _value_key(a) != _value_key(b):
+            if (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)) and a is not b \
+                    or self.keys[i] != other.keys[i]:
                 return False
         return True
 
@@ -323,8 +389,9 @@ def _scan(layers, start, p, m, calls, remat, stacked, hidden) -> _Scanned:
     templates = layers[start:start + p]
     run_layers = layers[start:start + m * p]
     on_list = stacked or {}
-    pnames = [list(on_list) + [n for n, _ in tpl.named_parameters()] for tpl in templates]
-    bnames = [[n for n, _ in tpl.named_buffers()] for tpl in templates]
+    # (every name a tied parameter has: functional_call wants each)
+    pnames = [list(on_list) + [n for n, _ in tpl.named_parameters(remove_duplicate=False)] for tpl in templates]
+    bnames = [[n for n, _ in tpl.named_buffers(remove_duplicate=False)] for tpl in templates]
     # the program's inputs: the arguments' tensors (one input per tensor however many calls pass
     # it); the hidden state of templates after the first is the previous template's output
     inputs, index = [], {}
@@ -380,8 +447,10 @@ def _scan(layers, start, p, m, calls, remat, stacked, hidden) -> _Scanned:
                         names = pnames[t] + bnames[t]
                         tensors = {n: new_tensor(x) for n, x in zip(names, xs[offset:offset + sizes[t]])}
                         offset += sizes[t]
+                        stores = _Stores(tpl)
                         with _StackedSlices(tpl, {n: tensors.pop(n) for n in on_list}):
                             out = torch.func.functional_call(tpl, tensors, a, kw, tie_weights=False, strict=True)
+                        stores.check()
                         new_h = out if isinstance(out, torch.Tensor) else out[0]
                         if not isinstance(new_h, torch.Tensor):
                             raise ControlFlowError(
@@ -462,11 +531,14 @@ def _one_by_one(layers, start, hidden, args, kwargs):
     return hidden
 
 
-def _hidden_read(layers, key):
-    path, name = key
-    where = f"{path}.{name}" if path else name
-    return (f"t2j.scan_layers: the layers' forward ({type(layers[0]).__name__}) reads ``{where}``, which differs from "
-            "layer to layer; one traced body cannot stand for them all, so they run one by one")
+def _one_body_failed(layers, error):
+    """The warning for layers one traced body cannot stand for (`_PerLayerRead`, `_LayerStores`)."""
+    kind = type(layers[0]).__name__
+    if isinstance(error, _LayerStores):
+        return (f"t2j.scan_layers: the layers' forward ({kind}) stores a value in ``{error}``, which each layer does "
+                "for itself; one traced body cannot, so they run one by one")
+    return (f"t2j.scan_layers: the layers' forward ({kind}) reads ``{error}``, which differs from layer to layer; one "
+            "traced body cannot stand for them all, so they run one by one")
 
 
 def scan_layers(layers, hidden, *args, remat=None, **kwargs):
@@ -513,8 +585,8 @@ def scan_layers(layers, hidden, *args, remat=None, **kwargs):
     call = _Call((hidden, *args), kwargs)
     try:
         scanned = _scan(layers, 0, p, m, [call] * p, remat, stacked, signatures.hidden)
-    except _PerLayerRead as e:
-        _warn_once(_hidden_read(layers, e.key))
+    except (_PerLayerRead, _LayerStores) as e:
+        _warn_once(_one_body_failed(layers, e))
         return _one_by_one(layers, 0, hidden, args, kwargs)
     out = scanned.outputs[-1]
     return _one_by_one(layers, m * p, out if isinstance(out, torch.Tensor) else out[0], args, kwargs)
@@ -547,12 +619,14 @@ class _LayerRun:
         call = _Call(args, kwargs)
         if self.scanned is not None:
             if k < self.scanned.end:
-                out = self.scanned.take(k, call)
+                # (the loop may have set the layer's attributes since the scan: ``layer.scale = ...``)
+                same = self.signatures.now(k, self.layers[k]) == self.signatures.sigs[k]
+                out = self.scanned.take(k, call) if same else None
                 if out is not None:
                     return out
                 self._leave(k)
             self.scanned = None
-        if not self.stopped and self._may_scan(call):
+        if not self.stopped and not self.owner._t2j_one_by_one and self._may_scan(call):
             self.scanned = self._start(k, call)
             if self.scanned is not None:
                 return self.scanned.take(k, call)
@@ -568,23 +642,33 @@ class _LayerRun:
 
     def _leave(self, k):
         s = self.scanned
-        s.discard(k)
+        s.discard(s.next)  # (a layer the loop skipped too: ``if i == skip: continue``)
         self.stopped = True
         _warn_once(
             f"t2j.use_scan_layers: the loop over the {type(self.layers[0]).__name__} layers called layer {k} with "
-            f"other arguments than layer {k - s.p} (or not with layer {k - 1}'s output) after the scan of layers "
-            f"{s.start}..{s.end - 1} assumed them; the scan's results from layer {k} on are discarded and the rest "
-            "run one by one")
+            f"other arguments than layer {k - s.p} (or not with layer {k - 1}'s output, or after changing its "
+            f"attributes) where the scan of layers {s.start}..{s.end - 1} assumed them; the scan's results from "
+            f"layer {s.next} on are discarded and the rest run one by one")
 
     def _may_scan(self, call):
-        return isinstance(call.hidden, Tensor) and not any(call.kwargs.get(a) is not None for a in _CACHE_ARGUMENTS) \
-            and not any(_is_cache(x) for x in (*call.args, *call.kwargs.values()))
+        if not isinstance(call.hidden, Tensor):
+            return False
+        if any(call.kwargs.get(a) is not None for a in _CACHE_ARGUMENTS) \
+                or any(_is_cache(x) for x in (*call.args, *call.kwargs.values())):
+            # (per-layer caches are indexed by layer: one by one, as generation wants)
+            if torch.is_grad_enabled():
+                _warn_once(f"t2j.use_scan_layers: the {type(self.layers[0]).__name__} layers are given a KV cache "
+                           "(transformers makes one unless use_cache=False), so they run one by one; pass "
+                           "use_cache=False to train with the scan")
+            return False
+        return True
 
     def _start(self, k, call):
         """A scan of layers ``k`` on, or None when they fit no pattern (yet)."""
         if self.signatures is None:
             self.signatures = _Signatures(self.layers, self.stacked, self.owner._t2j_read)
         signatures, n = self.signatures, len(self.layers)
+        signatures.sigs[k] = signatures.now(k, self.layers[k])  # (as the loop left it for this call)
         for p in range(1, (n - k) // 2 + 1):
             # a period of several layers needs their arguments: it starts once each ran as it is
             first = k if p == 1 else k - p
@@ -596,10 +680,13 @@ class _LayerRun:
             try:
                 return _scan(self.layers, k, p, (n - k) // p, calls, self.owner._t2j_remat, self.stacked,
                              signatures.hidden)
-            except _PerLayerRead as e:
-                self.owner._t2j_read = self.owner._t2j_read | {e.key}
+            except (_PerLayerRead, _LayerStores) as e:
+                if isinstance(e, _PerLayerRead):
+                    self.owner._t2j_read = self.owner._t2j_read | {e.key}
+                else:
+                    self.owner._t2j_one_by_one = True
                 self.stopped = True
-                _warn_once(_hidden_read(self.layers, e.key))
+                _warn_once(_one_body_failed(self.layers, e))
                 return None
         return None
 
@@ -631,6 +718,15 @@ class _LayerCall:
     def __call__(self, *args, **kwargs):
         return self._t2j_run(self._t2j_k, args, kwargs)
 
+    def __iter__(self):
+        return iter(self._t2j_layer)
+
+    def __len__(self):
+        return len(self._t2j_layer)
+
+    def __getitem__(self, idx):
+        return self._t2j_layer[idx]
+
     def __repr__(self):
         return repr(self._t2j_layer)
 
@@ -656,6 +752,7 @@ class _ScannedModuleList(torch.nn.ModuleList):
     _t2j_remat = None
     _t2j_stacked = None  # layer parameter name -> name of the stacked Parameter on this list
     _t2j_read = frozenset()  # attributes varying per layer that the layers' forward reads
+    _t2j_one_by_one = False  # whether the layers' forward stores values in them (`_LayerStores`)
 
     def _stacked_parameters(self):
         if not self._t2j_stacked:
@@ -667,7 +764,9 @@ class _ScannedModuleList(torch.nn.ModuleList):
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
-            stacked = {n: p[idx] for n, p in self._stacked_parameters().items()}
+            # (a negative step, ``layers[::-1]``: torch slices only forwards, so the rows are gathered)
+            rows = idx if (idx.step or 1) > 0 else list(range(len(self._modules)))[idx]
+            stacked = {n: p[rows] for n, p in self._stacked_parameters().items()}
             return _LayerCalls(_LayerRun(self, list(self._modules.values())[idx], stacked))
         return super().__getitem__(idx)
 
@@ -773,6 +872,8 @@ def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h",
                 continue
             where = f"{prefix}.{name}" if prefix else name
             layers = list(child._modules.values())
+            if any(isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)) for m in layers):
+                continue  # (containers of layers, not layers: Funnel's blocks of layers)
             stacked = child._stacked_parameters() if isinstance(child, _ScannedModuleList) else {}
             signatures = _Signatures(layers, stacked)
             if not any(signatures.period(k) for k in range(len(layers) - 1)):
@@ -784,6 +885,11 @@ def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h",
                 raise ControlFlowError(
                     f"t2j.use_scan_layers: stack_parameters needs layers of one structure, but in {where} layer {k} "
                     f"differs: {signatures.first_difference(k)}; leave stack_parameters off")
+            if stack_parameters and len({tuple(p.requires_grad for p in m.parameters()) for m in layers}) > 1:
+                raise ControlFlowError(
+                    f"t2j.use_scan_layers: stack_parameters stores each parameter of all layers in one Parameter, "
+                    f"which cannot train in some layers and not others, but some of {where}'s layers are frozen "
+                    "(requires_grad=False); leave stack_parameters off, or freeze all layers alike")
             child.__class__ = _ScannedModuleList
             child._t2j_remat = remat
             if stack_parameters and not child._t2j_stacked:
