@@ -19,13 +19,17 @@ have equal signatures:
   all, the layers run one by one (`_PerLayerRead`).
 - Layers that fit no pattern (DeepSeek-V3's first dense layers before its MoE
   layers) run one by one, and the scan covers the part of the stack that does.
+- A layer with a hook of its own runs as it is (torch runs the hook once per
+  layer); a body that stores a value in its layer (``self.aux_loss = ...``) makes
+  the layers run one by one (`_LayerStores`).
 
 `use_scan_layers` also checks the *arguments*: the model's own loop
 (``for i, layer in enumerate(self.layers): h = layer(h, mask=masks[types[i]])``)
 calls each layer through a `_LayerCall`, and a scan assumes that layer ``k``
 gets the arguments layer ``k - p`` got. A call that breaks the assumption (other
-arguments, a hidden state other than the previous layer's output) is run as it
-is, the scan's results for the layers from there on discarded, never used.
+arguments, a hidden state other than the previous layer's output, attributes the
+loop changed) is run as it is, the scan's results for the layers from there on
+discarded (the buffers it wrote put back), never used.
 """
 
 from __future__ import annotations
