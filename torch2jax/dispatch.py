@@ -619,11 +619,9 @@ def _custom_op_handler(function):
 
     def run(func, args, kwargs):
         COUNTERS["decompositions"] += 1
-        if not _is_traced((args, kwargs)):
-            return function(*args, **kwargs)
         try:
             return function(*args, **kwargs)
-        except (ValueNeeded, jax.errors.ConcretizationTypeError) as e:
+        except (ValueNeeded, jax.errors.ConcretizationTypeError) as e:  # (raised only while tracing)
             _sym.forget(e)
             return _host_handler(func, args, kwargs, f" that runs traced (its function needs its inputs' values: "
                                                      f"{type(e).__name__})")

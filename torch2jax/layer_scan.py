@@ -145,15 +145,13 @@ class _Signatures:
         stacked = {n: s[k] for n, s in self.stacked.items()}
         return self._signature(_structure(layer, stacked), _attributes(layer, {}))
 
-    def repeats(self, start, p, end=None):
-        """Whether layers ``start..end`` (by default the last) repeat with period ``p``."""
-        end = len(self.sigs) if end is None else end
-        return all(self.sigs[j] == self.sigs[j - p] for j in range(start + p, end))
+    def repeats(self, start, p):
+        """Whether the layers from ``start`` on repeat with period ``p``."""
+        return all(self.sigs[j] == self.sigs[j - p] for j in range(start + p, len(self.sigs)))
 
-    def period(self, start, end=None):
-        """The smallest period with which layers ``start..end`` repeat at least twice, or None."""
-        end = len(self.sigs) if end is None else end
-        return next((p for p in range(1, (end - start) // 2 + 1) if self.repeats(start, p, end)), None)
+    def period(self, start):
+        """The smallest period with which the layers from ``start`` on repeat at least twice, or None."""
+        return next((p for p in range(1, (len(self.sigs) - start) // 2 + 1) if self.repeats(start, p)), None)
 
     def first_difference(self, k) -> str:
         """How layer ``k``'s parameters or modules differ from layer 0's, in words."""
@@ -375,13 +373,14 @@ class _Scanned:
         self.restore.pop(k, None)
         return out
 
-    def discard(self, k):
-        """The model's loop left the scan's assumptions at layer ``k``: the buffers of layers
-        from there on get back the values they had before the scan."""
-        for layer in range(k, self.end):
-            for st, array in self.restore.pop(layer, ()):
+    def discard(self):
+        """The model's loop left the scan's assumptions, or stopped: the buffers of the layers it
+        was not given (`take`) get back the values they had before the scan."""
+        for written in self.restore.values():
+            for st, array in written:
                 st.array = array
                 st.version += 1
+        self.restore.clear()
 
 
 def _scan(layers, start, p, m, calls, remat, stacked, hidden) -> _Scanned:
@@ -640,13 +639,13 @@ class _LayerRun:
 
     def close(self):
         """The loop is over: layers the scan ran that the loop did not call keep their buffers."""
-        if self.scanned is not None and self.scanned.next < self.scanned.end:
-            self.scanned.discard(self.scanned.next)
+        if self.scanned is not None:
+            self.scanned.discard()
         self.scanned = None
 
     def _leave(self, k):
         s = self.scanned
-        s.discard(s.next)  # (a layer the loop skipped too: ``if i == skip: continue``)
+        s.discard()  # (from the layer it expected: one the loop skipped too, ``if i == skip: continue``)
         self.stopped = True
         _warn_once(
             f"t2j.use_scan_layers: the loop over the {type(self.layers[0]).__name__} layers called layer {k} with "
