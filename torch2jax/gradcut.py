@@ -220,7 +220,7 @@ def _rebindable(o, inputs) -> bool:
     return not o._t2j_view or (o.is_contiguous() and o.storage_offset() == 0)
 
 
-def _plain_object(a) -> bool:
+def plain_object(a) -> bool:
     """An argument whose attributes a Function's forward may change: a Python object that is
     not a tensor, an nn.Module, a class, a function or a Python module (an HF cache the layers
     append to)."""
@@ -264,7 +264,7 @@ def _with_own_backward(cls, args, kwargs):
     inputs = [leaves[i] for i in pos]
     # the reruns start from the objects the arguments hold as the first run found them, and leave them
     # as it did: its changes (a cache the layers append to) are made once
-    objects = [a for a in leaves if _plain_object(a)]
+    objects = [a for a in leaves if plain_object(a)]
     before = _attributes_of(objects)
     key = _rng._traced  # None where random ops draw from the stored key
     with _Reads({id(t._t2j_storage) for t in inputs}) as reads:

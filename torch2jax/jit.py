@@ -196,7 +196,7 @@ class _Roots:
                 for extra in extras:
                     self.add(extra, depth + 1)
                 # (a config its forward reads: ``self.config.final_logit_softcapping``)
-                for o in held:
+                for o in held:  # (those `add` files elsewhere, an optimizer or a generator, stay unguarded)
                     self.held.add(id(o))
                     self.add(o, depth + 1)
                 for value in read:
@@ -406,7 +406,7 @@ def _module_extras(module) -> tuple:
         extras = [hook for sub in subs for name in _MODULE_HOOK_DICTS for hook in getattr(sub, name).values()]
         extras += [v for sub in subs for name, v in sub.__dict__.items() if type(v) is list and name[0] != "_"]
         held = list({id(v): v for sub in subs for name, v in sub.__dict__.items()
-                     if name[0] != "_" and _plain_object(v)}.values())
+                     if name[0] != "_" and _gradcut.plain_object(v)}.values())
         forwards = {getattr(type(sub).forward, "__code__", None): type(sub).forward for sub in subs}
         read = {(id(fn.__globals__), name): (f"global {name}", fn.__globals__, name)
                 for code, fn in forwards.items()
@@ -415,14 +415,6 @@ def _module_extras(module) -> tuple:
                 if name in fn.__globals__ and not name.startswith("__") and _watched(fn.__globals__[name])}
         seen = _EXTRAS_SEEN[module] = (now, (extras, held, list(read.values())))
     return seen[1]
-
-
-def _plain_object(v) -> bool:
-    """An instance of a plain Python class (a config, a settings object): neither a module,
-    tensor, optimizer, function, class nor container."""
-    return hasattr(v, "__dict__") and not isinstance(v, (
-        torch.nn.Module, torch.Tensor, torch.optim.Optimizer, type, types.ModuleType, types.FunctionType,
-        types.MethodType, functools.partial, torch._C.Generator, *_HOST_RNGS))
 
 
 def _on_jax(module) -> bool:
