@@ -3679,3 +3679,11 @@ def test_a_view_of_state_at_a_position_the_program_takes_is_a_view():
     # (a view stored in state is state whose offset is part of the cache key: each position traces)
     _, jitted = run("jax", t2j.jit, False)
     assert jitted.stats["hits"] == 1
+
+
+def test_a_held_partial_of_a_builtin_function_is_followed():
+    # HF's activations hold ``partial(F.gelu, approximate="tanh")``: F.gelu is a C builtin
+    act = functools.partial(F.gelu, approximate="tanh")
+    f = t2j.jit(lambda x: act(x) * 2)
+    x = torch.randn(5)
+    torch.testing.assert_close(f(x.to("jax")).cpu(), F.gelu(x, approximate="tanh") * 2)

@@ -234,7 +234,7 @@ class _Roots:
             self.add(obj(), depth)
         elif isinstance(obj, functools.partial):
             self._seen.add(id(obj))
-            self.add_function(obj.func, depth + 1)
+            self.add(obj.func, depth + 1)  # a Python function, a builtin (F.gelu) or another callable
             self.add(obj.args, depth + 1)
             self.add(obj.keywords, depth + 1)
         elif isinstance(obj, types.MethodType):
