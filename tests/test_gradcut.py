@@ -227,6 +227,46 @@ def test_custom_function_backward_is_used_where_jax_differentiates(mode):
     torch.testing.assert_close(got_w, ref.lin.weight.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("wrap", ["checkpoint", "scan", "checkpoint in scan"])
+@pytest.mark.parametrize("where", ["the function", "outside"])
+def test_custom_function_inside_a_jax_transform_under_t2j_jit(wrap, where):
+    """A Function in a `t2j.checkpoint` block or a `t2j.scan` body of a jitted step (Bloom's
+    fused GELU under use_scan_layers): its own backward gives the gradients; the tensors its
+    reruns make, which JAX's jaxpr keeps, are not state the step made."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+    x = torch.tensor([[0.2, 1.7, -2.0], [0.4, -0.3, 0.9]])
+
+    def loss_of(layer, v):
+        if wrap == "checkpoint":
+            block = t2j.checkpoint if isinstance(v, t2j.Tensor) else lambda f: f
+            return block(lambda u: _RoundStraightThrough.apply(layer(_ReverseGradient.apply(u, 2.0)) * 3))(v).sum()
+        block = lambda c: c + 0.5 * _RoundStraightThrough.apply(layer(c))
+        body = lambda c, _: (block(c), None)
+        if isinstance(v, t2j.Tensor):
+            if wrap == "checkpoint in scan":
+                body = lambda c, _: (t2j.checkpoint(block)(c), None)
+            return t2j.scan(body, v, None, length=3)[0].sum()
+        for _ in range(3):
+            v = body(v, None)[0]
+        return v.sum()
+
+    loss_of(lin, x).backward()
+    jlin = copy.deepcopy(lin).to("jax")
+    for p in jlin.parameters():
+        p.grad = None
+    if where == "the function":
+        def step(v):
+            loss = loss_of(jlin, v)
+            loss.backward()
+            return loss
+        t2j.jit(step)(x.to("jax"))
+    else:
+        t2j.jit(lambda v: loss_of(jlin, v))(x.to("jax")).backward()
+    torch.testing.assert_close(jlin.weight.grad.cpu(), lin.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(jlin.bias.grad.cpu(), lin.bias.grad, rtol=1e-5, atol=1e-5)
+
+
 class _ClosedOver(torch.autograd.Function):
     """Reads a parameter it is not given (no gradient reaches it through the Function, as
     in torch), counts its calls in a buffer, returns an input as it is and a second,

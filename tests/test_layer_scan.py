@@ -229,6 +229,30 @@ class _Loop(nn.Module):
         return x
 
 
+@pytest.mark.slow  # ~10 s; test_gradcut.py::test_custom_function_inside_a_jax_transform_under_t2j_jit runs in CI
+def test_hf_bloom_with_its_custom_gelu_function_trains_under_jit():
+    """Bloom's GELU is a custom autograd.Function: inside the scanned layers of a jitted step."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    ref = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=128, hidden_size=32, n_layer=4, n_head=4))
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    ids = torch.randint(0, 128, (2, 10))
+
+    @t2j.jit
+    def step(i):
+        out = model(i, labels=i, use_cache=False)
+        out.loss.backward()
+        return out.loss
+
+    loss = step(ids.to("jax"))
+    expected = ref(ids, labels=ids, use_cache=False).loss
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-6, rtol=1e-4, msg=n)
+
+
 @pytest.mark.parametrize("case", ["class_default", "mutated_argument", "attribute_set_by_the_loop",
                                   "transformed_between_layers", "reversed"])
 def test_loops_that_break_the_scans_assumptions_match_torch(case):

@@ -318,6 +318,41 @@ def _value(t):
     return jax_array(t)
 
 
+def _differentiated_as(closed, primals, outs):
+    """``outs``, the values of ``closed`` at ``primals`` that a `jax.vjp` in this trace computed (for
+    torch's backward, `_Program`), as values that a JAX differentiation of the trace itself (a jitted
+    forward differentiated outside it, a block inside another's body) differentiates with the VJP of
+    ``closed``. The primal outputs of a `jax.vjp` come from its linearization, where a `jax.custom_vjp`
+    inside (a custom autograd.Function) is a forward of plain ops: differentiated again, they would
+    not follow its rule.
+
+    While JAX stages the program, the value is ``outs`` itself (no second forward); a JAX
+    differentiation reruns ``closed`` as its forward. The jaxpr's constants (the inputs that require
+    no grad in torch's sense, the key) are arguments, differentiated too (JAX, not torch's flags,
+    decides what the outer differentiation reaches), and the rerun reads no value of this trace."""
+    n = len(closed.consts)
+    first = [jax.lax.stop_gradient(o) for o in outs]
+    staging = [_gradcut.is_staging()]
+
+    def plain(args):
+        return jaxpr_as_fun(jax.extend.core.ClosedJaxpr(closed.jaxpr, list(args[:n])))(*args[n:])
+
+    @jax.custom_vjp
+    def call(*args):
+        return first if staging[0] else plain(args)
+
+    def fwd(*args):
+        return jax.vjp(lambda *a: plain(a), *args)
+
+    def bwd(pull, cotangents):
+        return pull(cotangents)
+
+    call.defvjp(fwd, bwd)
+    values = call(*closed.consts, *primals)
+    staging[0] = False
+    return values
+
+
 class _Program(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, *tensors):
@@ -337,6 +372,8 @@ class _Program(torch.autograd.Function):
             primals = [a for a, m in zip(arrays, diff) if m]
             closed = jax.make_jaxpr(primal)(*primals)
             outs, ctx.vjp = jax.vjp(jaxpr_as_fun(closed), *primals)
+            if _gradcut.jax_may_differentiate():
+                outs = _differentiated_as(closed, primals, outs)
         ctx.reaching = _inputs_reaching(closed.jaxpr, range(len(outs)))
         ctx.primal = primal
         ctx.avals = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]

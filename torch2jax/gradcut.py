@@ -74,6 +74,18 @@ def cutting() -> bool:
     return not _grad_enabled() and not isinstance(_TRACE.value, _EvalTrace) and not _state.functions
 
 
+def jax_may_differentiate() -> bool:
+    """Whether JAX may differentiate the values made now: it is tracing (staging a program, or a
+    transform such as `jax.grad` is running)."""
+    return not isinstance(_TRACE.value, _EvalTrace)
+
+
+def is_staging() -> bool:
+    """Whether JAX is staging a program now (`t2j.jit`, `jax.jit`, a loop body), not running a
+    transform of values such as `jax.grad` on concrete inputs."""
+    return isinstance(_TRACE.value, _DynamicJaxprTrace)
+
+
 def differentiable(a) -> bool:
     """Whether JAX may differentiate array ``a``: it is traced and floating."""
     return isinstance(a, jax.core.Tracer) and jnp.issubdtype(a.dtype, jnp.inexact)
@@ -313,7 +325,7 @@ def _with_own_backward(cls, args, kwargs):
     # While JAX stages the program, the value is the first run's (the custom VJP differentiates
     # it); a later trace (JAX differentiating the staged program) reruns the forward.
     first = [jax.lax.stop_gradient(flat_out[j]._value()) for j in fresh]
-    staging = [isinstance(_TRACE.value, _DynamicJaxprTrace)]
+    staging = [is_staging()]
 
     def primal(arrays):
         return run(arrays, False, lambda outs, _: [o._value() for o in outs])

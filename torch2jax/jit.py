@@ -88,6 +88,7 @@ from torch.optim import optimizer as _optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 import torch.utils._pytree as torch_pytree
 from torch import _prims_common
+from jax._src import core as _jax_core
 from jax.extend.core import jaxpr_as_fun
 
 from . import complex32 as _complex32
@@ -3249,8 +3250,11 @@ class JitFunction:
                 if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
                     storages[i].array = jax.lax.with_sharding_constraint(storages[i].array, sharding)
                     info["shardings"].append((i, sharding))
+            # (tensors a nested transform traced and its jaxpr keeps alive, as a custom_vjp's backward keeps the
+            # tensors it reruns a Function on, hold tracers of that finished trace: not state the function made)
+            own = _jax_core.trace_ctx.trace
             new_storages = [st for st in list(capture.new) if isinstance(st.array, jax.core.Tracer)
-                            and id(st.array) not in input_ids]
+                            and st.array._trace is own and id(st.array) not in input_ids]
             # branches on state: the new values of such state it computes from such state alone are mirrored
             branches = any(isinstance(g, _hints.StateGuard) for g in guards)
             info["mirrors"] = [(i, m) for i in written if id(inputs[i]) in state_hints.inputs
