@@ -461,7 +461,7 @@ def test_failed_trace_leaves_no_tracer_behind():
 
         return lin, opt, t2j.jit(bad) if device == "jax" else bad
 
-    (lin, opt, bad), (cpu_lin, cpu_opt, cpu_bad) = make("jax"), make("cpu")
+    (lin, opt, bad), (cpu_lin, _, cpu_bad) = make("jax"), make("cpu")
     for f, device in ((bad, "jax"), (cpu_bad, "cpu")):
         with pytest.raises(ValueError, match="boom"):
             f(torch.ones(1, 2, device=device))
@@ -2598,7 +2598,7 @@ def test_a_hyperparameter_set_from_a_number_argument_is_set_by_every_call():
 
         return model, opt, step
 
-    (model, opt, step), (ours, opt_j, jitted) = make("cpu"), make("jax")
+    (model, _, step), (ours, opt_j, jitted) = make("cpu"), make("jax")
     jitted = t2j.jit(jitted, fullgraph=True)
     for momentum in (0.9, 0.8, 0.7, 0.6):
         x = torch.full((1, 2), momentum)
