@@ -1,6 +1,7 @@
 """Scanned layer stacks whose layers differ: attributes, patterns, per-layer arguments (torch CPU is the oracle)."""
 
 import collections
+import functools
 import types
 import copy
 import warnings
@@ -360,3 +361,166 @@ def test_hf_hybrid_of_convolution_and_attention_layers_matches_torch():
     ids = torch.randint(0, 128, (2, 10))
     torch.testing.assert_close(model(ids.to("jax"), use_cache=False).logits.detach().cpu(),
                                ref(ids, use_cache=False).logits.detach(), atol=1e-5, rtol=1e-5)
+
+
+def _counting_layer_calls(monkeypatch, cls):
+    """Counts the calls of ``cls.forward`` given the real KV cache (not the scan's stand-in)."""
+    calls = collections.Counter()
+    forward = cls.forward
+
+    def counted(self, *args, **kwargs):
+        calls["n"] += isinstance(kwargs.get("cache"), transformers_cache())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", counted)
+    return calls
+
+
+def transformers_cache():
+    import transformers
+
+    return transformers.Cache
+
+
+def _assert_same_cache(cache, expected):
+    assert [type(a) for a in cache.layers] == [type(b) for b in expected.layers]
+    for a, b in zip(cache.layers, expected.layers):
+        torch.testing.assert_close(a.keys.cpu(), b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values.cpu(), b.values, atol=1e-5, rtol=1e-5)
+        def plain(layer):
+            return {k: v for k, v in vars(layer).items() if not isinstance(v, torch.Tensor) and k != "device"}
+
+        assert plain(a) == plain(b)
+
+
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
+def test_hf_default_call_with_its_kv_cache_scans_and_fills_the_cache(arch, monkeypatch):
+    """``model(ids, labels=ids)`` makes a DynamicCache (use_cache defaults to True): the scan stands
+    in for it, and the cache ends as torch's (Gemma 2: sliding and full cache layers in turn)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2)
+        ref, layer_cls = transformers.LlamaForCausalLM(cfg), transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    else:
+        cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4)
+        ref = transformers.Gemma2ForCausalLM(cfg)
+        layer_cls = transformers.models.gemma2.modeling_gemma2.Gemma2DecoderLayer
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    ids, nxt = torch.randint(0, 128, (2, 12)), torch.randint(0, 128, (2, 1))
+    calls = _counting_layer_calls(monkeypatch, layer_cls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (no layers run one by one)
+        out = model(ids.to("jax"), labels=ids.to("jax"))
+    # only the layers run as they are get the real cache (Gemma 2's first period, to learn its arguments)
+    assert calls["n"] == (0 if arch == "llama" else 2)
+    expected = ref(ids, labels=ids)
+    torch.testing.assert_close(out.logits.detach().cpu(), expected.logits.detach(), atol=1e-5, rtol=1e-5)
+    _assert_same_cache(out.past_key_values, expected.past_key_values)
+    out.loss.backward()
+    expected.loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-6, rtol=1e-4, msg=n)
+    with torch.no_grad():  # a decoding step from the filled cache, scanned too
+        calls.clear()
+        step = model(nxt.to("jax"), past_key_values=out.past_key_values)
+        assert calls["n"] == (0 if arch == "llama" else 2)
+        expected_step = ref(nxt, past_key_values=expected.past_key_values)
+    torch.testing.assert_close(step.logits.cpu(), expected_step.logits, atol=1e-5, rtol=1e-5)
+    _assert_same_cache(step.past_key_values, expected_step.past_key_values)
+
+
+GIVEN_THE_CACHE = collections.Counter()  # _CachedAttention calls, by whether they got the cache (not the scan's)
+
+
+class _CachedAttention(nn.Module):
+    """A layer that keeps its keys in a transformers cache, indexed by its ``layer_idx``."""
+
+    def __init__(self, layer_idx, reads=None):
+        super().__init__()
+        self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.layer_idx, self.reads = layer_idx, reads
+
+    def forward(self, x, cache=None):
+        GIVEN_THE_CACHE[type(cache).__name__ == "DynamicCache"] += 1
+        k, v = self.k(x)[:, None], self.v(x)[:, None]
+        if self.reads == "length":  # (asks the cache more than update: the scan does not stand in for that)
+            k = k + cache.get_seq_length(self.layer_idx)
+        if self.reads == "index":  # (uses its index otherwise than as the cache's)
+            k = k * (self.layer_idx + 1)
+        keys, values = cache.update(k, v, self.layer_idx)
+        attention = torch.softmax(torch.einsum("bhqd,bhkd->bhqk", self.k(x)[:, None], keys), -1)
+        return x + torch.einsum("bhqk,bhkd->bhqd", attention, values)[:, 0]
+
+
+class _CachedStack(nn.Module):
+    def __init__(self, reads=None, n=4):
+        super().__init__()
+        self.layers = nn.ModuleList([_CachedAttention(i, reads) for i in range(n)])
+
+    def forward(self, x, cache, stop=None):
+        for i, layer in enumerate(self.layers):
+            if i == stop:
+                break
+            x = layer(x, cache)
+        return x
+
+
+@pytest.mark.parametrize("reads", [None, "length", "index"])
+def test_layers_using_a_transformers_cache_match_torch(reads):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ref = _CachedStack(reads)
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    x = torch.randn(2, 5, 8)
+    cache, expected_cache = transformers.DynamicCache(), transformers.DynamicCache()
+    for step in range(2):  # (a prefill, then a step reading the cache)
+        GIVEN_THE_CACHE.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (layers that read more of the cache run one by one, and say so)
+            got = model(x[:, step:step + 3].to("jax"), cache)
+        assert GIVEN_THE_CACHE[True] == (0 if reads is None else 4)  # (scanned: the layers got a stand-in)
+        expected = ref(x[:, step:step + 3], expected_cache)
+        torch.testing.assert_close(got.cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+        _assert_same_cache(cache, expected_cache)
+
+
+def test_a_loop_that_stops_early_leaves_the_later_layers_caches():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ref = _CachedStack(n=5)
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    x = torch.randn(2, 3, 8)
+    cache, expected_cache = transformers.DynamicCache(), transformers.DynamicCache()
+    got = model(x.to("jax"), cache, stop=3)  # (the scan ran all five)
+    torch.testing.assert_close(got.cpu(), ref(x, expected_cache, stop=3).detach(), atol=1e-5, rtol=1e-5)
+    assert len(cache.layers) == len(expected_cache.layers) == 3
+    _assert_same_cache(cache, expected_cache)
+
+
+def test_a_training_step_making_a_transformers_cache_scans_under_jit():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ref = _CachedStack()
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(2, 5, 8)
+
+    def step(m, o, x):
+        loss = m(x, transformers.DynamicCache()).square().mean()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss
+
+    jitted = t2j.jit(functools.partial(step, model, opt))
+    for _ in range(2):
+        GIVEN_THE_CACHE.clear()
+        loss = jitted(x.to("jax"))
+        assert GIVEN_THE_CACHE[True] == 0
+        torch.testing.assert_close(loss.cpu(), step(ref, ref_opt, x).detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-6, rtol=1e-5)

@@ -19,6 +19,9 @@ have equal signatures:
   all, the layers run one by one (`_PerLayerRead`).
 - Layers that fit no pattern (DeepSeek-V3's first dense layers before its MoE
   layers) run one by one, and the scan covers the part of the stack that does.
+- A transformers KV cache given to the layers is stood in for: the body's
+  ``cache.update(k, v, self.layer_idx)`` updates a copy of each layer's own cache,
+  written back after the scan (`_CacheScan`).
 - A layer with a hook of its own runs as it is (torch runs the hook once per
   layer); a body that stores a value in its layer (``self.aux_loss = ...``) makes
   the layers run one by one (`_LayerStores`).
@@ -245,6 +248,8 @@ class _HiddenAttribute:
             return self
         if self.name in obj.__dict__:
             return obj.__dict__[self.name]
+        if _CacheScan.active is not None:  # (``cache.update(k, v, self.layer_idx)``)
+            return _LayerIndex(self.path, self.name)
         raise _PerLayerRead(self.path, self.name)
 
     def __set__(self, obj, value):
@@ -316,6 +321,190 @@ def _owner(module, name):
 
 
 # ---------------------------------------------------------------------------
+# a KV cache in the scan
+# ---------------------------------------------------------------------------
+
+
+class _CacheUnsupported(Exception):
+    """The layers use their KV cache in a way the scan does not stand in for (`_CacheScan`)."""
+
+
+class _CacheIndex(Exception):
+    """The body passed the hidden attribute ``key`` to ``cache.update``: the cache's layer index
+    (`_CacheScan`), unknown until the body ran."""
+
+    def __init__(self, key):
+        super().__init__(f"{key[0]}.{key[1]}" if key[0] else key[1])
+        self.key = key
+
+
+class _LayerIndex:
+    """What a hidden attribute reads as while a cache is scanned (``self.layer_idx``): a value
+    the body may only pass to ``cache.update``. Any other use of it raises `_PerLayerRead`, as
+    reading it does without a cache."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, path, name):
+        self.key = (path, name)
+
+    def _used(self, *args):
+        raise _PerLayerRead(*self.key)
+
+    __index__ = __int__ = __float__ = __bool__ = __hash__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = \
+        __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __mod__ = __floordiv__ = __neg__ = _used
+
+    def __repr__(self):
+        return f"<the index of each scanned layer: {'.'.join(k for k in self.key if k)}>"
+
+
+def _is_layered_cache(x) -> bool:
+    """A transformers ``Cache``: a list of per-layer caches, updated with ``update(k, v, layer_idx)``."""
+    return type(x).__name__.endswith("Cache") and isinstance(getattr(x, "layers", None), list) \
+        and callable(getattr(x, "update", None))
+
+
+def _cache_value_key(v):
+    # (a CPU tensor per layer of the same small value, a sliding layer's window size, is one value)
+    if isinstance(v, torch.Tensor) and not isinstance(v, Tensor) and v.numel() <= 64:
+        return ("cpu tensor", v.dtype, tuple(v.shape), tuple(v.flatten().tolist()))
+    return _value_key(v)
+
+
+class _CacheScan:
+    """A transformers KV cache given to the scanned layers. The body gets a stand-in whose
+    ``update(k, v, layer_idx)`` runs the real per-layer cache's ``update`` on a copy of it
+    holding the step's slice of the layers' stacked cache tensors; the copies' new tensors
+    are outputs of the scan, written back to each layer's cache after it. The layers of one
+    template must have caches alike (class, plain attributes, tensor shapes); the cache's
+    layer index is the hidden attribute the body passes to ``update`` (`_CacheIndex`).
+    Anything else the body asks of the cache runs the layers one by one (`_CacheUnsupported`)."""
+
+    active = None  # the stand-in of the body being traced, if any
+
+    def __init__(self, layers, start, p, m, calls, index):
+        found = {id(x): x for c in calls for x in c.leaves if _is_cache(x)}
+        if len(found) != 1 or not _is_layered_cache(cache := next(iter(found.values()))):
+            raise _CacheUnsupported("the layers are given other caches than one transformers Cache")
+        self.cache, self.index, self.p = cache, index, p
+        self.objects = [[] for _ in range(p)]  # per template: each step's per-layer cache
+        self.names = [[] for _ in range(p)]  # per template: the names of its stacked tensors
+        self.xs = []
+        self.appended = set()  # (ids of the per-layer caches the scan added to the list: `write_back`)
+        if index is None:
+            return
+        path, name = index
+        for t in range(p):
+            for i in range(m):
+                layer = layers[start + i * p + t]
+                try:
+                    at = layer.get_submodule(path).__dict__[name]
+                except (AttributeError, KeyError):
+                    raise _CacheUnsupported(f"layer {start + i * p + t} has no {'.'.join(index)}") from None
+                if not isinstance(at, int):
+                    raise _CacheUnsupported(f"the cache index {'.'.join(index)} is a {type(at).__name__}")
+                replicate = getattr(cache, "layer_class_to_replicate", None)
+                while replicate is not None and len(cache.layers) <= at:
+                    cache.layers.append(replicate())
+                    self.appended.add(id(cache.layers[-1]))
+                if at >= len(cache.layers):
+                    raise _CacheUnsupported(f"the cache has no layer {at}")
+                self.objects[t].append(cache.layers[at])
+            objs = self.objects[t]
+            if len({type(o) for o in objs}) > 1:
+                raise _CacheUnsupported("the caches of layers scanned alike are of different classes")
+            names = sorted(k for k, v in vars(objs[0]).items() if isinstance(v, Tensor))
+
+            def signature(o):
+                tensors = {k: v for k, v in vars(o).items() if isinstance(v, Tensor)}
+                return ({k: _cache_value_key(v) for k, v in vars(o).items() if k not in tensors},
+                        {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
+
+            if any(signature(o) != signature(objs[0]) for o in objs[1:]):
+                raise _CacheUnsupported("the caches of layers scanned alike differ (lengths, settings)")
+            self.names[t] = names
+            self.xs += [torch.stack([o.__dict__[k] for o in objs]) for k in names]
+        self.n_xs = len(self.xs)
+
+    def stand_in(self, xs):
+        """The body's cache, its per-layer caches holding the step's slices ``xs`` of `xs`."""
+        return _CacheStandIn(self, xs)
+
+    def write_back(self, after, ys, restore, start, p):
+        """After the scan: each layer's cache gets the plain attributes the body's copy ended with
+        (``after[t]``, None where the template did not update) and its slice of ``ys[t]``; ``restore``
+        gets, per layer, how to put its cache back."""
+        for t in range(p):
+            if after[t] is None:
+                continue
+            plain, names = after[t]
+            for i, o in enumerate(self.objects[t]):
+                undo = restore.setdefault(start + i * p + t, [])
+                undo.append(functools.partial(_put_vars, o, dict(vars(o))))
+                if id(o) in self.appended:  # (a layer the loop then does not call leaves none)
+                    undo.append(functools.partial(_remove, self.cache.layers, o))
+                _put_vars(o, {**{k: _copied(v) for k, v in plain.items()},
+                              **{k: new_tensor(y._value()[i]) for k, y in zip(names, ys[t])}})
+
+
+def _copied(v):
+    return list(v) if type(v) is list else dict(v) if type(v) is dict else v
+
+
+def _remove(items, o):
+    for i, x in enumerate(items):
+        if x is o:
+            del items[i]
+            return
+
+
+def _put_vars(o, values):
+    vars(o).clear()
+    vars(o).update(values)
+
+
+class _CacheStandIn:
+    """The cache a scanned body's layers are given (`_CacheScan`)."""
+
+    def __init__(self, scan, xs):
+        self._scan, self._xs, self._copies, self._t = scan, list(xs), {}, 0
+
+    def _template(self, t):
+        """The body now runs template ``t``."""
+        self._t = t
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        scan, t = self._scan, self._t
+        if not isinstance(layer_idx, _LayerIndex):
+            raise _CacheUnsupported(f"the layers pass cache.update a layer index {layer_idx!r} of their own")
+        if scan.index is None:
+            raise _CacheIndex(layer_idx.key)
+        if layer_idx.key != scan.index or t in self._copies:
+            raise _CacheUnsupported("a layer updates its cache under another index, or twice")
+        tpl = scan.objects[t][0]
+        copy = object.__new__(type(tpl))
+        vars(copy).update({k: _copied(v) for k, v in vars(tpl).items()})
+        offset = sum(len(n) for n in scan.names[:t])
+        for k, x in zip(scan.names[t], self._xs[offset:offset + len(scan.names[t])]):
+            vars(copy)[k] = new_tensor(x)
+        self._copies[t] = copy
+        return copy.update(key_states, value_states, *args, **kwargs)
+
+    def after(self, t):
+        """Template ``t``'s cache after the step: (plain attributes, names of its tensors) and the
+        tensors' arrays, or (None, []) when it did not update."""
+        copy = self._copies.get(t)
+        if copy is None:
+            return None, []
+        names = sorted(k for k, v in vars(copy).items() if isinstance(v, Tensor))
+        plain = {k: v for k, v in vars(copy).items() if k not in names}
+        return (plain, names), [vars(copy)[k]._value() for k in names]
+
+    def __getattr__(self, name):
+        raise _CacheUnsupported(f"the layers read cache.{name}")
+
+
+# ---------------------------------------------------------------------------
 # the scan
 # ---------------------------------------------------------------------------
 
@@ -327,7 +516,9 @@ class _Call:
         self.args, self.kwargs = args, kwargs
         self.leaves, self.spec, self.positions = _flatten((args, kwargs))
         # (taken now: the loop may change an object it passes every layer, ``ctx.scale = ...``)
-        self.keys = [x._version if isinstance(x, torch.Tensor) else _value_key(x) for x in self.leaves]
+        # (a KV cache by identity: the scan itself updates it, `_CacheScan`)
+        self.keys = [x._version if isinstance(x, torch.Tensor) else ("cache", id(x)) if _is_cache(x) else _value_key(x)
+                     for x in self.leaves]
 
     @property
     def hidden(self):
@@ -357,9 +548,10 @@ class _Scanned:
         self.start, self.p, self.calls = start, p, calls
         self.end = start + len(outputs)
         self.outputs = outputs
-        self.restore = restore  # layer -> [(storage, array before the scan)] of the buffers it wrote
+        self.restore = restore  # layer -> [callables putting back the buffers and cache the scan wrote]
         self.next = start  # the layer the loop should call next
         self.given = None  # (hidden state given out for the previous layer, its version)
+        self.cache_index = None  # (path, name) of the attribute the layers index a KV cache with
 
     def take(self, k, call: _Call):
         """Layer ``k``'s output for ``call``, or None when the scan assumed other arguments."""
@@ -376,19 +568,37 @@ class _Scanned:
     def discard(self):
         """The model's loop left the scan's assumptions, or stopped: the buffers of the layers it
         was not given (`take`) get back the values they had before the scan."""
-        for written in self.restore.values():
-            for st, array in written:
-                st.array = array
-                st.version += 1
+        for undo in self.restore.values():
+            for put_back in undo:
+                put_back()
         self.restore.clear()
 
 
-def _scan(layers, start, p, m, calls, remat, stacked, hidden) -> _Scanned:
+def _put_array(st, array):
+    st.array = array
+    st.version += 1
+
+
+def _scan(layers, start, p, m, calls, remat, stacked, hidden, cache_index=None) -> _Scanned:
     """Run ``layers[start : start + m * p]`` as ``m`` steps of one ``lax.scan`` whose body runs
     the ``p`` templates ``layers[start : start + p]`` in turn, template ``t`` with the
     arguments of ``calls[t]`` (its hidden state replaced by the previous template's output).
     ``stacked``: parameter name -> the layers' stacked Parameter (`use_scan_layers(...,
-    stack_parameters=True)`); ``hidden``: attributes hidden from the body (`_Hidden`)."""
+    stack_parameters=True)`); ``hidden``: attributes hidden from the body (`_Hidden`);
+    ``cache_index``: the attribute that is the layers' index into a KV cache they are given
+    (`_CacheScan`), found by a first attempt where not known."""
+    try:
+        scanned = _scan_once(layers, start, p, m, calls, remat, stacked, hidden, cache_index)
+    except _CacheIndex as e:
+        if cache_index is not None:
+            raise _CacheUnsupported(f"the layers index their cache with {e} and with {'.'.join(cache_index)}") from None
+        cache_index = e.key
+        scanned = _scan_once(layers, start, p, m, calls, remat, stacked, hidden, cache_index)
+    scanned.cache_index = cache_index
+    return scanned
+
+
+def _scan_once(layers, start, p, m, calls, remat, stacked, hidden, cache_index) -> _Scanned:
     templates = layers[start:start + p]
     run_layers = layers[start:start + m * p]
     on_list = stacked or {}
@@ -418,6 +628,13 @@ def _scan(layers, start, p, m, calls, remat, stacked, hidden) -> _Scanned:
             else:
                 whole.append(torch.stack([run_layers[i * p + t].get_parameter(n) for i in range(m)]))
         whole += [torch.stack([run_layers[i * p + t].get_buffer(n) for i in range(m)]) for n in bnames[t]]
+    cache = _CacheScan(layers, start, p, m, calls, cache_index) \
+        if any(_is_cache(x) for c in calls for x in c.leaves) else None
+    n_cache = 0
+    if cache is not None:
+        whole += cache.xs
+        n_cache = len(cache.xs)
+    cache_after = [None] * p  # per template: its cache's plain attributes and tensor names after a step
     key = _rng.body_key()
     policy = None if remat is True else remat
     if remat is False:
@@ -439,13 +656,24 @@ def _scan(layers, start, p, m, calls, remat, stacked, hidden) -> _Scanned:
                 values = _state_values(state_a, carried, carried_c)
 
                 def call():
+                    stand_in = cache.stand_in(xs[len(xs) - n_cache:]) if cache is not None else None
+                    _CacheScan.active = stand_in
+                    try:
+                        return templates_in_turn(stand_in)
+                    finally:
+                        _CacheScan.active = None
+
+                def templates_in_turn(stand_in):
                     hid = new_tensor(h)
-                    outs, bufs, offset = [], [], 0
+                    outs, bufs, cached, offset = [], [], [], 0
                     for t, (tpl, c) in enumerate(zip(templates, calls)):
                         filled = list(c.leaves)
                         for i, j in where[t]:
                             filled[i] = new_tensor(args_a[j])
                         filled[0] = hid
+                        if stand_in is not None:
+                            stand_in._template(t)
+                            filled = [stand_in if _is_cache(x) else x for x in filled]
                         a, kw = torch_pytree.tree_unflatten(filled, c.spec)
                         names = pnames[t] + bnames[t]
                         tensors = {n: new_tensor(x) for n, x in zip(names, xs[offset:offset + sizes[t]])}
@@ -462,19 +690,22 @@ def _scan(layers, start, p, m, calls, remat, stacked, hidden) -> _Scanned:
                                 "first element it is")
                         outs.append(structures[t].flatten(out, "layer output"))
                         bufs.append([tensors[n]._value() for n in bnames[t]])
+                        if stand_in is not None:
+                            cache_after[t], arrays = stand_in.after(t)
+                            cached.append(arrays)
                         hid = new_h
-                    return outs, bufs, hid._value()
+                    return outs, bufs, cached, hid._value()
 
-                (outs, bufs, new_h), carried_new, k = _run_body(state, values, carried, k, call, loop=True)
+                (outs, bufs, cached, new_h), carried_new, k = _run_body(state, values, carried, k, call, loop=True)
                 _check_carry("scan_layers", [h], [new_h])
-                return (new_h, carried_new, k), (outs, bufs)
+                return (new_h, carried_new, k), (outs, bufs, cached)
 
             body = _folding_transposes(body)
             if remat is not None:
                 body = jax.checkpoint(body, policy=policy, prevent_cse=False)
             h0 = args_a[index[id(calls[0].leaves[0])]]
-            (h, s, _), (outs, bufs) = jax.lax.scan(body, (h0, [state_a[i] for i in carried], key), weights)
-            return [h, *jax.tree.leaves(outs), *jax.tree.leaves(bufs), *s]
+            (h, s, _), (outs, bufs, cached) = jax.lax.scan(body, (h0, [state_a[i] for i in carried], key), weights)
+            return [h, *jax.tree.leaves(outs), *jax.tree.leaves(bufs), *jax.tree.leaves(cached), *s]
 
         # Stacked in torch, so that torch autograd unstacks the gradients: each layer's
         # .grad is then a view of one stacked gradient, and the program has no
@@ -491,10 +722,16 @@ def _scan(layers, start, p, m, calls, remat, stacked, hidden) -> _Scanned:
             for j, name in enumerate(bnames[t]):
                 for i in range(m):
                     st = run_layers[i * p + t].get_buffer(name)._t2j_storage
-                    restore.setdefault(start + i * p + t, []).append((st, st.array))
-                    st.array = outs[j]._value()[i]
-                    st.version += 1
+                    restore.setdefault(start + i * p + t, []).append(functools.partial(_put_array, st, st.array))
+                    _put_array(st, outs[j]._value()[i])
             outs = outs[len(bnames[t]):]
+        if cache is not None:
+            per = []
+            for t in range(p):
+                n = len(cache_after[t][1]) if cache_after[t] is not None else 0
+                per.append(outs[:n])
+                outs = outs[n:]
+            cache.write_back(cache_after, per, restore, start, p)
         _write_back(state, carried, outs)
         results = []
         for i in range(m):
@@ -535,8 +772,13 @@ def _one_by_one(layers, start, hidden, args, kwargs):
 
 
 def _one_body_failed(layers, error):
-    """The warning for layers one traced body cannot stand for (`_PerLayerRead`, `_LayerStores`)."""
+    """The warning for layers one traced body cannot stand for (`_PerLayerRead`, `_LayerStores`,
+    `_CacheUnsupported`)."""
     kind = type(layers[0]).__name__
+    if isinstance(error, _CacheUnsupported):
+        return (f"t2j.scan_layers: the {kind} layers are given a KV cache, but {error}; the scan stands in for "
+                "a transformers Cache the layers update with cache.update(k, v, self.layer_idx) only, so they run "
+                "one by one")
     if isinstance(error, _LayerStores):
         return (f"t2j.scan_layers: the layers' forward ({kind}) stores a value in ``{error}``, which each layer does "
                 "for itself; one traced body cannot, so they run one by one")
@@ -588,7 +830,7 @@ def scan_layers(layers, hidden, *args, remat=None, **kwargs):
     call = _Call((hidden, *args), kwargs)
     try:
         scanned = _scan(layers, 0, p, m, [call] * p, remat, stacked, signatures.hidden)
-    except (_PerLayerRead, _LayerStores) as e:
+    except (_PerLayerRead, _LayerStores, _CacheUnsupported) as e:
         _warn_once(_one_body_failed(layers, e))
         return _one_by_one(layers, 0, hidden, args, kwargs)
     out = scanned.outputs[-1]
@@ -656,14 +898,17 @@ class _LayerRun:
     def _may_scan(self, call):
         if not isinstance(call.hidden, Tensor):
             return False
-        if any(call.kwargs.get(a) is not None for a in _CACHE_ARGUMENTS) \
-                or any(_is_cache(x) for x in (*call.args, *call.kwargs.values())):
-            # (per-layer caches are indexed by layer: one by one, as generation wants)
-            if torch.is_grad_enabled():
-                _warn_once(f"t2j.use_scan_layers: the {type(self.layers[0]).__name__} layers are given a KV cache "
-                           "(transformers makes one unless use_cache=False), so they run one by one; pass "
-                           "use_cache=False to train with the scan")
-            return False
+        caches = [x for x in (*call.args, *call.kwargs.values()) if _is_cache(x)]
+        given = [call.kwargs[a] for a in _CACHE_ARGUMENTS if call.kwargs.get(a) is not None]
+        if caches or given:
+            # (a transformers Cache the scan stands in for, `_CacheScan`; per-layer caches of other
+            # kinds, tuples of tensors, are each layer's own: one by one, as generation wants)
+            if self.owner._t2j_cache_one_by_one or not all(_is_layered_cache(x) for x in (*caches, *given)):
+                if torch.is_grad_enabled():
+                    _warn_once(f"t2j.use_scan_layers: the {type(self.layers[0]).__name__} layers are given a KV "
+                               "cache the scan cannot stand in for, so they run one by one; pass use_cache=False "
+                               "to train with the scan")
+                return False
         return True
 
     def _start(self, k, call):
@@ -681,11 +926,16 @@ class _LayerRun:
                 continue
             calls = [call] + [self.calls[j] for j in range(first + 1, k)]
             try:
-                return _scan(self.layers, k, p, (n - k) // p, calls, self.owner._t2j_remat, self.stacked,
-                             signatures.hidden)
-            except (_PerLayerRead, _LayerStores) as e:
+                scanned = _scan(self.layers, k, p, (n - k) // p, calls, self.owner._t2j_remat, self.stacked,
+                                signatures.hidden, self.owner._t2j_cache_index)
+                if scanned.cache_index is not None:
+                    self.owner._t2j_cache_index = scanned.cache_index
+                return scanned
+            except (_PerLayerRead, _LayerStores, _CacheUnsupported) as e:
                 if isinstance(e, _PerLayerRead):
                     self.owner._t2j_read = self.owner._t2j_read | {e.key}
+                elif isinstance(e, _CacheUnsupported):
+                    self.owner._t2j_cache_one_by_one = True
                 else:
                     self.owner._t2j_one_by_one = True
                 self.stopped = True
@@ -756,6 +1006,8 @@ class _ScannedModuleList(torch.nn.ModuleList):
     _t2j_stacked = None  # layer parameter name -> name of the stacked Parameter on this list
     _t2j_read = frozenset()  # attributes varying per layer that the layers' forward reads
     _t2j_one_by_one = False  # whether the layers' forward stores values in them (`_LayerStores`)
+    _t2j_cache_index = None  # the attribute the layers index a KV cache with (`_CacheScan`), once found
+    _t2j_cache_one_by_one = False  # whether they use a KV cache as the scan cannot (`_CacheUnsupported`)
 
     def _stacked_parameters(self):
         if not self._t2j_stacked:
@@ -852,8 +1104,10 @@ def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h",
     Layers that fit no pattern (DeepSeek-V3's first dense layers) run one by one
     and the scan takes the rest; every layer still gets the arguments the loop
     passes it (a per-layer mask), checked call by call. Parameters, state dict and
-    optimizers are unchanged. With a KV cache (generation) the layers run one by
-    one as before. Returns ``model``.
+    optimizers are unchanged. A transformers KV cache the layers update with
+    ``cache.update(k, v, self.layer_idx)`` (the ``DynamicCache`` HF makes unless
+    ``use_cache=False``) is updated by the scan, per layer as torch would. Returns
+    ``model``.
 
     ``stack_parameters=True`` also stores the layers' parameters as JAX models
     do: one Parameter per name holding all layers (``[n_layers, ...]``), so an
@@ -901,8 +1155,8 @@ def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h",
     if not found:
         why = "".join(f"; {s}" for s in skipped)
         raise ControlFlowError(
-            f"t2j.use_scan_layers: {type(model).__name__} has no ModuleList of layers to scan named one of {names}{why}; "
-            "call t2j.scan_layers(layers, hidden, ...) in its forward instead"
+            f"t2j.use_scan_layers: {type(model).__name__} has no ModuleList of layers to scan named one of "
+            f"{names}{why}; call t2j.scan_layers(layers, hidden, ...) in its forward instead"
         )
     for s in skipped:
         _warn_once(f"t2j.use_scan_layers: {type(model).__name__}.{s}; its layers run one by one")
