@@ -438,6 +438,28 @@ _INDEX_SHAPE_CASES = [
           IndexError, "index_select(): Index is supposed to be a vector"),
     _case("index_select int16 index", lambda d: torch.ones(3, 4, device=d).index_select(
         0, torch.zeros(2, dtype=torch.int16, device=d)), RuntimeError, "Expected dtype int32 or int64 for index"),
+    _case("index_reduce with sum", lambda d: torch.ones(4, 3, device=d).index_reduce_(
+        0, _long(2, d=d), torch.ones(2, 3, device=d), "sum"), RuntimeError,
+          "index_reduce(): Expected reduce to be one of prod, mean, amax or amin but got sum."),
+    _case("index_reduce float64 source", lambda d: torch.ones(4, 3, device=d).index_reduce_(
+        0, _long(2, d=d), torch.ones(2, 3, device=d, dtype=torch.float64), "prod"), RuntimeError,
+          "index_reduce_(): self (Float) and source (Double) must have the same scalar type"),
+    _case("index_reduce matrix index", lambda d: torch.ones(4, 3, device=d).index_reduce_(
+        0, _long(1, 2, d=d), torch.ones(2, 3, device=d), "amax"), IndexError,
+          "index_reduce_(): Index is supposed to be a vector, but got dim: 2 with type: Long and size: [1, 2]"),
+    _case("index_reduce float index", lambda d: torch.ones(4, 3, device=d).index_reduce_(
+        0, torch.zeros(2, device=d), torch.ones(2, 3, device=d), "amin"), RuntimeError,
+          "index_reduce_(): Expected dtype int32/int64 for index but got: Float"),
+    _case("index_reduce source of another shape", lambda d: torch.ones(4, 3, device=d).index_reduce_(
+        0, _long(2, d=d), torch.ones(2, 2, device=d), "prod"), RuntimeError,
+          "source tensor shape must match self tensor shape, excluding the specified dimension. Got self.shape = "
+          "[4, 3] source.shape = [2, 2]"),
+    _case("index_reduce more indices than source rows", lambda d: torch.ones(4, 3, device=d).index_reduce_(
+        0, _long(3, d=d), torch.ones(2, 3, device=d), "mean"), RuntimeError,
+          "index_reduce_(): Number of indices (3) should be equal to source.size(dim): (2), for dim: 0"),
+    _case("masked_scatter float source into long", lambda d: _long(3, d=d).masked_scatter_(
+        torch.tensor([True, False, True], device=d), torch.tensor([1.7, 2.9], device=d)), RuntimeError,
+          "masked_scatter: expected self and source to have same dtypes but gotLong and Float"),
 ]
 
 # torch's CPU kernels that refuse a dtype the lowering could compute

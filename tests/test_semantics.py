@@ -420,3 +420,14 @@ def test_the_same_eager_training_run_twice_gives_the_same_bits():
 
     first, second = train(), train()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_takes_max_and_min_for_amax_and_amin(reduce, include_self):
+    x = torch.tensor([[0.5, -1.0, 2.0], [3.0, 0.0, -2.0]])
+    index = torch.tensor([[0, 1, 0], [0, 0, 1]])
+    src = torch.tensor([[1.0, -3.0, 4.0], [-2.0, 5.0, 0.5]])
+    expected = x.scatter_reduce(0, index, src, reduce, include_self=include_self)
+    got = x.to("jax").scatter_reduce(0, index.to("jax"), src.to("jax"), reduce, include_self=include_self)
+    torch.testing.assert_close(got.cpu(), expected)

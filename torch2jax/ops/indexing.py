@@ -427,8 +427,13 @@ def scatter_add(x, dim, index, src):
     return _combine(x1.at[idx], "sum", src, x.dtype).reshape(x.shape)
 
 
+# torch's kernel takes "max" and "min" for "amax" and "amin"
+_SCATTER_REDUCE_ALIASES = {"max": "amax", "min": "amin"}
+
+
 @register(aten.scatter_reduce.two)
 def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    reduce = _SCATTER_REDUCE_ALIASES.get(reduce, reduce)
     x1, idx, src = _scatter_args(x, dim, index, src)
     return _reduce_into(x1, idx, src, reduce, include_self).reshape(x.shape)
 
@@ -443,13 +448,13 @@ def _dim_index(x, dim, index, error, source=None, negative=False):
     return x1, (slice(None),) * d + (index,), source
 
 
-def _check_index_add_source(x, dim, index, source):
+def _check_index_add_source(x, dim, index, source, op="index_add_"):
     """torch's checks that ``source`` is ``x`` with ``index``'s length along ``dim`` (a 0-d ``x`` aside)."""
     if x.ndim == 0:
         return
     d = dim % x.ndim
     if d < source.ndim and source.shape[d] != index.size:
-        raise TorchRuntimeError(f"index_add_(): Number of indices ({index.size}) should be equal to source.size(dim): "
+        raise TorchRuntimeError(f"{op}(): Number of indices ({index.size}) should be equal to source.size(dim): "
                                 f"({source.shape[d]}), for dim: {dim}")
     if source.ndim != x.ndim or any(a != b for k, (a, b) in enumerate(zip(x.shape, source.shape)) if k != d):
         raise TorchRuntimeError(f"source tensor shape must match self tensor shape, excluding the specified dimension. "
@@ -532,6 +537,18 @@ def index_fill(x, dim, index, value):
 
 @register(aten.index_reduce.default)
 def index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    if reduce not in ("prod", "mean", "amax", "amin"):
+        raise TorchRuntimeError(f"index_reduce(): Expected reduce to be one of prod, mean, amax or amin but got {reduce}.")
+    if index.ndim > 1:
+        raise IndexError(f"index_reduce_(): Index is supposed to be a vector, but got dim: {index.ndim} with type: "
+                         f"{scalar_type_name(index.dtype)} and size: {list(index.shape)}")
+    if index.dtype not in (np.int32, np.int64):
+        raise TorchRuntimeError(f"index_reduce_(): Expected dtype int32/int64 for index but got: "
+                                f"{scalar_type_name(index.dtype)}")
+    if source.dtype != x.dtype:
+        raise TorchRuntimeError(f"index_reduce_(): self ({scalar_type_name(x.dtype)}) and source "
+                                f"({scalar_type_name(source.dtype)}) must have the same scalar type")
+    _check_index_add_source(x, dim, index, source, "index_reduce_")
     x1, idx, src = _dim_index(x, dim, index, lambda d, n: _index_out_of_range_in_self, source)
     return _reduce_into(x1, idx, src, reduce, include_self).reshape(x.shape)
 
@@ -616,6 +633,9 @@ def masked_fill(x, mask, value):
 def masked_scatter(x, mask, source):
     if mask.dtype != _BOOL:
         raise_as_torch(torch.Tensor.masked_scatter_, stand_in(x.dtype), stand_in(mask.dtype), stand_in(x.dtype))
+    if source.dtype != x.dtype:
+        raise TorchRuntimeError(f"masked_scatter: expected self and source to have same dtypes but got"
+                                f"{scalar_type_name(x.dtype)} and {scalar_type_name(source.dtype)}")
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
     m = jnp.broadcast_to(mask, shape).reshape(-1)
     src = source.reshape(-1).astype(x.dtype)
