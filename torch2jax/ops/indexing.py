@@ -538,7 +538,8 @@ def index_fill(x, dim, index, value):
 @register(aten.index_reduce.default)
 def index_reduce(x, dim, index, source, reduce, *, include_self=True):
     if reduce not in ("prod", "mean", "amax", "amin"):
-        raise TorchRuntimeError(f"index_reduce(): Expected reduce to be one of prod, mean, amax or amin but got {reduce}.")
+        raise TorchRuntimeError(
+            f"index_reduce(): Expected reduce to be one of prod, mean, amax or amin but got {reduce}.")
     if index.ndim > 1:
         raise IndexError(f"index_reduce_(): Index is supposed to be a vector, but got dim: {index.ndim} with type: "
                          f"{scalar_type_name(index.dtype)} and size: {list(index.shape)}")
