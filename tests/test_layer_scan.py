@@ -524,3 +524,19 @@ def test_a_training_step_making_a_transformers_cache_scans_under_jit():
         torch.testing.assert_close(loss.cpu(), step(ref, ref_opt, x).detach())
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_gradients_reach_the_layers_through_the_cache_a_scan_filled():
+    """A second chunk reads the first chunk's keys from the cache: its loss differentiates into
+    the layers through them, as in torch."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ref = _CachedStack()
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    x = torch.randn(2, 6, 8)
+    for m, device in ((ref, "cpu"), (model, "jax")):
+        cache = transformers.DynamicCache()
+        m(x[:, :3].to(device), cache)
+        m(x[:, 3:].to(device), cache).square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-4)

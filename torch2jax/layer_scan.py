@@ -444,7 +444,7 @@ class _CacheScan:
                 if id(o) in self.appended:  # (a layer the loop then does not call leaves none)
                     undo.append(functools.partial(_remove, self.cache.layers, o))
                 _put_vars(o, {**{k: _copied(v) for k, v in plain.items()},
-                              **{k: new_tensor(y._value()[i]) for k, y in zip(names, ys[t])}})
+                              **{k: y[i] for k, y in zip(names, ys[t])}})  # (gradients reach the layers)
 
 
 def _copied(v):
