@@ -443,6 +443,7 @@ class _CachedAttention(nn.Module):
         super().__init__()
         self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8)
         self.layer_idx, self.reads = layer_idx, reads
+        self.scale = torch.full((8,), float(layer_idx + 1))  # (a plain tensor of each layer's own)
 
     def forward(self, x, cache=None):
         GIVEN_THE_CACHE[type(cache).__name__ == "DynamicCache"] += 1
@@ -451,6 +452,10 @@ class _CachedAttention(nn.Module):
             k = k + cache.get_seq_length(self.layer_idx)
         if self.reads == "index":  # (uses its index otherwise than as the cache's)
             k = k * (self.layer_idx + 1)
+        if self.reads == "index type":  # (asks its index's type: a layer's own value)
+            k = k * 2 if isinstance(self.layer_idx, int) else k
+        if self.reads == "own tensor":  # (reads another attribute of its own, before the cache's index)
+            k = k * self.scale.shape[0] if isinstance(self.scale, torch.Tensor) else k
         keys, values = cache.update(k, v, self.layer_idx)
         attention = torch.softmax(torch.einsum("bhqd,bhkd->bhqk", self.k(x)[:, None], keys), -1)
         return x + torch.einsum("bhqk,bhkd->bhqd", attention, values)[:, 0]
@@ -469,7 +474,7 @@ class _CachedStack(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("reads", [None, "length", "index"])
+@pytest.mark.parametrize("reads", [None, "length", "index", "index type", "own tensor"])
 def test_layers_using_a_transformers_cache_match_torch(reads):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -248,7 +248,9 @@ class _HiddenAttribute:
             return self
         if self.name in obj.__dict__:
             return obj.__dict__[self.name]
-        if _CacheScan.active is not None:  # (``cache.update(k, v, self.layer_idx)``)
+        stand_in = _CacheScan.active
+        # (``cache.update(k, v, self.layer_idx)`` while a cache is scanned)
+        if stand_in is not None and stand_in.may_index(self.path, self.name):
             return _LayerIndex(self.path, self.name)
         raise _PerLayerRead(self.path, self.name)
 
@@ -340,8 +342,8 @@ class _CacheIndex(Exception):
 
 class _LayerIndex:
     """What a hidden attribute reads as while a cache is scanned (``self.layer_idx``): a value
-    the body may only pass to ``cache.update``. Any other use of it raises `_PerLayerRead`, as
-    reading it does without a cache."""
+    the body may only pass to ``cache.update``. Any other use of it (arithmetic, comparisons,
+    attributes, ``isinstance``) raises `_PerLayerRead`, as reading it does without a cache."""
 
     __slots__ = ("key",)
 
@@ -351,8 +353,10 @@ class _LayerIndex:
     def _used(self, *args):
         raise _PerLayerRead(*self.key)
 
-    __index__ = __int__ = __float__ = __bool__ = __hash__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = \
-        __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __mod__ = __floordiv__ = __neg__ = _used
+    __getattr__ = __index__ = __int__ = __float__ = __bool__ = __hash__ = __eq__ = __ne__ = __lt__ = __le__ = \
+        __gt__ = __ge__ = __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __mod__ = __floordiv__ = \
+        __neg__ = _used
+    __class__ = property(_used)  # (``isinstance(self.layer_idx, int)`` asks for it)
 
     def __repr__(self):
         return f"<the index of each scanned layer: {'.'.join(k for k in self.key if k)}>"
@@ -468,6 +472,21 @@ class _CacheStandIn:
 
     def __init__(self, scan, xs):
         self._scan, self._xs, self._copies, self._t = scan, list(xs), {}, 0
+        self._handed = []  # the hidden attributes read as a `_LayerIndex` while the index was not known
+
+    def may_index(self, path, name) -> bool:
+        """Whether the hidden attribute ``path.name`` reads as a `_LayerIndex`: the cache's index
+        attribute, or, while that is not known, any (the first passed to ``update`` is it)."""
+        if self._scan.index is not None:
+            return (path, name) == self._scan.index
+        self._handed.append((path, name))
+        return True
+
+    def _check(self):
+        """After the step: a body that read a hidden attribute but never updated the cache read it
+        for something else (``isinstance(self.state, ...)``), as a layer's own value: one by one."""
+        if self._scan.index is None and self._handed:
+            raise _PerLayerRead(*self._handed[0])
 
     def _template(self, t):
         """The body now runs template ``t``."""
@@ -475,7 +494,7 @@ class _CacheStandIn:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         scan, t = self._scan, self._t
-        if not isinstance(layer_idx, _LayerIndex):
+        if type(layer_idx) is not _LayerIndex:
             raise _CacheUnsupported(f"the layers pass cache.update a layer index {layer_idx!r} of their own")
         if scan.index is None:
             raise _CacheIndex(layer_idx.key)
@@ -659,9 +678,12 @@ def _scan_once(layers, start, p, m, calls, remat, stacked, hidden, cache_index) 
                     stand_in = cache.stand_in(xs[len(xs) - n_cache:]) if cache is not None else None
                     _CacheScan.active = stand_in
                     try:
-                        return templates_in_turn(stand_in)
+                        result = templates_in_turn(stand_in)
                     finally:
                         _CacheScan.active = None
+                    if stand_in is not None:
+                        stand_in._check()
+                    return result
 
                 def templates_in_turn(stand_in):
                     hid = new_tensor(h)
@@ -1134,7 +1156,8 @@ def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h",
             stacked = child._stacked_parameters() if isinstance(child, _ScannedModuleList) else {}
             signatures = _Signatures(layers, stacked)
             if not any(signatures.period(k) for k in range(len(layers) - 1)):
-                k = next((k for k in range(1, len(layers)) if signatures.structures[k] != signatures.structures[0]), 1)
+                # (the first layer unlike layer 0: Gemma 3's sixth, full-attention layer)
+                k = next((k for k in range(1, len(layers)) if signatures.sigs[k] != signatures.sigs[0]), 1)
                 skipped.append(f"{where}: no run of its layers repeats (layer {k}: {signatures.first_difference(k)})")
                 continue
             if stack_parameters and len(set(signatures.structures)) > 1:
