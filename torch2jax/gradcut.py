@@ -244,12 +244,12 @@ def _copied(attributes: dict) -> dict:
     return {k: list(v) if type(v) is list else dict(v) if type(v) is dict else v for k, v in attributes.items()}
 
 
-def _attributes_of(objects) -> list:
-    """The attributes of ``objects``, their lists and dicts copied: what `_put_attributes` puts back."""
+def attributes_of(objects) -> list:
+    """The attributes of ``objects``, their lists and dicts copied: what `put_attributes` puts back."""
     return [(o, _copied(vars(o))) for o in objects]
 
 
-def _put_attributes(saved):
+def put_attributes(saved):
     for o, attributes in saved:
         vars(o).clear()
         vars(o).update(_copied(attributes))
@@ -277,11 +277,11 @@ def _with_own_backward(cls, args, kwargs):
     # the reruns start from the objects the arguments hold as the first run found them, and leave them
     # as it did: its changes (a cache the layers append to) are made once
     objects = [a for a in leaves if plain_object(a)]
-    before = _attributes_of(objects)
+    before = attributes_of(objects)
     key = _rng._traced  # None where random ops draw from the stored key
     with _Reads({id(t._t2j_storage) for t in inputs}) as reads:
         out = _function_apply(cls, *args, **kwargs)  # autograd's node, for a backward() inside the trace
-    after = _attributes_of(objects)
+    after = attributes_of(objects)
     closure = list(reads.found.values())
     traced = [k for k, (_, a) in enumerate(closure) if isinstance(a, jax.core.Tracer)]
     if not any(differentiable(t._value()) for t in inputs) and not any(differentiable(closure[k][1]) for k in traced):
@@ -308,7 +308,7 @@ def _with_own_backward(cls, args, kwargs):
         now = [st.array for st, _ in closure]
         for (st, _), v in zip(closure, values):
             st.array, st.version = v, st.version + 1
-        _put_attributes(before)
+        put_attributes(before)
         drawn = _rng._traced, _rng.draws
         if key is not None:
             _rng._traced = arrays[n + m]
@@ -319,7 +319,7 @@ def _with_own_backward(cls, args, kwargs):
         finally:
             for (st, _), v in zip(closure, now):
                 st.array, st.version = v, st.version + 1
-            _put_attributes(after)
+            put_attributes(after)
             _rng._traced, _rng.draws = drawn
 
     # While JAX stages the program, the value is the first run's (the custom VJP differentiates

@@ -48,6 +48,7 @@ import torch.utils._pytree as torch_pytree
 
 from .control_flow import (ControlFlowError, _apply, _carried, _check_carry, _flatten, _folding_transposes, _on_host,
                            _run_body, _state_values, _Structure, _with_state, _write_back)
+from . import gradcut as _gradcut
 from .env import default_rng as _rng
 from .tensor import Tensor, new_tensor
 
@@ -390,7 +391,7 @@ class _CacheScan:
         found = {id(x): x for c in calls for x in c.leaves if _is_cache(x)}
         if len(found) != 1 or not _is_layered_cache(cache := next(iter(found.values()))):
             raise _CacheUnsupported("the layers are given other caches than one transformers Cache")
-        self.cache, self.index, self.p = cache, index, p
+        self.cache, self.index = cache, index
         self.objects = [[] for _ in range(p)]  # per template: each step's per-layer cache
         self.names = [[] for _ in range(p)]  # per template: the names of its stacked tensors
         self.xs = []
@@ -428,31 +429,27 @@ class _CacheScan:
                 raise _CacheUnsupported("the caches of layers scanned alike differ (lengths, settings)")
             self.names[t] = names
             self.xs += [torch.stack([o.__dict__[k] for o in objs]) for k in names]
-        self.n_xs = len(self.xs)
 
     def stand_in(self, xs):
         """The body's cache, its per-layer caches holding the step's slices ``xs`` of `xs`."""
         return _CacheStandIn(self, xs)
 
-    def write_back(self, after, ys, restore, start, p):
+    def write_back(self, after, ys, restore, start):
         """After the scan: each layer's cache gets the plain attributes the body's copy ended with
         (``after[t]``, None where the template did not update) and its slice of ``ys[t]``; ``restore``
         gets, per layer, how to put its cache back."""
+        p = len(self.objects)
         for t in range(p):
             if after[t] is None:
                 continue
             plain, names = after[t]
             for i, o in enumerate(self.objects[t]):
                 undo = restore.setdefault(start + i * p + t, [])
-                undo.append(functools.partial(_put_vars, o, dict(vars(o))))
+                undo.append(functools.partial(_gradcut.put_attributes, _gradcut.attributes_of([o])))
                 if id(o) in self.appended:  # (a layer the loop then does not call leaves none)
                     undo.append(functools.partial(_remove, self.cache.layers, o))
-                _put_vars(o, {**{k: _copied(v) for k, v in plain.items()},
-                              **{k: y[i] for k, y in zip(names, ys[t])}})  # (gradients reach the layers)
-
-
-def _copied(v):
-    return list(v) if type(v) is list else dict(v) if type(v) is dict else v
+                # (its tensors are slices of the scan's outputs: gradients reach the layers)
+                _gradcut.put_attributes([(o, {**plain, **{k: y[i] for k, y in zip(names, ys[t])}})])
 
 
 def _remove(items, o):
@@ -460,11 +457,6 @@ def _remove(items, o):
         if x is o:
             del items[i]
             return
-
-
-def _put_vars(o, values):
-    vars(o).clear()
-    vars(o).update(values)
 
 
 class _CacheStandIn:
@@ -502,7 +494,7 @@ class _CacheStandIn:
             raise _CacheUnsupported("a layer updates its cache under another index, or twice")
         tpl = scan.objects[t][0]
         copy = object.__new__(type(tpl))
-        vars(copy).update({k: _copied(v) for k, v in vars(tpl).items()})
+        _gradcut.put_attributes([(copy, vars(tpl))])  # (its lists and dicts copied)
         offset = sum(len(n) for n in scan.names[:t])
         for k, x in zip(scan.names[t], self._xs[offset:offset + len(scan.names[t])]):
             vars(copy)[k] = new_tensor(x)
@@ -753,7 +745,7 @@ def _scan_once(layers, start, p, m, calls, remat, stacked, hidden, cache_index) 
                 n = len(cache_after[t][1]) if cache_after[t] is not None else 0
                 per.append(outs[:n])
                 outs = outs[n:]
-            cache.write_back(cache_after, per, restore, start, p)
+            cache.write_back(cache_after, per, restore, start)
         _write_back(state, carried, outs)
         results = []
         for i in range(m):
