@@ -362,6 +362,26 @@ def test_torch_higher_order_ops_on_the_jax_device():
     assert torch.cond(torch.tensor(True), lambda v: v * 2, lambda v: -v, (torch.ones(2),)).tolist() == [2.0, 2.0]
 
 
+def test_torch_dynamo_imported_during_a_trace_still_compiles_on_the_cpu():
+    # a trace replaces builtins.len / min / max; dynamo imported for the first time under them used to
+    # keep ours as the builtins it knows, and torch.cond on CPU tensors failed afterwards
+    code = textwrap.dedent("""
+        import sys, torch, torch2jax as t2j
+        assert "torch._dynamo" not in sys.modules
+
+        def f(x):
+            import torch._dynamo  # noqa: F401
+            return x * 2
+
+        t2j.jit(f)(torch.ones(2, device="jax"))
+        print(torch.cond(torch.tensor(True), lambda v: v * 2, lambda v: -v, (torch.ones(2),)).tolist())
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "[2.0, 2.0]"
+
+
 def _barriers(jitted, *args):
     return jitted.lower(*args).as_text().count("optimization_barrier")
 

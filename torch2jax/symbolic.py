@@ -751,6 +751,11 @@ def traced_builtins():
     ``has_torch_function`` true for every tensor and so turns off library fast paths (the
     nested-tensor TransformerEncoder's, MultiheadAttention's), whose results differ from the slow
     paths' in padded positions."""
+    # torch._dynamo keeps tables of the builtins it knows by identity, filled when it is imported: imported
+    # for the first time while ours are in place (a lazy import inside the traced code), it would take
+    # them for good, and later compile (torch.cond on CPU tensors) fails on the real ``len``
+    import torch._dynamo  # noqa: F401
+
     replacements = _trace_replacements()
     saved = [(owner, name, vars(owner).get(name, _MISSING)) for owner, name, _ in replacements]
     for owner, name, new in replacements:
