@@ -147,9 +147,38 @@ def test_layers_that_differ_in_structure_scan_the_part_that_repeats():
     odd = Stack(["a", "a"])
     odd.layers[1] = Block(width=8)
     odd.layers[1].lin = nn.Linear(8, 8, bias=False)
-    with pytest.raises(t2j.control_flow.ControlFlowError, match=r"layers: no run of its layers repeats \(layer 1: "
+    with pytest.raises(t2j.control_flow.ControlFlowError, match=r"layers: no two neighbouring layers are alike and "
+                                                                 r"no pattern of them repeats \(layer 1: "
                                                                  r"it has 1 parameters, layer 0 has 2\)"):
         t2j.use_scan_layers(odd)
+
+
+@pytest.mark.parametrize("periods,runs", [(1, 2), (2, 4), (4, 6)])
+def test_runs_of_alike_layers_that_another_layer_ends_are_scanned(periods, runs):
+    # Gemma 3's pattern: three (five) sliding-window layers, then a full-attention one. With one or two
+    # periods, each run of three scans on its own; from the second period of four on, once every kind's
+    # arguments were seen, the rest scans a period at a time
+    ref, model = _pair(["a", "a", "a", "b"] * periods, norm=True)
+    x = torch.randn(6, 8, requires_grad=True)
+    per_kind = {"a": torch.tensor(0.5), "b": torch.tensor(-1.5)}
+    scales = [per_kind[layer.kind] for layer in ref.layers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, expected = _check(ref, model, x, scales=scales)
+    w = torch.randn(6, 8)  # (not a plain sum: through training-mode BatchNorm its gradient is zero)
+    (got * w.to("jax")).sum().backward()
+    (expected * w).sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-4, rtol=1e-4, msg=n)
+    for k, (a, b) in enumerate(zip(model.layers, ref.layers)):
+        torch.testing.assert_close(a.norm.running_mean.cpu(), b.norm.running_mean, msg=f"layer {k}")
+    jax_kind = {kind: s.to("jax") for kind, s in per_kind.items()}
+    jax_scales = [jax_kind[layer.kind] for layer in ref.layers]
+    assert _runs(model, x.detach().to("jax"), scales=jax_scales) == runs
+    # a run at the end of the list scans too (a trailing "a a" after the last full layer)
+    ref, model = _pair(["a", "a", "b", "a", "a"])
+    _check(ref, model, x.detach())
+    assert _runs(model, x.detach().to("jax")) == 3
 
 
 def test_the_loop_sees_each_layer_as_itself():
@@ -393,7 +422,8 @@ def _assert_same_cache(cache, expected):
         assert plain(a) == plain(b)
 
 
-@pytest.mark.parametrize("arch", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gemma2", marks=pytest.mark.slow),
+                                  pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_hf_default_call_with_its_kv_cache_scans_and_fills_the_cache(arch, monkeypatch):
     """``model(ids, labels=ids)`` makes a DynamicCache (use_cache defaults to True): the scan stands
     in for it, and the cache ends as torch's (Gemma 2: sliding and full cache layers in turn)."""
@@ -404,11 +434,18 @@ def test_hf_default_call_with_its_kv_cache_scans_and_fills_the_cache(arch, monke
         cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                        num_attention_heads=4, num_key_value_heads=2)
         ref, layer_cls = transformers.LlamaForCausalLM(cfg), transformers.models.llama.modeling_llama.LlamaDecoderLayer
-    else:
+    elif arch == "gemma2":
         cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4)
         ref = transformers.Gemma2ForCausalLM(cfg)
         layer_cls = transformers.models.gemma2.modeling_gemma2.Gemma2DecoderLayer
+    else:
+        # five sliding-window layers, a full-attention one, two sliding: two runs scan, one layer as it is
+        cfg = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                            sliding_window=4)
+        ref = transformers.Gemma3ForCausalLM(cfg)
+        layer_cls = transformers.models.gemma3.modeling_gemma3.Gemma3DecoderLayer
     model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
     ids, nxt = torch.randint(0, 128, (2, 12)), torch.randint(0, 128, (2, 1))
     calls = _counting_layer_calls(monkeypatch, layer_cls)
@@ -416,7 +453,7 @@ def test_hf_default_call_with_its_kv_cache_scans_and_fills_the_cache(arch, monke
         warnings.simplefilter("error", UserWarning)  # (no layers run one by one)
         out = model(ids.to("jax"), labels=ids.to("jax"))
     # only the layers run as they are get the real cache (Gemma 2's first period, to learn its arguments)
-    assert calls["n"] == (0 if arch == "llama" else 2)
+    assert calls["n"] == {"llama": 0, "gemma2": 2, "gemma3": 1}[arch]
     expected = ref(ids, labels=ids)
     torch.testing.assert_close(out.logits.detach().cpu(), expected.logits.detach(), atol=1e-5, rtol=1e-5)
     _assert_same_cache(out.past_key_values, expected.past_key_values)
@@ -427,7 +464,7 @@ def test_hf_default_call_with_its_kv_cache_scans_and_fills_the_cache(arch, monke
     with torch.no_grad():  # a decoding step from the filled cache, scanned too
         calls.clear()
         step = model(nxt.to("jax"), past_key_values=out.past_key_values)
-        assert calls["n"] == (0 if arch == "llama" else 2)
+        assert calls["n"] == {"llama": 0, "gemma2": 2, "gemma3": 1}[arch]
         expected_step = ref(nxt, past_key_values=expected.past_key_values)
     torch.testing.assert_close(step.logits.cpu(), expected_step.logits, atol=1e-5, rtol=1e-5)
     _assert_same_cache(step.past_key_values, expected_step.past_key_values)

@@ -19,6 +19,8 @@ have equal signatures:
   all, the layers run one by one (`_PerLayerRead`).
 - Layers that fit no pattern (DeepSeek-V3's first dense layers before its MoE
   layers) run one by one, and the scan covers the part of the stack that does.
+  A run of alike layers that another layer ends (Gemma 3's first five sliding
+  layers when the stack is too short for its period to repeat) is a scan of its own.
 - A transformers KV cache given to the layers is stood in for: the body's
   ``cache.update(k, v, self.layer_idx)`` updates a copy of each layer's own cache,
   written back after the scan (`_CacheScan`).
@@ -152,6 +154,11 @@ class _Signatures:
     def repeats(self, start, p):
         """Whether the layers from ``start`` on repeat with period ``p``."""
         return all(self.sigs[j] == self.sigs[j - p] for j in range(start + p, len(self.sigs)))
+
+    def run_length(self, start) -> int:
+        """How many layers from ``start`` on are alike (with period 1), the list's end or not."""
+        return next((j for j in range(start + 1, len(self.sigs)) if self.sigs[j] != self.sigs[start]),
+                    len(self.sigs)) - start
 
     def period(self, start):
         """The smallest period with which the layers from ``start`` on repeat at least twice, or None."""
@@ -882,12 +889,14 @@ class _LayerRun:
                 same = self.signatures.now(k, self.layers[k]) == self.signatures.sigs[k]
                 out = self.scanned.take(k, call) if same else None
                 if out is not None:
+                    self.calls[k] = call  # (a later scan with a period may start from this layer's arguments)
                     return out
                 self._leave(k)
             self.scanned = None
         if not self.stopped and not self.owner._t2j_one_by_one and self._may_scan(call):
             self.scanned = self._start(k, call)
             if self.scanned is not None:
+                self.calls[k] = call
                 return self.scanned.take(k, call)
         out = self.layers[k](*args, **kwargs)
         self.calls[k] = call
@@ -938,24 +947,29 @@ class _LayerRun:
                 continue
             if p > 1 and (any(j not in self.calls for j in range(first, k)) or not call.same_as(self.calls[first])):
                 continue
-            calls = [call] + [self.calls[j] for j in range(first + 1, k)]
-            try:
-                scanned = _scan(self.layers, k, p, (n - k) // p, calls, self.owner._t2j_remat, self.stacked,
-                                signatures.hidden, self.owner._t2j_cache_index)
-                if scanned.cache_index is not None:
-                    self.owner._t2j_cache_index = scanned.cache_index
-                return scanned
-            except (_PerLayerRead, _LayerStores, _CacheUnsupported) as e:
-                if isinstance(e, _PerLayerRead):
-                    self.owner._t2j_read = self.owner._t2j_read | {e.key}
-                elif isinstance(e, _CacheUnsupported):
-                    self.owner._t2j_cache_one_by_one = True
-                else:
-                    self.owner._t2j_one_by_one = True
-                self.stopped = True
-                _warn_once(_one_body_failed(self.layers, e))
-                return None
-        return None
+            return self._scan(k, p, (n - k) // p, [call] + [self.calls[j] for j in range(first + 1, k)])
+        # a run of alike layers that some other layer ends (Gemma 3's five sliding-window layers
+        # before a full-attention one): scanned, and what follows is looked at when the loop gets there
+        m = signatures.run_length(k)
+        return self._scan(k, 1, m, [call]) if m >= 2 else None
+
+    def _scan(self, k, p, m, calls):
+        try:
+            scanned = _scan(self.layers, k, p, m, calls, self.owner._t2j_remat, self.stacked,
+                            self.signatures.hidden, self.owner._t2j_cache_index)
+        except (_PerLayerRead, _LayerStores, _CacheUnsupported) as e:
+            if isinstance(e, _PerLayerRead):
+                self.owner._t2j_read = self.owner._t2j_read | {e.key}
+            elif isinstance(e, _CacheUnsupported):
+                self.owner._t2j_cache_one_by_one = True
+            else:
+                self.owner._t2j_one_by_one = True
+            self.stopped = True
+            _warn_once(_one_body_failed(self.layers, e))
+            return None
+        if scanned.cache_index is not None:
+            self.owner._t2j_cache_index = scanned.cache_index
+        return scanned
 
 
 class _LayerCall:
@@ -1147,10 +1161,11 @@ def use_scan_layers(model: torch.nn.Module, *, remat=None, names=("layers", "h",
                 continue  # (containers of layers, not layers: Funnel's blocks of layers)
             stacked = child._stacked_parameters() if isinstance(child, _ScannedModuleList) else {}
             signatures = _Signatures(layers, stacked)
-            if not any(signatures.period(k) for k in range(len(layers) - 1)):
+            if not any(signatures.period(k) or signatures.run_length(k) > 1 for k in range(len(layers) - 1)):
                 # (the first layer unlike layer 0: Gemma 3's sixth, full-attention layer)
                 k = next((k for k in range(1, len(layers)) if signatures.sigs[k] != signatures.sigs[0]), 1)
-                skipped.append(f"{where}: no run of its layers repeats (layer {k}: {signatures.first_difference(k)})")
+                skipped.append(f"{where}: no two neighbouring layers are alike and no pattern of them repeats "
+                               f"(layer {k}: {signatures.first_difference(k)})")
                 continue
             if stack_parameters and len(set(signatures.structures)) > 1:
                 k = next(k for k in range(1, len(layers)) if signatures.structures[k] != signatures.structures[0])
