@@ -238,3 +238,41 @@ def test_encoders_and_multimodal_jitted_training_matches_torch(name):
         torch.testing.assert_close(step(inputs).cpu(), expected.detach(), atol=1e-5, rtol=5e-5)
     if name == "llava":
         assert step.stats["eager_calls"] == 0
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_jitted_decoding_step_updates_a_cache_it_closes_over(kind):
+    """A decoding step that reads and updates a KV cache held outside it (cache -> its layers -> their
+    key tensors): each call stores the new tensors in the cache as torch does. A StaticCache, whose
+    length does not grow, compiles once."""
+    ref = _build("llama").eval()
+    model = copy.deepcopy(ref).to("jax")
+    cfg = ref.config
+    ids = torch.randint(0, V, (2, 5))
+
+    def new_cache():
+        return transformers.DynamicCache(config=cfg) if kind == "dynamic" else \
+            transformers.StaticCache(config=cfg, max_cache_len=12)
+
+    cache, expected_cache = new_cache(), new_cache()
+    with torch.no_grad():
+        model(ids.to("jax"), past_key_values=cache, cache_position=torch.arange(5, device="jax"))
+        ref(ids, past_key_values=expected_cache, cache_position=torch.arange(5))
+
+    @t2j.jit
+    def step(tok, pos):
+        with torch.no_grad():
+            return model(tok, past_key_values=cache, cache_position=pos).logits[:, -1]
+
+    tok = ids[:, -1:]
+    for i in range(4):
+        pos = torch.tensor([5 + i])
+        got = step(tok.to("jax"), pos.to("jax"))
+        with torch.no_grad():
+            expected = ref(tok, past_key_values=expected_cache, cache_position=pos).logits[:, -1]
+        torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+        tok = expected.argmax(-1, keepdim=True)
+    for a, b in zip(cache.layers, expected_cache.layers):
+        torch.testing.assert_close(a.keys.cpu(), b.keys)
+        torch.testing.assert_close(a.values.cpu(), b.values)
+    assert step.stats["compiles"] == (4 if kind == "dynamic" else 1)

@@ -734,7 +734,15 @@ def _with_node(tree, path, node):
 
 def _find_roots(fn, args, kwargs) -> _Roots:
     roots = _Roots()
-    roots.add(fn)
+    # what the function itself closes over or names as a global is searched as deep as its arguments
+    # (a KV cache held outside a decoding step: cache -> its layers -> each layer's key tensors)
+    if isinstance(fn, types.FunctionType):
+        roots.add_function(fn)
+    elif isinstance(fn, types.MethodType):
+        roots.add_function(fn.__func__)
+        roots.add(fn.__self__)
+    else:
+        roots.add(fn)
     for leaf in torch_pytree.tree_leaves((args, kwargs)):
         # (an object among the arguments holds state as a closed-over one does: ``f(x, cache)``)
         if not isinstance(leaf, torch.Tensor) and (isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer))
