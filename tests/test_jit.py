@@ -3687,3 +3687,103 @@ def test_a_held_partial_of_a_builtin_function_is_followed():
     f = t2j.jit(lambda x: act(x) * 2)
     x = torch.randn(5)
     torch.testing.assert_close(f(x.to("jax")).cpu(), F.gelu(x, approximate="tanh") * 2)
+
+
+_SWEEP = {}  # the model and optimizer of the trial a sweep runs now (module globals, as a notebook's)
+
+
+def _sweep_step(x):
+    model, opt = _SWEEP["model"], _SWEEP["opt"]
+    opt.zero_grad()
+    loss = model(x).pow(2).sum()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("rebuilt", ["model_and_optimizer", "parameter"])
+def test_a_step_traced_for_other_objects_of_the_same_structure_is_not_reused(rebuilt):
+    # a hyperparameter sweep makes a new model and optimizer per trial; the program of the first trial
+    # stored .grad and Adam's state into the first trial's objects
+    x = torch.randn(5, 4)
+    step = t2j.jit(_sweep_step)
+    for trial, lr in enumerate((0.01, 0.02)):
+        runs = {}
+        for device in ("cpu", "jax"):
+            if rebuilt == "model_and_optimizer" or trial == 0:
+                torch.manual_seed(0)
+                model = nn.Linear(4, 3).to(device)
+            else:  # the weight replaced by a new Parameter and the optimizer pointed at it
+                model = runs_before[device]
+                model.weight = nn.Parameter(model.weight.detach() * 0.5)
+            opt = torch.optim.Adam(model.parameters(), lr=lr)
+            _SWEEP.update(model=model, opt=opt)
+            losses = [(step if device == "jax" else _sweep_step)(x.to(device)).item() for _ in range(4)]
+            runs[device] = (model, opt, losses)
+        (cm, co, cl), (jm, jo, jl) = runs["cpu"], runs["jax"]
+        assert jl == pytest.approx(cl, rel=1e-5)
+        assert len(jo.state) == len(co.state) == 2
+        torch.testing.assert_close(jm.weight.grad.cpu(), cm.weight.grad)
+        torch.testing.assert_close(jo.state[jm.weight]["exp_avg"].cpu(), co.state[cm.weight]["exp_avg"])
+        runs_before = {"cpu": cm, "jax": jm}
+
+
+_ACT = torch.relu
+_TEMPERATURE = 1.0
+
+
+class _Settings:
+    scale = 1.0
+
+
+def _helper(x):
+    return x / _TEMPERATURE
+
+
+class _Scaled(nn.Module):
+    shift = 0.0  # a class attribute its forward reads
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.fn = None
+
+    def forward(self, x):
+        out = _helper(self.lin(x)) + self.shift
+        return out if self.fn is None else self.fn(out)
+
+
+def test_functions_and_class_attributes_it_reads_are_guarded(monkeypatch):
+    torch.manual_seed(0)
+    ref = _Scaled()
+    model = copy.deepcopy(ref).to("jax")
+    k = [1.0]
+
+    def run(m, x):
+        return _ACT(m(x)) * _Settings.scale
+
+    f = t2j.jit(lambda x: run(model, x))
+    x = torch.randn(5, 4)
+    changes = [lambda: None,
+               lambda: monkeypatch.setattr(sys.modules[__name__], "_ACT", torch.tanh),  # a global function
+               lambda: monkeypatch.setattr(_Settings, "scale", 3.0),  # a settings class's attribute
+               lambda: monkeypatch.setattr(sys.modules[__name__], "_TEMPERATURE", 4.0),  # read by a forward's helper
+               lambda: monkeypatch.setattr(_Scaled, "shift", 0.5),  # a module class's attribute
+               lambda: [setattr(m, "fn", lambda o: o * k[0]) for m in (ref, model)],
+               lambda: k.__setitem__(0, 7.0),  # what a function held by the module closes over
+               lambda: [setattr(m, "fn", torch.sigmoid) for m in (ref, model)]]  # a builtin function attribute
+    for i, change in enumerate(changes):
+        change()
+        torch.testing.assert_close(f(x.to("jax")).cpu(), run(ref, x).detach(), msg=f"change {i}")
+
+
+def test_inference_mode_and_no_grad_are_different_programs():
+    lin = nn.Linear(3, 2).to("jax")
+    f = t2j.jit(lambda x: lin(x))
+    x = torch.randn(4, 3, device="jax")
+    with torch.inference_mode():
+        assert f(x).is_inference()
+    with torch.no_grad():
+        out = f(x)
+    assert not out.is_inference()
+    out.add_(1)  # (an inference tensor refuses an in-place update outside inference mode)

@@ -276,3 +276,14 @@ def test_a_jitted_decoding_step_updates_a_cache_it_closes_over(kind):
         torch.testing.assert_close(a.keys.cpu(), b.keys)
         torch.testing.assert_close(a.values.cpu(), b.values)
     assert step.stats["compiles"] == (4 if kind == "dynamic" else 1)
+    # a new prompt with a new cache: the program stores into the new one (the old one keeps its tensors)
+    old_keys = cache.layers[0].keys.cpu()
+    cache, expected_cache = new_cache(), new_cache()
+    with torch.no_grad():
+        model(ids.to("jax"), past_key_values=cache, cache_position=torch.arange(5, device="jax"))
+        ref(ids, past_key_values=expected_cache, cache_position=torch.arange(5))
+        torch.testing.assert_close(step(tok.to("jax"), torch.tensor([5], device="jax")).cpu(),
+                                   ref(tok, past_key_values=expected_cache, cache_position=torch.tensor([5]))
+                                   .logits[:, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.layers[0].keys.cpu(), expected_cache.layers[0].keys)
+    assert old_keys.shape[-2] == (9 if kind == "dynamic" else 12)

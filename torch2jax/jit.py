@@ -141,8 +141,12 @@ def _constant_array(v) -> bool:
 
 
 def _watched(v) -> bool:
-    """A closure cell's or global's value a cache key holds (`_Roots.python_values`)."""
-    return _guardable(v) or _constant_array(v)
+    """A closure cell's or global's value a cache key holds (`_Roots.python_values`): functions by
+    identity (``act = torch.tanh`` after a trace with ``torch.relu``)."""
+    return _guardable(v) or _constant_array(v) or isinstance(v, _CALLABLES)
+
+
+_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -169,6 +173,7 @@ class _Roots:
         self.globals = []  # (globals dict, the names a function's code uses) (`_Places`)
         self.names = set()  # the global and attribute names the functions' code uses
         self.unguarded = frozenset()  # values the function itself changes when traced: not guarded
+        self.owners = ()  # the identities of the objects its program is for (`_owners`)
         self.own_lists = {}  # lists of plain values (by id) every call changes (`_Entry.own_lists`): items not guarded
         self.held = set()  # ids of the objects modules hold (`_module_extras`): all their plain attributes guarded
         self.lifts: _Hyperparameters | None = None  # which numbers among the values are program inputs
@@ -275,6 +280,12 @@ class _Roots:
                 value = g[name]
                 if _watched(value) and not name.startswith("__"):
                     self.add_value(f"global {name}", g, name)
+                elif isinstance(value, type) and not value.__module__.startswith(("torch", "builtins")):
+                    # a class used as a namespace of settings (``class Cfg: scale = 1.0``): the class
+                    # attributes the code names
+                    for attr in names:
+                        if _watched(vars(value).get(attr)) and not attr.startswith("__"):
+                            self.add_value(f"{value.__qualname__}.{attr}", value, attr)
                 self.add(value, depth)
 
     def add_value(self, where, source, name):
@@ -305,6 +316,9 @@ class _Roots:
             if _constant_array(v) and where not in self.unguarded:
                 out.append((where, _Same(v)))
                 continue
+            if isinstance(v, _CALLABLES) and where not in self.unguarded:
+                out.append((where, v))  # (by identity: the key holds it, so its id is not reused)
+                continue
             if where in self.unguarded or not _guardable(v):
                 continue
             if lifts is not None and _lifted_number(v) and lifts.lifts(("value", where), v):
@@ -318,7 +332,8 @@ class _Roots:
 
     def _read_values(self, held: bool = True) -> list:
         """(where, value, source, name) of each value `python_values` considers."""
-        values = [(where, source.cell_contents if name is None else source.get(name), source, name)
+        values = [(where, source.cell_contents if name is None else source.get(name) if isinstance(source, dict)
+                   else getattr(source, name, None), source, name)
                   for where, source, name in self.values]
         lifted = self.lifts.lifted if self.lifts is not None else ()
         for obj in self.objects:
@@ -393,10 +408,11 @@ _EXTRAS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module 
 
 
 def _module_extras(module) -> tuple:
-    """(the functions hooked on ``module`` and its submodules and the lists they hold as public
-    attributes, the other objects they hold as public attributes (an HF model's ``config``, whose
+    """(the functions hooked on ``module`` and its submodules and the lists and functions they hold as
+    public attributes, the other objects they hold as public attributes (an HF model's ``config``, whose
     plain attributes its code reads all over: each is guarded as a module's own), the Python
-    values their ``forward`` functions read from globals: `_Roots.values` entries, guarded as the
+    values their ``forward`` functions (and the functions those name) read from globals and from their
+    classes (`_globals_read`, `_class_attributes_read`): `_Roots.values` entries, guarded as the
     jitted function's own), read again only after a module attribute was set or a hook registered
     or removed somewhere (reading every submodule's attributes on each call would cost more than
     the rest of finding the roots)."""
@@ -405,17 +421,49 @@ def _module_extras(module) -> tuple:
     if seen is None or seen[0] != now:
         subs = _submodules(module)
         extras = [hook for sub in subs for name in _MODULE_HOOK_DICTS for hook in getattr(sub, name).values()]
-        extras += [v for sub in subs for name, v in sub.__dict__.items() if type(v) is list and name[0] != "_"]
+        # (and the functions they hold, whose closures and globals hold values too: ``self.fn = lambda o: o * k[0]``)
+        extras += [v for sub in subs for name, v in sub.__dict__.items()
+                   if (type(v) is list or isinstance(v, _CALLABLES)) and name[0] != "_"]
         held = list({id(v): v for sub in subs for name, v in sub.__dict__.items()
                      if name[0] != "_" and _gradcut.plain_object(v)}.values())
-        forwards = {getattr(type(sub).forward, "__code__", None): type(sub).forward for sub in subs}
-        read = {(id(fn.__globals__), name): (f"global {name}", fn.__globals__, name)
-                for code, fn in forwards.items()
-                if code is not None and not (getattr(fn, "__module__", None) or "").startswith("torch.")
-                for name in _global_names(code)
-                if name in fn.__globals__ and not name.startswith("__") and _watched(fn.__globals__[name])}
+        read, seen_fns = {}, set()
+        for cls in {type(sub) for sub in subs}:
+            _globals_read(cls.forward, read, seen_fns)
+            _class_attributes_read(cls, read)
         seen = _EXTRAS_SEEN[module] = (now, (extras, held, list(read.values())))
     return seen[1]
+
+
+def _globals_read(fn, read: dict, seen: set, depth: int = 0):
+    """Add to ``read`` the `_Roots.values` entries of the Python values ``fn`` reads from its globals, and
+    those the functions it names read (``def helper(x): return x / TEMP``, called by a forward), two calls
+    deep; torch's own functions are left out."""
+    code = getattr(fn, "__code__", None)
+    if code is None or (getattr(fn, "__module__", None) or "").startswith("torch") or id(fn) in seen:
+        return
+    seen.add(id(fn))
+    g = fn.__globals__
+    for name in _global_names(code):
+        if name.startswith("__") or name not in g:
+            continue
+        value = g[name]
+        if _watched(value):
+            read.setdefault((id(g), name), (f"global {name}", g, name))
+        if isinstance(value, types.FunctionType) and depth < 2:
+            _globals_read(value, read, seen, depth + 1)
+
+
+def _class_attributes_read(cls, read: dict):
+    """Add to ``read`` the `_Roots.values` entries of module class ``cls``'s own ``forward`` and of the
+    class attributes its forward names (``scale = 1.0`` in the class body, read as ``self.scale``), where
+    a class of torch's own does not define them: another value set on the class is another program."""
+    names = _global_names(cls.forward.__code__) if hasattr(cls.forward, "__code__") else ()
+    for base in cls.__mro__:
+        if base.__module__.startswith("torch") or base is object:
+            break
+        for name in ("forward", *names):
+            if name in vars(base) and not name.startswith("__") and _watched(vars(base)[name]):
+                read.setdefault((id(base), name), (f"{base.__qualname__}.{name}", base, name))
 
 
 def _on_jax(module) -> bool:
@@ -743,12 +791,36 @@ def _find_roots(fn, args, kwargs) -> _Roots:
         roots.add(fn.__self__)
     else:
         roots.add(fn)
+    roots.owners = _owners(fn, roots)
     for leaf in torch_pytree.tree_leaves((args, kwargs)):
         # (an object among the arguments holds state as a closed-over one does: ``f(x, cache)``)
         if not isinstance(leaf, torch.Tensor) and (isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer))
                                                    or hasattr(leaf, "__dict__")):
             roots.add(leaf)
     return roots
+
+
+def _owners(fn, roots) -> tuple:
+    """The identities of the objects a program is traced for: the modules and optimizers ``fn``
+    reaches, and the plain objects its code names (its globals, closure cells, ``self``). A program
+    stores its results into the objects it was traced with (a ``.grad``, an optimizer's state, a KV
+    cache's tensors), so a model, optimizer or cache made anew, however alike, is another program
+    (`JitFunction._lookup`). Numbers, flags and functions are guarded as values (`_watched`),
+    tensors are the program's inputs, and lists and dicts (a ``batch`` dict made for every call)
+    are guarded by their items."""
+    direct = []
+    func = getattr(fn, "__func__", fn)
+    if isinstance(fn, types.MethodType):
+        direct.append(fn.__self__)
+    elif not isinstance(fn, types.FunctionType):
+        direct.append(fn)
+    if isinstance(func, types.FunctionType):
+        direct += [_cell_value(cell) for cell in func.__closure__ or ()]
+        g = func.__globals__
+        direct += [g[name] for name in _global_names(func.__code__) if name in g and not name.startswith("__")]
+    held = [id(v) for v in direct if hasattr(v, "__dict__") and not isinstance(
+        v, (type, types.ModuleType, torch.Tensor, Mapping, collections.abc.Sequence, *_CALLABLES))]
+    return (*map(id, roots.modules), *map(id, roots.optimizers), *held)
 
 
 @dataclasses.dataclass
@@ -1317,7 +1389,7 @@ _ATTRIBUTE_WRITES = [0]
 _SIMPLE = (bool, int, float, str, type(None), enum.Enum)
 
 
-_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
+_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial, types.BuiltinFunctionType)
 
 
 def _attributes(subs, lifts: _Hyperparameters | None = None, k=None, lift=None) -> tuple:
@@ -2435,6 +2507,15 @@ class _Entry:
     once: bool = False
     # lists of plain values whose items each call changes (`_Places.take_rewritten`): their items are not guarded
     own_lists: tuple = ()
+    owners: tuple = ()  # the `_owners` of the roots it was traced for
+    # (slot index, id) per leaf tensor of the state that requires grad (a parameter): its ``.grad`` and optimizer
+    # state are stored into that very tensor (`_owned`)
+    owned: tuple = ()
+
+    def owned_by(self, roots, slots) -> bool:
+        """Whether this program was traced for the objects of this call (`_owners`, `_owned`)."""
+        tensors = slots.tensors
+        return self.owners == roots.owners and all(id(tensors[i]) == o for i, o in self.owned)
 
 
 # What stops a trace but not an eager run: an op whose output shape depends on tensor
@@ -2684,12 +2765,13 @@ class JitFunction:
             copied = tuple(i for i, (p, x) in enumerate(zip(plain, leaves)) if p is not x)
             key = (spec, _static_key(leaves, numbers, self._by_value), slots.key, tuple(id(s) for s in extra),
                    tuple((tuple(s.array.shape), s.array.dtype) for s in extra), copied, _config(),
-                   torch.is_grad_enabled(), torch.is_autocast_enabled("jax"), torch.get_autocast_dtype("jax"),
+                   torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("jax"),
+                   torch.get_autocast_dtype("jax"),
                    torch.get_default_dtype(),
                    self._hooks_key(slots, roots), tuple(map(len, self._lengths)))
             if key in self._eager:
                 return _Eager(key, self._eager[key]), plain, slots, storages
-            entries = self._cache.get(key, ())
+            entries = [e for e in self._cache.get(key, ()) if e.owned_by(roots, slots)]
             entry = _guarded(entries, slots, storages)
             if entry is not None:
                 self.stats["hits"] += 1
@@ -2706,7 +2788,11 @@ class JitFunction:
                 return _Eager(key, self._last_break), plain, slots, storages
             slots = _collect(leaves, roots, full=True, hypers=self._hypers)
             slots.lifted = slots.lifted + [site for site, _ in numbers]
-            if not entries:
+            if key in self._cache and not entries:
+                self._log("the modules, optimizers or objects it reaches (or the functions it calls) are others than "
+                          "when it was traced, however alike: a program stores its results into the ones it was "
+                          "traced for")
+            elif not entries:
                 self._explain(key, slots)
             elif not all(_shardings_hold(e, storages) for e in entries):
                 self._log("state it writes was resharded since it was traced (its program keeps each array's "
@@ -2788,6 +2874,7 @@ class JitFunction:
                           f"({type(e).__name__}: {e}); they stay static, and each new value retraces")
                 continue
             self._hypers.proven.update(new)
+            entry.owners, entry.owned = roots.owners, _owned(slots, entry.post)
             if found := [c for c in entry.lengths if not any(c is k for k in self._lengths)]:
                 self._lengths += found  # (the trace left the lists as it found them)
                 key = (*key[:-1], tuple(map(len, self._lengths)))
@@ -4340,6 +4427,14 @@ def _slot_id(setter):
     return (setter.func, *(a if isinstance(a, str) else id(a) for a in setter.args))
 
 
+def _owned(slots: _Slots, post) -> tuple:
+    """`_Entry.owned`: the parameters (leaves of the state requiring grad) a program sets the ``.grad`` and
+    optimizer state of, but for the slots each call points to a new tensor (``post``)."""
+    repointed = {k for _, _, k, _ in post}
+    return tuple((i, id(t)) for i, t in enumerate(slots.tensors[:slots.first_argument])
+                 if t is not None and t.requires_grad and t.is_leaf and i not in repointed)
+
+
 def _repointed(pre: _Slots, post: _Slots, pre_index):
     """(setter, target, slot) for every slot that points to another tensor after the
     trace: target is the index of a slot tensor before the call, a tensor the trace
@@ -4500,15 +4595,18 @@ def _diff(old, old_names, new, new_names):
     for name in list(dict.fromkeys(list(ostat) + list(nstat))):
         if ostat.get(name, _MISSING) != nstat.get(name, _MISSING):
             reasons.append(_static_change(name, ostat.get(name, _MISSING), nstat.get(name, _MISSING)))
-    # the key ends with: the arguments passed as copies, torch2jax's settings, grad mode, autocast
-    # enabled, autocast dtype, the default dtype, the hooks (`JitFunction._hooks_key`), the guarded lists' lengths
+    # the key ends with: the arguments passed as copies, torch2jax's settings, grad mode, inference mode,
+    # autocast enabled, autocast dtype, the default dtype, the hooks (`JitFunction._hooks_key`), the guarded
+    # lists' lengths
+    if orest[-9] != nrest[-9]:
+        reasons.append(f"the argument views passed as copies of their values (`_view_copies`): {orest[-9]} -> "
+                       f"{nrest[-9]}")
     if orest[-8] != nrest[-8]:
-        reasons.append(f"the argument views passed as copies of their values (`_view_copies`): {orest[-8]} -> "
-                       f"{nrest[-8]}")
+        reasons.append(f"settings: {orest[-8]} -> {nrest[-8]}")
     if orest[-7] != nrest[-7]:
-        reasons.append(f"settings: {orest[-7]} -> {nrest[-7]}")
+        reasons.append(f"grad mode: {orest[-7]} -> {nrest[-7]}")
     if orest[-6] != nrest[-6]:
-        reasons.append(f"grad mode: {orest[-6]} -> {nrest[-6]}")
+        reasons.append(f"inference mode: {orest[-6]} -> {nrest[-6]}")
     if orest[-5:-3] != nrest[-5:-3]:
         reasons.append(f"autocast (enabled, dtype): {tuple(orest[-5:-3])} -> {tuple(nrest[-5:-3])}")
     if orest[-3] != nrest[-3]:
