@@ -66,7 +66,7 @@ def main():
                 t0 = time.thread_time()
                 entry, leaves, slots, storages = step._lookup((x, y), {})
                 t1 = time.thread_time()
-                out = step._run(entry, leaves, slots, storages)
+                out = step._run(entry, leaves, slots, storages, ((x, y), {}))
                 tr += time.thread_time() - t1
                 tl += t1 - t0
             out.jax().block_until_ready()
