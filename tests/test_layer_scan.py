@@ -582,3 +582,33 @@ def test_gradients_reach_the_layers_through_the_cache_a_scan_filled():
         m(x[:, 3:].to(device), cache).square().mean().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_hf_layers_scan_again_after_a_call_collecting_hidden_states(monkeypatch):
+    """The first call with output_hidden_states / output_attentions installs transformers' capturing hooks on
+    the layers for good: that call runs them one by one (each layer's hook records its output), later calls
+    that collect nothing scan again (the hooks do nothing then)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    ref = transformers.LlamaForCausalLM(cfg)
+    model = t2j.use_scan_layers(copy.deepcopy(ref).to("jax"))
+    cls = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    runs = collections.Counter()
+    forward = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, *a, **k: runs.update(["n"]) or forward(self, *a, **k))
+    ids = torch.randint(0, 128, (2, 8))
+    for kwargs, layer_runs in (({}, 1), (dict(output_hidden_states=True, output_attentions=True), 3),
+                               (dict(output_hidden_states=True), 3), ({}, 1)):
+        runs.clear()
+        out = model(ids.to("jax"), use_cache=False, **kwargs)
+        assert runs["n"] == layer_runs, kwargs
+        expected = ref(ids, use_cache=False, **kwargs)
+        torch.testing.assert_close(out.logits.detach().cpu(), expected.logits.detach(), atol=1e-5, rtol=1e-5)
+        for name in ("hidden_states", "attentions"):
+            got, want = getattr(out, name) or (), getattr(expected, name) or ()
+            assert len(got) == len(want)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a.detach().cpu(), b.detach(), atol=1e-5, rtol=1e-5)

@@ -25,7 +25,8 @@ have equal signatures:
   ``cache.update(k, v, self.layer_idx)`` updates a copy of each layer's own cache,
   written back after the scan (`_CacheScan`).
 - A layer with a hook of its own runs as it is (torch runs the hook once per
-  layer); a body that stores a value in its layer (``self.aux_loss = ...``) makes
+  layer), but for a hook that does nothing in this call (`_inert_now`:
+  transformers' output-capturing hooks while the call collects no outputs); a body that stores a value in its layer (``self.aux_loss = ...``) makes
   the layers run one by one (`_LayerStores`).
 
 `use_scan_layers` also checks the *arguments*: the model's own loop
@@ -100,7 +101,22 @@ def _value_key(v, depth=0, memo=None):
 def _hooks_key(hooks):
     # a hook runs once per layer in torch, with that layer's output (a side effect, such as recording
     # activations): a layer that has one is unlike the others (one in each layer: read, so one by one)
+    if hooks and all(map(_inert_now, hooks.values())):
+        hooks = None
     return ("hooks", ("object", id(hooks)) if hooks else ())
+
+
+def _inert_now(hook) -> bool:
+    """Whether ``hook`` does nothing in this call, so that the traced body may run it for every layer:
+    transformers' output-capturing hooks, which the first call with ``output_hidden_states`` or
+    ``output_attentions`` installs on the layers for good, record only while a call collects outputs."""
+    if getattr(hook, "__module__", None) != "transformers.utils.output_capturing" or not hook.__closure__:
+        return False
+    from transformers.utils import output_capturing
+
+    collecting = output_capturing._active_collector.get()  # (the outputs this call collects, by name)
+    key = dict(zip(hook.__code__.co_freevars, (c.cell_contents for c in hook.__closure__))).get("key")
+    return collecting is None or key is not None and key not in collecting
 
 
 def _attributes(layer: torch.nn.Module, memo: dict) -> dict:
