@@ -2789,9 +2789,8 @@ class JitFunction:
             slots = _collect(leaves, roots, full=True, hypers=self._hypers)
             slots.lifted = slots.lifted + [site for site, _ in numbers]
             if key in self._cache and not entries:
-                self._log("the modules, optimizers or objects it reaches (or the functions it calls) are others than "
-                          "when it was traced, however alike: a program stores its results into the ones it was "
-                          "traced for")
+                self._log("the modules, optimizers, parameters or objects it reaches are others than when it was "
+                          "traced, however alike: a program stores its results into the ones it was traced for")
             elif not entries:
                 self._explain(key, slots)
             elif not all(_shardings_hold(e, storages) for e in entries):
