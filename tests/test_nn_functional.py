@@ -30,6 +30,21 @@ def test_grid_sample_with_a_nan_coordinate(mode):
     torch.testing.assert_close(jgg, gg, equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dims,mode", [(2, 0), (2, 1), (2, 2), (3, 0)])
+def test_half_precision_grid_sampling_in_one_program_rounds_as_torch(dims, mode):
+    # one compiled program: XLA may contract a product and the sum it feeds into one fused multiply-add,
+    # where torch's Half kernel rounds the product; a coordinate off by one rounding picks another pixel
+    torch.manual_seed(0)
+    sample = torch.grid_sampler_2d if dims == 2 else torch.grid_sampler_3d
+    f = t2j.jit(lambda x, g, pad, align: sample(x, g, mode, pad, align))
+    x = torch.randn(2, 3, *((5, 7) if dims == 2 else (4, 5, 6)), dtype=torch.float16)
+    g = (torch.rand(2, *(9,) * dims, dims) * 2.4 - 1.2).half()
+    for pad in range(3):
+        for align in (False, True):
+            expected = sample(x, g, mode, pad, align)
+            assert torch.equal(f(x.to("jax"), g.to("jax"), pad, align).cpu(), expected), (pad, align)
+
+
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
 def test_sdpa_takes_a_mask_and_is_causal_together_as_cpus_flash_kernel(mask_dtype):
     torch.manual_seed(0)

@@ -163,7 +163,7 @@ _BLANKS = [
     (re.compile(r"Tensor\([^()]*\)"), "Tensor(..)"),
     (re.compile(r"\b\d+(\.\d+)?(e[-+]?\d+)?\b"), "N"),
     (re.compile(r"\b(aten|prims)\.[\w.]+"), r"\1.OP"),
-    (re.compile(r"^(\w+: )[\w.]+ (float32|bfloat16|int64|bool|complex64) t2j_jit sample N"), r"\1SAMPLE"),
+    (re.compile(r"^(\w+: )[\w.]+ (\w+) t2j_jit sample N"), r"\1SAMPLE"),
     (re.compile(r"\(at index [^)]*\)"), ""),
     (re.compile(r"torch\.(float|int|bfloat|complex|bool|uint)\w*"), "torch.DTYPE"),
     (re.compile(r"\([N, ]*\)"), "(SHAPE)"),

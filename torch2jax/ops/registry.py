@@ -111,9 +111,10 @@ OP_BY_OP: set = set()
 
 
 def op_by_op(*ops):
-    """Keep ``ops``' lowerings op by op in eager mode: where XLA's fusion of a whole lowering computes
-    float16 steps in float32 that torch's kernel rounds one by one, and the result is a discontinuous
-    function of them (grid sampling picks other pixels)."""
+    """Keep ``ops``' lowerings op by op in eager mode: where XLA's fusion of a whole lowering may round
+    float16 steps otherwise than torch's kernel, which rounds them one by one (a multiply and an add
+    contracted into one fused multiply-add, steps computed in float32), and the result is a
+    discontinuous function of them (grid sampling picks other pixels)."""
     for op in ops:
         OP_BY_OP.update(_overloads(op))
 
