@@ -238,6 +238,9 @@ class _Roots:
             self.add(obj.optimizer, depth + 1)
         elif isinstance(obj, weakref.ref):  # an LR scheduler's wrapper of opt.step holds the optimizer so
             self.add(obj(), depth)
+        elif isinstance(obj, JitFunction):  # (its function, not its cache: the last call's arguments are there)
+            self._seen.add(id(obj))
+            self.add(obj.fn, depth + 1)
         elif isinstance(obj, functools.partial):
             self._seen.add(id(obj))
             self.add(obj.func, depth + 1)  # a Python function, a builtin (F.gelu) or another callable
