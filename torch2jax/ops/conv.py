@@ -698,8 +698,8 @@ def _unfused(p):
     kernels round after every operation: XLA:CPU's LLVM contracts a multiply and an add into one
     fused multiply-add (one rounding), natively in float16 on CPUs with AVX512-FP16. A
     ``reduce_precision`` to the dtype's own precision is an identity XLA keeps between them."""
-    bits = _HALF_MANTISSA.get(np.dtype(p.dtype))
-    if bits is None:
+    bits = _HALF_MANTISSA.get(np.dtype(p.dtype)) if hasattr(p, "dtype") else None
+    if bits is None:  # (a wider dtype, or a Python number: a kernel weight's)
         return p
     return jax.lax.reduce_precision(jnp.asarray(p, jnp.float32), exponent_bits=8, mantissa_bits=bits).astype(p.dtype)
 
