@@ -3787,3 +3787,28 @@ def test_inference_mode_and_no_grad_are_different_programs():
         out = f(x)
     assert not out.is_inference()
     out.add_(1)  # (an inference tensor refuses an in-place update outside inference mode)
+
+
+class _Namespace:
+    scale = 2.0
+
+
+def _jitted_body(x):
+    return x * _Namespace.scale + _Namespace.offset(x)
+
+
+def _offset(x):
+    return x.sum()
+
+
+_Namespace.offset = staticmethod(_offset)
+offset = t2j.jit(_jitted_body)  # (a global named as an attribute its code reads: `_Namespace.offset`)
+
+
+def test_a_jitted_function_its_own_code_reaches_is_followed_into_its_function_not_its_cache():
+    # the root walk reached the JitFunction (the global ``offset``) and, through its cache, the last call's CPU
+    # argument: a new one every call, so every call traced again
+    for _ in range(3):
+        x = torch.randn(3)
+        torch.testing.assert_close(offset(x).cpu(), x * 2 + x.sum())
+    assert offset.stats["traces"] == 1
