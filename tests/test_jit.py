@@ -3707,6 +3707,7 @@ def test_a_step_traced_for_other_objects_of_the_same_structure_is_not_reused(reb
     # stored .grad and Adam's state into the first trial's objects
     x = torch.randn(5, 4)
     step = t2j.jit(_sweep_step)
+    last = {}  # device -> the last trial's model
     for trial, lr in enumerate((0.01, 0.02)):
         runs = {}
         for device in ("cpu", "jax"):
@@ -3714,7 +3715,7 @@ def test_a_step_traced_for_other_objects_of_the_same_structure_is_not_reused(reb
                 torch.manual_seed(0)
                 model = nn.Linear(4, 3).to(device)
             else:  # the weight replaced by a new Parameter and the optimizer pointed at it
-                model = runs_before[device]
+                model = last[device]
                 model.weight = nn.Parameter(model.weight.detach() * 0.5)
             opt = torch.optim.Adam(model.parameters(), lr=lr)
             _SWEEP.update(model=model, opt=opt)
@@ -3725,7 +3726,7 @@ def test_a_step_traced_for_other_objects_of_the_same_structure_is_not_reused(reb
         assert len(jo.state) == len(co.state) == 2
         torch.testing.assert_close(jm.weight.grad.cpu(), cm.weight.grad)
         torch.testing.assert_close(jo.state[jm.weight]["exp_avg"].cpu(), co.state[cm.weight]["exp_avg"])
-        runs_before = {"cpu": cm, "jax": jm}
+        last.update(cpu=cm, jax=jm)
 
 
 _ACT = torch.relu

@@ -21,7 +21,7 @@ from .. import dtypes as _dt
 from ..dispatch import HostFallback, TorchRuntimeError
 from .indexing import raise_as_torch
 from .nn import _vjp, upcast
-from .registry import argmax_index, canonical_dim, op_by_op, register, true_divide
+from .registry import argmax_index, canonical_dim, op_by_op, register, scalar_type_name, true_divide
 
 aten = torch.ops.aten
 prims = torch.ops.prims
