@@ -12,7 +12,6 @@ float32 and a spread of each module's inputs; the slow set takes every input (up
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 
 import pytest

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch2jax  # noqa: F401 - registers the "jax" device
-from programs_util import _batches, _compare, _gen, _grads, _ident, _mlp, _params, _randn, _train_step, _ce, run_program
+from programs_util import _batches, _gen, _grads, _mlp, _params, _randn, _train_step, _ce, run_program
 
 O = torch.optim
 D = torch.distributions
