@@ -174,6 +174,7 @@ class _Roots:
         self.names = set()  # the global and attribute names the functions' code uses
         self.unguarded = frozenset()  # values the function itself changes when traced: not guarded
         self.owners = ()  # the identities of the objects its program is for (`_owners`)
+        self.direct = []  # the values the jitted function's code names: its closure cells, globals, ``self``
         self.own_lists = {}  # lists of plain values (by id) every call changes (`_Entry.own_lists`): items not guarded
         self.held = set()  # ids of the objects modules hold (`_module_extras`): all their plain attributes guarded
         self.lifts: _Hyperparameters | None = None  # which numbers among the values are program inputs
@@ -270,6 +271,8 @@ class _Roots:
                     continue
                 if _watched(value):
                     self.add_value(f"{fn.__qualname__}: {name}", cell, None)
+                if depth == 0:
+                    self.direct.append(value)
                 self.cells.append(cell)
                 self.add(value, depth)
         self.add(fn.__defaults__, depth)
@@ -283,12 +286,11 @@ class _Roots:
                 value = g[name]
                 if _watched(value) and not name.startswith("__"):
                     self.add_value(f"global {name}", g, name)
-                elif isinstance(value, type) and not value.__module__.startswith(("torch", "builtins")):
-                    # a class used as a namespace of settings (``class Cfg: scale = 1.0``): the class
-                    # attributes the code names
-                    for attr in names:
-                        if _watched(vars(value).get(attr)) and not attr.startswith("__"):
-                            self.add_value(f"{value.__qualname__}.{attr}", value, attr)
+                elif isinstance(value, type):  # (a namespace of settings: ``class Cfg: scale = 1.0``)
+                    for entry in _class_values(value, names):
+                        self.add_value(*entry)
+                if depth == 0 and not name.startswith("__"):
+                    self.direct.append(value)
                 self.add(value, depth)
 
     def add_value(self, where, source, name):
@@ -415,7 +417,7 @@ def _module_extras(module) -> tuple:
     public attributes, the other objects they hold as public attributes (an HF model's ``config``, whose
     plain attributes its code reads all over: each is guarded as a module's own), the Python
     values their ``forward`` functions (and the functions those name) read from globals and from their
-    classes (`_globals_read`, `_class_attributes_read`): `_Roots.values` entries, guarded as the
+    classes (`_globals_read`, `_class_values`): `_Roots.values` entries, guarded as the
     jitted function's own), read again only after a module attribute was set or a hook registered
     or removed somewhere (reading every submodule's attributes on each call would cost more than
     the rest of finding the roots)."""
@@ -432,7 +434,10 @@ def _module_extras(module) -> tuple:
         read, seen_fns = {}, set()
         for cls in {type(sub) for sub in subs}:
             _globals_read(cls.forward, read, seen_fns)
-            _class_attributes_read(cls, read)
+            # (its forward, and the class attributes it names: ``shift = 0.0`` in the class body)
+            code = getattr(cls.forward, "__code__", None)
+            names = ("forward", *(_global_names(code) if code is not None else ()))
+            read.update({(id(base), name): (where, base, name) for where, base, name in _class_values(cls, names)})
         seen = _EXTRAS_SEEN[module] = (now, (extras, held, list(read.values())))
     return seen[1]
 
@@ -456,17 +461,15 @@ def _globals_read(fn, read: dict, seen: set, depth: int = 0):
             _globals_read(value, read, seen, depth + 1)
 
 
-def _class_attributes_read(cls, read: dict):
-    """Add to ``read`` the `_Roots.values` entries of module class ``cls``'s own ``forward`` and of the
-    class attributes its forward names (``scale = 1.0`` in the class body, read as ``self.scale``), where
-    a class of torch's own does not define them: another value set on the class is another program."""
-    names = _global_names(cls.forward.__code__) if hasattr(cls.forward, "__code__") else ()
+def _class_values(cls, names):
+    """The `_Roots.values` entries of the attributes ``names`` that ``cls`` and its bases define, up to
+    torch's or Python's own classes (a value set on the class later is another program)."""
     for base in cls.__mro__:
-        if base.__module__.startswith("torch") or base is object:
-            break
-        for name in ("forward", *names):
-            if name in vars(base) and not name.startswith("__") and _watched(vars(base)[name]):
-                read.setdefault((id(base), name), (f"{base.__qualname__}.{name}", base, name))
+        if base.__module__.startswith(("torch", "builtins")):
+            return
+        for name in names:
+            if not name.startswith("__") and name in vars(base) and _watched(vars(base)[name]):
+                yield f"{base.__qualname__}.{name}", base, name
 
 
 def _on_jax(module) -> bool:
@@ -792,9 +795,11 @@ def _find_roots(fn, args, kwargs) -> _Roots:
     elif isinstance(fn, types.MethodType):
         roots.add_function(fn.__func__)
         roots.add(fn.__self__)
+        roots.direct.append(fn.__self__)
     else:
         roots.add(fn)
-    roots.owners = _owners(fn, roots)
+        roots.direct.append(fn)
+    roots.owners = _owners(roots)
     for leaf in torch_pytree.tree_leaves((args, kwargs)):
         # (an object among the arguments holds state as a closed-over one does: ``f(x, cache)``)
         if not isinstance(leaf, torch.Tensor) and (isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer))
@@ -803,25 +808,15 @@ def _find_roots(fn, args, kwargs) -> _Roots:
     return roots
 
 
-def _owners(fn, roots) -> tuple:
+def _owners(roots) -> tuple:
     """The identities of the objects a program is traced for: the modules and optimizers ``fn``
-    reaches, and the plain objects its code names (its globals, closure cells, ``self``). A program
+    reaches, and the plain objects its code names (`_Roots.direct`). A program
     stores its results into the objects it was traced with (a ``.grad``, an optimizer's state, a KV
     cache's tensors), so a model, optimizer or cache made anew, however alike, is another program
     (`JitFunction._lookup`). Numbers, flags and functions are guarded as values (`_watched`),
     tensors are the program's inputs, and lists and dicts (a ``batch`` dict made for every call)
     are guarded by their items."""
-    direct = []
-    func = getattr(fn, "__func__", fn)
-    if isinstance(fn, types.MethodType):
-        direct.append(fn.__self__)
-    elif not isinstance(fn, types.FunctionType):
-        direct.append(fn)
-    if isinstance(func, types.FunctionType):
-        direct += [_cell_value(cell) for cell in func.__closure__ or ()]
-        g = func.__globals__
-        direct += [g[name] for name in _global_names(func.__code__) if name in g and not name.startswith("__")]
-    held = [id(v) for v in direct if hasattr(v, "__dict__") and not isinstance(
+    held = [id(v) for v in roots.direct if hasattr(v, "__dict__") and not isinstance(
         v, (type, types.ModuleType, torch.Tensor, Mapping, collections.abc.Sequence, *_CALLABLES))]
     return (*map(id, roots.modules), *map(id, roots.optimizers), *held)
 
@@ -1392,9 +1387,6 @@ _ATTRIBUTE_WRITES = [0]
 _SIMPLE = (bool, int, float, str, type(None), enum.Enum)
 
 
-_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial, types.BuiltinFunctionType)
-
-
 def _attributes(subs, lifts: _Hyperparameters | None = None, k=None, lift=None) -> tuple:
     """The plain Python attributes (numbers, strings, flags, tuples of them) of modules
     ``subs``, which a forward reads as constants (``self.k`` in ``topk(x, self.k)``): each
@@ -1407,7 +1399,7 @@ def _attributes(subs, lifts: _Hyperparameters | None = None, k=None, lift=None) 
     for si, sub in enumerate(subs):
         values = []
         for name, v in sub.__dict__.items():
-            if name[0] == "_" or name == "training" or not (isinstance(v, (*_SIMPLE, *_FUNCTIONS)) or (
+            if name[0] == "_" or name == "training" or not (isinstance(v, (*_SIMPLE, *_CALLABLES)) or (
                     type(v) is tuple and all(isinstance(x, _SIMPLE) for x in v))):
                 continue
             where = ("module attribute", k, si, name)
@@ -1415,7 +1407,7 @@ def _attributes(subs, lifts: _Hyperparameters | None = None, k=None, lift=None) 
                 values.append((name, _LiftedNumber(type(v))))
                 lift(_ValueSite(sub, name, f"{type(sub).__name__}.{name}"), where)
             else:
-                values.append((name, v if isinstance(v, _FUNCTIONS) else _python_value(v)))
+                values.append((name, v if isinstance(v, _CALLABLES) else _python_value(v)))
         out.append(tuple(values))
     return tuple(out)
 

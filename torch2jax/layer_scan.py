@@ -26,8 +26,9 @@ have equal signatures:
   written back after the scan (`_CacheScan`).
 - A layer with a hook of its own runs as it is (torch runs the hook once per
   layer), but for a hook that does nothing in this call (`_inert_now`:
-  transformers' output-capturing hooks while the call collects no outputs); a body that stores a value in its layer (``self.aux_loss = ...``) makes
-  the layers run one by one (`_LayerStores`).
+  transformers' output-capturing hooks while the call collects no outputs); a
+  body that stores a value in its layer (``self.aux_loss = ...``) makes the
+  layers run one by one (`_LayerStores`).
 
 `use_scan_layers` also checks the *arguments*: the model's own loop
 (``for i, layer in enumerate(self.layers): h = layer(h, mask=masks[types[i]])``)

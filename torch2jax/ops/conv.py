@@ -693,25 +693,26 @@ def _interp_axis(x, ax, out, scale, align_corners, dtype):
 _HALF_MANTISSA = {np.dtype(jnp.float16): 10, np.dtype(jnp.bfloat16): 7}
 
 
-def _unfused(p):
-    """The product ``p`` of half-precision values, rounded before the sum it feeds, as torch's Half
+def _mul(x, y):
+    """``x * y``, rounded before a sum it feeds where it is a half-precision array, as torch's Half
     kernels round after every operation: XLA:CPU's LLVM contracts a multiply and an add into one
     fused multiply-add (one rounding), natively in float16 on CPUs with AVX512-FP16. A
     ``reduce_precision`` to the dtype's own precision is an identity XLA keeps between them."""
+    p = x * y
     bits = _HALF_MANTISSA.get(np.dtype(p.dtype)) if hasattr(p, "dtype") else None
-    if bits is None:  # (a wider dtype, or a Python number: a kernel weight's)
+    if bits is None:  # (a wider dtype, or Python numbers: a kernel weight's)
         return p
     return jax.lax.reduce_precision(jnp.asarray(p, jnp.float32), exponent_bits=8, mantissa_bits=bits).astype(p.dtype)
 
 
 def _cubic_near(d, a):
     """Keys' cubic convolution kernel for |d| < 1 (``a``: -0.75 as torch's bicubic, -0.5 antialiased)."""
-    return _unfused(_unfused(_unfused((a + 2) * d) - (a + 3)) * d * d) + 1
+    return _mul(_mul(_mul(a + 2, d) - (a + 3), d), d) + 1
 
 
 def _cubic_far(d, a):
     """The kernel for 1 <= |d| < 2."""
-    return _unfused(_unfused(_unfused(_unfused(_unfused(a * d) - 5 * a) * d) + _unfused(8 * a)) * d) - 4 * a
+    return _mul(_mul(_mul(a, d) - _mul(5, a), d) + _mul(8, a), d) - _mul(4, a)
 
 
 def _cubic_weights(t, a=-0.75):
@@ -836,7 +837,7 @@ _register_aa("_upsample_bicubic2d_aa", 4, _keys_cubic)
 # float16 / bfloat16 take its scalar fallback, which does every step of the
 # arithmetic in the half dtype (c10::Half rounds after each operation). The steps
 # below are done in the input's dtype in that same order, each product rounded
-# before the sum it feeds (`_unfused`), so both paths match.
+# before the sum it feeds (`_mul`), so both paths match.
 
 
 def _grid_clip(c, size):
@@ -869,8 +870,8 @@ def _grid_pad(c, size, padding_mode, align_corners):
 
 def _grid_unnormalize(c, size, align_corners):
     if align_corners:
-        return _unfused(((c + 1) / 2) * (size - 1))
-    return (_unfused((c + 1) * size) - 1) / 2
+        return _mul((c + 1) / 2, size - 1)
+    return (_mul(c + 1, size) - 1) / 2
 
 
 def _grid_gather(x, *coords):
@@ -918,7 +919,7 @@ def _grid_linear(x, coords):
         # a corner out of bounds reads 0 (times a NaN coordinate's weight: NaN, as torch's kernel) and
         # gets no gradient
         v, _ = _grid_gather(x, *corner)
-        out = out + _unfused(v * weight[:, None])
+        out = out + _mul(v, weight[:, None])
     return out
 
 
@@ -929,7 +930,7 @@ def _cubic_coeffs(t):
 
 def _cubic_interp(v, t):
     c = _cubic_coeffs(t)
-    return _unfused(v[0] * c[0]) + _unfused(v[1] * c[1]) + _unfused(v[2] * c[2]) + _unfused(v[3] * c[3])
+    return _mul(v[0], c[0]) + _mul(v[1], c[1]) + _mul(v[2], c[2]) + _mul(v[3], c[3])
 
 
 def _check_grid_sampler(x, grid, dims):
