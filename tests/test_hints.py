@@ -3,6 +3,11 @@ guarded by host values of the state, against torch on the CPU."""
 
 from __future__ import annotations
 
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -109,11 +114,57 @@ def test_a_branch_on_a_parameter_still_stops_the_trace():
         t2j.jit(f, fullgraph=True)(torch.ones(1, 2, device="jax"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batch_norm_cumulative_average_compiles_once(dtype):
+    # momentum=None averages with 1 / float(num_batches_tracked): a traced float, one program for every count
+    def run(device):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=None), nn.Linear(4, 1)).to(device, dtype)
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+
+        def step(x):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        run = t2j.jit(step, fullgraph=True) if device == "jax" else step
+        xs = [torch.randn(8, 3, generator=torch.Generator().manual_seed(i), dtype=dtype) for i in range(5)]
+        losses = [run(x.to(device)).cpu() for x in xs]
+        return losses, [t.detach().cpu() for t in model.state_dict().values()], getattr(run, "stats", None)
+
+    (want, want_state, _), (got, got_state, stats) = run("cpu"), run("jax")
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_state, want_state)
+    # (the first call creates the .grad the second finds)
+    assert stats["traces"] == 2 and stats["eager_calls"] == 0 and stats["hits"] == 3
+
+
+def test_batch_norm_cumulative_average_under_jax_jit():
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3, momentum=None)
+    fn, state = t2j.functionalize(copy.deepcopy(bn).to("jax"))
+    apply = jax.jit(fn.apply)
+    for i in range(3):
+        x = torch.randn(8, 3)
+        want = bn(x)
+        got, state = apply(state, jnp.asarray(x.numpy()))
+        torch.testing.assert_close(torch.from_numpy(np.asarray(got)), want.detach())
+    for name, value in bn.named_buffers():
+        torch.testing.assert_close(torch.from_numpy(np.asarray(state["buffers"][name])), value)
+
+
 def test_float_of_a_counter_stops_the_trace():
     # each value would be a program of its own: the exact value is not taken from the host
-    bn = nn.BatchNorm1d(3, momentum=None).to("jax")
-    with pytest.raises(t2j.OpError, match="int\\(\\) of a traced value computed from a one-element integer tensor"):
-        t2j.jit(bn, fullgraph=True)(torch.randn(4, 3, device="jax"))
+    count = torch.zeros((), dtype=torch.long, device="jax")
+
+    def f(x):
+        count.add_(1)
+        return x / float(count)
+
+    with pytest.raises(t2j.OpError, match="of a traced value computed from a one-element integer tensor"):
+        t2j.jit(f, fullgraph=True)(torch.randn(4, 3, device="jax"))
 
 
 class _ActNorm(nn.Module):

@@ -676,6 +676,37 @@ def _traced_factory(fn, method=False):
     return factory
 
 
+def _traced_float(x=0.0):
+    """Python's ``float`` for `torch.nn.modules.batchnorm`, whose ``momentum=None`` (a cumulative
+    average) takes ``1.0 / float(self.num_batches_tracked)`` of a counter the program carries: of a
+    traced one-element tensor or number it is a traced float (`_traced_batch_norm` takes it as the
+    momentum), so that every call runs one program instead of one per count. Only that module's
+    name is replaced: library code compares types with ``is float``."""
+    value = x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x
+    return torch.sym_float(value) if is_traced_number(value) else builtins.float(value)
+
+
+def _traced_batch_norm(fn):
+    """``F.batch_norm`` (``fn``) that takes a traced float ``momentum`` (`_traced_float`), where torch
+    takes a Python number only: the batch's statistics come from ``fn`` with momentum 1 into fresh
+    buffers, and the running statistics are averaged with the traced momentum as torch's kernel
+    averages them, ``(1 - momentum) * running + momentum * batch``."""
+
+    @functools.wraps(fn)
+    def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+                   eps=1e-5):
+        if not (is_traced_number(momentum) and training and running_mean is not None and running_var is not None):
+            return fn(input, running_mean, running_var, weight, bias, training, momentum, eps)
+        batch_mean, batch_var = torch.zeros_like(running_mean), torch.zeros_like(running_var)
+        out = fn(input, batch_mean, batch_var, weight, bias, True, 1.0, eps)
+        with torch.no_grad():
+            running_mean.copy_((1 - momentum) * running_mean + momentum * batch_mean)
+            running_var.copy_((1 - momentum) * running_var + momentum * batch_var)
+        return out
+
+    return batch_norm
+
+
 # the math functions `traced_builtins` keeps traced (jax.numpy's of the same name)
 _MATH = ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "log2", "log10", "log1p", "expm1", "atan", "asin",
          "acos", "sinh", "cosh")
@@ -730,6 +761,8 @@ def _trace_replacements():
     out.append((math, "pow", _traced_pow(math.pow)))
     out += [(torch, "tensor", _traced_factory(torch.tensor)), (torch, "as_tensor", _traced_factory(torch.as_tensor)),
             (torch.Tensor, "new_tensor", _traced_factory(torch.Tensor.new_tensor, method=True))]
+    out += [(torch.nn.modules.batchnorm, "float", _traced_float),
+            (torch.nn.functional, "batch_norm", _traced_batch_norm(torch.nn.functional.batch_norm))]
     out += [(sym, "__torch_function__", classmethod(_number_torch_function)) for sym in _SYM_TYPES.values()]
     return out
 
