@@ -6,12 +6,14 @@ import collections
 import contextlib
 import copy
 import functools
+import gc
 import importlib
 import itertools
 import math
 import types
 import sys
 import warnings
+import weakref
 
 import jax
 import pytest
@@ -3727,6 +3729,39 @@ def test_a_step_traced_for_other_objects_of_the_same_structure_is_not_reused(reb
         torch.testing.assert_close(jm.weight.grad.cpu(), cm.weight.grad)
         torch.testing.assert_close(jo.state[jm.weight]["exp_avg"].cpu(), co.state[cm.weight]["exp_avg"])
         last.update(cpu=cm, jax=jm)
+
+
+def test_a_sweep_keeps_the_programs_of_its_last_trials_only():
+    # each program holds the parameters and optimizer state it stores into: a long sweep kept them all
+    step = t2j.jit(_sweep_step)
+    trials, params = [], []
+    for trial in range(7):
+        torch.manual_seed(trial)
+        model = nn.Linear(4, 3).to("jax")
+        _SWEEP.update(model=model, opt=torch.optim.Adam(model.parameters(), lr=0.01))
+        for _ in range(2):
+            step(torch.randn(5, 4, device="jax"))
+        trials.append((model, _SWEEP["opt"]))
+        params.append(weakref.ref(model.weight))
+    # an early trial's objects again (their programs dropped): traced again, and right
+    torch.manual_seed(1)
+    x = torch.randn(5, 4)
+    model, opt = trials[1]
+    ref = copy.deepcopy(model).cpu()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    ref_opt.load_state_dict(opt.state_dict())
+    _SWEEP.update(model=ref, opt=ref_opt)
+    want = _sweep_step(x)
+    _SWEEP.update(model=model, opt=opt)
+    traces = step.stats["traces"]
+    torch.testing.assert_close(step(x.to("jax")).cpu(), want)
+    torch.testing.assert_close(model.weight.cpu(), ref.weight)
+    assert step.stats["traces"] == traces + 1
+    del trials, model, opt, ref_opt
+    _SWEEP.clear()
+    gc.collect()
+    # (the first trials' are gone, the last ones' kept)
+    assert params[0]() is None and params[2]() is None and params[6]() is not None
 
 
 _ACT = torch.relu

@@ -2506,6 +2506,7 @@ class _Entry:
     # (slot index, id) per leaf tensor of the state that requires grad (a parameter): its ``.grad`` and optimizer
     # state are stored into that very tensor (`_owned`)
     owned: tuple = ()
+    used: int = 0  # when a call last ran it (`_USES`): the least recently used objects' programs go first
 
     def owned_by(self, roots, slots) -> bool:
         """Whether this program was traced for the objects of this call (`_owners`, `_owned`)."""
@@ -2529,6 +2530,10 @@ def _leaked(fn) -> JitError:
         "read it after the call: `loss = step(...); total += loss.item()`"
     )
 
+
+# Sets of objects (`_Entry.owners`) a function keeps programs for, per signature (`JitFunction._evicted`)
+_OWNERS_KEPT = 4
+_USES = itertools.count(1)
 
 # Traces caused by new values of the Python numbers a function reads before t2j.jit warns of them
 _VALUE_RETRACES_BEFORE_WARNING = 8
@@ -2769,6 +2774,7 @@ class JitFunction:
             entries = [e for e in self._cache.get(key, ()) if e.owned_by(roots, slots)]
             entry = _guarded(entries, slots, storages)
             if entry is not None:
+                entry.used = next(_USES)
                 self.stats["hits"] += 1
                 _debug.count("cache_hits")
                 return entry, leaves, slots, storages
@@ -2885,10 +2891,25 @@ class JitFunction:
                 key = _unguarding(key, changed)
             if not self._cache:
                 self._first_entry(entry)
-            self._cache.setdefault(key, []).append(entry)
+            entry.used = next(_USES)
+            self._cache[key] = self._evicted(self._cache.get(key, [])) + [entry]
             self._breaks = 0
             return entry, leaves, slots, storages
         raise JitError("t2j.jit: the function keeps reading new tensors it does not receive; pass them as arguments")
+
+    def _evicted(self, entries):
+        """``entries`` of one cache key, less those of the least recently used objects where they were traced
+        for more than `_OWNERS_KEPT` - 1 others: a program holds the parameters and optimizer state it
+        stores into, so a sweep making a new model and optimizer for every trial would keep every trial's."""
+        groups = {}
+        for e in entries:
+            groups.setdefault((e.owners, e.owned), []).append(e)
+        if len(groups) < _OWNERS_KEPT:
+            return entries
+        oldest = min(groups, key=lambda g: max(e.used for e in groups[g]))
+        log.info(f"t2j.jit: {getattr(self.fn, '__qualname__', self.fn)}: dropped the programs of the objects it was "
+                 f"least recently called for (it keeps those of {_OWNERS_KEPT} sets of objects per signature)")
+        return [e for e in entries if (e.owners, e.owned) != oldest]
 
     def _carries_grads(self, roots) -> bool:
         """Whether a call's state holds the ``.grad`` of its parameters and arguments: where a trace read or
