@@ -357,6 +357,11 @@ _SCALAR_CASES = [
     _overflow("complex into float", lambda d: torch.zeros(2, device=d).__setitem__(0, 1 + 2j), "float"),
     _overflow("float32 range", lambda d: torch.zeros(2, device=d).fill_(1e300), "float"),
     _overflow("half range", lambda d: torch.zeros(2, dtype=torch.float16, device=d).fill_(1e5), "c10::Half"),
+    _case("slice_scatter src size", lambda d: torch.zeros(3, 4, device=d).slice_scatter(torch.arange(4.0, device=d)),
+          RuntimeError, "expected src to have a size equal to the slice of self. src size = [4], slice size = [3, 4]"),
+    _case("index_fill value tensor of one dimension",
+          lambda d: torch.zeros(3, 4, device=d).index_fill(0, _t([0, 2], d), torch.ones(1, device=d)),
+          RuntimeError, "index_fill_ only supports a 0-dimensional value tensor, but got tensor with 1 dimension(s)."),
     _case("index_put dtypes", lambda d: torch.zeros(3, device=d).index_put_((_t([0], d),), _t(1, d)), RuntimeError,
           "Index put requires the source and destination dtypes match, got Float for the destination and Long for "
           "the source."),
@@ -533,6 +538,15 @@ def test_mask_assignment_of_one_host_value_of_another_dtype(value_device):
         return
     x[x > 2] = value
     torch.testing.assert_close(x.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float_numbers_out_of_a_half_dtypes_range_are_infinite_where_torch_takes_them(device):
+    # torch.where wraps its number in a scalar_tensor, which converts to float16 / bfloat16 unchecked
+    v = torch.arange(4.0, device=device)
+    assert torch.where(v > 1, v.half(), 1e5).tolist() == [float("inf")] * 2 + [2.0, 3.0]
+    assert torch.where(v > 1, -1e40, v.bfloat16()).tolist() == [0.0, 1.0] + [float("-inf")] * 2
+    assert torch.scalar_tensor(1e5, dtype=torch.float16, device=device).item() == float("inf")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -431,3 +431,17 @@ def test_scatter_reduce_takes_max_and_min_for_amax_and_amin(reduce, include_self
     expected = x.scatter_reduce(0, index, src, reduce, include_self=include_self)
     got = x.to("jax").scatter_reduce(0, index.to("jax"), src.to("jax"), reduce, include_self=include_self)
     torch.testing.assert_close(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.7, 1.0])
+def test_logit_clamps_in_torchs_order(eps):
+    # with eps > 0.5 the bounds cross: torch takes eps for x < eps, else 1 - eps for x > 1 - eps
+    x = torch.tensor([0.05, 0.2, 0.5, 0.9, float("nan")])
+    torch.testing.assert_close(torch.logit(x.to("jax"), eps).cpu(), torch.logit(x, eps), equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.float16])
+def test_copy_of_a_python_number(dtype):
+    want = torch.zeros(3, dtype=dtype).copy_(2.7)
+    got = torch.zeros(3, dtype=dtype, device="jax").copy_(2.7)
+    assert got.dtype == want.dtype and got.tolist() == want.tolist()

@@ -86,7 +86,10 @@ def new_full(x, size, fill_value, *, dtype=None, layout=None, device=None, pin_m
 @register(aten.scalar_tensor)
 def scalar_tensor(value, *, dtype=None, layout=None, device=None, pin_memory=None):
     dt = jax_dtype(dtype)
-    return jnp.asarray(as_dtype(checked_scalar(value, dt), dt))
+    # (torch's CPU kernel converts a number to float16 / bfloat16 unchecked: out of range is inf there)
+    if np.dtype(dt) not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+        value = checked_scalar(value, dt)
+    return jnp.asarray(as_dtype(value, dt))
 
 
 # The *_like factories place their result as ``x`` is (`placed_as`): the Adam state of a sharded
@@ -321,6 +324,8 @@ def lift_fresh_copy(x):
 
 @register(aten.copy)
 def copy(x, src, non_blocking=False):
+    if not hasattr(src, "dtype"):  # a Python number (``x.copy_(2.5)``)
+        src = jnp.asarray(src)
     out = jnp.broadcast_to(cast(src, x.dtype), x.shape)
     # An eager copy_ of the same dtype and shape would hand the destination the source's own
     # jax.Array; t2j.jit donates the buffers of the state it overwrites, so the copy (an

@@ -137,8 +137,8 @@ def sigmoid(x):
 
 @elementwise(aten.logit, promote_kind="int_to_float")
 def logit(x, eps=None):
-    if eps is not None:
-        x = jnp.clip(x, eps, 1 - eps)
+    if eps is not None:  # torch's order of the bounds, which matters where eps > 0.5
+        x = jnp.where(x < eps, eps, jnp.where(x > 1 - eps, 1 - eps, x)).astype(x.dtype)
     return jnp.log(x / (1 - x))
 
 
@@ -697,7 +697,9 @@ def where(condition, x, y):
     if condition.dtype != np.bool_:  # torch rejects other dtypes (uint8 with a warning only)
         raise_as_torch(torch.where, stand_in(condition.dtype), 0, 0)
     dtype = _dt.result_type(x, y)
-    return jnp.where(condition, as_dtype(checked_scalar(x, dtype), dtype), as_dtype(checked_scalar(y, dtype), dtype))
+    # (torch's kernel checks that a Python number fits an integral result; a float one overflows to inf)
+    check = checked_scalar if _dt.is_integral(dtype) else lambda v, _: v
+    return jnp.where(condition, as_dtype(check(x, dtype), dtype), as_dtype(check(y, dtype), dtype))
 
 
 # -- floating-point classification ---------------------------------------------

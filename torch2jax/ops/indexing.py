@@ -531,6 +531,9 @@ def index_copy(x, dim, index, source):
 def index_fill(x, dim, index, value):
     if isinstance(value, complex) and not _dt.is_complex(x.dtype):
         raise TorchRuntimeError("index_fill_(): Converting complex Scalar to non-complex type is not supported")
+    if getattr(value, "ndim", 0):
+        raise TorchRuntimeError("index_fill_ only supports a 0-dimensional value tensor, but got tensor with "
+                                f"{value.ndim} dimension(s).")
     x1, idx, _ = _dim_index(x, dim, index, _out_of_bounds, negative=True)
     return x1.at[idx].set(_value(value, x.dtype)).reshape(x.shape)
 

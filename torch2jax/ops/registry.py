@@ -274,7 +274,8 @@ def as_dtype(a, dtype):
         a = int(a)
     if _dt.is_integral(dtype) and isinstance(a, int):
         return np.array(a & 0xFFFFFFFFFFFFFFFF, np.uint64).astype(dtype) if a < 0 or a > 2**63 - 1 else np.array(a, np.int64).astype(dtype)
-    return np.array(a, dtype=dtype)
+    with np.errstate(over="ignore"):  # (a float beyond the dtype's range is inf, as in torch's casts)
+        return np.array(a, dtype=dtype)
 
 
 _C_TYPE_NAMES = {

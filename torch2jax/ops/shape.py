@@ -17,7 +17,7 @@ import torch
 
 from .. import dtypes as _dt
 from ..tensor import Tensor
-from ..dispatch import INTERNAL_OVERLAP_MESSAGE, _storage_numel
+from ..dispatch import INTERNAL_OVERLAP_MESSAGE, TorchRuntimeError, _storage_numel
 from .random import _C_TYPE_NAMES
 from .registry import canonical_dim, canonical_dims, decomposition, register, view
 
@@ -210,7 +210,14 @@ def _slice_index(ndim, dim, start, end, step):
 def slice_scatter(base, value, dim=0, start=None, end=None, step=1):
     d = canonical_dim(dim, base.ndim)
     s, e, st = _slice_bounds(base.shape[d], start, end, step)
-    return base.at[_slice_index(base.ndim, d, s, e, st)].set(value.astype(base.dtype))
+    where = _slice_index(base.ndim, d, s, e, st)
+    sliced = list(base.shape)
+    concrete = all(isinstance(n, int) for n in (*sliced, *value.shape, s, e))  # (not with symbolic sizes)
+    sliced[d] = len(range(s, e, st)) if concrete else sliced[d]
+    if concrete and list(value.shape) != sliced:
+        raise TorchRuntimeError(f"expected src to have a size equal to the slice of self. src size = "
+                                f"{list(value.shape)}, slice size = {sliced}")
+    return base.at[where].set(value.astype(base.dtype))
 
 
 @view(aten.slice.Tensor, inverse=slice_scatter)
