@@ -389,6 +389,53 @@ def test_lists_of_numbers_the_function_changes_change_on_every_call():
     assert jitted.stats["traces"] == traces  # (one program per window length, numbers it moves as inputs)
 
 
+class _ReplayMemory:
+    def __init__(self, container):
+        self.memory = container
+
+    def push(self, item):
+        self.memory.append(item)
+
+    def __len__(self):
+        return len(self.memory)
+
+
+@pytest.mark.parametrize("container", ["deque", "dict", "list"])
+def test_a_step_that_returns_early_while_its_memory_is_short(container):
+    # DQN's `if len(memory) < BATCH_SIZE: return`: the first (short) call's program must not be reused
+    def run(device, jit):
+        torch.manual_seed(0)
+        net = nn.Linear(2, 1).to(device)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        memory = _ReplayMemory({"deque": collections.deque(maxlen=4), "dict": {}, "list": []}[container])
+        x = torch.ones(1, 2, device=device)
+
+        def optimize():
+            if len(memory) < 3:
+                return None
+            opt.zero_grad()
+            loss = net(x).pow(2).sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        f = t2j.jit(optimize) if jit else optimize
+        out = []
+        for i in range(6):
+            if container == "dict":
+                memory.memory[i] = i
+            else:
+                memory.push(i)
+            loss = f()
+            out.append(None if loss is None else loss.item())
+        return out, getattr(f, "stats", None)
+
+    (want, _), (got, stats) = run("cpu", False), run("jax", True)
+    assert got == pytest.approx(want, rel=1e-5)
+    # a program per length read: 1, 2, 3 (the first step), 4; the deque keeps 4 items from then on
+    assert stats["traces"] == (4 if container == "deque" else 6)
+
+
 def test_item_inside_becomes_traced_scalar():
     f = t2j.jit(lambda x, s: x * s.item())
     assert f(torch.ones(2, device="jax"), torch.tensor(3.0, device="jax")).tolist() == [3.0, 3.0]

@@ -3331,8 +3331,7 @@ class JitFunction:
             info["arg_changes"] = tuple((path, layout, tuple(map(made.stored, new))) for path, layout, new in arg_changes)
             # a list whose length the function read (``if len(hist) > k``) or whose items it moved: each
             # length has a program of its own
-            info["lengths"] = [container for _, container, _, _ in saved_slots[2].places
-                               if isinstance(container, list) and id(container) in len_reads]
+            info["lengths"] = saved_slots[2].sized(len_reads)
             info["lengths"] += [container for container, (how, _) in rewritten if how == "rewrite"]
             info["own_lists"] = [container for container, _ in rewritten]
             leaf_grads = tuple((k, made.stored(g)) for k, g in made.grads_of_made_leaves)
@@ -4310,6 +4309,13 @@ class _Places:
                         self.places.append(("item", v, dict(enumerate(v)), False))
         self.places += [("cell", cell, {None: _cell_value(cell)}, True) for cell in roots.cells]
         self.places += [("item", g, {n: g.get(n, _MISSING) for n in names}, True) for g, names in roots.globals]
+
+    def sized(self, read) -> list:
+        """The containers among ``read`` (id -> container whose ``len`` the trace read) that these places
+        are or hold: lists, a replay memory's deque (``if len(self.memory) < batch_size: return``)."""
+        held = {id(c): c for _, c, _, _ in self.places}
+        held.update((id(v), v) for _, _, before, _ in self.places for v in before.values())
+        return [c for i, c in read.items() if i in held and held[i] is c]
 
     def _now(self, kind, container, before):
         if kind == "cell":

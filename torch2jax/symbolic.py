@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import functools
 import logging
@@ -745,9 +746,13 @@ LEN_READS: dict | None = None
 _len = builtins.len
 
 
+# the containers whose lengths `_recording_len` notes (a replay memory's deque, a window's list)
+_SIZED = (list, collections.deque, dict, set)
+
+
 def _recording_len(obj, /):
-    """``len``, noting the lists it is asked about (`LEN_READS`)."""
-    if type(obj) is list and LEN_READS is not None:
+    """``len``, noting the lists, deques, dicts and sets it is asked about (`LEN_READS`)."""
+    if type(obj) in _SIZED and LEN_READS is not None:
         LEN_READS[id(obj)] = obj
     return _len(obj)
 
