@@ -3334,6 +3334,37 @@ def test_default_dtype_is_part_of_the_cache_key():
     assert any("default dtype" in m for m in t2j.explain_recompiles())
 
 
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop])
+def test_optimizer_step_counters_are_float64_under_a_float64_default(opt_cls):
+    # (t2j.jit steps Adam on torch's fused path, whose counters torch makes float32)
+    def run(device, jit):
+        torch.manual_seed(0)
+        m = nn.Linear(3, 2).to(device)
+        opt = opt_cls(m.parameters(), lr=1e-2)
+        x = torch.randn(4, 3).to(device)
+
+        def step(x):
+            opt.zero_grad()
+            loss = m(x).pow(2).sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        f = t2j.jit(step) if jit else step
+        losses = [f(x).item() for _ in range(3)]
+        return losses, {k: v.dtype for k, v in opt.state[m.weight].items()}, getattr(f, "stats", None)
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        (want, want_dtypes, _), (got, got_dtypes, stats) = run("cpu", False), run("jax", True)
+    finally:
+        torch.set_default_dtype(before)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got_dtypes == want_dtypes and want_dtypes["step"] == torch.float64
+    assert stats["traces"] == 2
+
+
 @pytest.mark.parametrize("op", [torch.exp, torch.sigmoid, torch.tanh])
 def test_returning_an_output_its_op_saved_after_a_backward_inside(op):
     # (exp, sigmoid and tanh save their own output: reading a freed node's saved result raised, and the

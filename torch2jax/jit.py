@@ -867,13 +867,19 @@ def _capturable(optimizers, lifted=()):
         g["capturable"] = True
     for g, key, value, _ in switched:
         g[key] = value
+    _FUSED_FOR_THE_TRACE.update(id(g) for g, key, value, _ in switched if key == "fused" and value)
     try:
         yield
     finally:
+        _FUSED_FOR_THE_TRACE.clear()
         for g in flipped:
             g["capturable"] = False
         for g, key, _, was in switched:
             g[key] = was
+
+
+# the param groups `_capturable` put on the fused path for a trace (whose counters torch makes float32)
+_FUSED_FOR_THE_TRACE: set = set()
 
 
 def _step_counter_to_host(process):
@@ -935,6 +941,14 @@ def _wide_step_counters(optimizers):
     back as float32 (as ``state_dict()`` shows them, and as torch rounds them between steps)."""
     if torch.get_default_dtype() == torch.float64:  # torch's scalars are float64 already
         yield
+        # but for the groups the trace put on the fused path: their first step made float32 counters
+        for opt in optimizers:
+            for g in opt.param_groups:
+                if id(g) in _FUSED_FOR_THE_TRACE:
+                    for st in (opt.state[p] for p in g["params"] if p in opt.state):
+                        for k, v in list(st.items()):
+                            if isinstance(v, Tensor) and v.dtype == torch.float32 and not v.dim():
+                                st[k] = v.to(torch.float64)
         return
     groups = {id(p): g for opt in optimizers for g in opt.param_groups for p in g["params"]}
     swapped, wide = [], set()
