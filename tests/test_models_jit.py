@@ -165,6 +165,33 @@ def test_plain_torch_models_jitted_training_matches_torch(name):
         torch.testing.assert_close(b.cpu(), r, atol=1e-5, rtol=1e-4, msg=n)
 
 
+def test_transformer_with_a_causal_mask_argument_compiles_whole():
+    # torch asks whether a given mask is causal (bool of a comparison): traced, the mask applies as given
+    torch.manual_seed(0)
+    ref = torch.nn.Transformer(16, 2, 1, 1, 32, dropout=0.0)
+    model = copy.deepcopy(ref).to("jax")
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def make_step(m, o):
+        def step(src, tgt, mask):
+            o.zero_grad()
+            loss = m(src, tgt, src_mask=mask, tgt_mask=mask, tgt_is_causal=None).pow(2).mean()
+            loss.backward()
+            o.step()
+            return loss
+
+        return step
+
+    step, ref_step = t2j.jit(make_step(model, opt), fullgraph=True), make_step(ref, ref_opt)
+    g = torch.Generator().manual_seed(0)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    for _ in range(3):
+        src, tgt = torch.randn(5, 2, 16, generator=g), torch.randn(5, 2, 16, generator=g)
+        torch.testing.assert_close(step(src.to("jax"), tgt.to("jax"), mask.to("jax")).cpu(),
+                                   ref_step(src, tgt, mask).detach(), atol=2e-5, rtol=2e-5)
+    assert step.stats["eager_calls"] == 0
+
+
 def _encoder_or_multimodal(name, g):
     """(model, inputs, loss of outputs) for models without a built-in LM loss."""
     torch.manual_seed(0)

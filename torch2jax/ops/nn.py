@@ -1562,6 +1562,25 @@ def _encoder_forward(forward):
 torch.nn.TransformerEncoder.forward = _encoder_forward(torch.nn.TransformerEncoder.forward)
 
 
+def _detect_is_causal_mask(detect):
+    """torch.nn.modules.transformer's check whether an attention mask is causal (``bool((mask ==
+    causal).all())``), which needs the mask's value: of a traced mask (an argument of a jitted step) it
+    says no, so that the layers apply the mask as given, with the same results as the causal path, and
+    the trace goes on."""
+
+    @functools.wraps(detect)
+    def run(mask, is_causal=None, size=None):
+        if is_causal is None and is_traced(mask):
+            return False
+        return detect(mask, is_causal, size)
+
+    return run
+
+
+torch.nn.modules.transformer._detect_is_causal_mask = _detect_is_causal_mask(
+    torch.nn.modules.transformer._detect_is_causal_mask)
+
+
 # -- CTC loss -----------------------------------------------------------------------
 
 
