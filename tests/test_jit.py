@@ -436,6 +436,22 @@ def test_a_step_that_returns_early_while_its_memory_is_short(container):
     assert stats["traces"] == (4 if container == "deque" else 6)
 
 
+def test_torch_tensor_of_traced_tensors_stays_in_the_program():
+    # actor-critic's torch.tensor([R]) of an element R of a tensor of returns; dtypes as torch infers them
+    def f(v, device):
+        returns = torch.tensor([3.0, 1.0, 2.0], device=device)
+        returns = (returns - returns.mean()) / (returns.std() + 1e-6)
+        a = torch.cat([torch.tensor([r], device=device) * (r - v) for r in returns])
+        return (a, torch.tensor([v.to(torch.int32), 2], device=device), torch.tensor([[v, v.double()]], device=device),
+                torch.tensor([v.bool(), True], device=device), torch.tensor([v, 1j], device=device))
+
+    v = torch.tensor(0.5)
+    got = t2j.jit(lambda v: f(v, "jax"), fullgraph=True)(v.to("jax"))
+    for g, w in zip(got, f(v, "cpu")):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g.cpu(), w)
+
+
 def test_item_inside_becomes_traced_scalar():
     f = t2j.jit(lambda x, s: x * s.item())
     assert f(torch.ones(2, device="jax"), torch.tensor(3.0, device="jax")).tolist() == [3.0, 3.0]

@@ -635,16 +635,45 @@ def _traced_pow(fn):
     return pow_fn
 
 
+def _traced_tensor_value(x) -> bool:
+    from .tensor import Tensor
+
+    return isinstance(x, Tensor) and isinstance(x.jax(), jax.core.Tracer)
+
+
 def _traced_data(data) -> bool:
-    return is_traced_number(data) or (type(data) in (list, tuple) and any(map(_traced_data, data)))
+    """Whether ``data`` (of ``torch.tensor(data)``) is or holds a traced number or a traced tensor (an
+    actor-critic's ``torch.tensor([R])`` of an element ``R`` of a tensor)."""
+    return is_traced_number(data) or _traced_tensor_value(data) \
+        or (type(data) in (list, tuple) and any(map(_traced_data, data)))
 
 
 def _data_array(data):
     if is_traced_number(data):
         return scalar_value_of(data)
+    if isinstance(data, torch.Tensor):
+        return data.jax()
     if type(data) in (list, tuple):
         return jnp.stack([jnp.asarray(_data_array(d)) for d in data]) if data else jnp.zeros((0,))
     return data
+
+
+def _inferred_dtype(data):
+    """The dtype ``torch.tensor(data)`` infers: each item's (a tensor's own, int64 for an int, the default
+    float dtype for a float, ...), promoted pairwise."""
+    if isinstance(data, torch.Tensor):
+        return data.dtype
+    if type(data) in (list, tuple):
+        dtypes = [_inferred_dtype(d) for d in data]
+        return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.get_default_dtype()
+    kind = data.node.kind if is_traced_number(data) else type(data)
+    if kind is bool:
+        return torch.bool
+    if kind is int:
+        return torch.int64
+    if kind is complex:
+        return torch.complex128 if torch.get_default_dtype() == torch.float64 else torch.complex64
+    return torch.get_default_dtype()
 
 
 def _tensor_of(data, dtype=None, like=None, requires_grad=False):
@@ -654,10 +683,7 @@ def _tensor_of(data, dtype=None, like=None, requires_grad=False):
     from .tensor import new_tensor
 
     value = jnp.asarray(_data_array(data))
-    dtype = dtype or (like.dtype if like is not None else None)
-    if dtype is None:  # torch's inference: bool, int64, or the default float dtype
-        dtype = torch.bool if value.dtype == jnp.bool_ else torch.int64 \
-            if jnp.issubdtype(value.dtype, jnp.integer) else torch.get_default_dtype()
+    dtype = dtype or (like.dtype if like is not None else None) or _inferred_dtype(data)
     out = new_tensor(value.astype(_dt.to_jax(dtype)))
     return out.requires_grad_() if requires_grad else out
 
