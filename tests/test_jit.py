@@ -452,6 +452,39 @@ def test_torch_tensor_of_traced_tensors_stays_in_the_program():
         torch.testing.assert_close(g.cpu(), w)
 
 
+def test_a_backward_into_history_made_before_the_call_runs_eagerly():
+    # REINFORCE's finish_episode: the log-probs were saved during the episode, the jitted function
+    # backwards through them; the trace stopped after running (and freeing) their graph
+    def run(device, jit):
+        torch.manual_seed(0)
+        policy = nn.Linear(4, 2).to(device)
+        opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+        saved = []
+
+        def finish():
+            loss = torch.cat(saved).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            saved.clear()
+            return loss.detach()
+
+        f = t2j.jit(finish) if jit else finish
+        x = torch.randn(6, 4)
+        losses = []
+        for episode in range(2):
+            for t in range(3):
+                saved.append(policy(x[3 * episode + t:3 * episode + t + 1].to(device)).log_softmax(-1)[:, 0])
+            losses.append(f().item())
+        return losses, policy.weight.detach().cpu()
+
+    want = run("cpu", False)
+    with pytest.warns(UserWarning, match="computed before the call"):
+        got = run("jax", True)
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    torch.testing.assert_close(got[1], want[1])
+
+
 def test_item_inside_becomes_traced_scalar():
     f = t2j.jit(lambda x, s: x * s.item())
     assert f(torch.ones(2, device="jax"), torch.tensor(3.0, device="jax")).tolist() == [3.0, 3.0]
@@ -1357,6 +1390,33 @@ def test_optimizer_state_holding_lists_runs_eagerly():
     # few in a row (one more where its Python counters, func_evals and n_iter, become inputs), new
     # keys run eagerly without a trace
     assert step.stats["traces"] == 5
+
+
+def test_lbfgs_with_a_jitted_closure_that_runs_eagerly():
+    # the closure's trace stops (a branch on the loss); LBFGS.step holds `state = self.state[p]` across its
+    # calls of the closure, so the failed trace must put back that very dict, not a copy
+    def run(device, jit):
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1).double().to(device)
+        x, y = torch.randn(8, 3, dtype=torch.double).to(device), torch.randn(8, 1, dtype=torch.double).to(device)
+        opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4)
+
+        def closure():
+            opt.zero_grad()
+            loss = ((m(x) - y) ** 2).mean()
+            if loss > 100:
+                loss = loss * 1
+            loss.backward()
+            return loss
+
+        c = t2j.jit(closure) if jit else closure
+        return [opt.step(c).item() for _ in range(3)], m.weight.detach().cpu()
+
+    want = run("cpu", False)
+    with pytest.warns(UserWarning, match="runs eagerly"):
+        got = run("jax", True)
+    assert got[0] == pytest.approx(want[0], rel=1e-12)
+    torch.testing.assert_close(got[1], want[1])
 
 
 def test_python_min_and_max_of_traced_values_stay_in_the_program():

@@ -3254,6 +3254,7 @@ class JitFunction:
                     _checks_when_run(), _scaler_steps_in_program() as scaler_state, \
                     _wide_step_counters(roots.optimizers), \
                     _sym.traced_builtins(), _unreached_optimizers(roots), _gradient_hooks_counted() as hooks, \
+                    _outside_histories_stop(), \
                     _watching_grads(not roots.grads) as grads_seen, _watching_copies(self._copies) as copies_seen, \
                     _scheduler_steps_after_the_program() as scheduler_steps:
                 try:
@@ -3504,6 +3505,27 @@ def _gradient_hooks_counted():
                 delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, method)
+
+
+class _OutsideHistory(OpError):
+    """A backward pass inside a trace reached a tensor whose autograd history was made before the call."""
+
+
+@contextlib.contextmanager
+def _outside_histories_stop():
+    """While a trace runs: a backward pass (``loss.backward()`` inside) that reaches the autograd history a
+    slot tensor had before the call (REINFORCE's log-probs saved during the episode; `_OwnHistory`) stops
+    the trace before running it: one program cannot hold that history, and a backward through it would
+    free what the eager run of the call needs."""
+    global _STOP_AT_OUTSIDE_HISTORY
+    saved, _STOP_AT_OUTSIDE_HISTORY = _STOP_AT_OUTSIDE_HISTORY, True
+    try:
+        yield
+    finally:
+        _STOP_AT_OUTSIDE_HISTORY = saved
+
+
+_STOP_AT_OUTSIDE_HISTORY = False
 
 
 class _SeesGrads(Exception):
@@ -3854,6 +3876,11 @@ class _OwnHistory(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if _STOP_AT_OUTSIDE_HISTORY:
+            raise _OutsideHistory(
+                "t2j.jit: a backward pass inside the function reaches a tensor computed before the call (its "
+                "autograd history is outside the program): the call runs eagerly. Compute that tensor inside the "
+                "function (from its inputs) for one program")
         return grad
 
 
@@ -4175,7 +4202,8 @@ def _snapshot(slots, roots):
     tensors in the places the function can assign to (`_Places`) and the slot tensors'
     hooks (``x.register_hook`` in a trace that stops is registered again by the eager run)."""
     pointed = [(setter, t) for setter, t in zip(slots.setters, slots.tensors) if setter is not None]
-    opt_states = [(opt, {p: dict(st) for p, st in opt.state.items()}) for opt in roots.optimizers]
+    # (each parameter's dict and what it held: LBFGS's step keeps ``state = self.state[p]`` across its closure's calls)
+    opt_states = [(opt, {p: (st, dict(st)) for p, st in opt.state.items()}) for opt in roots.optimizers]
     hooks = [(t, set(t._backward_hooks or ()), set(t._post_accumulate_grad_hooks or ()))
              for t in slots.tensors if t is not None]
     return pointed, opt_states, _Places(roots), hooks
@@ -4265,7 +4293,10 @@ def _restore(snapshot):
         setter(t)
     for opt, states in opt_states:
         opt.state.clear()
-        opt.state.update(states)
+        for p, (st, items) in states.items():
+            st.clear()
+            st.update(items)
+            opt.state[p] = st
     places.restore(lists=True)
     for t, backward, post_accumulate in hooks:
         for h, keys in ((t._backward_hooks, backward), (t._post_accumulate_grad_hooks, post_accumulate)):
