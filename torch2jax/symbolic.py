@@ -734,6 +734,38 @@ def _traced_batch_norm(fn):
     return batch_norm
 
 
+def _stop_for_print():
+    from .dispatch import ValueNeeded
+
+    raise _noted(ValueNeeded(
+        "torch2jax: str() / print / format of a traced value (print(loss.item()) inside t2j.jit): its value "
+        "is not known while the program is traced. Return it and print it after the call"))
+
+
+def _traced_str(x):
+    """``str`` of a torch.SymInt / SymFloat / SymBool: of a traced number (``print(loss.item())``,
+    ``f"{loss.item():.4f}"`` in a jitted step) it stops the trace, so that the call runs eagerly and prints
+    its values, as a graph break does under torch.compile."""
+    if is_traced_number(x):
+        _stop_for_print()
+    return repr(x)
+
+
+def _traced_format(x, spec):
+    return format(_traced_str(x), spec) if spec else _traced_str(x)
+
+
+def _traced_print(*args, **kwargs):
+    """``print`` that stops the trace before it writes anything where an argument is a traced number or
+    tensor (`_traced_str`), rather than after the arguments before it."""
+    if any(is_traced_number(a) or _traced_tensor_value(a) for a in args):
+        _stop_for_print()
+    return _print(*args, **kwargs)
+
+
+_print = builtins.print
+
+
 # the math functions `traced_builtins` keeps traced (jax.numpy's of the same name)
 _MATH = ("exp", "log", "sqrt", "sin", "cos", "tan", "tanh", "log2", "log10", "log1p", "expm1", "atan", "asin",
          "acos", "sinh", "cosh")
@@ -787,7 +819,7 @@ def _trace_replacements():
     """(owner, attribute name, replacement) for each function `traced_builtins` replaces."""
     out = [(builtins, "min", _traced_extremum(builtins.min, torch.sym_min, operator.lt)),
            (builtins, "max", _traced_extremum(builtins.max, torch.sym_max, operator.gt)),
-           (builtins, "len", _recording_len)]
+           (builtins, "len", _recording_len), (builtins, "print", _traced_print)]
     out += [(math, name, _traced_math(name, getattr(math, name))) for name in _MATH]
     out.append((math, "pow", _traced_pow(math.pow)))
     out += [(torch, "tensor", _traced_factory(torch.tensor)), (torch, "as_tensor", _traced_factory(torch.as_tensor)),
@@ -795,6 +827,8 @@ def _trace_replacements():
     out += [(torch.nn.modules.batchnorm, "float", _traced_float),
             (torch.nn.functional, "batch_norm", _traced_batch_norm(torch.nn.functional.batch_norm))]
     out += [(sym, "__torch_function__", classmethod(_number_torch_function)) for sym in _SYM_TYPES.values()]
+    out += [(sym, name, fn) for sym in _SYM_TYPES.values()
+            for name, fn in (("__str__", _traced_str), ("__format__", _traced_format))]
     return out
 
 
