@@ -1443,6 +1443,35 @@ def test_printing_a_traced_value_runs_the_call_eagerly(form, capsys):
     assert printed == capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.parametrize("case", ["set", "accumulate", "mask_2d", "inner_dim", "rows"])
+def test_assignment_through_a_traced_mask_with_one_value_per_entry(case):
+    # DQN's next_values[non_final] = target(non_final_states).max(1).values: x's shape, so one program
+    def f(x, mask, v):
+        x = x.clone()
+        if case == "set":
+            x[mask] = v
+        elif case == "accumulate":
+            x.index_put_((mask,), v, accumulate=True)
+        elif case == "mask_2d":
+            x[mask.view(2, 3)] = v
+        elif case == "inner_dim":
+            x[:, mask] = v
+        else:
+            x[mask] = v[:, None]
+        return (x * torch.arange(1.0, x.numel() + 1, device=x.device).view(x.shape)).sum()
+
+    mask = torch.tensor([True, False, True, True, False, True])
+    v = torch.tensor([1.5, -2.0, 3.0, 4.5], requires_grad=True)
+    x = torch.randn(*{"mask_2d": (2, 3), "inner_dim": (2, 6), "rows": (6, 3)}.get(case, (6,)), requires_grad=True)
+    want = f(x, mask, v)
+    want_grads = torch.autograd.grad(want, (x, v))
+    xj, vj = (t.detach().to("jax").requires_grad_() for t in (x, v))
+    got = t2j.jit(f, fullgraph=True)(xj, mask.to("jax"), vj)
+    torch.testing.assert_close(got.cpu(), want)
+    for g, w in zip(torch.autograd.grad(got, (xj, vj)), want_grads):
+        torch.testing.assert_close(g.cpu(), w)
+
+
 def test_python_min_and_max_of_traced_values_stay_in_the_program():
     def f(x):
         s = x.sum().item()

@@ -176,9 +176,20 @@ def _masked_put(x, indices, values, accumulate):
     d, m = masks[0]
     _check_mask_shape(x, m, d)
     rest = x.shape[d + m.ndim :]
-    if values.ndim > len(rest) or jnp.broadcast_shapes(values.shape, rest) != tuple(rest):
-        return None
     mask = m.astype(bool).reshape((1,) * d + m.shape + (1,) * len(rest))
+    if isinstance(m, jax.core.Tracer) and values.ndim == len(rest) + 1 and values.shape[0] > 1 \
+            and jnp.broadcast_shapes(values.shape[1:], rest) == tuple(rest):
+        # one value per true entry, in order (DQN's ``next_values[non_final] = target(...)``): the k-th true
+        # entry takes values[k]; traced, as the result's shape is x's
+        flat = m.astype(bool).reshape(-1)
+        n = values.shape[0]
+        check_values(jnp.sum(flat), lambda count: count != n, lambda count: TorchRuntimeError(
+            f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to indexing result of "
+            f"shape {[int(count), *rest]}"))
+        picked = values[jnp.clip(jnp.cumsum(flat) - 1, 0, n - 1)]
+        values = picked.reshape((1,) * d + m.shape + values.shape[1:])
+    elif values.ndim > len(rest) or jnp.broadcast_shapes(values.shape, rest) != tuple(rest):
+        return None
     if accumulate:
         values = jnp.where(mask, values, jnp.zeros((), x.dtype))
         return _accumulate(x.at[...], values, x.dtype) if x.dtype == _BOOL else x + values
