@@ -1472,6 +1472,37 @@ def test_assignment_through_a_traced_mask_with_one_value_per_entry(case):
         torch.testing.assert_close(g.cpu(), w)
 
 
+class _Keeps(nn.Module):
+    """Keeps a list of tensors the training loop appends to (REINFORCE's saved log-probs); reads it once a
+    flag is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.saved = []
+        self.use = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y + sum(self.saved) if self.use else y
+
+
+def test_a_list_of_tensors_a_module_keeps_is_read_as_it_is_now():
+    def run(device, jit):
+        torch.manual_seed(0)
+        m = _Keeps().to(device)
+        f = t2j.jit(m) if jit else m
+        out = []
+        for i in range(6):
+            m.use = i >= 3
+            y = f(torch.ones(1, 2, device=device))
+            m.saved.append(y.detach() * 0 + i)
+            out.append(y.sum().item())
+        return out
+
+    assert run("jax", True) == pytest.approx(run("cpu", False), rel=1e-6)
+
+
 def test_python_min_and_max_of_traced_values_stay_in_the_program():
     def f(x):
         s = x.sum().item()
