@@ -640,6 +640,50 @@ def _subclass_outcome(x):
             isinstance(p, torch.nn.Parameter) and isinstance(p, _Tagged), type(y.as_subclass(torch.Tensor)) is type(x)]
 
 
+class _WithNewEmpty(torch.Tensor):
+    def new_empty(self, *args, **kwargs):
+        return super().new_empty(*args, **kwargs).as_subclass(_WithNewEmpty)
+
+
+def _subclass_to_cpu(x):
+    # x.as_subclass(MyT).cpu() is a working CPU MyT, as on CUDA (the jax-side class over a CPU tensor was not)
+    y = x.as_subclass(_Tagged)
+    outs = [y.cpu(), y.to("cpu"), y.to("cpu", torch.float64)]
+    return [(type(c) is _Tagged, c.device.type, repr(c), c.tolist(), c.numpy().tolist(), repr(c + 1), type(c * 2))
+            for c in outs]
+
+
+def _subclass_through(how):
+    def run(device):
+        y = torch.arange(3.0, device=device).as_subclass(_Tagged)
+        y.tag = 5
+        z = _through(how, y)
+        # (on the jax device the type is a subclass of _Tagged and torch2jax.Tensor: `on_jax_device`)
+        return isinstance(z, _Tagged), type(z).__name__, z.tag, z.tolist(), z.device.type == device, type(z + 1) is type(y)
+    return run
+
+
+def _deepcopy_of_subclasses(device):
+    import copy
+
+    z = copy.deepcopy(torch.arange(3.0, device=device).as_subclass(_WithNewEmpty))
+    out = [type(z).__name__, z.tolist(), z.device.type == device]
+    try:  # torch refuses a subclass whose new_empty gives a plain tensor
+        copy.deepcopy(torch.arange(3.0, device=device).as_subclass(_Tagged))
+    except RuntimeError as e:
+        out.append(str(e))
+    return out
+
+
+_SURFACE.update({
+    "subclass_to_cpu": lambda d: _subclass_to_cpu(torch.arange(3.0, device=d)),
+    "subclass_pickle": _subclass_through("pickle"),
+    "subclass_torch_save": _subclass_through("torch.save"),
+    "subclass_copy": _subclass_through("copy"),
+    "subclass_deepcopy": _deepcopy_of_subclasses,
+})
+
+
 @pytest.mark.parametrize("name", sorted(_SURFACE))
 def test_tensor_surface_matches_cpu(name):
     fn = _SURFACE[name]

@@ -364,11 +364,38 @@ def on_jax_device(cls: type) -> type:
         # (torch disables a class's inherited default next to a __torch_dispatch__: name it again)
         own = classmethod(_default_torch_function)
     namespace = {"__torch_function__": own, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    return type(cls.__name__, (cls, Tensor), namespace)
+    jax_cls = type(cls.__name__, (cls, Tensor), namespace)
+    _USER_CLASSES[jax_cls] = cls
+    return jax_cls
+
+
+# the jax-device class `on_jax_device` made -> the user's class it stands for
+_USER_CLASSES: dict = {}
 
 
 def _default_torch_function(cls, func, types, args=(), kwargs=None):
     return torch.Tensor.__torch_function__.__func__(cls, func, types, args, kwargs)
+
+
+_torch_convert = torch._tensor._convert
+
+
+def _convert(ret, cls):
+    """torch's wrapping of a subclass's results in its class (the default ``__torch_function__``),
+    where a jax-device class (`on_jax_device`) wraps the results that leave the jax device
+    (``y.cpu()``) in the user's own class, as a CPU ``MyT`` is: the jax-device class over a CPU
+    tensor is no working tensor."""
+    user = _USER_CLASSES.get(cls)
+    if user is None:
+        return _torch_convert(ret, cls)
+    if isinstance(ret, torch.Tensor) and not isinstance(ret, Tensor):
+        return ret if isinstance(ret, user) else ret.as_subclass(user)
+    if isinstance(ret, (tuple, list)):
+        return type(ret)(_convert(r, cls) for r in ret)
+    return _torch_convert(ret, cls)
+
+
+torch._tensor._convert = _convert
 
 
 @functools.lru_cache(maxsize=4096)
@@ -663,6 +690,16 @@ class Tensor(torch.Tensor):
         return out
 
     def __deepcopy__(self, memo):
+        user = _USER_CLASSES.get(type(self))
+        if user is not None and torch.overrides.has_torch_function_unary(self):
+            # a user's class copies through its __torch_function__, as torch's deepcopy of a subclass
+            return torch.overrides.handle_torch_function(Tensor.__deepcopy__, (self,), self, memo)
+        if user is not None and type(self.new_empty([])) is not type(self):
+            raise RuntimeError(
+                "The default implementation of __deepcopy__() for non-wrapper subclasses only works for subclass "
+                "types that implement new_empty() and for which that function returns another instance of the same "
+                "subclass. You should either properly implement new_empty() for your subclass or override "
+                "__deepcopy__() if it is intended behavior for new_empty() to return an instance of a different type.")
         if not self.is_leaf:
             raise RuntimeError(
                 "Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at the "
@@ -681,6 +718,8 @@ class Tensor(torch.Tensor):
             out = lazy_view(copied, self._t2j_view, self.shape, self.stride(), self.storage_offset(), self.dtype)
         else:
             out = Tensor(copied)
+        if user is not None:
+            out.__class__ = type(self)
         out.requires_grad_(self.requires_grad)
         if getattr(self, "_is_param", False):
             out._is_param = True  # torch's Parameter.__deepcopy__ leaves .grad behind
@@ -928,6 +967,9 @@ def reduce_as_cpu(t: Tensor, base: torch.Tensor, meta, protocol, bits=()):
         cpu = torch.nn.Parameter(cpu, t.requires_grad)
     else:
         cpu.requires_grad_(t.requires_grad)
+        user = _USER_CLASSES.get(type(t))
+        if user is not None:  # (pickled with its class, as torch does a subclass: it loads as one again)
+            cpu = cpu.as_subclass(user)
     cpu.__dict__.update(user_attributes(t))  # torch pickles a tensor's attributes with it
     return cpu.__reduce_ex__(protocol)
 
