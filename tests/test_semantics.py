@@ -445,3 +445,23 @@ def test_copy_of_a_python_number(dtype):
     want = torch.zeros(3, dtype=dtype).copy_(2.7)
     got = torch.zeros(3, dtype=dtype, device="jax").copy_(2.7)
     assert got.dtype == want.dtype and got.tolist() == want.tolist()
+
+
+def _index_with(x, index):
+    y = x.clone()
+    y[index] = 9.0
+    z = x.clone().index_put_((index,), torch.tensor(1.0, device=index.device), accumulate=True)
+    return x[index], y, z
+
+
+@pytest.mark.parametrize("index", [torch.tensor([0, 2, 2]), torch.tensor([True, False, True, True, False, False])])
+def test_a_cpu_tensor_indexed_with_jax_indices_is_indexed_on_the_cpu(index):
+    # torch moves index tensors to the device of the tensor they index (a CUDA index on a CPU tensor works)
+    x = torch.arange(6.0)
+    for got, want in zip(_index_with(x, index.to("jax")), _index_with(x, index)):
+        assert got.device.type == "cpu" and torch.equal(got, want)
+    w = torch.arange(6.0, requires_grad=True)
+    w[index.to("jax")].sum().backward()
+    assert torch.equal(w.grad, torch.zeros(6).index_put_((index,), torch.tensor(1.0), accumulate=True))
+    # the other way round, a CPU index on a jax tensor
+    assert all(torch.equal(g.cpu(), e) for g, e in zip(_index_with(x.to("jax"), index), _index_with(x, index)))

@@ -506,6 +506,8 @@ def _resolve(func):
         handler = _checking_device_index(handler)
     if func in _reg.WARNINGS:
         handler = _warning_first(_reg.WARNINGS[func], handler)
+    if isinstance(func, torch._ops.OpOverload) and func._schema.name in _INDEXING_OPS:
+        handler = _indexing_host_self(handler)
     _HANDLERS[func] = handler
     _BY_ID[id(func)] = (func, handler)
     _PATHS[func] = path
@@ -528,6 +530,41 @@ def _checking_device_index(handler):
         return handler(func, args, kwargs)
 
     return checked
+
+
+# ops whose index tensors torch moves to the indexed tensor's device (ATen's ``make_info``)
+_INDEXING_OPS = frozenset(f"aten::{name}" for name in (
+    "index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put"))
+
+
+def _indexing_host_self(handler):
+    """``handler``, where a CPU tensor indexed with jax index tensors or masks (``cpu_x[jax_idx]``,
+    ``cpu_x[jax_mask] = v``) is indexed on the CPU instead, with the indices (and a 0-dim jax
+    value) copied there: torch moves index tensors to the device of the tensor they index, so a
+    CUDA index works on a CPU tensor too."""
+
+    def host(t):
+        return t.cpu() if isinstance(t, Tensor) else t
+
+    def run(func, args, kwargs):
+        x = args[0] if args else kwargs.get("self")
+        if isinstance(x, Tensor) or not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+            return handler(func, args, kwargs)
+        args, kwargs, moved = list(args), dict(kwargs), False
+        for i, argument in enumerate(func._schema.arguments):
+            where, key = (args, i) if i < len(args) else (kwargs, argument.name)
+            if i >= len(args) and key not in kwargs:
+                continue
+            value = where[key]
+            if argument.name == "indices" and any(isinstance(t, Tensor) for t in value):
+                where[key], moved = [host(t) for t in value], True
+            elif argument.name == "values" and isinstance(value, Tensor) and value.dim() == 0:
+                where[key], moved = host(value), True
+        if not moved:  # (a jax tensor of values into a CPU tensor: refused as torch does)
+            return handler(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    return run
 
 
 def _warning_first(check, handler):
