@@ -500,6 +500,28 @@ def test_untyped_storage_reads_as_torch():
     assert c.tolist() == torch.arange(3.0).untyped_storage().tolist() and c.device.type == "jax"
 
 
+def test_storage_methods_as_torch():
+    import copy
+
+    def methods(device):
+        x = torch.tensor([1, 2, 3], dtype=torch.int32, device=device)
+        s, typed = x.untyped_storage(), x.storage()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (TypedStorage is deprecated)
+            out = [typed.clone().tolist(), copy.deepcopy(typed).tolist(), pickle.loads(pickle.dumps(typed)).tolist(),
+                   typed.int().tolist(), typed.double().tolist(), s.is_pinned(), typed.is_pinned(),
+                   s.float().tolist()[:5], s.long().dtype, s.new().nbytes(), s.type(),
+                   s is x[1:].untyped_storage(), s == x.untyped_storage()]
+            typed.copy_(torch.tensor([4, 5, 6], dtype=torch.int32, device=device).storage())
+        out.append(x.tolist())
+        x.untyped_storage().byteswap(torch.int32)  # (was a silent no-op)
+        z = torch.tensor([1 + 2j], dtype=torch.complex64, device=device)
+        z.untyped_storage().byteswap(torch.complex64)
+        return out + [x.tolist(), z.view(torch.int32).tolist()]
+
+    assert methods("jax") == methods("cpu")
+
+
 def test_moving_a_cpu_tensor_leaves_it_resizable():
     buf = torch.zeros(2)
     moved = buf.to("jax")

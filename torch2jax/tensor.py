@@ -75,7 +75,8 @@ def call_local(storages):
 class Storage:
     """The shared value of a base tensor and all of its views."""
 
-    __slots__ = ("array", "version", "saved", "host", "__weakref__")
+    # (handle: a weak reference to the `_StorageHandle` ``untyped_storage()`` last gave, set then)
+    __slots__ = ("array", "version", "saved", "host", "handle", "__weakref__")
 
     def __init__(self, array):
         self.array = array
@@ -196,6 +197,33 @@ class _StorageHandle(torch.UntypedStorage):
         # as the CPU storage of its bytes
         return self.cpu().__reduce__()
 
+    def _write_file(self, *args, **kwargs):
+        # torch's legacy format (pickle of ``x.storage()``, torch.save(..., _use_new_zipfile_serialization=False))
+        return self.cpu()._write_file(*args, **kwargs)
+
+    def _to(self, dtype):
+        """A typed storage on the jax device of each byte converted to ``dtype`` (``.float()``, ``.long()``)."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"Argument 'dtype' must be torch.dtype, not {type(dtype)}")
+        data = torch.from_numpy(_storage_bytes(self).copy())
+        return from_torch_cpu(data).to(dtype)._typed_storage()
+
+    def _byteswap(self, elem_size):
+        """Reverse the bytes of each ``elem_size``-byte element in place (``byteswap(dtype)``)."""
+        if elem_size > 1:
+            self._write_bytes(_storage_bytes(self).reshape(-1, elem_size)[:, ::-1].reshape(-1))
+
+    def is_pinned(self, device=None):
+        return False  # (a device's memory is not pinned host memory, as for a CUDA storage)
+
+    def new(self):
+        return _StorageHandle(Storage(jnp.zeros(0, jnp.uint8)))
+
+    def type(self, dtype=None, non_blocking=False):
+        if dtype is None:
+            return "torch.storage.UntypedStorage"  # (as a CUDA storage's)
+        return super().type(dtype, non_blocking)
+
     def __deepcopy__(self, memo):
         return memo.setdefault(id(self), self.clone())
 
@@ -208,6 +236,20 @@ class _StorageHandle(torch.UntypedStorage):
         values = np.ascontiguousarray(data).view(np.dtype(array.dtype)).reshape(array.shape)
         st.array = jax.device_put(values, array.sharding)
         st.version += 1
+
+
+_torch_new_wrapped_storage = torch.storage.TypedStorage._new_wrapped_storage
+
+
+def _new_wrapped_storage(self, untyped_storage):
+    # a TypedStorage's clone / copy / deepcopy / same-dtype conversion wraps the new untyped storage,
+    # which torch insists be exactly an UntypedStorage: a jax tensor's is a `_StorageHandle`
+    if type(untyped_storage) is _StorageHandle:
+        return torch.TypedStorage(wrap_storage=untyped_storage, dtype=self.dtype, _internal=True)
+    return _torch_new_wrapped_storage(self, untyped_storage)
+
+
+torch.storage.TypedStorage._new_wrapped_storage = _new_wrapped_storage
 
 
 def _storage_bytes(storage) -> np.ndarray:
@@ -603,7 +645,14 @@ class Tensor(torch.Tensor):
     def untyped_storage(self):
         for watch in storage_watchers:
             watch(self)
-        return _StorageHandle(self._t2j_storage)
+        # one object while it lives, as torch's ``untyped_storage()`` of a CPU tensor and its views
+        st = self._t2j_storage
+        ref = getattr(st, "handle", None)
+        handle = ref() if ref is not None else None
+        if handle is None:
+            handle = _StorageHandle(st)
+            st.handle = weakref.ref(handle)
+        return handle
 
     def data_ptr(self):
         """An address that identifies the storage, as libraries compare them (tied weights
