@@ -643,6 +643,9 @@ _RHS = torch.tensor([[1.0, 2.0], [0.5, -1.0], [3.0, 0.0], [1.0, 1.0], [2.0, -2.0
     ("lstsq_tall", lambda a: (torch.linalg.lstsq(torch.cat([a, a[..., :2, :]], -2),
                                                  _RHS.expand(*a.shape[:-2], 5, 2).to(a.device))[0],)),
     ("cholesky_inverse", lambda a: (torch.cholesky_inverse(a),)),
+    ("Tensor.cholesky", lambda a: (a.cholesky(), a.cholesky(upper=True))),
+    ("geqrf", lambda a: torch.geqrf(a)),
+    ("geqrf_wide", lambda a: torch.geqrf(a[..., :2, :])),
 ])
 @pytest.mark.parametrize("batched", [False, True])
 def test_lapack_results_are_column_major_as_on_the_cpu(name, fn, batched):

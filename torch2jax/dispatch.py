@@ -807,7 +807,7 @@ _LAYOUTS: dict = {}
 # their meta kernels say: their results always take the meta kernel's strides
 _COLUMN_MAJOR_OPS = frozenset({
     "linalg_inv_ex", "linalg_cholesky_ex", "linalg_qr", "_linalg_eigh", "linalg_lu_factor_ex", "_linalg_solve_ex",
-    "linalg_lstsq", "cholesky_solve", "linalg_solve_triangular", "triangular_solve", "cholesky_inverse", "geqrf",
+    "linalg_lstsq", "cholesky_solve", "linalg_solve_triangular", "triangular_solve", "cholesky_inverse",
     "linalg_householder_product", "orgqr", "ormqr", "linalg_ldl_factor_ex", "linalg_ldl_solve", "linalg_lu_solve",
     "lu_solve", "linalg_lu",
 })

@@ -1352,6 +1352,13 @@ def _linalg_svd_strides(args, kwargs, results):
     return _column_major(results[0]), None, _column_major(results[2])
 
 
+@strides(aten.cholesky.default, aten.geqrf.default)
+def _lapack_factor_strides(args, kwargs, results):
+    """torch's CPU Tensor.cholesky() and geqrf factors are column-major (LAPACK's layout), as
+    linalg.cholesky's; geqrf's tau is row-major."""
+    return (_column_major(results[0]),) + (None,) * (len(results) - 1)
+
+
 @register(aten.linalg_eig.default)
 def linalg_eig(a):
     _check_complex_type(a.dtype)
