@@ -367,3 +367,18 @@ def test_unsupported_dtypes_raise_torchs_not_implemented_error(name, call):
             call(device)
         raised[device] = str(info.value)
     assert raised["jax"] == raised["cpu"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: torch.nested.nested_tensor([x, x[:2]]),
+    lambda x: torch.nested.as_nested_tensor([x, x[:2]]),
+    lambda x: torch.nested.nested_tensor([x.cpu(), x[:2].cpu()], device="jax"),
+    lambda x: torch.nested.narrow(x, 1, 0, 2),
+    lambda x: torch._nested_tensor_from_tensor_list([x, x[:2]]),
+])
+def test_a_strided_nested_tensor_on_the_jax_device_is_one_clear_error(make):
+    # torch built one whose every later op (print, unbind, .cpu()) failed in the dispatcher
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's prototype warning)
+        with pytest.raises(NotImplementedError, match="nested tensors of the strided layout .* layout=torch.jagged"):
+            make(torch.ones(3, 4, device="jax"))

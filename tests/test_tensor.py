@@ -522,6 +522,27 @@ def test_storage_methods_as_torch():
     assert methods("jax") == methods("cpu")
 
 
+def test_jagged_nested_tensors_of_jax_tensors_as_on_the_cpu():
+    # a jagged nested tensor holds its values as a jax tensor; its own __torch_dispatch__ runs the ops
+    # where it meets a jax tensor (torch2jax's returns NotImplemented for a foreign subclass)
+    torch.manual_seed(0)
+    a, b, w = torch.randn(3, 4), torch.randn(2, 4), torch.randn(5, 4)
+
+    def run(device):
+        x, y, weight = (t.to(device).requires_grad_() for t in (a, b, w))
+        nt = torch.nested.nested_tensor([x, y], layout=torch.jagged)
+        out = torch.nested.to_padded_tensor(torch.nn.functional.linear(nt, weight).relu().softmax(-1), 0.0)
+        (out.sum() + torch.nested.as_nested_tensor([x, y], layout=torch.jagged).sin().values().sum()).backward()
+        rows = torch.arange(10.0, device=device).reshape(2, 5)
+        narrow = torch.nested.narrow(rows, 1, torch.tensor([0, 1], device=device),
+                                     torch.tensor([3, 2], device=device), layout=torch.jagged)
+        moved = torch.nested.nested_tensor([a, b], layout=torch.jagged).to(device) * 2
+        return [t.detach().cpu() for t in (out, weight.grad, x.grad, y.grad, *narrow.unbind(), *moved.unbind())]
+
+    got, want = run("jax"), run("cpu")
+    assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(got, want)), (got, want)
+
+
 def test_moving_a_cpu_tensor_leaves_it_resizable():
     buf = torch.zeros(2)
     moved = buf.to("jax")

@@ -387,6 +387,8 @@ def register() -> None:
         torch.autograd.graph.saved_tensors_hooks.__init__)
     torch.compile = _keeping_dynamo_out_of_jax(torch.compile)
     torch.UntypedStorage.__new__ = _refusing_jax_storages(torch._C.StorageBase.__new__)
+    for name in ("nested_tensor", "as_nested_tensor", "narrow"):
+        setattr(torch.nested, name, _refusing_jax_nested(getattr(torch.nested, name)))
     if "torch._dynamo" in sys.modules:
         keep_dynamo_out_of_jax()
     torch.nn.Module.to = _swapping(torch.nn.Module.to)
@@ -447,6 +449,34 @@ def _refusing_jax_storages(new):
         return new(cls, *args, **kwargs)
 
     return staticmethod(__new__)
+
+
+def nested_refusal(what: str) -> NotImplementedError:
+    """The error for a nested tensor of torch's strided layout (``NestedTensorImpl``) on the jax device."""
+    return NotImplementedError(
+        f"torch2jax: nested tensors of the strided layout (torch.nested's default) are not supported on the jax "
+        f"device ({what}). Build it with layout=torch.jagged (a jagged nested tensor holds a jax tensor of its "
+        "values and works on the jax device), keep it on the CPU, or pad the sequences into one dense tensor "
+        "(torch.nn.utils.rnn.pad_sequence, with a mask or lengths)")
+
+
+def _refusing_jax_nested(make):
+    """A ``torch.nested`` constructor raising `nested_refusal` for a strided nested tensor of jax tensors
+    (or on ``device="jax"``): torch built one whose every later op failed in the dispatcher."""
+    signature = inspect.signature(make)
+
+    @functools.wraps(make)
+    def nested(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        layout, device = bound.arguments.get("layout"), bound.arguments.get("device")
+        if layout is not torch.jagged:
+            on_jax = device is not None and not isinstance(device, int) and torch.device(device).type == NAME
+            if on_jax or any(isinstance(t, torch.Tensor) and t.device.type == NAME
+                             for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+                raise nested_refusal(f"torch.nested.{make.__name__} of jax tensors")
+        return make(*args, **kwargs)
+
+    return nested
 
 
 def _on_calling_thread(engine_run_backward):

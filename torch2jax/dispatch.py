@@ -37,6 +37,7 @@ from jax._src.array import ArrayImpl as _ArrayImpl
 from torch import _prims_common
 
 from . import complex32 as _complex32
+from . import device as _device
 from . import dtypes as _dt
 from . import env as _env
 from . import gradcut as _gradcut
@@ -500,7 +501,11 @@ def _is_foreign_device(kwargs):
 
 
 def _resolve(func):
-    handler, path = _choose(func)
+    if isinstance(func, torch._ops.OpOverload) and "nested" in func._schema.name:
+        # (a jagged nested tensor's ops reach its own __torch_dispatch__, not this one)
+        handler, path = _refuse_nested, "refused"
+    else:
+        handler, path = _choose(func)
     handler = _checking_overlap(func, handler)
     if any(a.name == "device" for a in func._schema.arguments):
         handler = _checking_device_index(handler)
@@ -512,6 +517,10 @@ def _resolve(func):
     _BY_ID[id(func)] = (func, handler)
     _PATHS[func] = path
     return handler
+
+
+def _refuse_nested(func, args, kwargs):
+    raise _device.nested_refusal(str(func))
 
 
 def _checking_device_index(handler):

@@ -505,6 +505,10 @@ class Tensor(torch.Tensor):
         fake_mode = _dispatch_mode(_FAKE)
         if fake_mode is not None:
             return _as_fake(fake_mode, func, args, kwargs or {})
+        if len(types) > 1 and not all(issubclass(t, Tensor) for t in types):
+            # another tensor subclass among the operands (a jagged nested tensor's stand-in in
+            # ``_nested_view_from_jagged``): its __torch_dispatch__ handles the op, as torch's protocol asks
+            return NotImplemented
         try:
             return _dispatch(func, args, kwargs or {})
         except Exception as error:
