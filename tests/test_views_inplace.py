@@ -726,3 +726,15 @@ def test_an_out_the_op_resizes_takes_the_result_s_layout(op):
     (got_stride, got), (want_stride, want) = run("jax"), run("cpu")
     assert got_stride == want_stride
     torch.testing.assert_close(got, want)
+
+
+def test_slice_inverse_is_a_view_with_the_base_s_layout():
+    # functionalization's inverse of slice: the slice's storage seen as the base (was a raw AttributeError)
+    def run(device):
+        x = torch.arange(12.0).reshape(3, 4).to(device)
+        v = torch.ops.aten.slice_inverse(x[1:], x, 0, 1, None, 1)
+        w = torch.ops.aten.slice_inverse(x[:, ::2], x, 1, None, None, 2)
+        v.mul_(2)
+        return v.shape, v.stride(), v.storage_offset(), w.stride(), x.tolist(), w.tolist()
+
+    assert run("jax") == run("cpu")

@@ -519,6 +519,15 @@ def _resolve(func):
     return handler
 
 
+def _slice_inverse(func, args, kwargs):
+    """``slice_inverse(view, base, ...)``: the view's storage seen with ``base``'s size, strides and
+    offset (torch's kernel, an as_strided; functionalization's inverse of ``slice``)."""
+    names = [a.name for a in func._schema.arguments]
+    bound = {**dict(zip(names, args)), **kwargs}
+    x, src = bound["self"], bound["src"]
+    return aten.as_strided.default(x, src.shape, src.stride(), src.storage_offset())
+
+
 def _refuse_nested(func, args, kwargs):
     raise _device.nested_refusal(str(func))
 
@@ -589,6 +598,8 @@ def _choose(func):
         from . import ops as _ops
 
         _ops.load_namespace(func.namespace)
+    if func is aten.slice_inverse.default:
+        return _slice_inverse, "decomposition"
     if func in _reg.VIEWS:
         return _lazy_bits(func, _view_handler(func, *_reg.VIEWS[func])), "lowering"
     if func in (aten.empty_strided.default, aten.new_empty_strided.default):
