@@ -543,6 +543,34 @@ def test_jagged_nested_tensors_of_jax_tensors_as_on_the_cpu():
     assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(got, want)), (got, want)
 
 
+def test_deterministic_mode_fills_uninitialized_memory_as_torch():
+    def filled(device):
+        x = torch.ones(2, device=device)
+        made = [torch.empty(2, dtype=dt, device=device) for dt in (torch.float16, torch.complex64, torch.int32,
+                                                                    torch.uint8, torch.bool)]
+        made += [torch.empty_like(x), x.new_empty(2), torch.empty_strided((2,), (1,), device=device),
+                 torch.zeros(2, device=device).resize_(4)]
+        return str([t.cpu().tolist() for t in made])
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert filled("jax") == filled("cpu")
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        assert torch.empty(2, device="jax").tolist() == [0.0, 0.0]
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        torch.use_deterministic_algorithms(False)
+    assert torch.empty(2, device="jax").tolist() == [0.0, 0.0]
+
+
+def test_data_ptr_of_an_empty_storage_is_null_as_torch():
+    for device in ("cpu", "jax"):
+        x = torch.empty(0, device=device)
+        assert x.data_ptr() == 0 and x.untyped_storage().data_ptr() == 0
+        y = torch.ones(3, device=device)
+        assert y[3:].data_ptr() == y[:0].data_ptr() == 0 and y[:0].untyped_storage().data_ptr() == y.data_ptr() != 0
+
+
 def test_moving_a_cpu_tensor_leaves_it_resizable():
     buf = torch.zeros(2)
     moved = buf.to("jax")

@@ -131,7 +131,8 @@ class _StorageHandle(torch.UntypedStorage):
         pass
 
     def data_ptr(self):
-        return id(self._t2j_storage)
+        # (0 for an empty storage, as torch's null pointer)
+        return id(self._t2j_storage) if self._t2j_storage.array.size else 0
 
     def nbytes(self):
         array = self._t2j_storage.array
@@ -661,7 +662,10 @@ class Tensor(torch.Tensor):
     def data_ptr(self):
         """An address that identifies the storage, as libraries compare them (tied weights
         in safetensors / transformers' save_pretrained): views of one storage share it,
-        offset by their ``storage_offset``. Nothing can be read through it."""
+        offset by their ``storage_offset``; 0 for a tensor of no elements, as torch's null pointer.
+        Nothing can be read through it."""
+        if not self.numel():
+            return 0
         return id(self._t2j_storage) + self.storage_offset() * self.element_size()
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):

@@ -33,7 +33,25 @@ def _shape(size):
     return shape
 
 
-@register(aten.empty.memory_format, aten.zeros.default, aten.new_zeros, aten.new_empty, aten._efficientzerotensor)
+def uninitialized(shape, dtype):
+    """The values of memory torch leaves uninitialized (``torch.empty``, a growing ``resize_``): zeros;
+    under ``torch.use_deterministic_algorithms(True)`` with ``torch.utils.deterministic.
+    fill_uninitialized_memory`` (its default), what torch fills it with: NaN, the largest integer, True."""
+    if not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory):
+        return jnp.zeros(shape, dtype)
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        value = True
+    elif jnp.issubdtype(dtype, jnp.integer):
+        value = jnp.iinfo(dtype).max
+    elif jnp.issubdtype(dtype, jnp.complexfloating):
+        value = complex(float("nan"), 0.0)  # (torch's complex NaN: a NaN real part)
+    else:
+        value = float("nan")
+    return jnp.full(shape, np.asarray(value, dtype), dtype)
+
+
+@register(aten.zeros.default, aten.new_zeros, aten._efficientzerotensor)
 def zeros(*args, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, names=None):
     if len(args) == 2:  # new_zeros(self, size): dtype defaults to self's
         x, size = args
@@ -41,12 +59,20 @@ def zeros(*args, dtype=None, layout=None, device=None, pin_memory=None, memory_f
     return jnp.zeros(_shape(args[0]), jax_dtype(dtype))
 
 
+@register(aten.empty.memory_format, aten.new_empty)
+def empty(*args, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, names=None):
+    if len(args) == 2:  # new_empty(self, size): dtype defaults to self's
+        x, size = args
+        return uninitialized(_shape(size), jax_dtype(dtype, x.dtype))
+    return uninitialized(_shape(args[0]), jax_dtype(dtype))
+
+
 @register(aten.empty_strided, aten.new_empty_strided)
 def empty_strided(*args, dtype=None, layout=None, device=None, pin_memory=None):
     if len(args) == 3:
         x, size, _ = args
-        return jnp.zeros(_shape(size), jax_dtype(dtype, x.dtype))
-    return jnp.zeros(_shape(args[0]), jax_dtype(dtype))
+        return uninitialized(_shape(size), jax_dtype(dtype, x.dtype))
+    return uninitialized(_shape(args[0]), jax_dtype(dtype))
 
 
 @register(aten.ones.default, aten.new_ones)
@@ -94,9 +120,14 @@ def scalar_tensor(value, *, dtype=None, layout=None, device=None, pin_memory=Non
 
 # The *_like factories place their result as ``x`` is (`placed_as`): the Adam state of a sharded
 # parameter is sharded as it is.
-@register(aten.empty_like, aten.zeros_like)
+@register(aten.zeros_like)
 def zeros_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     return placed_as(x, jnp.zeros(x.shape, jax_dtype(dtype, x.dtype)))
+
+
+@register(aten.empty_like)
+def empty_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return placed_as(x, uninitialized(x.shape, jax_dtype(dtype, x.dtype)))
 
 
 @register(aten.ones_like)

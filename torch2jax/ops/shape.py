@@ -411,11 +411,13 @@ register(aten.expand_copy.default)(expand)
 @register(aten.resize.default)
 def resize(x, size, memory_format=None):
     """``x``'s elements in order, cut to or extended to ``size``: the new elements, which torch
-    leaves uninitialized, are zeros."""
+    leaves uninitialized, are zeros (or torch's deterministic fill: `creation.uninitialized`)."""
+    from .creation import uninitialized
+
     flat = x.reshape(-1)
     n = math.prod(size)
     if n > flat.shape[0]:
-        flat = jnp.concatenate([flat, jnp.zeros(n - flat.shape[0], flat.dtype)])
+        flat = jnp.concatenate([flat, uninitialized((n - flat.shape[0],), flat.dtype)])
     return flat[:n].reshape(size)
 
 
