@@ -417,28 +417,26 @@ _USER_CLASSES: dict = {}
 
 
 def _default_torch_function(cls, func, types, args=(), kwargs=None):
-    return torch.Tensor.__torch_function__.__func__(cls, func, types, args, kwargs)
+    """torch's default ``__torch_function__`` (``torch.Tensor.__torch_function__``) for a jax-device class
+    ``cls``: the results are wrapped in ``cls``, but for those that left the jax device (``y.cpu()``),
+    which become the user's own class, as a CPU ``MyT`` is (``cls`` over a CPU tensor is no working tensor)."""
+    if not all(issubclass(cls, t) for t in types):
+        return NotImplemented
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **(kwargs or {}))
+        if func in torch.overrides.get_default_nowrap_functions():
+            return out
+        return _wrapped_in(out, cls, next(_USER_CLASSES[c] for c in cls.__mro__ if c in _USER_CLASSES))
 
 
-_torch_convert = torch._tensor._convert
-
-
-def _convert(ret, cls):
-    """torch's wrapping of a subclass's results in its class (the default ``__torch_function__``),
-    where a jax-device class (`on_jax_device`) wraps the results that leave the jax device
-    (``y.cpu()``) in the user's own class, as a CPU ``MyT`` is: the jax-device class over a CPU
-    tensor is no working tensor."""
-    user = _USER_CLASSES.get(cls)
-    if user is None:
-        return _torch_convert(ret, cls)
-    if isinstance(ret, torch.Tensor) and not isinstance(ret, Tensor):
-        return ret if isinstance(ret, user) else ret.as_subclass(user)
-    if isinstance(ret, (tuple, list)):
-        return type(ret)(_convert(r, cls) for r in ret)
-    return _torch_convert(ret, cls)
-
-
-torch._tensor._convert = _convert
+def _wrapped_in(out, cls, user):
+    if isinstance(out, torch.Tensor):
+        if isinstance(out, Tensor):
+            return out if isinstance(out, cls) else out.as_subclass(cls)
+        return out if isinstance(out, user) else out.as_subclass(user)
+    if isinstance(out, (tuple, list)):  # (namedtuples too, as torch's)
+        return type(out)(_wrapped_in(o, cls, user) for o in out)
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
