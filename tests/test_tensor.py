@@ -730,7 +730,8 @@ def _subclass_through(how):
         y.tag = 5
         z = _through(how, y)
         # (on the jax device the type is a subclass of _Tagged and torch2jax.Tensor: `on_jax_device`)
-        return isinstance(z, _Tagged), type(z).__name__, z.tag, z.tolist(), z.device.type == device, type(z + 1) is type(y)
+        return (isinstance(z, _Tagged), type(z).__name__, z.tag, z.tolist(), z.device.type == device,
+                type(z + 1) is type(y))
     return run
 
 
