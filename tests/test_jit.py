@@ -1503,6 +1503,15 @@ def test_a_list_of_tensors_a_module_keeps_is_read_as_it_is_now():
     assert run("jax", True) == pytest.approx(run("cpu", False), rel=1e-6)
 
 
+def test_a_function_traced_again_on_every_call_warns_once():
+    m = _Keeps().to("jax")
+    f = t2j.jit(m)
+    with pytest.warns(UserWarning, match="traced and compiled again on each of its last 8 calls") as record:
+        for i in range(12):
+            m.saved.append(f(torch.ones(1, 2, device="jax")).detach()[0, 0])
+    assert sum("on each of its last" in str(w.message) for w in record) == 1
+
+
 def test_python_min_and_max_of_traced_values_stay_in_the_program():
     def f(x):
         s = x.sum().item()

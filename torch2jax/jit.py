@@ -2604,6 +2604,7 @@ class JitFunction:
         self._breaks = 0  # traces in a row that stopped at a value-dependent op
         self._draws = 0  # seed rows the last trace took from explicit torch.Generators: the next one's first guess
         self._value_retraces = 0  # traces caused by a new value of a Python number it reads
+        self._retraces_in_a_row = 0  # calls in a row that traced again (`_explain`)
         self._unguarded = frozenset()  # Python values its traces change (`_Roots.unguarded`)
         # positions of the CPU tensor arguments the trace needs the values of (`_value_arguments`), once
         # a trace with them on the device stopped; None until then
@@ -2789,6 +2790,7 @@ class JitFunction:
             entry = _guarded(entries, slots, storages)
             if entry is not None:
                 entry.used = next(_USES)
+                self._retraces_in_a_row = 0
                 self.stats["hits"] += 1
                 _debug.count("cache_hits")
                 return entry, leaves, slots, storages
@@ -3434,6 +3436,7 @@ class JitFunction:
         last = next(reversed(self._cache))
         reason = _diff(last, self._cache[last][-1].names, key, slots.names)
         self._log(reason)
+        self._retraces_in_a_row += 1
         if _python_values_of(key) != _python_values_of(last):
             self._value_retraces += 1
             if self._value_retraces == _VALUE_RETRACES_BEFORE_WARNING:
@@ -3442,6 +3445,11 @@ class JitFunction:
                     f"{self._value_retraces} times because Python values it reads changed (last: {reason}); "
                     "each new value is a new program. Pass a value that changes from call to call as a tensor "
                     "argument instead.", stacklevel=4)
+        elif self._retraces_in_a_row == _VALUE_RETRACES_BEFORE_WARNING:
+            warnings.warn(
+                f"t2j.jit: {getattr(self.fn, '__qualname__', self.fn)} was traced and compiled again on each of its "
+                f"last {self._retraces_in_a_row} calls (last: {reason}): every call compiles a new program. "
+                "t2j.explain_recompiles() lists why", stacklevel=4)
 
     def _log(self, reason):
         msg = f"t2j.jit: retracing {getattr(self.fn, '__qualname__', self.fn)}: {reason}"

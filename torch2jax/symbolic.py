@@ -742,22 +742,18 @@ def _stop_for_print():
         "is not known while the program is traced. Return it and print it after the call"))
 
 
-def _traced_str(x):
-    """``str`` of a torch.SymInt / SymFloat / SymBool: of a traced number (``print(loss.item())``,
-    ``f"{loss.item():.4f}"`` in a jitted step) it stops the trace, so that the call runs eagerly and prints
-    its values, as a graph break does under torch.compile."""
+def _traced_format(x, spec):
+    """``format`` of a torch.SymInt / SymFloat / SymBool: of a traced number (``f"{loss.item():.4f}"`` in a
+    jitted step) it stops the trace, so that the call runs eagerly and prints its values, as a graph break
+    does under torch.compile. (Not ``str``, which torch's argument parsing calls on the numbers it is given.)"""
     if is_traced_number(x):
         _stop_for_print()
-    return repr(x)
-
-
-def _traced_format(x, spec):
-    return format(_traced_str(x), spec) if spec else _traced_str(x)
+    return format(repr(x), spec)
 
 
 def _traced_print(*args, **kwargs):
-    """``print`` that stops the trace before it writes anything where an argument is a traced number or
-    tensor (`_traced_str`), rather than after the arguments before it."""
+    """``print`` that stops the trace (`_traced_format`) before it writes anything where an argument is a
+    traced number or tensor."""
     if any(is_traced_number(a) or _traced_tensor_value(a) for a in args):
         _stop_for_print()
     return _print(*args, **kwargs)
@@ -827,8 +823,7 @@ def _trace_replacements():
     out += [(torch.nn.modules.batchnorm, "float", _traced_float),
             (torch.nn.functional, "batch_norm", _traced_batch_norm(torch.nn.functional.batch_norm))]
     out += [(sym, "__torch_function__", classmethod(_number_torch_function)) for sym in _SYM_TYPES.values()]
-    out += [(sym, name, fn) for sym in _SYM_TYPES.values()
-            for name, fn in (("__str__", _traced_str), ("__format__", _traced_format))]
+    out += [(sym, "__format__", _traced_format) for sym in _SYM_TYPES.values()]
     return out
 
 
