@@ -277,7 +277,7 @@ def _reraise_with_torch_message(func, args, kwargs, error):
 
 
 _DTYPE_WORDS = ("not implemented for", "not supported for", "dtype", "Bool", "Float", "Half", "Long", "Int",
-                "Complex", "Double", "Byte", "Char", "Short")
+                "Complex", "Double", "Byte", "Char", "Short", "complex", "unsigned")
 
 
 def _raise_cpu_dtype_error(func, args, kwargs):

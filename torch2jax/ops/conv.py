@@ -21,7 +21,8 @@ from .. import dtypes as _dt
 from ..dispatch import HostFallback, TorchRuntimeError
 from .indexing import raise_as_torch
 from .nn import _vjp, upcast
-from .registry import argmax_index, canonical_dim, op_by_op, register, scalar_type_name, true_divide
+from .registry import (argmax_index, canonical_dim, op_by_op, refused_dtypes, register, scalar_type_name,
+                       true_divide)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -240,6 +241,10 @@ def _check_conv_dtypes(x, weight, bias, transposed):
                    transposed, [0] * n, 1)
 
 
+# torch's CPU convolutions compute no bools, its transposed ones no integers narrower than int64
+refused_dtypes(aten.convolution, kinds="b", dtypes=(torch.uint8, torch.int8, torch.int16, torch.int32))
+
+
 @register(aten.convolution.default)
 def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     _check_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
@@ -374,6 +379,11 @@ def _max_pool(x, n, kernel_size, stride, padding, dilation, ceil_mode):
     return _max_windows(x, geometry)
 
 
+# torch's CPU max pools compare real numbers, not bools; their backward kernels (int64 indices) are floating only
+refused_dtypes(aten.max_pool2d_with_indices, aten.max_pool3d_with_indices, kinds="bc")
+refused_dtypes(aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward, kinds="bic", operands=2)
+
+
 @register(aten.max_pool2d_with_indices.default)
 def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     return _max_pool(x, 2, kernel_size, stride, padding, dilation, ceil_mode)
@@ -494,6 +504,12 @@ def _check_adaptive_max(x, output_size, n):
                                     f"input has sizes {list(x.shape)} with dimension {i} being empty")
     if len(output_size) != n:
         raise TorchRuntimeError(f"{name}: internal error: output_size.size() must be {n}")
+
+
+# torch's CPU adaptive and average pools are floating only (avg_pool2d takes int64; avg_pool3d's float16 / bfloat16,
+# which CUDA's kernel computes, are computed)
+refused_dtypes(aten.adaptive_max_pool2d, aten.adaptive_max_pool3d, aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d,
+               aten.avg_pool2d, aten.avg_pool3d, kinds="bic")
 
 
 @register(aten.adaptive_max_pool2d.default)
@@ -643,6 +659,14 @@ def _register_nearest(op, exact, n):
     register(getattr(aten, op).default)(lowering)
     register(getattr(aten, op + "_backward").default)(backward)
 
+
+# torch's CPU resizing kernels are floating only, but for uint8 images (linear / trilinear: floating only; the
+# antialiased ones' float16 / bfloat16, which CUDA's kernels compute, are computed)
+_SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
+refused_dtypes(*(getattr(aten, f"{name}{n}d") for name in ("upsample_nearest", "_upsample_nearest_exact")
+                 for n in (1, 2, 3)), aten.upsample_bilinear2d, aten.upsample_bicubic2d, kinds="bc", dtypes=_SIGNED)
+refused_dtypes(aten.upsample_linear1d, aten.upsample_trilinear3d, kinds="bic")
+refused_dtypes(aten._upsample_bilinear2d_aa, aten._upsample_bicubic2d_aa, kinds="bc", dtypes=_SIGNED)
 
 for _n in (1, 2, 3):
     _register_nearest(f"upsample_nearest{_n}d", False, _n)
@@ -952,6 +976,7 @@ def _check_grid_sampler(x, grid, dims):
                            f"{given}")
 
 
+refused_dtypes(aten.grid_sampler_2d, aten.grid_sampler_3d, kinds="bic")  # (torch's CPU kernels are floating only)
 op_by_op(aten.grid_sampler_2d, aten.grid_sampler_3d)  # (float16 coordinates rounded step by step, as torch)
 
 
@@ -1047,6 +1072,9 @@ def _register_pad(op, mode):
     register(getattr(aten, op + "_backward").default)(backward)
 
 
+# torch's CPU reflection / replication pads copy numbers, not bools
+refused_dtypes(*(getattr(aten, f"{name}{n}d") for name in ("reflection_pad", "replication_pad") for n in (1, 2, 3)),
+               kinds="b")
 for _n in (1, 2, 3):
     _register_pad(f"reflection_pad{_n}d", "reflect")
     _register_pad(f"replication_pad{_n}d", "edge")
@@ -1064,6 +1092,9 @@ def _im2col(x, kernel_size, dilation, padding, stride):
     c, oh, ow, kk = patches.shape[-4:]
     cols = jnp.moveaxis(patches, -1, -3)  # [..., C, K, oh, ow]
     return cols.reshape(lead + (c * kk, oh * ow))
+
+
+refused_dtypes(aten.im2col, aten.col2im, kinds="i")  # (torch's CPU kernels: floating, complex and bool only)
 
 
 @register(aten.im2col.default)

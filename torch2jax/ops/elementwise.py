@@ -19,7 +19,7 @@ from jax import lax
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import (as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote,
+from .registry import (HALF_DTYPES, as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote,
                        refused_dtypes, register, scalar_type_name, strides, true_divide, view, warning)
 
 aten = torch.ops.aten
@@ -209,10 +209,17 @@ def _rounding(fn):
 
 
 # torch's CPU kernels round no bools (nor complex numbers), and compute none of these of bools
-refused_dtypes(aten.floor, aten.ceil, aten.trunc, aten.frac, aten.addcmul, aten.remainder, aten.fmod, aten.pow,
+refused_dtypes(aten.floor, aten.ceil, aten.trunc, aten.addcmul, aten.remainder, aten.fmod, aten.pow,
                aten.bitwise_left_shift, aten.__lshift__, aten.bitwise_right_shift, aten.__rshift__, kinds="b")
 refused_dtypes(aten.round, aten.floor_divide, aten.div.Tensor_mode, aten.div.Scalar_mode, kinds="bc")
-refused_dtypes(aten.hypot, aten.lerp, kinds="bi")  # (floating kernels only)
+refused_dtypes(aten.hypot, aten.lerp, aten.logaddexp, kinds="bi")  # (floating kernels only)
+# (floating kernels only, real ones: frac and round(decimals=) keep no integers as they are, as floor does)
+refused_dtypes(aten.frac, aten.round.decimals, aten.logaddexp2, aten.nextafter, aten.frexp, kinds="bic")
+refused_dtypes(aten.gcd, aten.lcm, kinds="bcf")  # (integer kernels only)
+# (real kernels only; deg2rad / rad2deg refuse complex numbers with an error of their own)
+refused_dtypes(aten.atan2, aten.logit, aten.xlogy, aten.deg2rad, aten.rad2deg, aten.clamp_min, aten.clamp_max,
+               kinds="c")
+refused_dtypes(aten.clamp, kinds="bc")  # (clamp of bools by numbers computes; by bool tensors: NotImplementedError)
 
 elementwise(aten.floor, prims.floor)(_rounding(jnp.floor))
 elementwise(aten.ceil, prims.ceil)(_rounding(jnp.ceil))
@@ -834,6 +841,9 @@ def _check_complex_out(func, args, kwargs):
         op = torch.complex if func.overloadpacket is aten.complex else torch.polar
         raise_as_torch(lambda x, y: op(x, y, out=torch.empty(0, dtype=out.dtype)),
                        torch.empty(0, dtype=a.dtype), torch.empty(0, dtype=b.dtype))
+
+
+refused_dtypes(aten.polar, kinds="bic", dtypes=HALF_DTYPES)  # (torch's CPU kernel: float32 / float64 only)
 
 
 @register(aten.polar)

@@ -549,6 +549,9 @@ def index_fill(x, dim, index, value):
     return x1.at[idx].set(_value(value, x.dtype)).reshape(x.shape)
 
 
+refused_dtypes(aten.index_reduce, kinds="bc")  # (torch's CPU kernel: no bools but for prod / amax / amin, no complex)
+
+
 @register(aten.index_reduce.default)
 def index_reduce(x, dim, index, source, reduce, *, include_self=True):
     if reduce not in ("prod", "mean", "amax", "amin"):
@@ -893,7 +896,9 @@ def _searchsorted(seq, values, right, out_int32):
     return _binary_search(seq, values, right).astype(out_dtype)
 
 
-refused_dtypes(aten.searchsorted, aten.isin, kinds="bc")  # (torch's CPU kernels compare numbers)
+refused_dtypes(aten.searchsorted, aten.bucketize, aten.isin, kinds="bc")  # (torch's CPU kernels compare numbers)
+# (not of bools, nor complex numbers; of integers too, as CUDA's kernel, unlike the CPU's: see histc)
+refused_dtypes(aten.histc, kinds="bc")
 
 
 @register(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
@@ -979,6 +984,11 @@ def repeat_interleave(repeats, *, output_size=None):
             raise RuntimeError("allocated size does not match required size")
         return jnp.asarray(np.repeat(np.arange(counts.size), counts), repeats.dtype)
     return jnp.repeat(jnp.arange(repeats.shape[0], dtype=repeats.dtype), repeats, total_repeat_length=output_size)
+
+
+# torch's CPU kernels sort real numbers only
+refused_dtypes(aten._unique2, aten._unique, aten.unique_dim, aten.unique_consecutive, aten.unique_dim_consecutive,
+               kinds="c")
 
 
 @register(aten._unique2.default)

@@ -33,7 +33,8 @@ from jax.lax import linalg as lax_linalg
 
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
-from .registry import argmax_index, canonical_dim, cast, layout_keywords, register, scalar_type_name, strides
+from .registry import (argmax_index, canonical_dim, cast, layout_keywords, refused_dtypes, register, scalar_type_name,
+                       strides)
 
 aten = torch.ops.aten
 
@@ -316,6 +317,9 @@ def mm_dtype(a, b, out_dtype):
     _check_mm(a, b)
     _check_dtypes(torch.mm, a, b)
     return _finish(_mm(a, b), _dt.to_jax(out_dtype))
+
+
+refused_dtypes(aten._trilinear, kinds="b")  # (torch's CPU kernel is a bmm: no bools)
 
 
 @register(aten._trilinear.default)

@@ -23,8 +23,8 @@ from .. import env as _env
 from ..dispatch import OpError, TorchRuntimeError, TorchValueError
 from .indexing import raise_as_torch, stand_in
 from .linalg import _acc_dtype, _precision
-from .registry import (canonical_dim, check_values, checked_scalar, decomposition, refused_dtypes, register,
-                       scalar_type_name, true_divide)
+from .registry import (HALF_DTYPES, canonical_dim, check_values, checked_scalar, decomposition, refused_dtypes,
+                       register, scalar_type_name, true_divide)
 from .shape import is_traced
 from .sparse import _warn_dense
 
@@ -192,6 +192,12 @@ def _check_layer_norm(x, normalized_shape, weight, bias):
     if x.ndim < len(shape) or list(x.shape[x.ndim - len(shape):]) != shape:
         raise RuntimeError(f"Given normalized_shape={shape}, expected input with shape [*, {', '.join(map(str, shape))}], "
                            f"but got input of size{list(x.shape)}")
+
+
+# torch's CPU normalization kernels are floating only (the running statistics' updates mutate: named overloads)
+refused_dtypes(aten.native_layer_norm, aten.native_group_norm, aten.native_batch_norm.default,
+               aten._native_batch_norm_legit.default, aten._native_batch_norm_legit.no_stats,
+               aten._batch_norm_with_update.default, kinds="bic")
 
 
 @register(aten.native_layer_norm.default)
@@ -371,6 +377,13 @@ def batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, s
 
 refused_dtypes(aten.relu, kinds="bc")  # (torch's CPU relu is a clamp: no bools, no complex numbers)
 
+# torch's CPU kernels of these activations are floating only (threshold and hardtanh compare: bools and complex
+# numbers refused, hardtanh's clamp of uint8 too; silu computes complex numbers)
+refused_dtypes(aten.elu, aten.celu, aten.gelu, aten.mish, aten.softplus, aten.leaky_relu, aten.hardsigmoid,
+               aten.hardswish, aten.hardshrink, aten.softshrink, aten.log_sigmoid_forward, aten.glu, aten._prelu_kernel,
+               aten._safe_softmax, kinds="bic")
+refused_dtypes(aten.silu, kinds="bi")
+refused_dtypes(aten.threshold, aten.hardtanh, aten.relu6, kinds="bc", dtypes=(torch.uint8,))
 
 @register(aten.relu.default)
 def relu(x):
@@ -610,6 +623,15 @@ def _in_steps(x, dtype, *steps):
 
 def _squared_error(x, target, reduction=_MEAN):
     return _reduce(jnp.square(x - target), reduction)
+
+
+# torch's CPU loss kernels are floating only (the margin losses' targets are integers of their own: the input alone
+# is looked at; their float16 / bfloat16, which CUDA's kernels compute, are computed); ctc_loss not of float16 /
+# bfloat16 (nor on CUDA)
+refused_dtypes(aten.mse_loss, aten.huber_loss, aten.smooth_l1_loss, aten.soft_margin_loss,
+               aten.binary_cross_entropy_with_logits, kinds="bic")
+refused_dtypes(aten.multi_margin_loss, aten.multilabel_margin_loss_forward, kinds="bic", operands=1)
+refused_dtypes(aten._ctc_loss, dtypes=HALF_DTYPES)
 
 
 @register(aten.mse_loss.default)
@@ -987,6 +1009,9 @@ _library.impl("native_channel_shuffle", native_channel_shuffle, "AutogradPrivate
 # out-of-range update where torch's kernels raise.
 
 
+refused_dtypes(aten.max_unpool2d, aten.max_unpool3d, kinds="bic", operands=1)  # (floating kernels; int64 indices)
+
+
 @decomposition(aten.max_unpool2d.default, aten.max_unpool3d.default)
 def max_unpool(x, indices, output_size, *args):
     op = aten.max_unpool2d.default if len(output_size) == 2 else aten.max_unpool3d.default
@@ -1000,6 +1025,9 @@ def max_unpool(x, indices, output_size, *args):
 
 
 # -- embedding bag -----------------------------------------------------------------------
+
+
+refused_dtypes(aten._embedding_bag, aten._embedding_bag_forward_only, kinds="bic", operands=1)  # (floating weights)
 
 
 @register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)

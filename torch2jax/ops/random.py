@@ -21,7 +21,8 @@ from .. import dtypes as _dt
 from ..dispatch import TorchValueError
 from ..env import next_key
 from .creation import jax_dtype
-from .registry import broadcast_shapes, cast, check_values, decomposition, placed_as, register, scalar_type_name, warning
+from .registry import (broadcast_shapes, cast, check_values, decomposition, placed_as, refused_dtypes, register,
+                       scalar_type_name, warning)
 
 aten = torch.ops.aten
 
@@ -413,6 +414,10 @@ def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1.0 / 3.0, training
     negative = x <= 0
     out = jnp.where(negative, x.astype(slope.dtype) * slope, x.astype(slope.dtype))
     return out.astype(x.dtype), jnp.where(negative, slope, 1).astype(noise.dtype)
+
+
+# (torch's CPU kernel is floating only, and not of float16, which CUDA's computes, as here)
+refused_dtypes(aten.rrelu_with_noise.default, aten.rrelu_with_noise_functional, kinds="bic")
 
 
 # rrelu_with_noise writes noise but has no in-place name that would lead to the functional variant

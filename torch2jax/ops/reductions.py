@@ -19,8 +19,8 @@ import torch
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import (_HALF, argmax_index, argmin_index, canonical_dim, canonical_dims, decomposition, refused_dtypes,
-                       register, scalar_type_name, true_divide, warning)
+from .registry import (_HALF, HALF_DTYPES, argmax_index, argmin_index, canonical_dim, canonical_dims, decomposition,
+                       refused_dtypes, register, scalar_type_name, true_divide, warning)
 from .shape import is_traced
 
 aten = torch.ops.aten
@@ -102,6 +102,9 @@ def _sum(x, axes, keepdim, out):
 @register(aten.sum.default, aten.sum.dim_IntList)
 def sum_(x, dim=None, keepdim=False, *, dtype=None):
     return _sum(x, _axes(dim, x.ndim), keepdim, _out_dtype(x, dtype, _long_if_integral(x.dtype)))
+
+
+refused_dtypes(aten.nansum, kinds="c")  # ("nansum on CPU does not support complex inputs"; nanmean calls it)
 
 
 @register(aten.nansum.default)
@@ -663,6 +666,11 @@ def _histogramdd(x, edges, weight, density):
         for d, e in enumerate(edges):
             hist = hist / jnp.diff(e).reshape((-1,) + (1,) * (len(edges) - d - 1))
     return hist.astype(x.dtype)
+
+
+# torch's CPU histograms are floating only, histogram and histogramdd not of float16 / bfloat16 either
+refused_dtypes(aten.histogram, aten._histogramdd_bin_edges, aten._histogramdd_from_bin_cts,
+               aten._histogramdd_from_bin_tensors, kinds="bic", dtypes=HALF_DTYPES)
 
 
 @register(aten.histogram.bin_ct)

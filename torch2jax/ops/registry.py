@@ -119,18 +119,34 @@ def op_by_op(*ops):
         OP_BY_OP.update(_overloads(op))
 
 
-def refused_dtypes(*ops, kinds: str):
+# every dtype torch has (the quantized and bit ones are "i")
+_ALL_DTYPES = frozenset(v for v in vars(torch).values() if isinstance(v, torch.dtype))
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def refused_dtypes(*ops, kinds: str = "", dtypes=(), operands=None):
     """Register a check that ``ops`` refuse operands of the dtype ``kinds`` ("b" bool, "c" complex,
-    "i" integer) as torch's CPU kernels do where the lowering would compute them (``round`` of a
-    bool tensor, ``hypot`` of integers: NotImplementedError): torch's kernel runs on stand-ins of
-    the operands and its error is raised. Only calls with such an operand pay for it."""
+    "i" integer, "f" floating) or of ``dtypes`` (where a kind is too coarse: `HALF_DTYPES`) as
+    torch's CPU kernels do where the lowering would compute them (``round`` of a bool tensor,
+    ``hypot`` of integers: NotImplementedError): torch's kernel runs on stand-ins of the operands
+    and its error is raised where it is one of dtypes (else the lowering computes: a mixed call
+    torch promotes). ``operands``: how many leading positional arguments to look at, where the
+    others have dtypes of their own (indices, targets), so that no call pays for them; all by
+    default. Only calls with such an operand pay for more than a set lookup."""
+    refused = frozenset(d for d in _ALL_DTYPES if _dtype_kind(d) in kinds) | frozenset(dtypes)
 
-    def check(func, args, kwargs):
-        if any(isinstance(a, torch.Tensor) and _dtype_kind(a.dtype) in kinds
-               for a in (*args, *kwargs.values())):
-            from ..dispatch import raise_cpu_dtype_error
+    if operands is None:
+        def check(func, args, kwargs):
+            if any(isinstance(a, torch.Tensor) and a.dtype in refused for a in (*args, *kwargs.values())):
+                from ..dispatch import raise_cpu_dtype_error
 
-            raise_cpu_dtype_error(func, args, kwargs)
+                raise_cpu_dtype_error(func, args, kwargs)
+    else:
+        def check(func, args, kwargs):
+            if any(isinstance(a, torch.Tensor) and a.dtype in refused for a in args[:operands]):
+                from ..dispatch import raise_cpu_dtype_error
+
+                raise_cpu_dtype_error(func, args, kwargs)
 
     return warning(*ops)(check)
 

@@ -22,10 +22,22 @@ import torch
 
 from ..dispatch import OpError
 from .elementwise import digamma
-from .registry import as_dtype, cast, elementwise, promote, register, true_divide
+from .registry import HALF_DTYPES, as_dtype, cast, elementwise, promote, refused_dtypes, register, true_divide
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+
+# torch's CPU kernels of these compute no complex numbers, nor (the special functions) float16 / bfloat16
+refused_dtypes(aten.igamma, aten.igammac, kinds="bic")
+refused_dtypes(aten.polygamma, aten.special_entr, aten.special_xlog1py, kinds="c")
+refused_dtypes(*(getattr(aten, "special_" + name) for name in (
+    "bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0", "modified_bessel_i1",
+    "modified_bessel_k0", "modified_bessel_k1", "scaled_modified_bessel_k0", "scaled_modified_bessel_k1",
+    "spherical_bessel_j0", "airy_ai",
+    "erfcx", "log_ndtr", "ndtri", "zeta", "chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",
+    "chebyshev_polynomial_w", "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u",
+    "shifted_chebyshev_polynomial_v", "shifted_chebyshev_polynomial_w", "hermite_polynomial_h",
+    "hermite_polynomial_he", "laguerre_polynomial_l", "legendre_polynomial_p")), kinds="c", dtypes=HALF_DTYPES)
 
 
 def _float_operand(x):
