@@ -470,6 +470,9 @@ def _fractional_max_pool(x, kernel_size, output_size, samples, sample_of_dim):
     return out, idx
 
 
+refused_dtypes(aten.fractional_max_pool2d, aten.fractional_max_pool3d, kinds="bic", operands=1)  # (floating only)
+
+
 @register(aten.fractional_max_pool2d.default)
 def fractional_max_pool2d(x, kernel_size, output_size, random_samples):
     return _fractional_max_pool(x, kernel_size, output_size, random_samples, (1, 0))

@@ -645,6 +645,12 @@ def _reject_float(name, x):
         )
 
 
+# (integer kernels only: torch's error names the operand's dtype, float16 too, which the lowering computes in float32)
+refused_dtypes(aten.bitwise_and, aten.__and__, aten.bitwise_or, aten.__or__, aten.bitwise_xor, aten.__xor__,
+               aten.bitwise_not, aten.bitwise_left_shift, aten.__lshift__, aten.bitwise_right_shift, aten.__rshift__,
+               kinds="fc")
+
+
 @elementwise(aten.bitwise_and, prims.bitwise_and, aten.__and__)
 def bitwise_and(a, b):
     _reject_float("bitwise_and", a)

@@ -943,6 +943,9 @@ def histc(x, bins=100, min=0, max=0):
     return jnp.zeros((bins,), x.dtype).at[pos.reshape(-1)].add(inside.reshape(-1).astype(x.dtype))
 
 
+refused_dtypes(aten.bincount, kinds="bcf", operands=1)  # (torch's CPU kernel counts integers; floating weights)
+
+
 @register(aten.bincount.default)
 def bincount(x, weights=None, minlength=0):
     if x.ndim != 1 or not _dt.is_integral(x.dtype):

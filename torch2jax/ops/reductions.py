@@ -184,6 +184,9 @@ def amin(x, dim=(), keepdim=False):
     return _extreme("amin", jnp.min, x, dim, keepdim)
 
 
+refused_dtypes(aten.hash_tensor, kinds="c")  # (torch's CPU kernel: "xor_sum_cpu" of no complex numbers)
+
+
 @register(aten.hash_tensor.default)
 def hash_tensor(x, dim=(), keepdim=False, mode=0):
     """The xor of the elements' bits, each first widened to float64 / int64 (sign extended)
