@@ -555,7 +555,7 @@ _KERNEL_DTYPE_CASES = [
           NotImplementedError, "\"batch_norm\" not implemented for 'Long'"),
     _case("max_pool2d of bools", lambda d: F.max_pool2d(_bools(d).view(1, 1, 2), 1), NotImplementedError,
           "\"max_pool2d\" not implemented for 'Bool'"),
-    _case("adaptive_avg_pool2d of integers", lambda d: F.adaptive_avg_pool2d(_t([[[1, 2]]], d), 1),
+    _case("adaptive_avg_pool2d of integers", lambda d: F.adaptive_avg_pool2d(_t([[[1, 2, 3, 4]]], d), (1, 2)),
           NotImplementedError, "\"adaptive_avg_pool2d\" not implemented for 'Long'"),
     _case("max_unpool1d of integers", lambda d: F.max_unpool1d(_t([[[1, 2]]], d), _t([[[0, 2]]], d), 2),
           NotImplementedError, "\"max_unpool2d\" not implemented for 'Long'"),
