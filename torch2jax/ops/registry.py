@@ -135,20 +135,22 @@ def refused_dtypes(*ops, kinds: str = "", dtypes=(), operands=None):
     default. Only calls with such an operand pay for more than a set lookup."""
     refused = frozenset(d for d in _ALL_DTYPES if _dtype_kind(d) in kinds) | frozenset(dtypes)
 
-    if operands is None:
-        def check(func, args, kwargs):
-            if any(isinstance(a, torch.Tensor) and a.dtype in refused for a in (*args, *kwargs.values())):
-                from ..dispatch import raise_cpu_dtype_error
-
-                raise_cpu_dtype_error(func, args, kwargs)
-    else:
-        def check(func, args, kwargs):
-            if any(isinstance(a, torch.Tensor) and a.dtype in refused for a in args[:operands]):
-                from ..dispatch import raise_cpu_dtype_error
-
-                raise_cpu_dtype_error(func, args, kwargs)
+    def check(func, args, kwargs):
+        for a in args[:operands]:
+            if isinstance(a, torch.Tensor) and a.dtype in refused:
+                return _raise_refused(func, args, kwargs)
+        if operands is None and kwargs:
+            for a in kwargs.values():
+                if isinstance(a, torch.Tensor) and a.dtype in refused:
+                    return _raise_refused(func, args, kwargs)
 
     return warning(*ops)(check)
+
+
+def _raise_refused(func, args, kwargs):
+    from ..dispatch import raise_cpu_dtype_error
+
+    raise_cpu_dtype_error(func, args, kwargs)
 
 
 def _both(first, second):
