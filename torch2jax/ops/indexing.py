@@ -573,6 +573,8 @@ def index_reduce(x, dim, index, source, reduce, *, include_self=True):
 
 @register(aten.take.default)
 def take(x, index):
+    if index.dtype != _LONG:
+        raise TorchRuntimeError(f"take(): Expected a long tensor for index, but got {scalar_type_name(index.dtype)}")
     n = x.size
     _check_range(index, n, _flat_out_of_range(n))
     if n == 0:

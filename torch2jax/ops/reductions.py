@@ -645,6 +645,8 @@ def _bin_edges(x, bins, range):
     points = x.reshape(-1, x.shape[-1])
     edges = []
     for d, n in enumerate(bins):
+        if n <= 0:
+            raise TorchRuntimeError(f"torch.histogram(): bins must be > 0, but got {n} for dimension {d}")
         lo, hi = _outer_edges(points[:, d], None if range is None else range[2 * d:2 * d + 2], d)
         edges.append(_linspace_edges(lo, hi, n, x.dtype))
     return edges
