@@ -501,8 +501,9 @@ def _is_foreign_device(kwargs):
 
 
 def _resolve(func):
-    if isinstance(func, torch._ops.OpOverload) and "nested" in func._schema.name:
-        # (a jagged nested tensor's ops reach its own __torch_dispatch__, not this one)
+    if isinstance(func, torch._ops.OpOverload) and "nested" in func._schema.name and func not in _reg.LOWERINGS:
+        # (a jagged nested tensor's ops reach its own __torch_dispatch__, not this one; a lowering of one,
+        # _nested_tensor_from_mask's, says what to do instead)
         handler, path = _refuse_nested, "refused"
     else:
         handler, path = _choose(func)
