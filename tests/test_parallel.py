@@ -64,6 +64,7 @@ def run_8(code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # (FSDP x TP here and the two-process FSDP run of test_multihost stay in CI)
 def test_fsdp_matches_one_device_and_shards_parameters_and_state():
     r = run_8("""
         base = gpt_model()
@@ -97,6 +98,7 @@ def test_fsdp_times_tensor_parallel_on_a_2d_mesh():
     assert r["qkv_shard"] == [192 // 4, 64 // 2]
 
 
+@pytest.mark.slow  # (the rules on unstacked layers stay in CI)
 def test_rules_apply_to_stacked_layers_and_fsdp_says_what_it_leaves_replicated():
     r = run_8("""
         import warnings

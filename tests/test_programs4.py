@@ -1445,7 +1445,7 @@ FAST = {
     ("func_vmap_randomness_modes", False), ("pairwise_distances_and_knn", True),
     ("integer_division_and_remainder_signs", True), ("checkpoint_forward_draws_like_the_plain_block", False),
     ("checkpoint_dropout_recompute_consistency", False), ("ctc_training_with_lengths_on_the_cpu", True),
-    ("multilabel_margin_and_grid_sample_grads", False), ("embedding_bag_modes_and_gradients", False),
+    ("embedding_bag_modes_and_gradients", False),
     ("antialias_resize_and_volumetric_grid_sample", True), ("fractional_max_pool_layers", False),
 }
 XFAIL = {}
