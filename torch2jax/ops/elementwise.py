@@ -151,8 +151,8 @@ def digamma(x):
 @elementwise(aten.neg, prims.neg)
 def neg(x):
     if _is_bool(x):
-        raise OpError(
-            "torch2jax: Negation, the `-` operator, on a bool tensor is not supported. If you are trying to invert "
+        raise TorchRuntimeError(
+            "Negation, the `-` operator, on a bool tensor is not supported. If you are trying to invert "
             "a mask, use the `~` or `logical_not()` operator instead."
         )
     return -x
@@ -482,10 +482,12 @@ def addcmul(x, t1, t2, *, value=1):
 @elementwise(aten.addcdiv)
 def addcdiv(x, t1, t2, *, value=1):
     if _is_int(t1) and _is_int(t2):
-        raise OpError(
-            "torch2jax: Integer division with addcdiv is no longer supported, and in a future release addcdiv will "
-            "perform a true division of tensor1 and tensor2. Use (input + value * tensor1 / tensor2) instead."
-        )
+        raise TorchRuntimeError(
+            "Integer division with addcdiv is no longer supported, and in a future  release addcdiv will perform "
+            "a true division of tensor1 and tensor2. The historic addcdiv behavior can be implemented as "
+            "(input + value * torch.trunc(tensor1 / tensor2)).to(input.dtype) for integer inputs and as "
+            "(input + value * tensor1 / tensor2) for float inputs. The future addcdiv behavior is just the latter "
+            "implementation: (input + value * tensor1 / tensor2), for all dtypes.")
     return x + as_dtype(checked_scalar(value, x.dtype), x.dtype) * t1 / t2
 
 
