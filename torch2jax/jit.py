@@ -942,27 +942,21 @@ def _wide_step_counters(optimizers):
     if torch.get_default_dtype() == torch.float64:  # torch's scalars are float64 already
         yield
         # but for the groups the trace put on the fused path: their first step made float32 counters
-        for opt in optimizers:
-            for g in opt.param_groups:
-                if id(g) in _FUSED_FOR_THE_TRACE:
-                    for st in (opt.state[p] for p in g["params"] if p in opt.state):
-                        for k, v in list(st.items()):
-                            if isinstance(v, Tensor) and v.dtype == torch.float32 and not v.dim():
-                                st[k] = v.to(torch.float64)
+        fused = {id(p) for opt in optimizers for g in opt.param_groups if id(g) in _FUSED_FOR_THE_TRACE
+                 for p in g["params"]}
+        for p, st, k, v in _scalar_state(optimizers):
+            if id(p) in fused and v.dtype == torch.float32:
+                st[k] = v.to(torch.float64)
         return
     groups = {id(p): g for opt in optimizers for g in opt.param_groups for p in g["params"]}
     swapped, wide = [], set()
-    for opt in optimizers:
-        for p, st in opt.state.items():
-            group = groups.get(id(p))
-            for k, v in list(st.items()):
-                if not isinstance(v, Tensor) or v.dim():
-                    continue
-                if v.dtype == torch.float64:  # (a float64 run's: stays so)
-                    wide.add((id(st), k))
-                elif v.dtype == torch.float32 and group is not None and not group.get("fused"):
-                    st[k] = v.to(torch.float64)
-                    swapped.append((st, k, v))
+    for p, st, k, v in _scalar_state(optimizers):
+        group = groups.get(id(p))
+        if v.dtype == torch.float64:  # (a float64 run's: stays so)
+            wide.add((id(st), k))
+        elif v.dtype == torch.float32 and group is not None and not group.get("fused"):
+            st[k] = v.to(torch.float64)
+            swapped.append((st, k, v))
     modules = [m for name, m in list(sys.modules.items())
                if name.startswith("torch.optim") and getattr(m, "_get_scalar_dtype", None) is not None]
     before = [(m, m._get_scalar_dtype) for m in modules]
@@ -979,12 +973,19 @@ def _wide_step_counters(optimizers):
             if isinstance(now, Tensor) and now.dtype == torch.float64 and not now.dim():
                 v.copy_(now)
                 st[k] = v
-        for opt in optimizers:  # and the scalars the trace created
-            for st in opt.state.values():
-                for k, v in list(st.items()):
-                    if isinstance(v, torch.Tensor) and v.dtype == torch.float64 and not v.dim() \
-                            and (id(st), k) not in wide:  # (on the CPU, as Adafactor keeps its step)
-                        st[k] = v.to(torch.float32)
+        # and the scalars the trace created (also on the CPU, as Adafactor keeps its step)
+        for _, st, k, v in _scalar_state(optimizers, torch.Tensor):
+            if v.dtype == torch.float64 and (id(st), k) not in wide:
+                st[k] = v.to(torch.float32)
+
+
+def _scalar_state(optimizers, kind=Tensor):
+    """(parameter, its state dict, key, value) per 0-d tensor of type ``kind`` in the optimizers' state."""
+    for opt in optimizers:
+        for p, st in opt.state.items():
+            for k, v in list(st.items()):
+                if isinstance(v, kind) and not v.dim():
+                    yield p, st, k, v
 
 
 @contextlib.contextmanager
@@ -2549,7 +2550,8 @@ def _leaked(fn) -> JitError:
 _OWNERS_KEPT = 4
 _USES = itertools.count(1)
 
-# Traces caused by new values of the Python numbers a function reads before t2j.jit warns of them
+# Traces caused by new values of the Python numbers a function reads (or calls in a row that each traced
+# again, for any reason) before t2j.jit warns of them
 _VALUE_RETRACES_BEFORE_WARNING = 8
 
 # Traces in a row that stop at a value-dependent op before a function's new keys run eagerly untraced

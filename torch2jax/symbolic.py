@@ -573,11 +573,16 @@ def _on_device_if_host(x):
     return copy
 
 
-def _traced_tensor(x) -> bool:
-    """Whether ``x`` is a one-element jax-device tensor whose value is traced."""
+def _traced_tensor_value(x) -> bool:
+    """Whether ``x`` is a jax-device tensor whose value is traced."""
     from .tensor import Tensor
 
-    return isinstance(x, Tensor) and x.numel() == 1 and isinstance(x._value(), jax.core.Tracer)
+    return isinstance(x, Tensor) and isinstance(x._value(), jax.core.Tracer)
+
+
+def _traced_tensor(x) -> bool:
+    """Whether ``x`` is a one-element jax-device tensor whose value is traced."""
+    return _traced_tensor_value(x) and x.numel() == 1
 
 
 def _traced_extremum(builtin, sym, beats):
@@ -633,12 +638,6 @@ def _traced_pow(fn):
         return fn(x, y)
 
     return pow_fn
-
-
-def _traced_tensor_value(x) -> bool:
-    from .tensor import Tensor
-
-    return isinstance(x, Tensor) and isinstance(x.jax(), jax.core.Tracer)
 
 
 def _traced_data(data) -> bool:

@@ -51,36 +51,32 @@ def uninitialized(shape, dtype):
     return jnp.full(shape, np.asarray(value, dtype), dtype)
 
 
+def _size_and_dtype(args, dtype, methods):
+    """(shape, dtype) of a factory called as ``torch.x(size)`` or, with ``methods`` arguments, as the method
+    ``self.new_x(size, ...)``, whose dtype defaults to ``self``'s."""
+    if len(args) == methods:
+        return _shape(args[1]), jax_dtype(dtype, args[0].dtype)
+    return _shape(args[0]), jax_dtype(dtype)
+
+
 @register(aten.zeros.default, aten.new_zeros, aten._efficientzerotensor)
 def zeros(*args, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, names=None):
-    if len(args) == 2:  # new_zeros(self, size): dtype defaults to self's
-        x, size = args
-        return jnp.zeros(_shape(size), jax_dtype(dtype, x.dtype))
-    return jnp.zeros(_shape(args[0]), jax_dtype(dtype))
+    return jnp.zeros(*_size_and_dtype(args, dtype, 2))
 
 
 @register(aten.empty.memory_format, aten.new_empty)
 def empty(*args, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, names=None):
-    if len(args) == 2:  # new_empty(self, size): dtype defaults to self's
-        x, size = args
-        return uninitialized(_shape(size), jax_dtype(dtype, x.dtype))
-    return uninitialized(_shape(args[0]), jax_dtype(dtype))
+    return uninitialized(*_size_and_dtype(args, dtype, 2))
 
 
 @register(aten.empty_strided, aten.new_empty_strided)
 def empty_strided(*args, dtype=None, layout=None, device=None, pin_memory=None):
-    if len(args) == 3:
-        x, size, _ = args
-        return uninitialized(_shape(size), jax_dtype(dtype, x.dtype))
-    return uninitialized(_shape(args[0]), jax_dtype(dtype))
+    return uninitialized(*_size_and_dtype(args, dtype, 3))
 
 
 @register(aten.ones.default, aten.new_ones)
 def ones(*args, dtype=None, layout=None, device=None, pin_memory=None):
-    if len(args) == 2:
-        x, size = args
-        return jnp.ones(_shape(size), jax_dtype(dtype, x.dtype))
-    return jnp.ones(_shape(args[0]), jax_dtype(dtype))
+    return jnp.ones(*_size_and_dtype(args, dtype, 2))
 
 
 def _fill_dtype(value, dtype):
