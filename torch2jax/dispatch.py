@@ -1020,8 +1020,8 @@ def _compute(func, args, kwargs):
 # A lowering that refers to one of these names may act differently when traced:
 # value checks skipped for tracers (index bounds, integer division by zero),
 # RNG state advanced, a warning issued once per trace instead of once per call,
-# the scoped config read (it is not part of the cache key). It always runs op
-# by op.
+# the scoped config or torch's deterministic fill read (neither is part of the
+# cache key). It always runs op by op.
 _TRACE_SENSITIVE = frozenset(
     {
         "Tracer",
@@ -1039,6 +1039,7 @@ _TRACE_SENSITIVE = frozenset(
         "CAPTURE",
         "dispatch",
         "config",
+        "uninitialized",
     }
 )
 
