@@ -210,7 +210,7 @@ class _Roots:
                     self.add_value(*value)
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
-            if _optimizer_on_jax(obj):
+            if _optimizer_on_jax(obj) and not _stepping(obj):
                 self.optimizers.append(obj)
         elif isinstance(obj, Tensor):
             self._seen.add(id(obj))
@@ -488,6 +488,18 @@ def _optimizer_on_jax(opt) -> bool:
     return p is None or isinstance(p, Tensor)
 
 
+def _stepping(opt) -> bool:
+    """Whether ``opt.step`` is running: the function is its closure (LBFGS's, called up to ``max_iter``
+    times a step), which cannot step it again. Its state is then not the function's: carrying it
+    would retrace the closure on every call, as LBFGS's history grows between them."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "step" and frame.f_locals.get("self") is opt:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _Same:
     """A jax.Array the function reads as a constant (``cfg.mask``), in a cache key: it matches
     the same array object only (comparing values would wait for the device), and holds it so
@@ -615,7 +627,30 @@ def _check_python_state(fn, objects, before, names=frozenset()):
         )
 
 
-_MISSING, _TENSOR = object(), object()
+class _Marker:
+    """A sentinel of cache keys and Python state summaries, named in `explain_recompiles`."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+_MISSING, _TENSOR = _Marker("absent"), _Marker("<tensor>")
+
+
+def _brief(v) -> str:
+    """``repr(v)`` with runs of equal items of a tuple written once (LBFGS's history: ``(<tensor> x 6,
+    None x 94)``), cut short past 400 characters."""
+    if type(v) is tuple and len(v) > 3:
+        runs = [[item, len(list(group))] for item, group in itertools.groupby(v)]
+        text = "(" + ", ".join(_brief(item) + (f" x {n}" if n > 1 else "") for item, n in runs) + ")"
+    else:
+        text = repr(v)
+    return text if len(text) <= 400 else text[:400] + " ..."
 
 
 def _is_flag_change(old, new) -> bool:
@@ -4620,12 +4655,22 @@ def _static_change(key, old, new) -> str:
     elif what == "state":
         label = f"optimizer #{k} state of param_groups[{where[0]}]"
         if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
-            # one entry per parameter: name the first that differs
+            # one entry per parameter: name the first that differs, and the first of its items that does
             pi = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
             label, old, new = f"{label}.params[{pi}]", old[pi], new[pi]
+            if isinstance(old, tuple) and isinstance(new, tuple):
+                olds, news = dict(map(_state_item, old)), dict(map(_state_item, new))
+                name = next(n for n in (*olds, *news) if olds.get(n, _MISSING) != news.get(n, _MISSING))
+                label, old, new = f"{label}[{name!r}]", olds.get(name, _MISSING), news.get(name, _MISSING)
     else:
         label = f"optimizer #{k} param_groups[{where[0]}] hyperparameters"
-    return f"{label}: {'absent' if old is _MISSING else repr(old)} -> {'absent' if new is _MISSING else repr(new)}"
+    return f"{label}: {_brief(old)} -> {_brief(new)}"
+
+
+def _state_item(entry) -> tuple:
+    """(name, summary) of an entry of an optimizer state's layout (`_Collector.optimizer`): a tensor's name
+    alone, or a Python value's (name, value)."""
+    return (entry, _TENSOR) if isinstance(entry, str) else entry
 
 
 def _python_values_of(key):
