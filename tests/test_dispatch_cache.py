@@ -219,3 +219,60 @@ def test_compiles_only_from_the_third_call(monkeypatch):
         (entry,) = compiled.signatures.values()
         kinds.append(type(entry) is int)
     assert kinds == [True, True, False, False]
+
+
+@pytest.fixture
+def backend_compiles():
+    """A list that gets an entry for every XLA compilation while the test runs."""
+    from jax._src import monitoring
+
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    yield seen
+    monitoring.unregister_event_duration_listener(listener)
+
+
+VIEWS_AT = {
+    "select": lambda x, i: x[i],
+    "select_negative": lambda x, i: x[-i - 1],
+    "select_dim1": lambda x, i: x[:, i],
+    "slice": lambda x, i: x[i:i + 3],
+    "slice_open": lambda x, i: x[i:],
+    "slice_step": lambda x, i: x[i:i + 5:2],
+    "slice_clamped": lambda x, i: x[i - 3:i + 100],
+    "narrow_dim1": lambda x, i: x.narrow(1, i, 2),
+    "nested": lambda x, i: x[:, 1:][i][i % 3:],
+}
+
+
+@pytest.mark.parametrize("view", VIEWS_AT)
+def test_views_at_integer_positions_read_and_write_as_torch(view):
+    x = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    xj = x.to("jax")
+    for i in range(5):
+        torch.testing.assert_close((VIEWS_AT[view](xj, i) * 2 + 1).cpu(), VIEWS_AT[view](x, i) * 2 + 1)
+        torch.testing.assert_close(VIEWS_AT[view](xj, i).cpu(), VIEWS_AT[view](x, i))
+        VIEWS_AT[view](x, i).mul_(-1).add_(i)
+        VIEWS_AT[view](xj, i).mul_(-1).add_(i)
+        torch.testing.assert_close(xj.cpu(), x)
+
+
+def test_a_loop_over_minibatches_compiles_its_ops_once(backend_compiles):
+    # where a slice or row starts is an input of the programs reading it: one program for every minibatch
+    x, w = torch.randn(64, 4).to("jax"), torch.randn(4, 3).to("jax")
+
+    def batch(i):
+        return (x[i:i + 8] @ w).relu().sum() + x[i].sum()
+
+    batch(0).item()
+    before = len(backend_compiles)
+    got = [batch(i).item() for i in range(1, 40)]
+    assert len(backend_compiles) == before
+    xc, wc = x.cpu(), w.cpu()
+    assert got == pytest.approx([((xc[i:i + 8] @ wc).relu().sum() + xc[i].sum()).item() for i in range(1, 40)],
+                                rel=1e-5)

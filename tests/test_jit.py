@@ -1529,8 +1529,102 @@ def test_a_list_of_tensors_a_module_keeps_is_read_as_it_is_now():
     assert run("jax", True) == pytest.approx(run("cpu", False), rel=1e-6)
 
 
+class _Policy(nn.Module):
+    """REINFORCE's policy: the training loop appends each step's log-prob and reward to its lists."""
+
+    def __init__(self, peek=False):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.saved_log_probs, self.rewards = [], []
+        self.peek = peek
+
+    def forward(self, x):
+        probs = self.lin(x).softmax(-1)
+        if self.peek and self.rewards:  # (a list read for its truth value only)
+            probs = probs * 0.5 + 0.25
+        return probs
+
+
+@pytest.mark.parametrize("peek", [False, True], ids=["unread", "read"])
+def test_lists_a_module_keeps_are_state_only_once_a_trace_reads_them(peek):
+    # unread, the lists growing between calls would make each call a new program (REINFORCE's policy)
+    def run(device, jit):
+        torch.manual_seed(0)
+        policy = _Policy(peek).to(device)
+        opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+        f = t2j.jit(policy) if jit else policy
+        xs = torch.randn(3, 5, 1, 4)
+        for episode in range(3):
+            for t in range(5):
+                probs = f(xs[episode, t].to(device))
+                policy.saved_log_probs.append(probs[0, 0].log())
+                policy.rewards.append(float(t))
+            loss = -sum(lp * r for lp, r in zip(policy.saved_log_probs, policy.rewards))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            del policy.saved_log_probs[:], policy.rewards[:]
+        return policy.lin.weight.detach().cpu(), f
+
+    want, _ = run("cpu", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, f = run("jax", True)
+    torch.testing.assert_close(got, want)
+    # read for its truth value: one program while empty, one for every length after
+    assert f.stats["traces"] == (6 if peek else 1), t2j.explain_recompiles()
+
+
+@pytest.mark.parametrize("hook", ["register_hook", "post_accumulate_grad"])
+def test_a_counter_a_gradient_hook_advances_advances_on_every_call(hook):
+    def run(device, jit):
+        w = torch.arange(3.0, device=device, requires_grad=True)
+        calls = [0]
+
+        def count(*_):
+            calls[0] += 1
+
+        getattr(w, "register_hook" if hook == "register_hook" else "register_post_accumulate_grad_hook")(count)
+
+        def step(a):
+            (w * a).sum().backward()
+
+        s = t2j.jit(step) if jit else step
+        for _ in range(4):
+            s(torch.ones(3, device=device))
+        return calls[0], w.grad.cpu()
+
+    want = run("cpu", False)
+    got = run("jax", True)
+    assert got[0] == want[0] == 4
+    torch.testing.assert_close(got[1], want[1])
+
+
+@pytest.mark.parametrize("foreach", [None, False])
+def test_adam_steps_a_parameter_listed_twice_twice(foreach):
+    # (tied weights listed by named_parameters(remove_duplicate=False); torch warns but steps each entry)
+    def run(device, jit):
+        w = nn.Parameter(torch.tensor([1.0, -2.0], device=device))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = torch.optim.Adam([w, w], lr=0.1, foreach=foreach)
+
+        def step():
+            opt.zero_grad()
+            (w * torch.tensor([1.0, 3.0], device=device)).sum().backward()
+            opt.step()
+
+        s = t2j.jit(step) if jit else step
+        for _ in range(3):
+            s()
+        return w.detach().cpu()
+
+    torch.testing.assert_close(run("jax", True), run("cpu", False))
+
+
 def test_a_function_traced_again_on_every_call_warns_once():
     m = _Keeps().to("jax")
+    m.use = True  # (its forward reads the list: a new length is a new program)
     f = t2j.jit(m)
     with pytest.warns(UserWarning, match="traced and compiled again on each of its last 8 calls") as record:
         for i in range(12):

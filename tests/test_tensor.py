@@ -135,6 +135,17 @@ def test_save_load_keeps_conjugate_and_negative_view_bits_over_a_shared_storage(
     assert on_cpu.device.type == "cpu" and on_cpu.is_conj() and on_cpu.resolve_conj().tolist()[0] == 1 - 2j
 
 
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_save_load_keeps_a_view_holding_nan_a_view(device):
+    x = torch.tensor([1.0, float("nan"), 3.0, 4.0], device=device)
+    buf = io.BytesIO()
+    torch.save({"x": x, "v": x[1:3]}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    loaded["v"].fill_(7.0)
+    assert loaded["x"].cpu().tolist() == [1.0, 7.0, 7.0, 4.0]
+
+
 def test_storage_of_a_jax_tensor_is_a_storage_torch_save_writes():
     x = torch.arange(4.0, device="jax")
     assert torch.is_storage(x.untyped_storage()) and not torch.is_storage(x)

@@ -179,6 +179,9 @@ class _Roots:
         self.held = set()  # ids of the objects modules hold (`_module_extras`): all their plain attributes guarded
         self.lifts: _Hyperparameters | None = None  # which numbers among the values are program inputs
         self.grads = True  # whether the parameters' (and arguments') ``.grad`` are state (`JitFunction._sees_grads`)
+        # (module id, name) of the lists modules hold as attributes that a trace read (`_unread_lists_hidden`;
+        # None: all), and (module, name) of those none did yet: neither carried nor guarded
+        self.lists_read, self.lists_unread = None, []
         self._seen = set()
         self._sites, self._labels = set(), {}  # (`add_value`)
 
@@ -199,9 +202,14 @@ class _Roots:
                     self.add(t, depth)
                 # what its hooks close over (``feats.append(out)``) and the lists it keeps
                 # (``self.maps.append(x)``): places a trace may store into, as the function's own
-                extras, held, read = _module_extras(obj)
+                extras, held, read, lists = _module_extras(obj)
                 for extra in extras:
                     self.add(extra, depth + 1)
+                for sub, name, items in lists:
+                    if self.lists_read is None or (id(sub), name) in self.lists_read:
+                        self.add(items, depth + 1)
+                    else:
+                        self.lists_unread.append((sub, name))
                 # (a config its forward reads: ``self.config.final_logit_softcapping``)
                 for o in held:  # (those `add` files elsewhere, an optimizer or a generator, stay unguarded)
                     self.held.add(id(o))
@@ -215,6 +223,10 @@ class _Roots:
         elif isinstance(obj, Tensor):
             self._seen.add(id(obj))
             self.tensors.append(obj)
+            # (what its gradient hooks close over: ``calls[0] += 1``)
+            if obj._backward_hooks or obj._post_accumulate_grad_hooks:
+                for hook in _gradient_hooks(obj):
+                    self.add(hook, depth)
         elif isinstance(obj, torch.Tensor):
             self._seen.add(id(obj))
             self.cpu_tensors.append(obj)
@@ -403,24 +415,29 @@ def _parameter_hooks(module) -> list:
     the rest of finding the roots)."""
     seen = _HOOKS_SEEN.get(module)
     if seen is None or seen[0] != _HOOK_CHANGES[0]:
-        hooks = [getattr(h, "__wrapped__", h) for p in module.parameters()
-                 for d in (p._backward_hooks, p._post_accumulate_grad_hooks) for h in (d or {}).values()]
+        hooks = [h for p in module.parameters() for h in _gradient_hooks(p)]
         seen = _HOOKS_SEEN[module] = (_HOOK_CHANGES[0], hooks)
     return seen[1]
+
+
+def _gradient_hooks(t) -> list:
+    """The functions hooked on tensor ``t``'s gradient (``register_hook``, a post-accumulate-grad hook)."""
+    return [getattr(h, "__wrapped__", h) for d in (t._backward_hooks, t._post_accumulate_grad_hooks)
+            for h in (d or {}).values()]
 
 
 _EXTRAS_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (counters, its extras)
 
 
 def _module_extras(module) -> tuple:
-    """(the functions hooked on ``module`` and its submodules and the lists and functions they hold as
-    public attributes, the other objects they hold as public attributes (an HF model's ``config``, whose
+    """(the functions hooked on ``module`` and its submodules and the functions they hold as public
+    attributes, the other objects they hold as public attributes (an HF model's ``config``, whose
     plain attributes its code reads all over: each is guarded as a module's own), the Python
     values their ``forward`` functions (and the functions those name) read from globals and from their
     classes (`_globals_read`, `_class_values`): `_Roots.values` entries, guarded as the
-    jitted function's own), read again only after a module attribute was set or a hook registered
-    or removed somewhere (reading every submodule's attributes on each call would cost more than
-    the rest of finding the roots)."""
+    jitted function's own, and (submodule, name, list) of the lists they hold as public attributes),
+    read again only after a module attribute was set or a hook registered or removed somewhere (reading
+    every submodule's attributes on each call would cost more than the rest of finding the roots)."""
     now = (_ATTRIBUTE_WRITES[0], _HOOK_CHANGES[0])
     seen = _EXTRAS_SEEN.get(module)
     if seen is None or seen[0] != now:
@@ -428,7 +445,9 @@ def _module_extras(module) -> tuple:
         extras = [hook for sub in subs for name in _MODULE_HOOK_DICTS for hook in getattr(sub, name).values()]
         # (and the functions they hold, whose closures and globals hold values too: ``self.fn = lambda o: o * k[0]``)
         extras += [v for sub in subs for name, v in sub.__dict__.items()
-                   if (type(v) is list or isinstance(v, _CALLABLES)) and name[0] != "_"]
+                   if isinstance(v, _CALLABLES) and name[0] != "_"]
+        lists = [(sub, name, v) for sub in subs for name, v in sub.__dict__.items()
+                 if type(v) is list and name[0] != "_"]
         held = list({id(v): v for sub in subs for name, v in sub.__dict__.items()
                      if name[0] != "_" and _gradcut.plain_object(v)}.values())
         read, seen_fns = {}, set()
@@ -438,7 +457,7 @@ def _module_extras(module) -> tuple:
             code = getattr(cls.forward, "__code__", None)
             names = ("forward", *(_global_names(code) if code is not None else ()))
             read.update({(id(base), name): (where, base, name) for where, base, name in _class_values(cls, names)})
-        seen = _EXTRAS_SEEN[module] = (now, (extras, held, list(read.values())))
+        seen = _EXTRAS_SEEN[module] = (now, (extras, held, list(read.values()), lists))
     return seen[1]
 
 
@@ -498,6 +517,63 @@ def _stepping(opt) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+_MODULE_GETATTR = torch.nn.Module.__getattr__
+_HIDDEN: dict = {}  # id(module) -> (its lists hidden by `_unread_lists_hidden`: name -> list, the reads' set)
+_HIDING = [0]  # the traces hiding lists now
+
+
+def _hidden_list_getattr(module, name):
+    """``torch.nn.Module.__getattr__`` while a trace hides lists: a hidden list read is put back and noted."""
+    hidden = _HIDDEN.get(id(module))
+    if hidden is not None and name in hidden[0]:
+        value = module.__dict__[name] = hidden[0].pop(name)
+        hidden[1].add((id(module), name))
+        return value
+    return _MODULE_GETATTR(module, name)
+
+
+@contextlib.contextmanager
+def _unread_lists_hidden(places):
+    """Take the lists modules hold that no trace of the function read (REINFORCE's ``saved_log_probs``, which
+    the training loop appends to after every call of the jitted policy: carried and guarded, each new length
+    would be a new program) out of their modules' ``__dict__`` while the function runs, so that reading one
+    goes through ``Module.__getattr__``. Yields the set of (module id, name) of those it read or assigned:
+    the trace is then run again with them carried and guarded, so they are put back as they were (a list
+    the function appends to holds a tracer)."""
+    reads, hidden, before = set(), {}, {}
+    for sub, name in places:
+        d = sub.__dict__
+        if type(d.get(name)) is list and type(sub).__getattr__ in (_MODULE_GETATTR, _hidden_list_getattr):
+            items = hidden.setdefault(id(sub), (sub, {}))[1][name] = d.pop(name)
+            before[id(sub), name] = (items, list(items))
+    for k, (sub, lists) in hidden.items():
+        _HIDDEN[k] = (dict(lists), reads)
+    if hidden and not _HIDING[0]:
+        torch.nn.Module.__getattr__ = _hidden_list_getattr
+    _HIDING[0] += bool(hidden)
+    try:
+        yield reads
+    finally:
+        _HIDING[0] -= bool(hidden)
+        if hidden and not _HIDING[0]:
+            torch.nn.Module.__getattr__ = _MODULE_GETATTR
+        for k, (sub, lists) in hidden.items():
+            still = _HIDDEN.pop(k)[0]
+            for name in lists:
+                if name in still and name in sub.__dict__:
+                    reads.add((k, name))  # (assigned by the function)
+                items, contents = before[k, name]
+                items[:] = contents
+                sub.__dict__[name] = items
+
+
+class _ReadsLists(Exception):
+    """A trace read lists modules hold that it did not carry (`_unread_lists_hidden`): trace again with them."""
+
+    def __init__(self, found):
+        self.found = found
 
 
 class _Same:
@@ -821,8 +897,9 @@ def _with_node(tree, path, node):
     return tree
 
 
-def _find_roots(fn, args, kwargs) -> _Roots:
+def _find_roots(fn, args, kwargs, lists_read=None) -> _Roots:
     roots = _Roots()
+    roots.lists_read = lists_read
     # what the function itself closes over or names as a global is searched as deep as its arguments
     # (a KV cache held outside a decoding step: cache -> its layers -> each layer's key tensors)
     if isinstance(fn, types.FunctionType):
@@ -840,6 +917,9 @@ def _find_roots(fn, args, kwargs) -> _Roots:
         if not isinstance(leaf, torch.Tensor) and (isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer))
                                                    or hasattr(leaf, "__dict__")):
             roots.add(leaf)
+        elif isinstance(leaf, Tensor) and (leaf._backward_hooks or leaf._post_accumulate_grad_hooks):
+            for hook in _gradient_hooks(leaf):
+                roots.add(hook)
     return roots
 
 
@@ -949,13 +1029,15 @@ def _path_flags(opt, group, traced_floats: bool) -> dict:
     trace again. Adam / AdamW groups on torch's single-tensor path, whose capturable form
     divides by the learning rate (NaN wherever a second moment is zero at ``lr=0``, a
     warmup schedule's first step), go the ``fused`` way (torch's eager arithmetic), or the
-    ``foreach`` way for complex parameters and traced floats."""
+    ``foreach`` way for complex parameters and traced floats; groups listing a parameter twice stay."""
     if group.get("fused"):
         if traced_floats or not isinstance(opt, _LOWERED_FUSED):
             return {"fused": False, "foreach": True}
         return {}
     if not isinstance(opt, torch.optim.Adam) or group.get("foreach") or group.get("differentiable"):
         return {}
+    if len(set(map(id, group["params"]))) < len(group["params"]):
+        return {}  # a parameter listed twice (tied weights) is stepped twice, one whole step after the other
     if traced_floats or not all(p.is_floating_point() for p in group["params"]):
         return {"foreach": True}
     return {"fused": True}
@@ -2643,6 +2725,7 @@ class JitFunction:
         self._value_retraces = 0  # traces caused by a new value of a Python number it reads
         self._retraces_in_a_row = 0  # calls in a row that traced again (`_explain`)
         self._unguarded = frozenset()  # Python values its traces change (`_Roots.unguarded`)
+        self._lists_read = frozenset()  # the lists held by modules its traces read (`_Roots.lists_read`)
         # positions of the CPU tensor arguments the trace needs the values of (`_value_arguments`), once
         # a trace with them on the device stopped; None until then
         self._by_value = None
@@ -2792,7 +2875,7 @@ class JitFunction:
         if self._by_value is None and (packed := _packed_batch_sizes(given, args, kwargs)):
             self._by_value = packed  # (torch wants a PackedSequence's batch sizes on the CPU)
         plain = self._device_leaves(given)
-        roots = _find_roots(self.fn, args, kwargs)
+        roots = _find_roots(self.fn, args, kwargs, self._lists_read)
         for found in self._found_roots:
             roots.add(found)
         roots.unguarded, roots.own_lists, roots.lifts = self._unguarded, self._own_lists, self._hypers
@@ -2803,7 +2886,7 @@ class JitFunction:
             _collect(plain, roots, memo=self._roots_memo, hypers=self._hypers)
         leaves = self._view_copies(plain)
         retried = ()
-        for _ in range(6):
+        for _ in range(8):
             roots.grads = self._carries_grads(roots)
             slots = _collect(leaves, roots, memo=self._roots_memo, hypers=self._hypers)
             numbers = self._number_arguments(leaves)
@@ -2868,6 +2951,13 @@ class JitFunction:
                     roots.add(o)
                 self._log(f"it steps {len(r.found)} optimizer(s) found only while tracing (held deeper in objects "
                           "than the walk from the function looks): now carried too")
+                continue
+            except _ReadsLists as r:
+                self._lists_read = roots.lists_read = self._lists_read | r.found
+                for sub, name in [place for place in roots.lists_unread if (id(place[0]), place[1]) in r.found]:
+                    roots.lists_unread.remove((sub, name))
+                    roots.add(sub.__dict__.get(name), 1)
+                self._log(f"it reads {len(r.found)} list(s) its modules hold (as attributes): now carried and guarded")
                 continue
             except _SeesGrads:
                 self._sees_grads = True
@@ -3297,12 +3387,17 @@ class JitFunction:
                     _watching_grads(not roots.grads) as grads_seen, _watching_copies(self._copies) as copies_seen, \
                     _scheduler_steps_after_the_program() as scheduler_steps:
                 try:
-                    out = self.fn(*args, **kwargs)
+                    with _unread_lists_hidden(roots.lists_unread) as lists_read:
+                        out = self.fn(*args, **kwargs)
                 except Exception as e:
                     if (grads_seen or copies_seen) and not isinstance(e, (_SeesGrads, _KeepViews)):
                         # (re-raised as another error: torch.compile)
                         raise (_SeesGrads() if grads_seen else _KeepViews()) from e
+                    if lists_read:
+                        raise _ReadsLists(lists_read) from e
                     raise
+            if lists_read:
+                raise _ReadsLists(lists_read)
             if grads_seen:  # (the function caught `_SeesGrads`)
                 raise _SeesGrads()
             if copies_seen:

@@ -268,19 +268,23 @@ class ViewStep:
     """One view op applied to its input: ``forward(x)`` and ``inverse(x, value)``.
 
     ``key`` (hashable) names the op and its arguments when they are all static,
-    and ``trace(x)`` then applies the op to a traced array: a compiled lowering
-    that reads the view applies the step inside its own program. Both are None
-    otherwise.
+    and ``trace(x, *positions)`` then applies the op to a traced array: a compiled
+    lowering that reads the view applies the step inside its own program. Both are
+    None otherwise. ``positions``: the integers (where a ``select`` or ``slice``
+    starts) the key leaves out, inputs of such a program, so that one program
+    serves every row of a loop over ``x[i]`` or ``x[i:i + k]``.
     """
 
-    __slots__ = ("forward", "inverse", "name", "key", "trace", "repeats", "traced_offset", "call")
+    __slots__ = ("forward", "inverse", "name", "key", "trace", "repeats", "traced_offset", "call", "positions")
 
-    def __init__(self, forward, inverse, name, key=None, trace=None, repeats=False, traced_offset=False, call=None):
+    def __init__(self, forward, inverse, name, key=None, trace=None, repeats=False, traced_offset=False, call=None,
+                 positions=()):
         self.forward = forward
         self.inverse = inverse
         self.name = name
         self.key = key
         self.trace = trace
+        self.positions = positions
         # (op, its other arguments, its keyword arguments, which output) as the view op was called: t2j.jit
         # calls it again on an input to give a view of it back (`jit._replayed_view_of_slot`)
         self.call = call
@@ -1043,9 +1047,16 @@ def _is_view_of(t: Tensor, base: torch.Tensor, meta, bits) -> bool:
         return size == tuple(base.shape) and stride == _contiguous_strides(size) and offset == 0
     try:
         seen = _with_view_bits(base.as_strided(size, stride, offset), bits).resolve_conj().resolve_neg()
-        return torch.equal(seen, torch_cpu(t._value()))
+        return _same_bits(seen, torch_cpu(t._value()))
     except RuntimeError:
         return False
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bytes (``torch.equal`` says no where both hold a NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _view_bits(t: torch.Tensor) -> tuple:
