@@ -93,6 +93,27 @@ def test_cpu_tensors_and_jax_arrays_come_back_as_they_were_saved(tmp_path):
     torch.testing.assert_close(torch.rand(4), want)
 
 
+def test_empty_tensors_complex32_and_states_without_tensors_round_trip(tmp_path):
+    m = torch.nn.Linear(2, 2).to("jax")
+    m.register_buffer("cache", torch.zeros(0, 3, device="jax"))
+    z = torch.ones(2, dtype=torch.complex32, device="jax")
+    state = {"model": m, "z": z, "none": torch.zeros(0, dtype=torch.int64)}
+    t2j.save(state, str(tmp_path / "a"))
+    fresh = torch.nn.Linear(2, 2).to("jax")
+    fresh.register_buffer("cache", torch.ones(0, 3, device="jax"))
+    back = t2j.load(str(tmp_path / "a"), {"model": fresh})
+    assert fresh.cache.shape == (0, 3) and fresh.cache.device.type == "jax"
+    torch.testing.assert_close(fresh.weight.cpu(), m.weight.cpu())
+    assert back["z"].dtype == torch.complex32 and back["z"].cpu().tolist() == [1 + 0j, 1 + 0j]
+    assert back["none"].dtype == torch.int64 and back["none"].shape == (0,) and back["none"].device.type == "cpu"
+    # (an optimizer before its first step holds no tensor)
+    opt = torch.optim.Adam(m.parameters(), lr=0.5)
+    t2j.save({"step": 3, "optimizer": opt}, str(tmp_path / "b"))
+    again = torch.optim.Adam(m.parameters(), lr=0.1)
+    assert t2j.load(str(tmp_path / "b"), {"optimizer": again})["step"] == 3
+    assert again.param_groups[0]["lr"] == 0.5
+
+
 # -- safetensors -------------------------------------------------------------------
 
 transformers.logging.set_verbosity_error()

@@ -42,8 +42,9 @@ class _Array:
     what it was and comes back as: a jax-device tensor ("jax"), a CPU tensor ("cpu", e.g.
     ``torch.get_rng_state()``) or a jax.Array ("array")."""
 
-    def __init__(self, key, dtype, kind="jax"):
+    def __init__(self, key, dtype, kind="jax", empty=None):
         self.key, self.dtype, self.kind = key, dtype, kind
+        self.empty = empty  # (shape, NumPy dtype) of an array without elements, which is not in orbax's part
 
 
 def _split(obj, arrays, prefix):
@@ -59,8 +60,10 @@ def _split(obj, arrays, prefix):
             n += 1
             key = f"{base}~{n}"
         array = obj._value() if isinstance(obj, Tensor) else obj if isinstance(obj, jax.Array) else jax_array(obj)
-        arrays[key] = array
         kind = "jax" if isinstance(obj, Tensor) else "array" if isinstance(obj, jax.Array) else "cpu"
+        if array.size == 0:  # (orbax refuses arrays without elements: the structure holds them)
+            return _Array(key, obj.dtype, kind, empty=(tuple(array.shape), np.dtype(array.dtype)))
+        arrays[key] = array
         return _Array(key, obj.dtype, kind)
     if isinstance(obj, dict):
         return {k: _split(v, arrays, f"{prefix}{k}/") for k, v in obj.items()}
@@ -79,9 +82,12 @@ def save(state, path: str) -> None:
     arrays: dict = {}
     with jax.enable_x64(True):  # int64 / float64 tensors are saved as such
         skeleton = _split(state, arrays, "")
-        ckpt = ocp.StandardCheckpointer()
-        ckpt.save(os.path.join(path, "arrays"), arrays)
-        ckpt.wait_until_finished()
+        if arrays:  # (orbax refuses an empty tree: a state of Python values, an optimizer before its first step)
+            ckpt = ocp.StandardCheckpointer()
+            ckpt.save(os.path.join(path, "arrays"), arrays)
+            ckpt.wait_until_finished()
+        elif jax.process_index() == 0:
+            os.makedirs(path)
     if jax.process_index() == 0:
         with open(os.path.join(path, _SKELETON), "wb") as f:
             pickle.dump(skeleton, f)
@@ -136,10 +142,13 @@ def _abstract(arrays_meta, targets):
 def _join(skeleton, arrays):
     if isinstance(skeleton, _Array):
         kind = getattr(skeleton, "kind", "jax")  # (checkpoints written before kinds were saved)
-        array = arrays[skeleton.key]
+        empty = getattr(skeleton, "empty", None)
+        array = arrays[skeleton.key] if empty is None else jax.numpy.zeros(*empty)
         if kind == "array":
             return array
-        return torch_cpu(array) if kind == "cpu" else new_tensor(array)
+        out = torch_cpu(array) if kind == "cpu" else new_tensor(array)
+        # (complex32, saved as the complex64 array that holds it)
+        return out if out.dtype == skeleton.dtype else out.to(skeleton.dtype)
     if isinstance(skeleton, dict):
         return {k: _join(v, arrays) for k, v in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):
@@ -182,12 +191,14 @@ def load(path: str, target=None):
     with open(os.path.join(path, _SKELETON), "rb") as f:
         skeleton = pickle.load(f)
     with jax.enable_x64(True):
-        ckpt = ocp.StandardCheckpointer()
-        meta = ckpt.metadata(os.path.join(path, "arrays"))
-        meta = getattr(meta, "item_metadata", meta)
-        targets: dict = {}
-        _targets(skeleton, target, targets)
-        arrays = ckpt.restore(os.path.join(path, "arrays"), _abstract(dict(meta), targets))
+        arrays = {}
+        if os.path.exists(os.path.join(path, "arrays")):
+            ckpt = ocp.StandardCheckpointer()
+            meta = ckpt.metadata(os.path.join(path, "arrays"))
+            meta = getattr(meta, "item_metadata", meta)
+            targets: dict = {}
+            _targets(skeleton, target, targets)
+            arrays = ckpt.restore(os.path.join(path, "arrays"), _abstract(dict(meta), targets))
         return _apply(_join(skeleton, arrays), target)
 
 
