@@ -146,6 +146,16 @@ def test_save_load_keeps_a_view_holding_nan_a_view(device):
     assert loaded["x"].cpu().tolist() == [1.0, 7.0, 7.0, 4.0]
 
 
+def test_load_onto_a_jax_device_that_does_not_exist_is_refused():
+    buf = io.BytesIO()
+    torch.save(torch.ones(2), buf)
+    buf.seek(0)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.load(buf, map_location="jax:1")
+    buf.seek(0)
+    assert torch.load(buf, map_location="jax:0").device == torch.device("jax", 0)
+
+
 def test_storage_of_a_jax_tensor_is_a_storage_torch_save_writes():
     x = torch.arange(4.0, device="jax")
     assert torch.is_storage(x.untyped_storage()) and not torch.is_storage(x)

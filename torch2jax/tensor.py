@@ -1080,6 +1080,9 @@ def _tag(storage):
 def _restore(storage, location):
     # Called for every storage torch.load restores, with the location it maps to:
     # the mark tells `_rebuild_tensor_v2` where the tensors on this storage go.
+    if location.startswith(_device.NAME) and torch.device(location).index:
+        raise RuntimeError(f"torch2jax: torch.load(map_location={location!r}): invalid device ordinal: the jax device "
+                           f"is one torch device, {_device.NAME}:0 (shard across JAX devices with t2j.parallel)")
     ptr = storage.data_ptr()
     _RESTORING[ptr] = location.split(":")[0]
     weakref.finalize(storage, _RESTORING.pop, ptr, None)
