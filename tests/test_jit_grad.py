@@ -639,3 +639,48 @@ def test_a_gradient_through_overlapping_as_strided_windows_inside_the_step():
     for _ in range(2):
         on_device = torch.randn(6, device="jax", requires_grad=True)
         torch.testing.assert_close(t2j.jit(f, fullgraph=True)(on_device).cpu(), expected)
+
+
+_T = torch.tensor
+_KINKS = {
+    # torch's choice at a kink (relu'(0) = 0, a clamp passing the gradient at its bounds, ties to the returned
+    # index), or a finite gradient where a JAX-differentiated formula gives NaN
+    "relu at 0": (F.relu, _T([0.0, 1.0, -1.0])),
+    "abs at 0": (torch.abs, _T([0.0, 1.0, -1.0])),
+    "clamp at its bounds": (lambda x: x.clamp(0.0, 1.0), _T([0.0, 1.0, 0.5, 2.0])),
+    "clamp with tensor bounds": (lambda x, lo: x.clamp(min=lo), _T([1.0, 0.0, 2.0]), _T([1.0, 1.0, 1.0])),
+    "relu6 at its bounds": (F.relu6, _T([0.0, 6.0, 3.0])),
+    "hardtanh at its bounds": (F.hardtanh, _T([-1.0, 1.0, 0.5])),
+    "hardsigmoid at its kinks": (F.hardsigmoid, _T([-3.0, 3.0, 0.0])),
+    "hardswish at its kinks": (F.hardswish, _T([-3.0, 3.0, 0.0])),
+    "softplus past its threshold": (F.softplus, _T([0.0, 100.0, -100.0, 30.0])),
+    "bce with logits at 0": (lambda x: F.binary_cross_entropy_with_logits(x, _T([0.3, 1.0, 0.0]).to(x.device),
+                                                                          reduction="none"), _T([0.0, 0.0, 2.0])),
+    "bernoulli log_prob at p 0.5": (lambda p: torch.distributions.Bernoulli(probs=p).log_prob(torch.ones_like(p)),
+                                    _T([0.5, 0.2])),
+    "log_ndtr at 0": (torch.special.log_ndtr, _T([0.0, 1.0, -1.0])),
+    "xlogy at x 0": (torch.xlogy, _T([0.0, 0.0, 1.0]), _T([0.0, 2.0, 2.0])),
+    "fmax tie": (torch.fmax, _T([1.0, 2.0]), _T([1.0, 1.0])),
+    "fmin tie": (torch.fmin, _T([1.0, 0.0]), _T([1.0, 1.0])),
+    "max(dim) tie": (lambda x: x.max(-1).values, _T([[1.0, 1.0, 0.0]])),
+    "min(dim) tie": (lambda x: x.min(-1).values, _T([[0.0, 0.0, 1.0]])),
+    "norm of zeros": (lambda x: torch.linalg.vector_norm(x, dim=-1), _T([[0.0, 0.0], [3.0, 4.0]])),
+    "3-norm of zeros": (lambda x: torch.linalg.vector_norm(x, 3, dim=-1), _T([[0.0, 0.0], [3.0, 4.0]])),
+    "normalize zeros": (lambda x: F.normalize(x, dim=-1), _T([[0.0, 0.0], [3.0, 4.0]])),
+    "std of a constant": (lambda x: x.std(-1), _T([[2.0, 2.0, 2.0], [1.0, 2.0, 4.0]])),
+    "tanh transform log-det far out": (lambda x: torch.distributions.transforms.TanhTransform().log_abs_det_jacobian(
+        x, torch.tanh(x)), _T([-50.0, 0.0, 50.0])),
+}
+
+
+@pytest.mark.parametrize("case", _KINKS)
+def test_a_jitted_forward_differentiated_outside_has_torch_gradients(case):
+    # (its backward differentiates the lowered forward with JAX: each lowering's derivative is torch's)
+    fn, *values = _KINKS[case]
+
+    def grads(device, f):
+        xs = [v.to(device).requires_grad_() for v in values]
+        return [g.cpu() for g in torch.autograd.grad(f(*xs).sum(), xs)]
+
+    for got, want in zip(grads("jax", t2j.jit(fn)), grads("cpu", fn)):
+        torch.testing.assert_close(got, want, equal_nan=True)

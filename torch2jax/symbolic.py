@@ -810,6 +810,17 @@ def _recording_len(obj, /):
     return _len(obj)
 
 
+def _same(t):
+    return t
+
+
+def _traced_save_on_cpu(pin_memory=False, device_type="cuda"):
+    """``torch.autograd.graph.save_on_cpu`` while a trace runs: the saved tensors stay values of the one
+    program, where XLA keeps them (its copies to the CPU would stop the trace; ``t2j.offload.offload_policy``
+    moves saved activations to host memory inside a program)."""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
 def _trace_replacements():
     """(owner, attribute name, replacement) for each function `traced_builtins` replaces."""
     out = [(builtins, "min", _traced_extremum(builtins.min, torch.sym_min, operator.lt)),
@@ -819,6 +830,7 @@ def _trace_replacements():
     out.append((math, "pow", _traced_pow(math.pow)))
     out += [(torch, "tensor", _traced_factory(torch.tensor)), (torch, "as_tensor", _traced_factory(torch.as_tensor)),
             (torch.Tensor, "new_tensor", _traced_factory(torch.Tensor.new_tensor, method=True))]
+    out.append((torch.autograd.graph, "save_on_cpu", _traced_save_on_cpu))
     out += [(torch.nn.modules.batchnorm, "float", _traced_float),
             (torch.nn.functional, "batch_norm", _traced_batch_norm(torch.nn.functional.batch_norm))]
     out += [(sym, "__torch_function__", classmethod(_number_torch_function)) for sym in _SYM_TYPES.values()]

@@ -9,6 +9,7 @@ function under the "default" promotion kind; ``prims.div`` truncates integers.
 from __future__ import annotations
 
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
 from .registry import (HALF_DTYPES, as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote,
-                       refused_dtypes, register, scalar_type_name, strides, true_divide, view, warning)
+                       refused_dtypes, register, scalar_type_name, strides, torch_slopes, true_divide, view, warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -169,7 +170,10 @@ def _no_complex_abs_(func, args, kwargs):
 def absolute(x):
     if _is_bool(x):
         raise NotImplementedError("\"abs_cpu\" not implemented for 'Bool'")
-    return jnp.abs(x)
+    return _float_abs(x) if _dt.is_floating(x.dtype) else jnp.abs(x)
+
+
+_float_abs = torch_slopes(jnp.abs, lambda x: (jnp.sign(x),))  # (torch's abs'(0) = 0, JAX's 1)
 
 
 @elementwise(aten.sign, prims.sign)
@@ -445,7 +449,19 @@ def nextafter(a, b):
 
 @elementwise(aten.xlogy, promote_kind="int_to_float", opmath=False)  # (torch: log rounded to bf16 / fp16, then the product)
 def xlogy(x, y):
+    return _xlogy(x, y)
+
+
+def _xlogy_value(x, y):
     return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros((), x.dtype), x * jnp.log(y)))
+
+
+def _xlogy_slopes(x, y):
+    # torch's: log(y) but 0 where x = 0 and y <= 0, and x / y (a where over x * log(y) gave NaN at x = y = 0)
+    return jnp.where((x == 0) & (y <= 0), jnp.zeros((), y.dtype), jnp.log(y)), x / y
+
+
+_xlogy = torch_slopes(_xlogy_value, _xlogy_slopes)
 
 
 @elementwise(aten.logaddexp, promote_kind="int_to_float")
@@ -545,11 +561,22 @@ def clamp(x, min=None, max=None):  # noqa: A002 - torch's argument names
     bound_dtype = _result_of(x, min, max)
     (x, lo, hi), result = _promoted("default", x, checked_scalar(min, bound_dtype), checked_scalar(max, bound_dtype))
     _reject_complex("clamp", x)
+    if _dt.is_floating(x.dtype):
+        inf = np.asarray(np.inf, x.dtype)
+        return _float_clamp(x, -inf if lo is None else lo, inf if hi is None else hi).astype(result)
+    return _clamp(x, lo, hi).astype(result)
+
+
+def _clamp(x, lo, hi):
     if lo is not None:
         x = jnp.maximum(x, lo)  # jnp.maximum / minimum propagate NaN, as torch's clamp
     if hi is not None:
         x = jnp.minimum(x, hi)
-    return x.astype(result)
+    return x
+
+
+# torch's derivative passes the gradient at the bounds (jnp.maximum would halve it there)
+_float_clamp = torch_slopes(_clamp, lambda x, lo, hi: ((x >= lo) & (x <= hi), x < lo, x > hi))
 
 
 @register(aten.clamp_min)
@@ -577,13 +604,27 @@ def minimum(a, b):
 @elementwise(aten.fmax, prims.fmax)
 def fmax(a, b):
     _reject_complex("fmax", a)
-    return jnp.fmax(a, b)
+    return _fmax(a, b) if _dt.is_floating(a.dtype) else jnp.fmax(a, b)
 
 
 @elementwise(aten.fmin, prims.fmin)
 def fmin(a, b):
     _reject_complex("fmin", a)
-    return jnp.fmin(a, b)
+    return _fmin(a, b) if _dt.is_floating(a.dtype) else jnp.fmin(a, b)
+
+
+def _first_wins(keep):
+    """torch's derivative of fmax / fmin: all of it to the first operand where it is kept (ties too)."""
+
+    def slopes(a, b):
+        first = keep(a, b) | jnp.isnan(b)
+        return first, ~first
+
+    return slopes
+
+
+_fmax = torch_slopes(jnp.fmax, _first_wins(operator.ge))
+_fmin = torch_slopes(jnp.fmin, _first_wins(operator.le))
 
 
 # -- comparisons and logic -----------------------------------------------------

@@ -24,7 +24,7 @@ from ..dispatch import OpError, TorchRuntimeError, TorchValueError
 from .indexing import raise_as_torch, stand_in
 from .linalg import _acc_dtype, _precision
 from .registry import (HALF_DTYPES, canonical_dim, check_values, checked_scalar, decomposition, refused_dtypes,
-                       register, scalar_type_name, true_divide)
+                       register, scalar_type_name, torch_slopes, true_divide)
 from .shape import is_traced
 from .sparse import _warn_dense
 
@@ -385,11 +385,15 @@ refused_dtypes(aten.elu, aten.celu, aten.gelu, aten.mish, aten.softplus, aten.le
 refused_dtypes(aten.silu, kinds="bi")
 refused_dtypes(aten.threshold, aten.hardtanh, aten.relu6, kinds="bc", dtypes=(torch.uint8,))
 
+# (jnp.maximum propagates NaN, as torch's relu; its derivative at 0 would be 0.5)
+_float_relu = torch_slopes(lambda x: jnp.maximum(x, jnp.zeros((), x.dtype)), lambda x: (x > 0,))
+
+
 @register(aten.relu.default)
 def relu(x):
     if x.dtype == np.bool_:
         return x
-    return jnp.where(x > 0, x, jnp.zeros((), x.dtype)) if _dt.is_integral(x.dtype) else jnp.maximum(x, jnp.zeros((), x.dtype))
+    return jnp.where(x > 0, x, jnp.zeros((), x.dtype)) if _dt.is_integral(x.dtype) else _float_relu(x)
 
 
 def _gelu(x, approximate="none"):
@@ -445,8 +449,12 @@ def leaky_relu_backward(grad, x, negative_slope, self_is_result):
 def hardtanh(x, min_val=-1.0, max_val=1.0):
     if _dt.is_integral(x.dtype):
         return jnp.clip(x, math.ceil(min_val), math.floor(max_val)).astype(x.dtype)
-    lo, hi = np.asarray(min_val, x.dtype), np.asarray(max_val, x.dtype)
-    return jnp.where(x < lo, lo, jnp.where(x > hi, hi, x))
+    return _float_hardtanh(x, np.asarray(min_val, x.dtype), np.asarray(max_val, x.dtype))
+
+
+# (torch's derivative is 0 at the bounds: relu6'(0) = relu6'(6) = 0)
+_float_hardtanh = torch_slopes(lambda x, lo, hi: jnp.where(x < lo, lo, jnp.where(x > hi, hi, x)),
+                               lambda x, lo, hi: ((x > lo) & (x < hi), None, None))
 
 
 @float_op(aten.hardtanh_backward.default)
@@ -461,7 +469,14 @@ def _sixth(x):
 
 @float_op(aten.hardsigmoid.default)
 def hardsigmoid(x):
-    return _sixth(jnp.clip(x + 3, 0, 6))
+    return _hardsigmoid(x)
+
+
+def _hardsigmoid_slope(x):
+    return (jnp.where((x > -3) & (x < 3), np.asarray(np.float32(1 / 6), x.dtype), jnp.zeros((), x.dtype)),)
+
+
+_hardsigmoid = torch_slopes(lambda x: _sixth(jnp.clip(x + 3, 0, 6)), _hardsigmoid_slope)
 
 
 @float_op(aten.hardsigmoid_backward.default)
@@ -472,25 +487,44 @@ def hardsigmoid_backward(grad, x):
 
 @float_op(aten.hardswish.default)
 def hardswish(x):
-    return _sixth(x * jnp.clip(x + 3, 0, 6))
+    return _hardswish(x)
+
+
+def _hardswish_slope(x):
+    # at the kinks x = -3 and x = 3 torch takes the outer pieces' slopes, 0 and 1
+    slope = true_divide(x, np.asarray(3, x.dtype)) + 0.5
+    return (jnp.where(x <= -3, jnp.zeros((), x.dtype), jnp.where(x < 3, slope, jnp.ones((), x.dtype))),)
+
+
+_hardswish = torch_slopes(lambda x: _sixth(x * jnp.clip(x + 3, 0, 6)), _hardswish_slope)
 
 
 @float_op(aten.hardswish_backward.default)
 def hardswish_backward(grad, x):
-    # at the kinks x = -3 and x = 3 torch takes the outer pieces' slopes, 0 and 1
-    slope = true_divide(x, np.asarray(3, x.dtype)) + 0.5
-    return jnp.where(x <= -3, jnp.zeros((), grad.dtype), jnp.where(x < 3, grad * slope, grad))
+    return grad * _hardswish_slope(x)[0]
 
 
 @float_op(aten.softplus.default)
 def softplus(x, beta=1.0, threshold=20.0):
+    return _softplus(x, np.asarray(beta, x.dtype), np.asarray(threshold, x.dtype))
+
+
+def _softplus_slope(x, beta, threshold):
+    # (a sigmoid, where torch's z / (z + 1) of z = exp(beta x) is inf / inf past the threshold, a NaN
+    # that a where would pass on to reverse mode)
+    return jnp.where(x * beta > threshold, jnp.ones((), x.dtype), jax.nn.sigmoid(x * beta)), None, None
+
+
+def _softplus_value(x, beta, threshold):
     return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
+
+
+_softplus = torch_slopes(_softplus_value, _softplus_slope)
 
 
 @float_op(aten.softplus_backward.default)
 def softplus_backward(grad, x, beta, threshold):
-    z = jnp.exp(x * beta)
-    return jnp.where(x * beta > threshold, grad, grad * z / (z + 1))
+    return grad * _softplus_slope(x, beta, threshold)[0]
 
 
 def _glu(x, dim=-1):
@@ -795,7 +829,8 @@ def binary_cross_entropy_backward(grad, x, target, weight=None, reduction=_MEAN)
 
 @float_op(aten.binary_cross_entropy_with_logits.default)
 def binary_cross_entropy_with_logits(x, target, weight=None, pos_weight=None, reduction=_MEAN):
-    softplus_neg = jnp.log1p(jnp.exp(-jnp.abs(x))) + jnp.maximum(-x, 0)
+    # (jax.nn.softplus is smooth at 0 for JAX's derivative too, log1p(exp(-|x|)) + max(-x, 0) not)
+    softplus_neg = jax.nn.softplus(-x)
     if pos_weight is not None:
         loss = (1 - target) * x + ((pos_weight - 1) * target + 1) * softplus_neg
     else:

@@ -265,13 +265,25 @@ def argmin(x, dim=None, keepdim=False):
 @register(aten.max.dim)
 @_real_only(lambda t: torch.max(t, 0))
 def max_dim(x, dim, keepdim=False):
-    return _extreme("max", jnp.max, x, [dim], keepdim), _arg_extreme("max", argmax_index, x, dim, keepdim)
+    return _at_index(x, dim, keepdim, _arg_extreme("max", argmax_index, x, dim, keepdim))
 
 
 @register(aten.min.dim)
 @_real_only(lambda t: torch.min(t, 0))
 def min_dim(x, dim, keepdim=False):
-    return _extreme("min", jnp.min, x, [dim], keepdim), _arg_extreme("min", argmin_index, x, dim, keepdim)
+    return _at_index(x, dim, keepdim, _arg_extreme("min", argmin_index, x, dim, keepdim))
+
+
+def _at_index(x, dim, keepdim, index):
+    """(the elements of ``x`` at ``index`` along ``dim``, ``index``): max.dim's and min.dim's values, read at
+    their indices so that JAX's derivative goes to that element alone among ties, as torch's (a reduction's
+    derivative splits it)."""
+    if x.ndim == 0:
+        return x, index
+    d = canonical_dim(dim, x.ndim)
+    at = index if keepdim else jnp.expand_dims(index, d)
+    values = jnp.take_along_axis(x, at, axis=d)
+    return (values if keepdim else jnp.squeeze(values, d)), index
 
 
 @register(aten.aminmax.default)
@@ -309,7 +321,14 @@ def _real_out(x):
 
 def _var_std(x, dim, correction, keepdim, sqrt):
     v, m = _var_mean(x, _axes(dim, x.ndim), correction, keepdim)
-    return (jnp.sqrt(v) if sqrt else v).astype(_real_out(x)), m.astype(x.dtype)
+    return (_sqrt_zero_slope(v) if sqrt else v).astype(_real_out(x)), m.astype(x.dtype)
+
+
+def _sqrt_zero_slope(v):
+    """``sqrt(v)`` whose JAX derivative is 0 where ``v`` is 0 (torch's for std and norms of constant or
+    zero data; sqrt's infinite slope there would make every gradient through it NaN)."""
+    zero = v == 0
+    return jnp.where(zero, jnp.zeros((), v.dtype), jnp.sqrt(jnp.where(zero, jnp.ones((), v.dtype), v)))
 
 
 @warning(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction)
@@ -492,7 +511,9 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
         x = x.astype(_dt.to_jax(dtype))
     out = _real_out(x)
     axes = _axes(dim, x.ndim)
-    a = jnp.abs(_opmath(x))
+    xo = _opmath(x)
+    # (|x| of a real x as sqrt(x * x) does not need: JAX's abs'(0) is 1, torch's norm of 0 has slope 0)
+    a = jnp.abs(xo) if ord != 2 or _dt.is_complex(x.dtype) else xo
     if ord in (math.inf, -math.inf):
         _require_nonempty("linalg.vector_norm", x, axes)
         r = (jnp.max if ord > 0 else jnp.min)(a, axis=axes, keepdims=keepdim)
@@ -501,9 +522,11 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     elif ord == 1:
         r = jnp.sum(a, axis=axes, keepdims=keepdim)
     elif ord == 2:
-        r = jnp.sqrt(jnp.sum(a * a, axis=axes, keepdims=keepdim))
+        r = _sqrt_zero_slope(jnp.sum(a * a, axis=axes, keepdims=keepdim))
     else:
-        r = jnp.sum(a**ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+        s = jnp.sum(a**ord, axis=axes, keepdims=keepdim)
+        zero = s == 0  # (as for ord 2: torch's gradient of a zero vector's norm is 0)
+        r = jnp.where(zero, jnp.zeros((), s.dtype), jnp.where(zero, jnp.ones((), s.dtype), s) ** (1.0 / ord))
     return r.astype(out)
 
 

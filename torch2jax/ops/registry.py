@@ -191,6 +191,34 @@ def decomposition(*ops):
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
+def torch_slopes(value, slopes):
+    """``value`` (a function of arrays) differentiated by JAX as torch differentiates it.
+
+    ``slopes(*args)`` gives, per argument, the derivative of each element of the result with respect to that
+    argument (broadcast against the result; None for one without), with torch's choices at kinks (relu'(0) = 0,
+    a clamp passing the gradient at its bounds, fmax's tie to its first operand): jax.grad / jax.vjp of a
+    lowering (a jitted forward differentiated outside, ``call_torch`` under jax.grad, make_train_step) then
+    give torch's gradients. The slopes must be finite wherever torch's gradient is (a zero cotangent times an
+    infinite slope is NaN).
+
+    >>> relu = torch_slopes(lambda x: jnp.maximum(x, 0), lambda x: (x > 0,))
+    >>> jax.grad(relu)(0.0)
+    Array(0., dtype=float32, weak_type=True)
+    """
+    f = jax.custom_jvp(value)
+
+    def jvp(primals, tangents):
+        out = value(*primals)
+        total = jnp.zeros(out.shape, out.dtype)
+        for slope, t in zip(slopes(*primals), tangents):
+            if slope is not None:
+                total = total + (slope * t).astype(out.dtype)
+        return out, total
+
+    f.defjvp(jvp)
+    return f
+
+
 def _is_operand(a):
     return hasattr(a, "dtype") or isinstance(a, (bool, int, float, complex))
 

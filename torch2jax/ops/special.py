@@ -70,7 +70,8 @@ for _aten_name, (_prim_name, _fn) in _UNARY.items():
 def special_log_ndtr(x):
     """log1p(-ndtr(-x)) for x > 0: jax.scipy.special.log_ndtr loses the upper tail (log of a value near 1)."""
     upper = jnp.log1p(-jsp.ndtr(-jnp.abs(x)))
-    return jnp.where(x > 0, upper, jsp.log_ndtr(jnp.minimum(x, 0)))
+    # (a where, not minimum(x, 0): its derivative at 0 would halve the lower piece's)
+    return jnp.where(x > 0, upper, jsp.log_ndtr(jnp.where(x > 0, jnp.zeros((), x.dtype), x)))
 
 
 @register(aten.special_erfcx, prims.erfcx)
