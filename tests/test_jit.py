@@ -4215,3 +4215,24 @@ def test_a_jitted_function_its_own_code_reaches_is_followed_into_its_function_no
         x = torch.randn(3)
         torch.testing.assert_close(offset(x).cpu(), x * 2 + x.sum())
     assert offset.stats["traces"] == 1
+
+
+def test_save_on_cpu_inside_a_jitted_step_keeps_one_program():
+    def run(device, jit):
+        torch.manual_seed(0)
+        m = nn.Linear(3, 1).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(x):
+            opt.zero_grad()
+            with torch.autograd.graph.save_on_cpu():
+                loss = m(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        s = t2j.jit(step, fullgraph=True) if jit else step
+        x = torch.randn(5, 3).to(device)
+        return [s(x).item() for _ in range(3)]
+
+    assert run("jax", True) == pytest.approx(run("cpu", False), rel=1e-5)

@@ -891,3 +891,10 @@ def test_the_device_modules_seeding_api_is_torch_cudas():
     drawn = torch.rand(3, device="jax")
     torch.jax.set_rng_state_all(states)
     assert len(states) == 1 and torch.equal(torch.rand(3, device="jax"), drawn)
+
+
+def test_multinomial_draws_a_tiny_weight_as_rarely_as_torch():
+    # torch's CPU kernel draws double uniforms: float32 ones are 0 once in 2^23 draws and picked the first
+    # category whatever its weight (about 4 of these 2^25 draws; torch: none, as expected for 1e-12)
+    probs = torch.tensor([1e-12, 1.0], device="jax")
+    assert sum(int((torch.multinomial(probs, 2**23, replacement=True) == 0).sum()) for _ in range(4)) == 0

@@ -633,8 +633,11 @@ def multinomial(probs, num_samples, replacement=False, *, generator=None):
     key = next_key(generator)
     if replacement:
         # the inverse of the CDF at uniform points: memory of the samples, not samples x categories
-        cdf = jnp.cumsum(batch, axis=-1)
-        u = jax.random.uniform(key, (batch.shape[0], num_samples), batch.dtype) * cdf[:, -1:]
+        # in float64 where JAX has it (torch's CPU kernel draws double uniforms): a float32 uniform is 0 once
+        # in 2^23 draws, which picked the first category however small its weight
+        wide = jax.dtypes.canonicalize_dtype(np.float64)
+        cdf = jnp.cumsum(batch.astype(wide), axis=-1)
+        u = jax.random.uniform(key, (batch.shape[0], num_samples), wide) * cdf[:, -1:]
         out = jax.vmap(lambda c, v: jnp.searchsorted(c, v, side="right"))(cdf, u)
         last = n - 1 - jnp.argmax((batch > 0)[:, ::-1], axis=-1)  # rounding never picks a weightless tail
         out = jnp.minimum(out, last[:, None])
