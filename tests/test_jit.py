@@ -4236,3 +4236,14 @@ def test_save_on_cpu_inside_a_jitted_step_keeps_one_program():
         return [s(x).item() for _ in range(3)]
 
     assert run("jax", True) == pytest.approx(run("cpu", False), rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["binomial_support", "binomial_entropy", "multinomial_entropy"])
+def test_a_number_computed_from_constants_in_the_trace_is_a_constant(case):
+    # (Binomial(4, ...) broadcasts its count to a tensor made in the trace and reads int(total_count.max()))
+    fn = {"binomial_support": lambda p: torch.distributions.Binomial(4, probs=p).enumerate_support(),
+          "binomial_entropy": lambda p: torch.distributions.Binomial(10, logits=p).entropy(),
+          "multinomial_entropy": lambda p: torch.distributions.Multinomial(7, probs=p).entropy()}[case]
+    p = torch.tensor([0.2, 0.3, 0.5])
+    got = t2j.jit(fn, fullgraph=True)(p.to("jax"))
+    torch.testing.assert_close(got.cpu(), fn(p))

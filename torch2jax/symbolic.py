@@ -318,6 +318,10 @@ class TracedScalar:
             return outcome
         # computed from counters and flags the program carries (`hints`): a branch on it is guarded
         state = _hints.HINTS.slice(self.value) if _hints.HINTS is not None else None
+        if state is not None and not state.indices:
+            # computed from constants alone (``Binomial(4, probs).enumerate_support()``'s ``int(total_count.max())``,
+            # a tensor made of 4 in the trace): the same on every call
+            return as_type(state.hint)
         if state is not None and as_type is bool and GUARDS is not None:
             outcome = bool(state.hint)
             GUARDS.append(_hints.StateGuard(state, outcome))
