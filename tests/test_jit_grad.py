@@ -684,3 +684,20 @@ def test_a_jitted_forward_differentiated_outside_has_torch_gradients(case):
 
     for got, want in zip(grads("jax", t2j.jit(fn)), grads("cpu", fn)):
         torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_an_input_its_graph_saved_written_after_the_call_fails_the_backward():
+    # as torch's version check: w was saved for x's gradient, x for w's; b (added) was saved by nothing
+    for device, wrap in (("cpu", lambda f: f), ("jax", t2j.jit)):
+        w = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, requires_grad=True)
+        b = torch.zeros(2, device=device, requires_grad=True)
+        x = torch.ones(1, 2, device=device, requires_grad=True)
+        y = wrap(lambda x: x @ w + b)(x)
+        with torch.no_grad():
+            b.add_(1)
+        y.sum().backward(retain_graph=True)
+        assert x.grad.cpu().tolist() == [[3.0, 7.0]]
+        with torch.no_grad():
+            w.mul_(10)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()

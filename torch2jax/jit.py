@@ -2622,6 +2622,7 @@ class _Entry:
     # without retain_graph then raises), and whether its op saved it (an in-place write to it then makes
     # the backward raise), as in torch (`_DifferentiableCall`)
     saves: bool = False
+    saved_slots: tuple = ()  # the slots whose tensors torch's graph of the trace saved and it does not write
     saved_results: tuple = ()
     # torch's error for a tensor its graph saved that the function then wrote in place (`_stale_saved`): raised
     # by a backward through the call, as torch's backward raises it
@@ -3328,6 +3329,7 @@ class JitFunction:
                       inference=info["inference"], argument_flags=info["argument_flags"], reaches=reaches,
                       made_leaves=info["made_leaves"], leaf_grads=info["leaf_grads"], out_order=info["out_order"],
                       saves=info["saves"], saved_results=info["saved_results"], stale=info["stale"],
+                      saved_slots=info["saved_slots"],
                       draws=info["draws"], reseeded=info["reseeded"], grad_mode=info["grad_mode"],
                       lengths=tuple(info["lengths"]), own_lists=tuple(info["own_lists"]),
                       creates_state=info["creates_state"], arg_changes=info["arg_changes"],
@@ -3487,7 +3489,8 @@ class JitFunction:
             made.grads_of_made_leaves.clear()
             # (one node for all outputs: with several, a backward through one would free the others')
             saves = len(made.nodes) == 1 and not backward and _saves_tensors(made.nodes)
-            stale = None if backward else _stale_saved(made.nodes)
+            stale, saved_slots_read = (None, ()) if backward else _graph_saves(made.nodes, slots.tensors)
+            one_node = len(made.nodes) == 1  # (saved inputs as for `saves`: with several, a backward would free others')
             made.nodes.clear()
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
             stores += [(functools.partial(_put, "attr", sub, "training"), ("const", sub.training))
@@ -3527,6 +3530,8 @@ class JitFunction:
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
                 histories=made.histories, inference=frozenset(made.inference), made_leaves=tuple(made.made_leaves),
                 leaf_grads=leaf_grads, saves=saves, saved_results=tuple(made.saved_results), stale=stale,
+                saved_slots=tuple(k for k in saved_slots_read if slot_storage[k] not in written)
+                if one_node else (),
                 draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
                 else [],
@@ -3800,20 +3805,27 @@ def _saves_tensors(nodes) -> bool:
     return False
 
 
-def _stale_saved(nodes) -> str | None:
-    """torch's error for a saved tensor that the graph reached from ``nodes`` would find written
-    in place since it was saved (``y = a.exp(); y[1:3].mul_(2)``), or None. The trace's graph
-    never runs backward (the call's VJP does), so torch's check runs here: unpacking a saved
-    tensor checks its version."""
+def _graph_saves(nodes, tensors) -> tuple:
+    """(torch's error for a saved tensor that the graph reached from ``nodes`` would find written in place
+    since it was saved (``y = a.exp(); y[1:3].mul_(2)``), or None; the slots among ``tensors`` that the graph
+    saved). The trace's graph never runs backward (the call's VJP does), so torch's check runs here:
+    unpacking a saved tensor checks its version. Each call saves those slots' tensors as its graph node's,
+    so that a write to one after the call (``w.mul_(10)`` under no_grad) fails the backward, as in torch."""
+    index = {id(t): k for k, t in enumerate(tensors) if t is not None}
+    stale, saved = None, set()
     for node in _graph_nodes(nodes):
         for name in dir(node) if node is not None else ():
             if name.startswith("_saved_"):
                 try:
-                    getattr(node, name)
+                    value = getattr(node, name)
                 except RuntimeError as e:
-                    if "modified by an inplace operation" in str(e):
-                        return str(e)
-    return None
+                    if "modified by an inplace operation" in str(e) and stale is None:
+                        stale = str(e)
+                    continue
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(t, torch.Tensor) and id(t) in index:
+                        saved.add(index[id(t)])
+    return stale, tuple(sorted(saved))
 
 
 def _is_saved_tensor(value) -> bool:
@@ -4122,8 +4134,10 @@ class _DifferentiableCall(torch.autograd.Function):
         outs = [new_tensor(o) for o in call.forward()]
         grad_outs = set(call.entry.grad_outs)
         ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if k not in grad_outs))
-        if call.entry.saves:  # (what torch's graph saved: its errors for a second backward, a result written)
-            ctx.save_for_backward(*([outs[k] for k in call.entry.saved_results] or [torch.empty(0)]))
+        saved_inputs = [call.slots.tensors[k] for k in call.entry.saved_slots]
+        if call.entry.saves or saved_inputs:
+            # what torch's graph saved: its errors for a second backward, a result or an input written since
+            ctx.save_for_backward(*([outs[k] for k in call.entry.saved_results] or [torch.empty(0)]), *saved_inputs)
         # the new values of the non-leaf inputs the function wrote in place, which `_run` copies into
         # them (torch allows a Function that writes a view in place only one output)
         return (*outs, *(new_tensor(call.written[p]) for p, _ in call.entry.rebased))
@@ -4133,7 +4147,7 @@ class _DifferentiableCall(torch.autograd.Function):
         call = ctx.call
         if call.entry.stale is not None:
             raise RuntimeError(call.entry.stale)
-        if call.entry.saves:
+        if call.entry.saves or call.entry.saved_slots:
             ctx.saved_tensors  # noqa: B018 - torch's checks: freed by an earlier backward, or written in place since
         # a view's gradient (its storage's, narrowed by the chain) is not one JAX function of the
         # view: through those, a second backward is refused rather than differentiated

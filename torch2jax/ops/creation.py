@@ -207,7 +207,14 @@ def _in_dtype(value, dt):
     v = v.real if jnp.iscomplexobj(v) and not jnp.issubdtype(dt, jnp.complexfloating) else v
     if _dt.is_integral(dt):
         return cast(v, dt).astype(np.float64)
-    return v.astype(dt).astype(np.float64) if dt in _HALF else v.astype(np.float64)
+    return _rounded_to(v.astype(np.float64), dt) if dt in _HALF else v.astype(np.float64)
+
+
+def _rounded_to(v, dt):
+    """Float64 ``v`` rounded to floating type ``dt``, still float64: reduce_precision, as inside a program
+    XLA may drop a round trip through a narrower type ("excess precision")."""
+    info = jnp.finfo(dt)
+    return jax.lax.reduce_precision(v, info.nexp, info.nmant)
 
 
 def _halves(start, end, steps, step, rnd):
@@ -247,7 +254,7 @@ def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_mem
     if dt in _HALF:
         # scalar Half / BFloat16 arithmetic: each operation rounds to the type
         def rnd(x):
-            return x.astype(dt).astype(np.float64)
+            return _rounded_to(x.astype(np.float64), dt)
 
         return _halves(s, e, steps, rnd(true_divide(rnd(e - s), steps - 1.0)), rnd).astype(dt)
     out = _halves(s, e, steps, true_divide(e - s, steps - 1.0), _identity)
@@ -274,7 +281,7 @@ def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=No
         exponents = jnp.broadcast_to(jnp.asarray(start, np.float64), (steps,))
     else:
         s, e = _in_dtype(start, dt), _in_dtype(end, dt)
-        diff = e - s if integral else (e - s).astype(dt).astype(np.float64)
+        diff = e - s if integral else _rounded_to(e - s, dt)
         exponents = _halves(s, e, steps, true_divide(diff, steps - 1.0), _identity)
     out = b ** exponents
     return cast(out, dt)
