@@ -1518,9 +1518,9 @@ def _positioned_step(func, x, rest, meta):
         index = rest[1]
         at = index + x.shape[d] if index < 0 else index
         key = (func, d)
-        return ViewStep(functools.partial(_select_at, at=at, dim=d), functools.partial(_select_at_inverse, at=at, dim=d),
-                        func, key, functools.partial(_select_at, dim=d), call=(func, rest, {}, None),
-                        positions=(at,))
+        return ViewStep(functools.partial(_select_at, at=at, dim=d),
+                        functools.partial(_select_at_inverse, at=at, dim=d), func, key,
+                        functools.partial(_select_at, dim=d), call=(func, rest, {}, None), positions=(at,))
     start, end, step = (*rest[1:], None, None, None)[:3]
     start, _, step = slice(start, end, step or 1).indices(x.shape[d])
     length = meta[0][d]

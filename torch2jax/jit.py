@@ -3490,7 +3490,7 @@ class JitFunction:
             # (one node for all outputs: with several, a backward through one would free the others')
             saves = len(made.nodes) == 1 and not backward and _saves_tensors(made.nodes)
             stale, saved_slots_read = (None, ()) if backward else _graph_saves(made.nodes, slots.tensors)
-            one_node = len(made.nodes) == 1  # (saved inputs as for `saves`: with several, a backward would free others')
+            one_node = len(made.nodes) == 1  # (inputs saved as for `saves`: with several, a backward frees others')
             made.nodes.clear()
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
             stores += [(functools.partial(_put, "attr", sub, "training"), ("const", sub.training))
