@@ -185,6 +185,12 @@ class _Roots:
         self._seen = set()
         self._sites, self._labels = set(), {}  # (`add_value`)
 
+    def add_gradient_hooks(self, t, depth=0):
+        """What the functions hooked on tensor ``t``'s gradient close over (``calls[0] += 1``)."""
+        if t._backward_hooks or t._post_accumulate_grad_hooks:
+            for hook in _gradient_hooks(t):
+                self.add(hook, depth)
+
     def add(self, obj, depth=0, summarized=False):
         """``summarized``: ``obj`` is inside an object whose attributes `_python_state` summarizes."""
         if id(obj) in self._seen or depth > 3:
@@ -223,10 +229,7 @@ class _Roots:
         elif isinstance(obj, Tensor):
             self._seen.add(id(obj))
             self.tensors.append(obj)
-            # (what its gradient hooks close over: ``calls[0] += 1``)
-            if obj._backward_hooks or obj._post_accumulate_grad_hooks:
-                for hook in _gradient_hooks(obj):
-                    self.add(hook, depth)
+            self.add_gradient_hooks(obj, depth)
         elif isinstance(obj, torch.Tensor):
             self._seen.add(id(obj))
             self.cpu_tensors.append(obj)
@@ -917,9 +920,8 @@ def _find_roots(fn, args, kwargs, lists_read=None) -> _Roots:
         if not isinstance(leaf, torch.Tensor) and (isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer))
                                                    or hasattr(leaf, "__dict__")):
             roots.add(leaf)
-        elif isinstance(leaf, Tensor) and (leaf._backward_hooks or leaf._post_accumulate_grad_hooks):
-            for hook in _gradient_hooks(leaf):
-                roots.add(hook)
+        elif isinstance(leaf, Tensor):
+            roots.add_gradient_hooks(leaf)
     return roots
 
 
@@ -2624,7 +2626,7 @@ class _Entry:
     saves: bool = False
     saved_slots: tuple = ()  # the slots whose tensors torch's graph of the trace saved and it does not write
     saved_results: tuple = ()
-    # torch's error for a tensor its graph saved that the function then wrote in place (`_stale_saved`): raised
+    # torch's error for a tensor its graph saved that the function then wrote in place (`_graph_saves`): raised
     # by a backward through the call, as torch's backward raises it
     stale: str | None = None
     lengths: tuple = ()  # lists whose lengths the trace depends on (`JitFunction._lengths`)
@@ -3488,9 +3490,9 @@ class JitFunction:
             leaf_grads = tuple((k, made.stored(g)) for k, g in made.grads_of_made_leaves)
             made.grads_of_made_leaves.clear()
             # (one node for all outputs: with several, a backward through one would free the others')
-            saves = len(made.nodes) == 1 and not backward and _saves_tensors(made.nodes)
+            one_node = len(made.nodes) == 1
+            saves = one_node and not backward and _saves_tensors(made.nodes)
             stale, saved_slots_read = (None, ()) if backward else _graph_saves(made.nodes, slots.tensors)
-            one_node = len(made.nodes) == 1  # (inputs saved as for `saves`: with several, a backward frees others')
             made.nodes.clear()
             # m.eval() / m.train() inside: each call leaves the modes as the trace left them
             stores += [(functools.partial(_put, "attr", sub, "training"), ("const", sub.training))
@@ -3530,8 +3532,8 @@ class JitFunction:
                 n_out=len(outs), uses_rng=rng.key is not key, guards=guards, grad_outs=grad_outs,
                 histories=made.histories, inference=frozenset(made.inference), made_leaves=tuple(made.made_leaves),
                 leaf_grads=leaf_grads, saves=saves, saved_results=tuple(made.saved_results), stale=stale,
-                saved_slots=tuple(k for k in saved_slots_read if slot_storage[k] not in written)
-                if one_node else (),
+                # (as for `saves`: with several nodes, a backward through one would free the others')
+                saved_slots=tuple(k for k in saved_slots_read if slot_storage[k] not in written) if one_node else (),
                 draws=tuple(generators.sources), reseeded=tuple(generators.reseeded),
                 diff=_differentiable_inputs(slots, slot_storage, written, post, backward) if grad_outs or rebased
                 else [],
@@ -4777,7 +4779,7 @@ def _static_change(key, old, new) -> str:
 
 
 def _state_item(entry) -> tuple:
-    """(name, summary) of an entry of an optimizer state's layout (`_Collector.optimizer`): a tensor's name
+    """(name, summary) of an entry of an optimizer state's layout (`_Walk.optimizer`): a tensor's name
     alone, or a Python value's (name, value)."""
     return (entry, _TENSOR) if isinstance(entry, str) else entry
 

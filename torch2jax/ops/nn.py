@@ -473,6 +473,7 @@ def hardsigmoid(x):
 
 
 def _hardsigmoid_slope(x):
+    # torch's kernel multiplies by 1/6 rounded to float32, float64 included
     return (jnp.where((x > -3) & (x < 3), np.asarray(np.float32(1 / 6), x.dtype), jnp.zeros((), x.dtype)),)
 
 
@@ -481,8 +482,8 @@ _hardsigmoid = torch_slopes(lambda x: _sixth(jnp.clip(x + 3, 0, 6)), _hardsigmoi
 
 @float_op(aten.hardsigmoid_backward.default)
 def hardsigmoid_backward(grad, x):
-    # torch's kernel multiplies by 1/6 rounded to float32, float64 included
-    return jnp.where((x > -3) & (x < 3), grad * np.asarray(np.float32(1 / 6), grad.dtype), jnp.zeros((), grad.dtype))
+    # (a where, not a product with the zero slope: torch's kernel gives 0 there for an inf or NaN gradient too)
+    return jnp.where((x > -3) & (x < 3), grad * _hardsigmoid_slope(x)[0], jnp.zeros((), grad.dtype))
 
 
 @float_op(aten.hardswish.default)
@@ -501,7 +502,7 @@ _hardswish = torch_slopes(lambda x: _sixth(x * jnp.clip(x + 3, 0, 6)), _hardswis
 
 @float_op(aten.hardswish_backward.default)
 def hardswish_backward(grad, x):
-    return grad * _hardswish_slope(x)[0]
+    return jnp.where(x <= -3, jnp.zeros((), grad.dtype), grad * _hardswish_slope(x)[0])
 
 
 @float_op(aten.softplus.default)

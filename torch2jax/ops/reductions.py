@@ -321,14 +321,15 @@ def _real_out(x):
 
 def _var_std(x, dim, correction, keepdim, sqrt):
     v, m = _var_mean(x, _axes(dim, x.ndim), correction, keepdim)
-    return (_sqrt_zero_slope(v) if sqrt else v).astype(_real_out(x)), m.astype(x.dtype)
+    return (_root_zero_slope(v) if sqrt else v).astype(_real_out(x)), m.astype(x.dtype)
 
 
-def _sqrt_zero_slope(v):
-    """``sqrt(v)`` whose JAX derivative is 0 where ``v`` is 0 (torch's for std and norms of constant or
-    zero data; sqrt's infinite slope there would make every gradient through it NaN)."""
+def _root_zero_slope(v, p=2):
+    """``v ** (1 / p)`` (``sqrt`` for 2) whose JAX derivative is 0 where ``v`` is 0 (torch's for std and norms
+    of constant or zero data; the root's infinite slope there would make every gradient through it NaN)."""
     zero = v == 0
-    return jnp.where(zero, jnp.zeros((), v.dtype), jnp.sqrt(jnp.where(zero, jnp.ones((), v.dtype), v)))
+    safe = jnp.where(zero, jnp.ones((), v.dtype), v)
+    return jnp.where(zero, jnp.zeros((), v.dtype), jnp.sqrt(safe) if p == 2 else safe ** (1.0 / p))
 
 
 @warning(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction)
@@ -522,11 +523,9 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     elif ord == 1:
         r = jnp.sum(a, axis=axes, keepdims=keepdim)
     elif ord == 2:
-        r = _sqrt_zero_slope(jnp.sum(a * a, axis=axes, keepdims=keepdim))
+        r = _root_zero_slope(jnp.sum(a * a, axis=axes, keepdims=keepdim))
     else:
-        s = jnp.sum(a**ord, axis=axes, keepdims=keepdim)
-        zero = s == 0  # (as for ord 2: torch's gradient of a zero vector's norm is 0)
-        r = jnp.where(zero, jnp.zeros((), s.dtype), jnp.where(zero, jnp.ones((), s.dtype), s) ** (1.0 / ord))
+        r = _root_zero_slope(jnp.sum(a**ord, axis=axes, keepdims=keepdim), ord)
     return r.astype(out)
 
 
