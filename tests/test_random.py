@@ -8,6 +8,7 @@ generator first, so it is deterministic.
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 import random
@@ -18,7 +19,8 @@ import pytest
 import torch
 from scipy import stats
 
-import torch2jax  # noqa: F401
+import torch2jax
+import torch2jax as t2j
 
 N = 100_000
 
@@ -90,6 +92,17 @@ def test_rand(dtype):
     v = host(x)
     assert v.min() >= 0 and v.max() <= 1
     assert_moments(x, 0.5, math.sqrt(1 / 12), n_se=6 if dtype != torch.float16 else 20)
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.float32, 24), (torch.float64, 53)])
+@pytest.mark.parametrize("jit", [False, True])
+def test_rand_steps_are_torchs(dtype, bits, jit):
+    """torch's CPU kernel draws multiples of 2**-24 (2**-53 for float64): half of them odd multiples,
+    which a sampler with steps of 2**-23 (jax.random.uniform's) never draws."""
+    draw = functools.partial(torch.rand, 100_000, dtype=dtype, device="jax")
+    steps = host((t2j.jit(draw) if jit else draw)()).astype(np.float64) * 2.0 ** bits
+    assert np.all(steps == np.round(steps))
+    assert 0.48 < np.mean(steps % 2 == 1) < 0.52
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -88,10 +88,19 @@ def _as_result(sample, dtype):
 
 
 def _uniform(generator, shape, dtype, low=0.0, high=1.0):
+    """Samples in [low, high), drawn as torch's CPU kernels draw them: a multiple of 2**-24 in [0, 1)
+    (of 2**-53 for float64) times ``high - low``, plus ``low``. (jax.random.uniform's steps are twice
+    as coarse, 2**-23 and 2**-52: it draws 0 twice as often and never an odd multiple of the step.)"""
     dt = _sample_dtype(dtype)
-    # bounds as arrays of the sample dtype: Python floats would enter jax.random's
-    # own jit as float64, which breaks inside a JAX program traced without x64
-    return jax.random.uniform(next_key(generator), shape, dt, jnp.asarray(low, dt), jnp.asarray(high, dt))
+    key = next_key(generator)
+    if dt == np.float64:
+        hi, lo = jax.random.bits(key, (2, *shape), np.uint32)  # (64-bit draws do not lower in a program)
+        u = (hi >> 11).astype(dt) * 2.0 ** -21 + lo.astype(dt) * 2.0 ** -53
+    else:
+        u = (jax.random.bits(key, shape, np.uint32) >> 8).astype(dt) * np.asarray(2.0 ** -24, dt)
+    # bounds as arrays of the sample dtype: Python floats would be float64 in a program traced with x64
+    low, high = jnp.asarray(low, dt), jnp.asarray(high, dt)
+    return u * (high - low) + low
 
 
 def _uniform_result(generator, shape, dtype, low=0.0, high=1.0):
