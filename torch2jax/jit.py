@@ -2269,13 +2269,22 @@ class _Outputs:
         self.kept = {k: weakref.ref(t) for k, t in self.kept.items()}
         self.bases.clear()
 
-    def repointed(self, kinds, post):
+    def repointed(self, kinds, post) -> dict:
         """Outputs that a slot points to after the call (a new ``.grad``, new optimizer state
-        returned by the function) are that tensor, not a copy of it."""
-        for _, target, _, _ in post:
+        returned by the function) are that tensor, not a copy of it.
+
+        A slot's new tensor that requires grad (the ``.grad`` a ``backward(create_graph=True)`` set) has
+        a history of this call's: it is an output of the program (returned or not), and each call puts
+        its own output tensor in the slot. Returns {index into ``post``: its `stored` kind} for those."""
+        from_outputs = {}
+        for p, (_, target, _, _) in enumerate(post):
+            if isinstance(target, Tensor) and target.requires_grad:
+                from_outputs[p] = self.stored(target)
+                continue
             ref = self.kept.get(id(target)) if isinstance(target, Tensor) else None
             if ref is not None and ref() is target:
                 kinds[self.leaves[id(target)]] = ("const", target)
+        return from_outputs
 
     def stored(self, value) -> tuple:
         """The kind of a value the trace stored in a place: an output leaf it also returned is stored
@@ -2600,6 +2609,9 @@ class _Entry:
     # outputs whose graph the function consumed (it ran backward): they come back requiring grad, with
     # a node that refuses a second backward, as torch's outputs do after backward() (`_SpentGraph`)
     spent: tuple = ()
+    # {index into ``post``: `_Outputs.stored` kind} for the slots each call points to one of its outputs
+    # (`_Outputs.repointed`): set by `_run` once the outputs are made, not by `_execute`
+    post_outputs: dict = dataclasses.field(default_factory=dict)
     inference: frozenset = frozenset()  # outputs (indices among the program's) made under inference_mode
     # (index, whether an nn.Parameter) per output that is a leaf the function made requiring grad
     # (``torch.zeros(n).requires_grad_()``, ``nn.Parameter(...)``): each call returns a new leaf of that kind
@@ -3180,6 +3192,13 @@ class JitFunction:
             arrays[k].grad = _stored_value(grad, result, arrays, slots, leaves)
         for setter, stored in entry.stores:
             setter(_stored_value(stored, result, arrays, slots, leaves))
+        for p, stored in entry.post_outputs.items():
+            setter, _, _, argument = entry.post[p]
+            value = _stored_value(stored, result, arrays, slots, leaves)
+            if argument is not None:
+                _set_grad(slots.tensors[argument], value)
+            else:
+                setter(value)
         for path, layout, new in entry.arg_changes:
             _change_container(_at(given, path), layout, [_stored_value(v, result, arrays, slots, leaves) for v in new])
         out = torch_pytree.tree_unflatten(result, entry.out_def)
@@ -3231,7 +3250,9 @@ class JitFunction:
             st.version += 1
         if entry.uses_rng:
             _rng.key = key
-        for setter, target, slot, argument in entry.post:
+        for p, (setter, target, slot, argument) in enumerate(entry.post):
+            if p in entry.post_outputs:
+                continue
             if isinstance(target, int):
                 target = slots.tensors[target]
             if argument is not None:
@@ -3335,7 +3356,7 @@ class JitFunction:
                       draws=info["draws"], reseeded=info["reseeded"], grad_mode=info["grad_mode"],
                       lengths=tuple(info["lengths"]), own_lists=tuple(info["own_lists"]),
                       creates_state=info["creates_state"], arg_changes=info["arg_changes"],
-                      returned_args=info["returned_args"],
+                      returned_args=info["returned_args"], post_outputs=info["post_outputs"],
                       **_renewable(info["post"], info["new_storages"], info["out_leaves"]))
 
     def _pure(self, leaves, spec, roots, slots, storages, info, hints, inputs, hypers, keys):
@@ -3523,7 +3544,7 @@ class JitFunction:
             info["mirrors"] = [(i, m) for i in written if id(inputs[i]) in state_hints.inputs
                                and (m := state_hints.slice(storages[i].array)) is not None] if branches else []
             post = _repointed(slots, post_slots, pre_index)
-            made.repointed(kinds, post)
+            info["post_outputs"] = made.repointed(kinds, post)
             rebased = [(written.index(slot_storage[k]), k) for k, _, _, node in info["own_histories"]
                        if slot_storage[k] in written and slots.tensors[k].grad_fn is not node]
             info.update(undo=saved_slots if post else None, rebased=rebased, argument_flags=_argument_flags(slots, flags),
@@ -3854,7 +3875,9 @@ def _inputs_reaching(jaxpr, outputs) -> set:
 
 def _output_dependencies(jaxpr, in_deps: list) -> list:
     """Per output of ``jaxpr``, the union (a bit set) of ``in_deps`` of the inputs it depends on
-    differentiably (`_equation_dependencies`)."""
+    differentiably (`_equation_dependencies`). An integer or boolean value depends on nothing: torch's
+    are never differentiable (``x > 0``, ``x.argmax()``, ``x.long()`` cut the graph), so an input reached
+    only through one gets no gradient (None), not zeros."""
     deps = dict(zip(jaxpr.invars, in_deps))
 
     def of(v):
@@ -3862,8 +3885,13 @@ def _output_dependencies(jaxpr, in_deps: list) -> list:
 
     for eqn in jaxpr.eqns:
         for v, d in zip(eqn.outvars, _equation_dependencies(eqn, list(map(of, eqn.invars)))):
-            deps[v] = d
+            deps[v] = d if _inexact_aval(v.aval) else 0
     return list(map(of, jaxpr.outvars))
+
+
+def _inexact_aval(aval) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.inexact)
 
 
 def _equation_dependencies(eqn, ins: list) -> list:
@@ -4201,8 +4229,10 @@ class _SpentGraph(torch.autograd.Function):
         raise RuntimeError(
             f"t2j.jit: trying to backward through the graph of an output of {getattr(ctx.fn, '__qualname__', ctx.fn)} "
             "a second time: the function ran backward() inside its program, which consumed the graph (torch "
-            "frees it the same way). Compute what you need inside the jitted function, or jit a function that "
-            "returns its outputs without running backward() and call backward() on them after the call."
+            "frees it the same way; with retain_graph or create_graph torch keeps it, t2j.jit does not). Compute "
+            "what you need inside the jitted function (higher derivatives too: backward(create_graph=True) or "
+            "autograd.grad(..., create_graph=True) there), or jit a function that returns its outputs without "
+            "running backward() and call backward() on them after the call."
         )
 
     @classmethod
