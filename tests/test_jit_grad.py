@@ -164,6 +164,32 @@ def test_train_step_outputs_keep_a_spent_graph():
             loss.backward()
 
 
+def test_create_graph_backward_gives_each_call_its_own_grad():
+    """``backward(create_graph=True)`` inside: the ``.grad`` it sets requires grad, and the one a call
+    returns is that call's tensor, the argument's ``.grad`` itself (each call used to return one object
+    holding the last call's values). Differentiating it outside is refused, as for any spent graph."""
+
+    def f(w, x):
+        (w * x).pow(3).sum().backward(create_graph=True)
+        return w.grad
+
+    jitted = t2j.jit(f)
+    w_cpu = torch.randn(3, requires_grad=True)
+    w = w_cpu.detach().to("jax").requires_grad_()
+    grads = []
+    for _ in range(3):
+        x = torch.randn(3)
+        w_cpu.grad = w.grad = None
+        expected = f(w_cpu, x)
+        got = jitted(w, x.to("jax"))
+        assert got is w.grad and got.requires_grad
+        grads.append((got, expected.detach().clone()))
+    for got, expected in grads:
+        _close(got.detach(), expected)
+    with pytest.raises(RuntimeError, match="second time"):
+        grads[-1][0].pow(2).sum().backward()
+
+
 def test_no_grad_call_has_no_graph():
     model = _mlp().to("jax")
     forward = t2j.jit(model)
@@ -343,6 +369,22 @@ def test_parameters_no_used_output_reaches_get_no_gradient():
         results[device].append(third.weight.grad.tolist())
     assert results["jax"] == results["cpu"]
     assert results["jax"][:2] == [None, None] and results["jax"][4:6] == [None, None]
+
+def test_inputs_reached_only_through_integer_values_get_no_gradient():
+    """Comparisons, argmax and integer casts cut torch's graph: an input the output reaches only
+    through them gets None (the program's dependencies used to count them, giving zeros)."""
+
+    def f(w, x, z):
+        return (w * (x > 0).float() + w * x.argmax() + z.long().float()).sum()
+
+    results = {}
+    for device in ("cpu", "jax"):
+        torch.manual_seed(0)
+        w, x, z = (torch.randn(4).to(device).requires_grad_() for _ in range(3))
+        (f if device == "cpu" else t2j.jit(f))(w, x, z).backward()
+        results[device] = [None if t.grad is None else t.grad.tolist() for t in (w, x, z)]
+    assert results["jax"] == results["cpu"] and results["cpu"][1:] == [None, None]
+
 
 
 def test_leaves_made_inside_come_back_as_leaves_that_require_grad():
