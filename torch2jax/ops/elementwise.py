@@ -20,8 +20,8 @@ from jax import lax
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import (HALF_DTYPES, as_dtype, cast, check_values, checked_scalar, decomposition, elementwise, promote,
-                       refused_dtypes, register, scalar_type_name, strides, torch_slopes, true_divide, view, warning)
+from .registry import (HALF_DTYPES, as_dtype, cast, check_values, checked_scalar, decomposition, elementwise,
+                       float_abs, promote, refused_dtypes, register, scalar_type_name, strides, torch_slopes, true_divide, view, warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -138,9 +138,16 @@ def sigmoid(x):
 
 @elementwise(aten.logit, promote_kind="int_to_float")
 def logit(x, eps=None):
-    if eps is not None:  # torch's order of the bounds, which matters where eps > 0.5
-        x = jnp.where(x < eps, eps, jnp.where(x > 1 - eps, 1 - eps, x)).astype(x.dtype)
-    return jnp.log(x / (1 - x))
+    if eps is None:
+        return _logit(x)
+    # torch's order of the bounds, which matters where eps > 0.5
+    clamped = jnp.where(x < eps, eps, jnp.where(x > 1 - eps, 1 - eps, x)).astype(x.dtype)
+    return jnp.log(clamped / (1 - clamped))
+
+
+# torch's 1 / (x (1 - x)): infinite at 0 and 1 (JAX's derivative of the quotient's log is NaN there), NaN outside
+_logit = torch_slopes(lambda x: jnp.log(x / (1 - x)),
+                      lambda x: (jnp.where((x < 0) | (x > 1), jnp.full((), jnp.nan, x.dtype), 1 / (x * (1 - x))),))
 
 
 @elementwise(aten.digamma, prims.digamma, promote_kind="int_to_float")
@@ -170,10 +177,7 @@ def _no_complex_abs_(func, args, kwargs):
 def absolute(x):
     if _is_bool(x):
         raise NotImplementedError("\"abs_cpu\" not implemented for 'Bool'")
-    return _float_abs(x) if _dt.is_floating(x.dtype) else jnp.abs(x)
-
-
-_float_abs = torch_slopes(jnp.abs, lambda x: (jnp.sign(x),))  # (torch's abs'(0) = 0, JAX's 1)
+    return float_abs(x) if _dt.is_floating(x.dtype) else jnp.abs(x)
 
 
 @elementwise(aten.sign, prims.sign)
@@ -417,7 +421,19 @@ def power(x, e):
             return lax.integer_pow(x, int(v.real))
     if _is_int(x):
         return _int_pow(x, e)
-    return jnp.power(x, e)
+    return _float_pow(x, e)
+
+
+def _pow_slopes(x, e):
+    # torch's: 0 for a zero exponent (JAX's e * x ** (e - 1) is NaN at 0 ** 0), and for the exponent 0
+    # where the base is 0 and the exponent's real part is not negative (JAX's x ** e * log(x) is NaN there)
+    zero = jnp.zeros((), x.dtype)
+    base = jnp.where(e == 0, zero, e * jnp.power(x, e - 1))
+    exponent = jnp.where((x == 0) & (jnp.real(e) >= 0), zero, jnp.power(x, e) * jnp.log(x))
+    return base, exponent
+
+
+_float_pow = torch_slopes(jnp.power, _pow_slopes)
 
 
 @register(aten.float_power)
@@ -429,7 +445,17 @@ def float_power(x, e):
 
 @elementwise(aten.atan2, prims.atan2, promote_kind="int_to_float")
 def atan2(a, b):
-    return jnp.arctan2(a, b)
+    return _atan2(a, b)
+
+
+def _atan2_slopes(a, b):
+    # torch's b / (a² + b²) and -a / (a² + b²), but 0 at the origin (JAX's are NaN there)
+    origin, recip = (a == 0) & (b == 0), 1 / (a * a + b * b)
+    zero = jnp.zeros((), a.dtype)
+    return jnp.where(origin, zero, b * recip), jnp.where(origin, zero, -a * recip)
+
+
+_atan2 = torch_slopes(jnp.arctan2, _atan2_slopes)
 
 
 @elementwise(aten.hypot, prims.hypot)
@@ -439,7 +465,17 @@ def hypot(a, b):
 
 @elementwise(aten.copysign, promote_kind="int_to_float")
 def copysign(a, b):
-    return jnp.copysign(a, b)
+    return _copysign(a, b)
+
+
+def _copysign_slopes(a, b):
+    # torch's: ±1 but 0 where a is 0; zeros (a gradient, not None) for b, whose sign JAX reads as a boolean
+    zero = jnp.zeros((), a.dtype)
+    return jnp.where(a == 0, zero, jnp.copysign(jnp.ones((), a.dtype), a) * jnp.copysign(jnp.ones((), a.dtype), b)), \
+        jnp.zeros_like(b)
+
+
+_copysign = torch_slopes(jnp.copysign, _copysign_slopes)
 
 
 @elementwise(aten.nextafter, prims.nextafter, opmath=False)

@@ -601,7 +601,27 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
             "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got "
             f"{legacy} instead (while checking arguments for embedding)")
     _check_range(indices, weight.shape[0], _index_out_of_range_in_self, negative=False)
+    if padding_idx < 0 and not scale_grad_by_freq:
+        return jnp.take(weight, indices, axis=0)
+    return _rows_with_torch_slopes(weight, indices, padding_idx, scale_grad_by_freq)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _rows_with_torch_slopes(weight, indices, padding_idx, scale_grad_by_freq):
+    """``weight``'s rows at ``indices``, differentiated by JAX as torch's `embedding_dense_backward`: the row
+    ``padding_idx`` gets no gradient, and with ``scale_grad_by_freq`` each row's is divided by how often
+    ``indices`` names it."""
     return jnp.take(weight, indices, axis=0)
+
+
+@_rows_with_torch_slopes.defjvp
+def _rows_with_torch_slopes_jvp(padding_idx, scale_grad_by_freq, primals, tangents):
+    weight, indices = primals
+    factor = (indices != padding_idx).astype(weight.dtype)
+    if scale_grad_by_freq:
+        counts = jnp.zeros(weight.shape[0], weight.dtype).at[indices.reshape(-1)].add(1)
+        factor = factor / counts[indices]
+    return jnp.take(weight, indices, axis=0), jnp.take(tangents[0], indices, axis=0) * factor[..., None]
 
 
 @register(aten.embedding_renorm.default)

@@ -33,8 +33,8 @@ from jax.lax import linalg as lax_linalg
 
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
-from .registry import (argmax_index, canonical_dim, cast, layout_keywords, refused_dtypes, register, scalar_type_name,
-                       strides)
+from .registry import (argmax_index, canonical_dim, cast, float_abs, layout_keywords, refused_dtypes, register,
+                       root_zero_slope, scalar_type_name, strides, torch_slopes)
 
 aten = torch.ops.aten
 
@@ -536,7 +536,7 @@ def _euclid_mm(x1, x2):
     a = jnp.concatenate([-2 * x1, n1, jnp.ones_like(n1)], axis=-1)
     b = jnp.concatenate([x2, jnp.ones_like(n2), n2], axis=-1)
     d2 = jnp.matmul(a, jnp.swapaxes(b, -1, -2), precision=_precision())
-    return jnp.sqrt(jnp.maximum(d2, 0))
+    return root_zero_slope(jnp.maximum(d2, 0))
 
 
 @register(aten._euclidean_dist.default)
@@ -545,16 +545,25 @@ def _euclidean_dist(x1, x2):
 
 
 def _pnorm_dist(diff, p):
-    a = jnp.abs(diff)
+    """The p-norms of ``diff``'s last dimension, differentiated by JAX as torch's `_cdist_backward`: 0 where a
+    distance is 0, sign(diff) for p = 1, and for p = inf every element at the maximum gets the gradient."""
+    a = float_abs(diff)
     if p == 0:
         return jnp.sum(a != 0, axis=-1).astype(a.dtype)
     if p == 1:
         return jnp.sum(a, axis=-1)
     if p == 2:
-        return jnp.sqrt(jnp.sum(a * a, axis=-1))
+        return root_zero_slope(jnp.sum(a * a, axis=-1))
     if math.isinf(p):
-        return jnp.max(a, axis=-1, initial=0)
-    return jnp.sum(a**p, axis=-1) ** (1.0 / p)
+        top = jax.lax.stop_gradient(jnp.max(a, axis=-1, initial=0))
+        at_top = a == top[..., None]
+        return top + jnp.sum(jnp.where(at_top, a - jax.lax.stop_gradient(a), 0), axis=-1)
+    return root_zero_slope(jnp.sum(_dist_power(a, p), axis=-1), p)
+
+
+# a ** p of a distance's |element|, with slope 0 where it is 0 (for p < 1 JAX's is infinite there)
+_dist_power = torch_slopes(lambda a, p: a ** p, lambda a, p: (jnp.where(a == 0, jnp.zeros((), a.dtype), p * a ** (p - 1)),
+                                                              None))
 
 
 def _check_cdist(x1, x2, p):

@@ -806,9 +806,22 @@ def binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
     return _binary_cross_entropy_jit(x, target, weight, reduction)
 
 
+def _bce_value(x, target):
+    return -(target * jnp.maximum(jnp.log(x), -100.0) + (1 - target) * jnp.maximum(jnp.log1p(-x), -100.0))
+
+
+def _bce_slopes(x, target):
+    # torch's (`binary_cross_entropy_backward`): finite where x is 0 or 1 (JAX's derivative of the clamped logs
+    # is NaN there: a saturated sigmoid's output), and log(1 - x) - log(x) unclamped for the target
+    return (x - target) / jnp.maximum((1 - x) * x, 1e-12), jnp.log1p(-x) - jnp.log(x)
+
+
+_bce = torch_slopes(_bce_value, _bce_slopes)
+
+
 @upcasting
 def _binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
-    loss = -(target * jnp.maximum(jnp.log(x), -100.0) + (1 - target) * jnp.maximum(jnp.log1p(-x), -100.0))
+    loss = _bce(x, target)
     if weight is not None:
         loss = loss * weight
     return _reduce(loss, reduction)
@@ -940,7 +953,10 @@ def _nll_loss(x, target, weight, reduction, ignore_index):
         return loss, jnp.zeros((), x.dtype)
     if reduction == _SUM:
         return jnp.sum(loss), total
-    return jnp.sum(loss) / total, total
+    # a batch whose every target is ignored: NaN (0 / 0) as torch's, with torch's zero gradient (JAX's
+    # derivative of the quotient would be 0 / 0 too)
+    nothing = total == 0
+    return jnp.where(nothing, jnp.nan, jnp.sum(loss) / jnp.where(nothing, 1, total)).astype(loss.dtype), total
 
 
 @float_op(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
@@ -1703,7 +1719,24 @@ def _check_ctc(log_probs, targets, input_lengths, target_lengths, blank):
 @register(aten._ctc_loss.default, aten._ctc_loss.Tensor)
 def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
     _check_ctc(log_probs, targets, input_lengths, target_lengths, blank)
-    return _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank)
+    nll, log_alpha = _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank)
+    steps, batch = log_probs.shape[:2]
+    inside = jnp.arange(steps)[:, None] < jnp.asarray(input_lengths, np.int64).reshape(batch)[None, :]
+    return _with_ctc_kernel_slope(nll, log_probs, inside), log_alpha
+
+
+@jax.custom_jvp
+def _with_ctc_kernel_slope(nll, log_probs, inside):
+    """``nll``, whose JAX derivative with respect to ``log_probs`` is torch's (`_ctc_loss_backward`): the true
+    one plus ``exp(log_probs)`` at each step ``inside`` the input's length."""
+    return nll
+
+
+@_with_ctc_kernel_slope.defjvp
+def _with_ctc_kernel_slope_jvp(primals, tangents):
+    nll, log_probs, inside = primals
+    extra = jnp.sum(jnp.where(inside[..., None], jnp.exp(log_probs) * tangents[1], 0), axis=(0, 2))
+    return nll, tangents[0] + extra.astype(nll.dtype)
 
 
 def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):

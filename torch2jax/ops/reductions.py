@@ -20,7 +20,7 @@ from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
 from .registry import (_HALF, HALF_DTYPES, argmax_index, argmin_index, canonical_dim, canonical_dims, decomposition,
-                       refused_dtypes, register, scalar_type_name, true_divide, warning)
+                       float_abs, refused_dtypes, register, root_zero_slope, scalar_type_name, true_divide, warning)
 from .shape import is_traced
 
 aten = torch.ops.aten
@@ -321,15 +321,7 @@ def _real_out(x):
 
 def _var_std(x, dim, correction, keepdim, sqrt):
     v, m = _var_mean(x, _axes(dim, x.ndim), correction, keepdim)
-    return (_root_zero_slope(v) if sqrt else v).astype(_real_out(x)), m.astype(x.dtype)
-
-
-def _root_zero_slope(v, p=2):
-    """``v ** (1 / p)`` (``sqrt`` for 2) whose JAX derivative is 0 where ``v`` is 0 (torch's for std and norms
-    of constant or zero data; the root's infinite slope there would make every gradient through it NaN)."""
-    zero = v == 0
-    safe = jnp.where(zero, jnp.ones((), v.dtype), v)
-    return jnp.where(zero, jnp.zeros((), v.dtype), jnp.sqrt(safe) if p == 2 else safe ** (1.0 / p))
+    return (root_zero_slope(v) if sqrt else v).astype(_real_out(x)), m.astype(x.dtype)
 
 
 @warning(aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction)
@@ -513,8 +505,8 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     out = _real_out(x)
     axes = _axes(dim, x.ndim)
     xo = _opmath(x)
-    # (|x| of a real x as sqrt(x * x) does not need: JAX's abs'(0) is 1, torch's norm of 0 has slope 0)
-    a = jnp.abs(xo) if ord != 2 or _dt.is_complex(x.dtype) else xo
+    # (|x| of a real x as sqrt(x * x) does not need; torch's abs'(0) is 0, JAX's 1)
+    a = jnp.abs(xo) if _dt.is_complex(x.dtype) else float_abs(xo) if ord != 2 else xo
     if ord in (math.inf, -math.inf):
         _require_nonempty("linalg.vector_norm", x, axes)
         r = (jnp.max if ord > 0 else jnp.min)(a, axis=axes, keepdims=keepdim)
@@ -523,9 +515,9 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     elif ord == 1:
         r = jnp.sum(a, axis=axes, keepdims=keepdim)
     elif ord == 2:
-        r = _root_zero_slope(jnp.sum(a * a, axis=axes, keepdims=keepdim))
+        r = root_zero_slope(jnp.sum(a * a, axis=axes, keepdims=keepdim))
     else:
-        r = _root_zero_slope(jnp.sum(a**ord, axis=axes, keepdims=keepdim), ord)
+        r = root_zero_slope(jnp.sum(a**ord, axis=axes, keepdims=keepdim), ord)
     return r.astype(out)
 
 
@@ -834,7 +826,7 @@ def nanmedian_dim(x, dim, keepdim=False):
 def median(x):
     if x.size == 0:
         return jnp.full((), jnp.nan, x.dtype)
-    return _median(x.reshape(-1), 0, False, False)[0]
+    return _evenly_differentiated(x, _median(x.reshape(-1), 0, False, False)[0])
 
 
 @register(aten.nanmedian.default)
@@ -842,7 +834,25 @@ def median(x):
 def nanmedian(x):
     if x.size == 0:
         return jnp.full((), jnp.nan, x.dtype)
-    return _median(x.reshape(-1), 0, False, True)[0]
+    return _evenly_differentiated(x, _median(x.reshape(-1), 0, False, True)[0])
+
+
+def _evenly_differentiated(x, value):
+    """``value``, one of ``x``'s elements, whose JAX derivative splits evenly among the elements equal to it
+    (all NaNs where it is NaN), as torch differentiates a median without a dim (JAX's goes to one of them)."""
+    return _split_evenly(x, value) if _dt.is_floating(x.dtype) else value
+
+
+@jax.custom_jvp
+def _split_evenly(x, value):
+    return value
+
+
+@_split_evenly.defjvp
+def _split_evenly_jvp(primals, tangents):
+    x, value = primals
+    ties = jnp.where(jnp.isnan(value), jnp.isnan(x), x == value)
+    return value, jnp.sum(jnp.where(ties, tangents[0], 0)).astype(x.dtype) / jnp.sum(ties).astype(x.dtype)
 
 
 @register(aten.mode.default)

@@ -199,7 +199,8 @@ def torch_slopes(value, slopes):
     a clamp passing the gradient at its bounds, fmax's tie to its first operand): jax.grad / jax.vjp of a
     lowering (a jitted forward differentiated outside, ``call_torch`` under jax.grad, make_train_step) then
     give torch's gradients. The slopes must be finite wherever torch's gradient is (a zero cotangent times an
-    infinite slope is NaN).
+    infinite slope is NaN); an argument that is not differentiated (a zero tangent) adds nothing, whatever
+    its slope (``x ** e``'s slope for ``e``, log(x), is NaN for a negative ``x``).
 
     >>> relu = torch_slopes(lambda x: jnp.maximum(x, 0), lambda x: (x > 0,))
     >>> jax.grad(relu)(0.0)
@@ -211,12 +212,25 @@ def torch_slopes(value, slopes):
         out = value(*primals)
         total = jnp.zeros(out.shape, out.dtype)
         for slope, t in zip(slopes(*primals), tangents):
-            if slope is not None:
+            if slope is not None and type(t) is not jax.custom_derivatives.SymbolicZero:
                 total = total + (slope * t).astype(out.dtype)
         return out, total
 
-    f.defjvp(jvp)
+    f.defjvp(jvp, symbolic_zeros=True)
     return f
+
+
+# |x| of a real array with torch's derivative, sign(x): 0 at 0, where JAX's is 1
+float_abs = torch_slopes(jnp.abs, lambda x: (jnp.sign(x),))
+
+
+def root_zero_slope(v, p=2):
+    """``v ** (1 / p)`` (``sqrt`` for 2) whose JAX derivative is 0 where ``v`` is 0 (torch's for std, norms
+    and distances of constant or zero data; the root's infinite slope there would make every gradient
+    through it NaN)."""
+    zero = v == 0
+    safe = jnp.where(zero, jnp.ones((), v.dtype), v)
+    return jnp.where(zero, jnp.zeros((), v.dtype), jnp.sqrt(safe) if p == 2 else safe ** (1.0 / p))
 
 
 def _is_operand(a):

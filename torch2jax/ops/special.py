@@ -22,7 +22,8 @@ import torch
 
 from ..dispatch import OpError
 from .elementwise import digamma
-from .registry import HALF_DTYPES, as_dtype, cast, elementwise, promote, refused_dtypes, register, true_divide
+from .registry import (HALF_DTYPES, as_dtype, cast, elementwise, promote, refused_dtypes, register, torch_slopes,
+                       true_divide)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -121,7 +122,15 @@ def special_spherical_bessel_j0(x):
 
 @elementwise(aten.special_xlog1py, promote_kind="int_to_float", opmath=False)  # (as xlogy)
 def special_xlog1py(x, y):
+    return _xlog1py(x, y)
+
+
+def _xlog1py_value(x, y):
     return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros((), x.dtype), x * jnp.log1p(y)))
+
+
+# torch's: xlog1py(x != 0, y) (0 where x is 0, so at y = -1 too: JAX's is NaN there) and x / (1 + y)
+_xlog1py = torch_slopes(_xlog1py_value, lambda x, y: (_xlog1py_value((x != 0).astype(x.dtype), y), x / (1 + y)))
 
 
 def _shift_to_one(x, q):
