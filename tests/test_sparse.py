@@ -109,3 +109,12 @@ def test_torch_sparse_matmul_and_sum_are_lowered():
         torch.testing.assert_close(wj.grad.cpu(), wc.grad)
         for dim in ([0], [1], [0, 1]):
             torch.testing.assert_close(torch.sparse.sum(aj, dim).cpu(), torch.sparse.sum(a, dim).to_dense())
+
+
+def test_sparse_layout_ops_name_the_dense_storage():
+    """Ops torch has only sparse kernels for (``_nnz``, ``torch.sparse.softmax``) on a sparse tensor moved to the jax
+    device, which is stored dense there: an error naming the op and why, not torch's about the CPU backend."""
+    a = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2)).to("jax")
+    for call in (lambda: a._nnz(), lambda: torch.sparse.softmax(a, 1)):
+        with pytest.raises(t2j.OpError, match="sparse layout, which the jax device does not have"):
+            call()

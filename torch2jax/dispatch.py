@@ -2351,6 +2351,11 @@ def _checked_value(target, value, func):
 
 def _host_handler(func, args, kwargs, which=""):
     _check_devices(func, args, kwargs)
+    if _sparse_only(func):
+        raise OpError(
+            f"torch2jax: {func} reads a sparse layout, which the jax device does not have: a sparse tensor moved "
+            "or made there is stored dense (its to_dense()), and torch has no kernel of this op for dense "
+            "tensors. Use dense ops on it (a sum, a masked softmax), or keep the sparse tensor on the CPU")
     COUNTERS["host_fallbacks"] += 1
     mode = _env.config().fallback
     if mode == "error":
@@ -2366,6 +2371,15 @@ def _host_handler(func, args, kwargs, which=""):
             stacklevel=4,
         )
     return _host_run(func, args, kwargs)
+
+
+@functools.cache
+def _sparse_only(func) -> bool:
+    """Whether torch's kernels of ``func`` are for sparse layouts only (``_nnz``, ``_sparse_softmax``): the host
+    fallback would fail on the dense CPU copy with a message blaming the CPU backend."""
+    name, has = func.name(), torch._C._dispatch_has_kernel_for_dispatch_key
+    return not any(has(name, key) for key in ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd")) \
+        and any(has(name, key) for key in ("SparseCPU", "SparseCsrCPU"))
 
 
 def _is_traced(tree):
