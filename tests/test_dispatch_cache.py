@@ -276,3 +276,83 @@ def test_a_loop_over_minibatches_compiles_its_ops_once(backend_compiles):
     xc, wc = x.cpu(), w.cpu()
     assert got == pytest.approx([((xc[i:i + 8] @ wc).relu().sum() + xc[i].sum()).item() for i in range(1, 40)],
                                 rel=1e-5)
+
+
+def test_changing_float_arguments_compile_once(backend_compiles):
+    # a float an op takes as a parameter (leaky_relu's slope, layer_norm's eps) is an input of its program
+    # once a second value comes: a slope that changes every call does not compile the op every call
+    x = torch.randn(8, 16)
+    xj = x.to("jax")
+    ops = {
+        "leaky_relu": lambda t, s: torch.nn.functional.leaky_relu(t, s),
+        "elu": lambda t, s: torch.nn.functional.elu(t, alpha=s),
+        "layer_norm": lambda t, s: torch.nn.functional.layer_norm(t, (16,), eps=s),
+        "hardtanh": lambda t, s: torch.nn.functional.hardtanh(t, -s, s),
+    }
+    for fn in ops.values():
+        for s in (0.015, 0.02):  # (not 0.01: torch leaves leaky_relu's default slope out of the call)
+            fn(xj, s).cpu()
+    before = len(backend_compiles)
+    for s in (0.03, 0.07, 0.11, 0.13, 0.17):
+        for name, fn in ops.items():
+            torch.testing.assert_close(fn(xj, s).cpu(), fn(x, s), msg=name)
+    assert len(backend_compiles) == before
+
+
+def test_batch_norm_cumulative_average_compiles_once(backend_compiles):
+    # BatchNorm(momentum=None) passes 1 / num_batches_tracked, a new float every step
+    def run(device, steps, compiles=None):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8, momentum=None), torch.nn.Linear(8, 3))
+        m = m.to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x, y = torch.randn(5, 6).to(device), torch.randint(0, 3, (5,)).to(device)
+        losses = []
+        for step in range(steps):
+            if step == 4 and compiles is not None:
+                before = len(compiles)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        if compiles is not None:
+            assert len(compiles) == before
+        return losses, {k: v.cpu() for k, v in m.state_dict().items()}
+
+    losses, state = run("jax", 10, backend_compiles)
+    expected_losses, expected_state = run("cpu", 10)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    for k in state:
+        torch.testing.assert_close(state[k], expected_state[k], msg=k)
+
+
+def test_float_arguments_a_lowering_reads_stay_static(monkeypatch, backend_compiles):
+    # huber_loss checks its delta in Python: its floats stay static (a program each), and after
+    # _MAX_FLOAT_VALUES of them its other values run op by op; its checks still run
+    monkeypatch.setattr(dispatch, "_MAX_FLOAT_VALUES", 4)
+    x, t = torch.randn(6, 5), torch.randn(6, 5)
+    xj, tj = x.to("jax"), t.to("jax")
+    values = [0.1 * i + 0.05 for i in range(10)]
+    for i, d in enumerate(values):
+        if i == 6:  # (op by op from the fifth value: its primitives compiled at the fifth)
+            before = len(backend_compiles)
+        torch.testing.assert_close(torch.nn.functional.huber_loss(xj, tj, delta=d).cpu(),
+                                   torch.nn.functional.huber_loss(x, t, delta=d))
+    assert len(backend_compiles) == before
+    with pytest.raises(RuntimeError, match="delta"):
+        torch.nn.functional.huber_loss(xj, tj, delta=-0.5)
+
+
+@pytest.mark.parametrize("special", [0.0, -0.0, 1.0, 2.0, 0.5])
+def test_float_inputs_at_values_xla_simplifies(special):
+    # values XLA's simplifier treats as special constants keep programs of their own
+    x = torch.tensor([-2.0, -0.0, 0.0, 1.5, math.inf, -math.inf, math.nan])
+    xj = x.to("jax")
+    fns = [lambda t, s: torch.nn.functional.leaky_relu(t, s), lambda t, s: torch.nn.functional.elu(t, alpha=s)]
+    for i, fn in enumerate(fns):
+        for s in (0.015, 0.02, special, 0.03):
+            expected, actual = fn(x, s), fn(xj, s).cpu()
+            torch.testing.assert_close(actual, expected, equal_nan=True)
+            if i == 0:  # (elu of alpha -0.0 gives -0.0 * expm1(-0.0) = 0.0 at -0.0, where torch gives -0.0)
+                assert torch.equal(torch.signbit(actual), torch.signbit(expected))

@@ -1052,6 +1052,11 @@ _READS_PRECISION = frozenset({"get_float32_matmul_precision"})
 # (HF models' eager tests: 102 s against 134 s).
 _COMPILE_AFTER = 0
 _MAX_SIGNATURES = 4096
+# Float values a compiled program may simplify as constants (see `_Compiled._float_inputs`): they are
+# keyed by value, with a program each.
+_STATIC_FLOATS = frozenset({0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 3.0, 4.0, math.inf, -math.inf})
+# Programs of one signature at different static float values, beyond which its other values run op by op
+_MAX_FLOAT_VALUES = 16
 
 # Values that may be static arguments of a compiled lowering: hashable, and
 # equal only when the lowering treats them alike (see `_key`).
@@ -1059,6 +1064,8 @@ _STATIC_TYPES = frozenset(
     {type(None), bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format}
 )
 _ARRAY = object()
+_FLOAT = object()
+_OP_BY_OP = object()
 _BOOL = np.dtype(np.bool_)
 
 
@@ -1202,21 +1209,26 @@ def _key(a, arrays, key):
         raise _NotStatic
 
 
-def _template(a):
-    """``a`` with each array replaced by a placeholder and each `_View` by its view chain (see `_fill`)."""
+def _template(a, float_inputs=False):
+    """``a`` with each array replaced by a placeholder and each `_View` by its view chain (see `_fill`);
+    with ``float_inputs``, each Python float by a placeholder too (an input of the program)."""
     t = type(a)
     if t is _ArrayImpl:
         return _ARRAY
     if t is _View:
         return a.steps
+    if t is float and float_inputs:
+        return _FLOAT
     if t is list or t is tuple or t is torch.Size:
-        return t([_template(b) for b in a])
+        return t([_template(b, float_inputs) for b in a])
     return a
 
 
-def _fill(template, arrays):
+def _fill(template, arrays, floats=None):
     if template is _ARRAY:
         return next(arrays)
+    if template is _FLOAT:
+        return next(floats)
     t = type(template)
     if t is tuple and template and type(template[0]) is ViewStep:
         value = next(arrays)
@@ -1224,8 +1236,28 @@ def _fill(template, arrays):
             value = step.trace(value, *[next(arrays) for _ in step.positions])
         return value
     if t is list or t is tuple or t is torch.Size:
-        return t([_fill(b, arrays) for b in template])
+        return t([_fill(b, arrays, floats) for b in template])
     return template
+
+
+def _floats(a, out):
+    """Append the Python floats in ``a`` to ``out``, in `_key`'s order."""
+    t = type(a)
+    if t is float:
+        out.append(a)
+    elif t is list or t is tuple or t is torch.Size:
+        for b in a:
+            _floats(b, out)
+    return out
+
+
+def _same_bits(a, b) -> bool:
+    """Whether two results of a lowering (arrays, or lists and tuples of them) are the same bits."""
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same_bits, a, b))
+    if a is None or b is None:
+        return a is b
+    return a.aval == b.aval and np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
 def _all_traced(out):
@@ -1258,9 +1290,18 @@ class _Compiled:
     Arguments of other types, and traced arrays, run ``fn`` directly. If tracing
     fails where ``fn`` itself succeeds, ``fn`` depends on its values and is not
     compiled again.
+
+    Python floats (``leaky_relu``'s slope, ``layer_norm``'s eps, the momentum
+    ``BatchNorm(momentum=None)`` changes every step) are keyed by value at first. Once
+    a signature sees a second value, its floats become inputs of one program (as
+    `t2j.jit` passes traced numbers: weakly typed 0-d float64 arrays), which is kept
+    if it gives the first value's program's bits at the first value; a lowering that
+    needs a float's value (``if p == 2``) or computes otherwise with it traced keeps
+    its floats static, and runs op by op after `_MAX_FLOAT_VALUES` of them (see
+    `_float_inputs`).
     """
 
-    __slots__ = ("fn", "enabled", "signatures", "reads_precision")
+    __slots__ = ("fn", "enabled", "signatures", "reads_precision", "by_floats")
 
     def __init__(self, fn):
         self.fn = fn
@@ -1269,6 +1310,8 @@ class _Compiled:
         # Only the matmul lowerings read torch's float32 matmul precision; the others
         # spare a call into torch per op (each costs more here than on its own).
         self.reads_precision = _refers_to(fn, _READS_PRECISION)
+        # signature with its floats left out -> `_FloatInputs` (see `_float_inputs`)
+        self.by_floats: dict = {}
 
     def __call__(self, args, kwargs):
         """``fn(*args, **kwargs)``; ``args`` may hold `_View` operands (a list, not nested)."""
@@ -1294,35 +1337,104 @@ class _Compiled:
         key = tuple(key)
         compiled = self.signatures.get(key)
         if compiled is None or type(compiled) is int:
-            seen = (compiled or 0) + 1
-            if seen <= _COMPILE_AFTER:
-                if len(self.signatures) >= _MAX_SIGNATURES:
-                    self.signatures.clear()
-                self.signatures[key] = seen
-                return self.fn(*_materialize(args), **kwargs)
-            compiled = self.signatures[key] = self._compile(args, kwargs)
+            if any(type(k) is str for k in key[1 + self.reads_precision:]):  # a float (see `_key`)
+                compiled = self._float_inputs(key, arrays, args, kwargs)
+                if compiled is _OP_BY_OP:
+                    return self.fn(*_materialize(args), **kwargs)
+                if compiled is not None:
+                    compiled, arrays = compiled
+            if compiled is None or type(compiled) is int:
+                seen = (compiled or 0) + 1
+                if seen <= _COMPILE_AFTER:
+                    if len(self.signatures) >= _MAX_SIGNATURES:
+                        self.signatures.clear()
+                    self.signatures[key] = seen
+                    return self.fn(*_materialize(args), **kwargs)
+                compiled = self.signatures[key] = self._compile(args, kwargs)
         try:
             return compiled(*arrays)
         except Exception:  # noqa: BLE001 - the op-by-op run below raises the input's real error
             out = self.fn(*_materialize(args), **kwargs)
             self.enabled = False
             self.signatures.clear()
+            self.by_floats.clear()
             return out
 
-    def _compile(self, args, kwargs):
+    def _float_inputs(self, key, arrays, args, kwargs):
+        """For a call whose ``key`` (not compiled yet) holds floats: (program, its inputs) where
+        its floats are inputs of the program; None where they stay static (``key``'s own program,
+        compiled by the caller); `_OP_BY_OP` to run the call op by op.
+
+        The first signature whose floats are all ordinary (`_STATIC_FLOATS`) is the reference; at
+        a second value, the program taking the floats as inputs is tried at the reference's
+        values and kept where its results are the reference program's bits. XLA simplifies
+        arithmetic with some constants (``x * 1``, ``x + 0``, ``x ** 2`` as ``x * x``), so such
+        values keep a program of their own."""
+        start = 1 + self.reads_precision
+        abstract = key[:start] + tuple(_FLOAT if type(k) is str else k for k in key[start:])
+        entry = self.by_floats.get(abstract)
+        if entry is None:
+            if len(self.by_floats) >= _MAX_SIGNATURES:
+                self.by_floats.clear()
+            entry = self.by_floats[abstract] = _FloatInputs()
+        floats = _floats(list(args), [])
+        if kwargs:
+            _floats(list(kwargs.values()), floats)
+        ordinary = not any(f in _STATIC_FLOATS or f != f for f in floats)
+        if entry.program:
+            return (entry.program, arrays + floats) if ordinary else None
+        if entry.static >= _MAX_FLOAT_VALUES:
+            return _OP_BY_OP
+        entry.static += 1
+        if not ordinary or entry.program is False:
+            return None
+        reference = entry.reference and self.signatures.get(entry.reference[0])
+        if reference is None or type(reference) is int:
+            entry.reference = (key, floats)
+            return None
+        program = self._compile(args, kwargs, float_inputs=len(arrays))
+        try:
+            same = _same_bits(program(*arrays, *entry.reference[1]), reference(*arrays))
+        except Exception:  # noqa: BLE001 - a lowering that needs its floats' values (``if eps > 0``)
+            same = False
+        if not same:
+            entry.program = False
+            return None
+        entry.program = program
+        entry.static = 0
+        return program, arrays + floats
+
+    def _compile(self, args, kwargs, float_inputs=None):
+        """The program of ``fn`` at these arguments' signature; with ``float_inputs`` (the number of
+        its arrays), one that takes the arguments' floats as inputs after the arrays."""
         fn = self.fn
-        targs = _template(list(args))
-        tkwargs = {k: _template(v) for k, v in kwargs.items()} if kwargs else None
+        as_inputs = float_inputs is not None
+        targs = _template(list(args), as_inputs)
+        tkwargs = {k: _template(v, as_inputs) for k, v in kwargs.items()} if kwargs else None
 
         def traced(*arrays):
             it = iter(arrays)
-            args = _fill(targs, it)
-            out = fn(*args, **{k: _fill(v, it) for k, v in tkwargs.items()}) if tkwargs else fn(*args)
+            floats = iter(arrays[float_inputs:]) if as_inputs else None
+            args = _fill(targs, it, floats)
+            out = fn(*args, **{k: _fill(v, it, floats) for k, v in tkwargs.items()}) if tkwargs else fn(*args)
             if not _all_traced(out):
                 raise _NotArrays
             return out
 
         return jax.jit(traced)
+
+
+class _FloatInputs:
+    """What `_Compiled._float_inputs` knows of one signature with its floats left out: the
+    program taking them as inputs (None: not tried yet; False: its floats stay static), the
+    reference (key, floats) it is checked against, and how many static programs it has."""
+
+    __slots__ = ("program", "reference", "static")
+
+    def __init__(self):
+        self.program = None
+        self.reference = None
+        self.static = 0
 
 
 # ---------------------------------------------------------------------------

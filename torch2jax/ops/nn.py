@@ -449,7 +449,7 @@ def leaky_relu_backward(grad, x, negative_slope, self_is_result):
 def hardtanh(x, min_val=-1.0, max_val=1.0):
     if _dt.is_integral(x.dtype):
         return jnp.clip(x, math.ceil(min_val), math.floor(max_val)).astype(x.dtype)
-    return _float_hardtanh(x, np.asarray(min_val, x.dtype), np.asarray(max_val, x.dtype))
+    return _float_hardtanh(x, jnp.asarray(min_val, x.dtype), jnp.asarray(max_val, x.dtype))
 
 
 # (torch's derivative is 0 at the bounds: relu6'(0) = relu6'(6) = 0)
@@ -507,7 +507,8 @@ def hardswish_backward(grad, x):
 
 @float_op(aten.softplus.default)
 def softplus(x, beta=1.0, threshold=20.0):
-    return _softplus(x, np.asarray(beta, x.dtype), np.asarray(threshold, x.dtype))
+    # (jnp: a number an eager program takes as an input is traced, see dispatch._Compiled)
+    return _softplus(x, jnp.asarray(beta, x.dtype), jnp.asarray(threshold, x.dtype))
 
 
 def _softplus_slope(x, beta, threshold):
