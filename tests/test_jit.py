@@ -2379,6 +2379,42 @@ def test_an_int_input_indexes_tensors_without_a_program_per_value():
     assert got[3]["traces"] == 2
 
 
+
+def test_a_0d_tensor_indexes_tensors_in_one_program():
+    # ``q[action]``, ``emb[logits.argmax()]``, ``cache[:, pos] = k`` with ``pos`` a 0-d tensor: torch's indexing
+    # reads such an index's value (a select), which the program computes (it used to stop the trace)
+    def run(device):
+        torch.manual_seed(0)
+        table, cache = torch.randn(6, 4).to(device), torch.zeros(2, 6, 4).to(device)
+        w = torch.randn(6, 4).to(device).requires_grad_()
+
+        def step(logits, pos):
+            i = logits.argmax()
+            cache[:, pos] = table[i]
+            cache[0, pos - 1, i % 4] = 5.0
+            (w[i] * table[:, pos % 4].sum()).sum().backward()
+            return table[i], cache[1, pos], table[i, pos % 4]
+
+        f = step if device == "cpu" else t2j.jit(step, fullgraph=True)
+        outs = [[o.cpu() for o in f(torch.randn(6).to(device), torch.tensor(p).to(device))] for p in (1, 3, 5, 2)]
+        return outs, cache.cpu(), w.grad.cpu(), getattr(f, "stats", None)
+
+    want, got = run("cpu"), run("jax")
+    for a, b in zip(want[0], got[0]):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(v, u)
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2])
+    assert got[3]["traces"] == 2  # (the first call makes w.grad: the second has it as state)
+
+
+def test_a_0d_uint8_tensor_index_stays_a_mask():
+    # torch takes a 0-d uint8 or bool index as a mask (an added dimension of 0 or 1 rows), not a position
+    x = torch.arange(6.0).reshape(2, 3)
+    for index in (torch.tensor(1, dtype=torch.uint8), torch.tensor(False)):
+        got = t2j.jit(lambda x, i: x[i] * 2)(x.to("jax"), index.to("jax"))
+        torch.testing.assert_close(got.cpu(), x[index] * 2)
+
 def test_an_int_input_in_slice_bounds_of_a_fixed_length():
     # x[t:t + k] and narrow(0, t, k): one program for every t (the length and bounds are guards)
     def run(device):

@@ -3386,10 +3386,12 @@ class JitFunction:
             if _hints.carries_host_value(st.array):
                 state_hints.add(i, a, st, st.array)
         ok = False
+        indices = []
         try:
             for st, a in zip(storages, inputs):
                 st.array = a
                 st.version += 1
+            indices = _as_traced_indices(slots.tensors)
             leaves = list(leaves)
             for site, v in zip(slots.lifted, values):
                 if isinstance(site, _ArgSite):
@@ -3573,6 +3575,8 @@ class JitFunction:
             return result
         finally:
             _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = _sym.LEN_READS = _sym.VALUE_ERRORS = _sym.PLACES = None
+            for t in indices:
+                t.__class__ = Tensor
             torch._C._set_grad_enabled(grad_mode)
             for st, a in saved:
                 st.array = a
@@ -3620,6 +3624,20 @@ class JitFunction:
 # ---------------------------------------------------------------------------
 # differentiable calls: the outputs of a jitted forward carry an autograd graph
 # ---------------------------------------------------------------------------
+
+
+def _as_traced_indices(tensors) -> list:
+    """Make the 0-d integer tensors among ``tensors`` (arguments and state, whose values the trace takes as
+    inputs) `torch2jax.tensor.TracedIndex` until the trace ends, as the trace's own are: ``cache[:, pos]``
+    with ``pos`` one of them is then a view at the position the program computes. The ones changed."""
+    changed = [t for t in tensors if type(t) is Tensor and not t.shape and t.dtype in _INDEX_DTYPES]
+    for t in changed:
+        t.__class__ = _tensor.TracedIndex
+    return changed
+
+
+_INDEX_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+                           torch.uint64})
 
 
 def _differentiable_inputs(slots, slot_storage, written, post, backward) -> list:

@@ -333,8 +333,8 @@ class TracedScalar:
                 f"torch2jax: {what} of a traced value computed from a one-element integer tensor (an argument, or a "
                 "counter the jitted program carries): each of its values would be a program of its own, so t2j.jit "
                 "does not take it as a constant (it does for a branch, bool()). Compute with the tensor itself "
-                "(tensor arithmetic, torch.where; to index, x.index_select(0, i.view(1))) instead of a Python "
-                "number (x[i] with a 0-d tensor i asks for its value, as in torch)."
+                "(tensor arithmetic, torch.where; x[i] with a 0-d integer tensor i is a view the program places) "
+                "instead of a Python number."
             ))
         raise _noted(ValueNeeded(
             f"torch2jax: {what} of a traced value: inside t2j.jit / jax.jit a tensor's value is not known "
@@ -547,6 +547,12 @@ def _number_torch_function(cls, func, types, args=(), kwargs=None):
             "tensor to the jax device."
         )
     return out
+
+
+def index_with_numbers(func, args):
+    """``Tensor.__getitem__`` / ``__setitem__`` (``func``) of ``args`` whose index holds traced numbers
+    (`torch2jax.tensor.TracedIndex` made them from 0-d tensors), as `_number_torch_function` takes them."""
+    return _number_torch_function(None, func, (), args)
 
 
 # torch.optim's fused steps, whose Python-float ``lr`` has a tensor overload: a traced lr (a group's

@@ -879,6 +879,8 @@ def _dispatch(func, args, kwargs):
 
 
 _TORCH_DTYPES: dict = {}
+# the dtypes of a 0-d tensor torch's indexing takes as an integer position (uint8 and bool are masks)
+_INDEX_DTYPES = frozenset(map(np.dtype, ("int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")))
 
 
 def new_tensor(array, requires_grad: bool = False) -> Tensor:
@@ -888,8 +890,12 @@ def new_tensor(array, requires_grad: bool = False) -> Tensor:
     dtype = _TORCH_DTYPES.get(jax_dtype)
     if dtype is None:
         dtype = _TORCH_DTYPES[jax_dtype] = _dt.to_torch(jax_dtype)
+    cls = Tensor
+    if type(array) is not _ArrayImpl and not array.shape and jax_dtype in _INDEX_DTYPES \
+            and isinstance(array, jax.core.Tracer):
+        cls = TracedIndex
     try:
-        r = torch.Tensor._make_wrapper_subclass(Tensor, array.shape, dtype=dtype, device=DEVICE,
+        r = torch.Tensor._make_wrapper_subclass(cls, array.shape, dtype=dtype, device=DEVICE,
                                                 requires_grad=requires_grad)
     except TypeError:
         if any(not isinstance(d, int) for d in array.shape):
@@ -900,6 +906,28 @@ def new_tensor(array, requires_grad: bool = False) -> Tensor:
         raise
     r._t2j_storage = Storage(array)
     return r
+
+
+class TracedIndex(Tensor):
+    """A 0-d integer tensor whose value is traced (``i = logits.argmax()`` inside `t2j.jit`, `call_torch`
+    under jax.jit or jax.vmap). As an index (``w[i]``, ``w[:, i] = v``) torch's indexing would read its
+    value with ``item()`` for a ``select``; here it is the traced number ``i.item()``, whose select is a
+    view the program places (`torch2jax.symbolic`). Everything else it takes part in runs as for any
+    jax tensor: its ``__torch_function__`` only makes torch's indexing ask it first."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if (func is torch.Tensor.__getitem__ or func is torch.Tensor.__setitem__) and len(args) > 1:
+            index = args[1]
+            parts = index if type(index) is tuple else (index,)
+            if any(type(p) is TracedIndex for p in parts):
+                numbers = tuple(p.item() if type(p) is TracedIndex else p for p in parts)
+                args = (args[0], numbers if type(index) is tuple else numbers[0], *args[2:])
+                from .symbolic import index_with_numbers
+
+                return index_with_numbers(func, args)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 def lazy_view(storage, chain, size, stride, offset, dtype) -> Tensor:
