@@ -429,3 +429,89 @@ def test_like_factories_and_in_place_writes_keep_a_sharding():
     """)
     assert r["same"]
     assert r["specs"] == dict.fromkeys(r["specs"], "P('data',)"), r["specs"]
+
+
+def test_shard_map_backward_inside_jit_matches_torch():
+    # backward() in the jitted step itself: the body's gradients (arguments and closed-over parameters)
+    # were cut (all zeros), and .grad set to None between calls failed on a tracer of an earlier trace
+    r = run_8("""
+        import torch.nn.functional as F, torch.distributed as dist
+        mesh = P.make_mesh({"data": 8})
+        torch.manual_seed(0)
+        base = torch.nn.Linear(16, 4)
+        x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        ref = copy.deepcopy(base)
+        opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            opt.step()
+
+        def ddp(set_to_none):
+            m = copy.deepcopy(base).to("jax")
+            opt = torch.optim.SGD(m.parameters(), lr=0.5)
+
+            def local(xs, ys):
+                loss = F.cross_entropy(m(xs), ys).reshape(1)
+                dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+                return loss
+
+            f = P.shard_map(local, mesh, in_specs=(("data",), ("data",)), out_specs=())
+
+            @t2j.jit
+            def step(xs, ys):
+                opt.zero_grad(set_to_none=set_to_none)
+                loss = f(xs, ys).sum()
+                loss.backward()
+                opt.step()
+                return loss
+
+            for _ in range(3):
+                step(P.shard_batch(x, mesh), P.shard_batch(y, mesh))
+            return max((a.detach() - b.detach().cpu()).abs().max().item() for a, b in zip(ref.parameters(),
+                                                                                         m.parameters()))
+
+        square = P.shard_map(lambda a: a * a, mesh, in_specs=(("data",),), out_specs=("data",))
+
+        @t2j.jit
+        def of_argument(a):
+            loss = square(a).sum()
+            loss.backward()
+            return loss
+
+        @t2j.jit
+        def cut(a):
+            with torch.no_grad():
+                s = square(a)
+            loss = (s * a).sum()
+            loss.backward()
+            return loss
+
+        lin = copy.deepcopy(base).to("jax")
+        mean_square = P.shard_map(lambda a: lin(a).square().mean().reshape(1), mesh, in_specs=(("data",),),
+                                  out_specs=("data",))
+
+        @t2j.jit
+        def closed_over(a):
+            loss = mean_square(a).mean()
+            loss.backward()
+            return loss
+
+        for _ in range(2):                  # .grad None at each call: the second call traces again
+            lin.zero_grad(set_to_none=True)
+            closed_over(x.to("jax"))
+        want = copy.deepcopy(base)
+        torch.stack([want(c).square().mean() for c in x.chunk(8)]).mean().backward()
+        a0 = torch.randn(8, 3)
+        grads = {"closed_over": (lin.weight.grad.cpu() - want.weight.grad).abs().max().item()}
+        for name, fn in (("argument", of_argument), ("cut", cut)):
+            a = a0.clone().to("jax").requires_grad_()
+            fn(a)
+            grads[name] = a.grad.cpu().tolist()
+        print(json.dumps({"ddp": [ddp(False), ddp(True)], "grads": grads, "want": (2 * a0).tolist(),
+                          "cut": (a0 * a0).tolist()}))
+    """)
+    assert r["ddp"][0] < 1e-5 and r["ddp"][1] < 1e-5, r["ddp"]
+    assert r["grads"]["closed_over"] < 1e-6
+    assert sum(r["grads"]["argument"], []) == pytest.approx(sum(r["want"], []), rel=1e-5)
+    assert sum(r["grads"]["cut"], []) == pytest.approx(sum(r["cut"], []), rel=1e-5)  # no_grad: as torch, no path

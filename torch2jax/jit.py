@@ -257,6 +257,9 @@ class _Roots:
         elif isinstance(obj, JitFunction):  # (its function, not its cache: the last call's arguments are there)
             self._seen.add(id(obj))
             self.add(obj.fn, depth + 1)
+        elif getattr(type(obj), "_t2j_runs", None) is not None:  # (torch2jax's callables: what they run, not caches)
+            self._seen.add(id(obj))
+            self.add(obj._t2j_runs, depth + 1)
         elif isinstance(obj, functools.partial):
             self._seen.add(id(obj))
             self.add(obj.func, depth + 1)  # a Python function, a builtin (F.gelu) or another callable

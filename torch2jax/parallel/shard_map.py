@@ -18,10 +18,13 @@ they are passed in replicated, and their gradients flow. An argument it writes i
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import torch
 from jax.sharding import PartitionSpec
 
+from .. import gradcut as _gradcut
 from ..interop import call_jax_64
 from ..jit import _find_roots
 from ..tensor import Tensor, new_tensor
@@ -92,10 +95,12 @@ _INSIDE: list = []
 
 class _Program:
     """``torch_fn`` per device for one set of argument shapes: the JAX shard_map, and which
-    arguments it writes in place."""
+    arguments it writes in place. ``grad``: whether grad mode was on at the call, so that the
+    body runs as the caller's code (`gradcut.as_caller`): JAX differentiating it (a ``backward()``
+    inside `t2j.jit`) follows it, where a Function's forward with grad mode off would be cut."""
 
-    def __init__(self, torch_fn, mesh, in_specs, out_specs, check_vma, tensors, lifted):
-        self.torch_fn, self.mesh, self.lifted = torch_fn, mesh, lifted
+    def __init__(self, torch_fn, mesh, in_specs, out_specs, check_vma, tensors, lifted, grad):
+        self.torch_fn, self.mesh, self.lifted, self.grad = torch_fn, mesh, lifted, grad
         self.n = len(tensors)
         specs = (*in_specs, *(PartitionSpec() for _ in lifted))
         found = {}
@@ -114,13 +119,13 @@ class _Program:
         _INSIDE.append(self)
         try:
             for (st, _), a in zip(bound, arrays[self.n:]):
-                st.array = a
-            with collectives(self.mesh):
+                st.array, st.version = a, st.version + 1  # (views of it recompute their cached values)
+            with collectives(self.mesh), _gradcut.as_caller() if self.grad else contextlib.nullcontext():
                 out = self.torch_fn(*tensors)
         finally:
             _INSIDE.remove(self)
             for st, a in bound:
-                st.array = a
+                st.array, st.version = a, st.version + 1
         found["out"] = out
         found["written"] = [i for i, (t, a) in enumerate(zip(tensors, arrays)) if t._value() is not a]
         return jax.tree.map(lambda t: t._value() if isinstance(t, Tensor) else t, out,
@@ -130,6 +135,41 @@ class _Program:
         found = {}
         out, written = self._body(arrays, found)
         return out, [t._value() for t in written]
+
+
+class _ShardMapped:
+    """What `shard_map` returns: ``torch_fn`` per device, its programs kept per argument shapes."""
+
+    def __init__(self, torch_fn, mesh, in_specs, out_specs, check_vma):
+        self.torch_fn, self.mesh, self.out_specs, self.check_vma = torch_fn, mesh, out_specs, check_vma
+        self.in_specs = tuple(_spec(s) for s in in_specs)
+        self.programs: dict = {}
+
+    @property
+    def _t2j_runs(self):
+        """What `t2j.jit` searches for the state a call reaches: the torch function, not the
+        programs kept here (tensors bound to a trace's values while it runs)."""
+        return self.torch_fn
+
+    def __call__(self, *given):
+        if _INSIDE:
+            raise ShardingError(
+                "shard_map: called inside the function of another shard_map, which already runs per device on "
+                "its shards: nesting is not supported. Call the inner function directly there, with "
+                "torch.distributed collectives over the mesh axes it needs (group=dist.new_group(...))")
+        _check_arguments(given, self.in_specs, self.mesh)
+        tensors = [t if isinstance(t, Tensor) else t.to("jax") for t in given]
+        lifted = _closed_over(self.torch_fn, tensors)
+        grad = torch.is_grad_enabled()
+        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), tuple(map(id, lifted)), grad)
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = _Program(self.torch_fn, self.mesh, self.in_specs, self.out_specs,
+                                                    self.check_vma, tensors, lifted, grad)
+        out, written = call_jax_64(program.mapped, *tensors, *lifted)
+        for i, value in zip(program.written, written):
+            given[i].copy_(value)
+        return out
 
 
 def shard_map(torch_fn, mesh, in_specs, out_specs, check_vma: bool = False):
@@ -142,30 +182,9 @@ def shard_map(torch_fn, mesh, in_specs, out_specs, check_vma: bool = False):
     Inside, torch.distributed collectives act over the mesh axes of their process
     group (`new_group`; ``group=None`` is every axis). Differentiable (a torch
     autograd node whose backward is JAX's), also for the parameters the function reaches
-    without receiving them, and usable inside `t2j.jit`. Arguments it writes in place are
-    written back.
+    without receiving them, and usable inside `t2j.jit`, with ``backward()`` there too.
+    Arguments it writes in place are written back.
 
     >>> f = t2j.parallel.shard_map(lambda x: x * 2, mesh, in_specs=(("data",),), out_specs=("data",))
     """
-    in_specs = tuple(_spec(s) for s in in_specs)
-    programs: dict = {}
-
-    def call(*given):
-        if _INSIDE:
-            raise ShardingError(
-                "shard_map: called inside the function of another shard_map, which already runs per device on "
-                "its shards: nesting is not supported. Call the inner function directly there, with "
-                "torch.distributed collectives over the mesh axes it needs (group=dist.new_group(...))")
-        _check_arguments(given, in_specs, mesh)
-        tensors = [t if isinstance(t, Tensor) else t.to("jax") for t in given]
-        lifted = _closed_over(torch_fn, tensors)
-        key = (tuple((tuple(t.shape), t.dtype) for t in tensors), tuple(map(id, lifted)))
-        program = programs.get(key)
-        if program is None:
-            program = programs[key] = _Program(torch_fn, mesh, in_specs, out_specs, check_vma, tensors, lifted)
-        out, written = call_jax_64(program.mapped, *tensors, *lifted)
-        for i, value in zip(program.written, written):
-            given[i].copy_(value)
-        return out
-
-    return call
+    return _ShardMapped(torch_fn, mesh, in_specs, out_specs, check_vma)
