@@ -515,3 +515,42 @@ def test_shard_map_backward_inside_jit_matches_torch():
     assert r["grads"]["closed_over"] < 1e-6
     assert sum(r["grads"]["argument"], []) == pytest.approx(sum(r["want"], []), rel=1e-5)
     assert sum(r["grads"]["cut"], []) == pytest.approx(sum(r["cut"], []), rel=1e-5)  # no_grad: as torch, no path
+
+
+def test_eager_shard_map_compiles_once_and_reads_closed_over_tensors_at_each_call():
+    # an eager call traced the torch body and compiled it again every time (about a second a call)
+    r = run_8("""
+        import torch.distributed as dist
+        mesh = P.make_mesh({"data": 8})
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 4)
+        jlin = copy.deepcopy(lin).to("jax")
+        scale = torch.ones(4, device="jax")
+        traced = [0]
+
+        def body(a):
+            traced[0] += 1
+            s = jlin(a * scale).sum(0, keepdim=True)
+            dist.all_reduce(s)
+            return a * s
+
+        f = P.shard_map(body, mesh, in_specs=(("data",),), out_specs=("data",))
+        errors, xs = [], [torch.randn(16, 4) for _ in range(4)]
+        for i, x in enumerate(xs):
+            if i == 2:
+                scale.mul_(2)               # a closed-over tensor: the kept program reads its new value
+            a = x.to("jax").requires_grad_()
+            f(a).sum().backward()
+            want = x.clone().requires_grad_()
+            (want * lin(want * (2 if i >= 2 else 1)).sum(0, keepdim=True)).sum().backward()
+            errors.append((a.grad.cpu() - want.grad).abs().max().item())
+        bn = torch.nn.BatchNorm1d(4).to("jax")
+        try:
+            P.shard_map(bn, mesh, in_specs=(("data",),), out_specs=("data",))(torch.randn(16, 4, device="jax"))
+        except ValueError as e:
+            errors.append(str(e))
+        print(json.dumps({"traced": traced[0], "errors": errors}))
+    """)
+    assert r["traced"] <= 2  # (the probe that finds the outputs, then the program)
+    assert max(r["errors"][:4]) < 1e-5
+    assert "closes over" in r["errors"][4] and "pass them as arguments" in r["errors"][4]

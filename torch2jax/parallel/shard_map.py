@@ -25,6 +25,8 @@ import torch
 from jax.sharding import PartitionSpec
 
 from .. import gradcut as _gradcut
+from .. import tensor as _tensor
+from ..env import _trace_state_clean
 from ..interop import call_jax_64
 from ..jit import _find_roots
 from ..tensor import Tensor, new_tensor
@@ -76,6 +78,21 @@ def _check_arguments(tensors, in_specs, mesh):
         named_sharding(tuple(t.shape), mesh, spec, f"shard_map: argument {i}")
 
 
+def _unchanged(found) -> list:
+    """The tensors of ``found`` ((tensor, its value before the probe) pairs), each put back to that
+    value: a write into one inside the body would be lost (the program's inputs are values)."""
+    wrote = []
+    for t, before in found:
+        if t._t2j_storage.array is not before:
+            t._t2j_storage.array, t._t2j_storage.version = before, t._t2j_storage.version + 1
+            wrote.append(tuple(t.shape))
+    if wrote:
+        raise ShardingError(f"shard_map: the function writes in place into tensors of shapes {wrote} that it "
+                            "closes over (a buffer such as BatchNorm's running statistics): pass them as "
+                            "arguments, which are written back, or return the new values")
+    return [t for t, _ in found]
+
+
 def _closed_over(fn, tensors) -> list:
     """The tensors requiring grad that ``fn`` reaches without receiving them: its modules'
     parameters and the tensors it closes over (as `t2j.jit` finds its state)."""
@@ -93,29 +110,67 @@ def _closed_over(fn, tensors) -> list:
 _INSIDE: list = []
 
 
+class _Reads:
+    """While the probe runs the body: the tensors it reads that it neither receives nor makes
+    (closed-over tensors that are not lifted parameters: buffers, constants), each with its
+    value before the run. The program takes them as inputs, so that a compiled program kept
+    for later calls reads their values then, not the probe's."""
+
+    def __init__(self, known):
+        self.known, self.found = set(known), {}
+
+    def __enter__(self):
+        self.outer, _tensor.CAPTURE = _tensor.CAPTURE, self
+        return self
+
+    def __exit__(self, *exc):
+        _tensor.CAPTURE = self.outer
+
+    def created(self, storage):
+        self.known.add(id(storage))
+        if self.outer is not None:
+            self.outer.created(storage)
+
+    def read(self, t):
+        st = t._t2j_storage
+        if id(st) not in self.known:
+            self.found.setdefault(id(st), (t, st.array))
+        if self.outer is not None:
+            self.outer.read(t)
+
+
 class _Program:
-    """``torch_fn`` per device for one set of argument shapes: the JAX shard_map, and which
-    arguments it writes in place. ``grad``: whether grad mode was on at the call, so that the
-    body runs as the caller's code (`gradcut.as_caller`): JAX differentiating it (a ``backward()``
-    inside `t2j.jit`) follows it, where a Function's forward with grad mode off would be cut."""
+    """``torch_fn`` per device for one set of argument shapes: the JAX shard_map (``mapped``, and
+    ``jitted`` for eager calls: compiled once), and which arguments it writes in place. ``grad``:
+    whether grad mode was on at the call, so that the body runs as the caller's code
+    (`gradcut.as_caller`): JAX differentiating it (a ``backward()`` inside `t2j.jit`) follows it,
+    where a Function's forward with grad mode off would be cut."""
 
     def __init__(self, torch_fn, mesh, in_specs, out_specs, check_vma, tensors, lifted, grad):
         self.torch_fn, self.mesh, self.lifted, self.grad = torch_fn, mesh, lifted, grad
-        self.n = len(tensors)
+        self.n, self.constants = len(tensors), []
         specs = (*in_specs, *(PartitionSpec() for _ in lifted))
         found = {}
         probe = jax.shard_map(lambda *a: self._body(a, found)[0], mesh=mesh, in_specs=specs,
                               out_specs=PartitionSpec(), check_vma=False)
-        with jax.enable_x64(True):  # (as call_jax_64 runs it)
+        with jax.enable_x64(True), _Reads(id(t._t2j_storage) for t in lifted) as reads:  # (as call_jax_64 runs it)
             jax.eval_shape(probe, *(jax.ShapeDtypeStruct(t.shape, t._value().dtype) for t in (*tensors, *lifted)))
+        self.constants = _unchanged(reads.found.values())
         self.written = found["written"]
         out = (_out_specs(out_specs, found["out"]), [in_specs[i] for i in self.written])
+        specs += tuple(PartitionSpec() for _ in self.constants)
         self.mapped = jax.shard_map(self._run, mesh=mesh, in_specs=specs, out_specs=out, check_vma=check_vma)
+        self.jitted = jax.jit(self.mapped)
+
+    @property
+    def bound(self) -> list:
+        """The tensors the body reaches without receiving them, which the program takes after its arguments."""
+        return [*self.lifted, *self.constants]
 
     def _body(self, arrays, found):
         """Run the torch function on this device's arrays: (outputs, arguments it wrote)."""
         tensors = [new_tensor(a) for a in arrays[:self.n]]
-        bound = [(t._t2j_storage, t._t2j_storage.array) for t in self.lifted]
+        bound = [(t._t2j_storage, t._t2j_storage.array) for t in self.bound]
         _INSIDE.append(self)
         try:
             for (st, _), a in zip(bound, arrays[self.n:]):
@@ -166,7 +221,9 @@ class _ShardMapped:
         if program is None:
             program = self.programs[key] = _Program(self.torch_fn, self.mesh, self.in_specs, self.out_specs,
                                                     self.check_vma, tensors, lifted, grad)
-        out, written = call_jax_64(program.mapped, *tensors, *lifted)
+        # (eagerly the program compiled once; inside a JAX trace the shard_map itself, part of that program)
+        mapped = program.jitted if _trace_state_clean() else program.mapped
+        out, written = call_jax_64(mapped, *tensors, *program.bound)
         for i, value in zip(program.written, written):
             given[i].copy_(value)
         return out
