@@ -554,3 +554,40 @@ def test_eager_shard_map_compiles_once_and_reads_closed_over_tensors_at_each_cal
     assert r["traced"] <= 2  # (the probe that finds the outputs, then the program)
     assert max(r["errors"][:4]) < 1e-5
     assert "closes over" in r["errors"][4] and "pass them as arguments" in r["errors"][4]
+
+
+
+def test_all_reduce_max_and_min_differentiate_as_amax_and_amin():
+    # pmax / pmin have no derivative in JAX: a body whose input required grad failed in the forward
+    r = run_8("""
+        import torch.distributed as dist
+        mesh = P.make_mesh({"data": 8})
+
+        def normalised(a):
+            hi = a.abs().amax().reshape(1)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+            lo = a.amin().reshape(1)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            return (a - lo) / hi
+
+        f = P.shard_map(normalised, mesh, in_specs=(("data",),), out_specs=("data",))
+        torch.manual_seed(0)
+        x = torch.randn(16, 4)
+        x[0, 0], x[9, 1] = 7.0, -7.0        # the largest magnitude on two devices: the gradient is shared
+        want = x.clone().requires_grad_()
+        ((want - want.amin()) / want.abs().amax()).square().sum().backward()
+
+        @t2j.jit
+        def step(a):
+            loss = f(a).square().sum()
+            loss.backward()
+            return loss
+
+        errors = []
+        for run in (lambda a: f(a).square().sum().backward(), step):
+            a = x.to("jax").requires_grad_()
+            run(a)
+            errors.append((a.grad.cpu() - want.grad).abs().max().item())
+        print(json.dumps({"errors": errors}))
+    """)
+    assert max(r["errors"]) < 1e-5, r["errors"]

@@ -105,16 +105,33 @@ def _op_key(op) -> str:
     return str(op).lower().rsplit(".", 1)[-1]
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _extreme(value, axes, reduce):
+    """``reduce(value, axes)`` (``lax.pmax`` / ``pmin``, which JAX cannot differentiate), with the
+    derivative of torch's ``amax`` / ``amin``: each element's gradient goes to the members' elements
+    equal to it, shared evenly among ties."""
+    return reduce(value, axes)
+
+
+@_extreme.defjvp
+def _extreme_jvp(axes, reduce, primals, tangents):
+    (value,), (dot,) = primals, tangents
+    out = reduce(value, axes)
+    chosen = value == out
+    ties = jax.lax.psum(chosen.astype(value.dtype), axes)
+    return out, jax.lax.psum(jax.numpy.where(chosen, dot, jax.numpy.zeros_like(dot)), axes) / ties
+
+
 def _reduce(value, op, axes):
     op = _op_key(op)
     if op in ("sum",):
         return jax.lax.psum(value, axes)
     if op in ("avg", "mean"):
         return jax.lax.pmean(value, axes)
-    if op == "max":
-        return jax.lax.pmax(value, axes)
-    if op == "min":
-        return jax.lax.pmin(value, axes)
+    if op in ("max", "min"):
+        reduce = jax.lax.pmax if op == "max" else jax.lax.pmin
+        return _extreme(value, axes, reduce) if jax.numpy.issubdtype(value.dtype, jax.numpy.floating) \
+            else reduce(value, axes)
     if op in _GATHERED_REDUCTIONS:
         if op != "product" and jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
             raise RuntimeError(f"torch2jax: reduce op {op.upper()} needs an integer or bool tensor, got {value.dtype}")
