@@ -591,3 +591,20 @@ def test_all_reduce_max_and_min_differentiate_as_amax_and_amin():
         print(json.dumps({"errors": errors}))
     """)
     assert max(r["errors"]) < 1e-5, r["errors"]
+
+
+def test_a_bare_string_spec_is_one_axis_name():
+    # "data" was split into the axes ('d', 'a', 't', 'a'); with one-letter axes "xy" quietly meant ('x', 'y')
+    r = run_8("""
+        mesh = P.make_mesh({"data": 8})
+        t = P.mark_sharding(torch.randn(8, 4, device="jax"), mesh, "data")
+        m = P.shard_model(torch.nn.Linear(4, 8).to("jax"), mesh, [("weight", "data")])
+        specs = [str(P.sharding_of(t).spec), str(P.sharding_of(m.weight).spec)]
+        try:
+            P.mark_sharding(torch.randn(8, 4, device="jax"), P.make_mesh({"x": 4, "y": 2}), "xy")
+        except ValueError as e:
+            specs.append(str(e))
+        print(json.dumps({"specs": specs}))
+    """)
+    assert r["specs"][:2] == ["P('data',)", "P('data',)"]
+    assert "mesh axis 'xy'" in r["specs"][2]

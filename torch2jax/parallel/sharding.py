@@ -51,9 +51,16 @@ def make_mesh(axes: dict, devices=None) -> Mesh:
 
 
 def _spec(spec) -> PartitionSpec:
+    """``spec`` as a PartitionSpec; a bare string is one mesh axis name, for the first dimension
+    (as `shard_map` takes it), not a sequence of one-letter names."""
     if isinstance(spec, PartitionSpec):
         return spec
-    return PartitionSpec(*spec)
+    return PartitionSpec(spec) if isinstance(spec, str) else PartitionSpec(*spec)
+
+
+def _entries(spec) -> tuple:
+    """A rule's ``spec`` (None: replicated) as a tuple of per-dimension entries."""
+    return () if spec is None else tuple(_spec(spec))
 
 
 def named_sharding(shape, mesh: Mesh, spec, what: str = "tensor") -> NamedSharding:
@@ -205,12 +212,9 @@ def shard_model(module: torch.nn.Module, mesh: Mesh, rules) -> torch.nn.Module:
         if not isinstance(t, Tensor):
             raise ShardingError(f"shard_model: {name} is on {t.device}; move the module to the jax device first")
         if name in stacked:  # one layer's rule for each slice of the stack (use_scan_layers(stack_parameters=True))
-            spec = rule(stacked[name], tuple(t.shape[1:]), mesh)
-            spec = (None, *spec) if spec is not None else None
+            spec = (None, *_entries(rule(stacked[name], tuple(t.shape[1:]), mesh)))
         else:
-            spec = rule(name, tuple(t.shape), mesh)
-        spec = spec if spec is not None else ()
-        spec = tuple(s for s in spec)
+            spec = _entries(rule(name, tuple(t.shape), mesh))
         while spec and spec[-1] is None:
             spec = spec[:-1]
         _place(t, named_sharding(tuple(t.shape), mesh, spec, f"shard_model: {name}"))
