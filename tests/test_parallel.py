@@ -608,3 +608,31 @@ def test_a_bare_string_spec_is_one_axis_name():
     """)
     assert r["specs"][:2] == ["P('data',)", "P('data',)"]
     assert "mesh axis 'xy'" in r["specs"][2]
+
+
+def test_jit_of_a_step_with_shard_map_and_a_mesh_does_not_warn():
+    # "changed Python attributes (Mesh._flat_devices_tuple, ...)" / "changed the items of a dict": JAX's caches
+    r = run_8("""
+        import warnings
+        import torch.distributed as dist
+        mesh = P.make_mesh({"data": 8})
+
+        def body(a):
+            s = a.sum(0, keepdim=True)
+            dist.all_reduce(s)
+            return s
+
+        f = P.shard_map(body, mesh, in_specs=(("data",),), out_specs=())
+
+        @t2j.jit
+        def step(x):
+            return P.mark_sharding(f(x) * 2, mesh, ())
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                out = step(torch.ones(16, 4))
+        print(json.dumps({"warnings": [str(w.message) for w in caught], "out": out.cpu().tolist()}))
+    """)
+    assert r["warnings"] == []
+    assert r["out"] == [[32.0] * 4]

@@ -257,6 +257,8 @@ class _Roots:
         elif isinstance(obj, JitFunction):  # (its function, not its cache: the last call's arguments are there)
             self._seen.add(id(obj))
             self.add(obj.fn, depth + 1)
+        elif isinstance(obj, jax.sharding.Mesh):  # (its attributes are JAX's caches, which a trace fills)
+            self._seen.add(id(obj))
         elif getattr(type(obj), "_t2j_runs", None) is not None:  # (torch2jax's callables: what they run, not caches)
             self._seen.add(id(obj))
             self.add(obj._t2j_runs, depth + 1)
