@@ -636,3 +636,24 @@ def test_jit_of_a_step_with_shard_map_and_a_mesh_does_not_warn():
     """)
     assert r["warnings"] == []
     assert r["out"] == [[32.0] * 4]
+
+
+def test_helpers_name_the_argument_they_refuse():
+    # were ZeroDivisionError, AttributeError ('list' has no 'values', _value) and a bare KeyError
+    r = run_8("""
+        errors = []
+        for bad in (lambda: P.make_mesh({"data": 0, "model": -1}), lambda: P.make_mesh([("data", 8)]),
+                    lambda: P.sharding_of(torch.randn(3)),
+                    lambda: P.shard_model(torch.nn.Linear(64, 64).to("jax"), P.make_mesh({"data": 8}), P.fsdp("nope"))):
+            try:
+                bad()
+                errors.append(None)
+            except P.ShardingError as e:
+                errors.append(str(e))
+        print(json.dumps({"errors": errors}))
+    """)
+    mesh_size, mesh_type, of_cpu, fsdp = r["errors"]
+    assert "axis 'data' has size 0" in mesh_size
+    assert "dict of axis name -> size" in mesh_type and "list" in mesh_type
+    assert "sharding_of" in of_cpu and "cpu" in of_cpu
+    assert "fsdp: mesh axis 'nope'" in fsdp and "('data',)" in fsdp

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -38,6 +39,13 @@ def make_mesh(axes: dict, devices=None) -> Mesh:
 
     >>> mesh = t2j.parallel.make_mesh({"data": -1})
     """
+    if not isinstance(axes, Mapping):
+        raise ShardingError(f"make_mesh: axes is a dict of axis name -> size, e.g. {{'data': 4, 'model': 2}}, got a "
+                            f"{type(axes).__name__}")
+    for name, size in axes.items():
+        if not isinstance(size, int) or (size < 1 and size != -1):
+            raise ShardingError(f"make_mesh: axis {name!r} has size {size!r}: a size is a positive integer, or -1 "
+                                "for the devices that are left")
     devices = list(jax.devices() if devices is None else devices)
     names, sizes = list(axes), list(axes.values())
     if sizes.count(-1) > 1:
@@ -135,6 +143,8 @@ def fsdp(axis: str = "data", min_size: int = 1024):
     """
 
     def rule(name, shape, mesh):
+        if axis not in mesh.shape:
+            raise ShardingError(f"fsdp: mesh axis {axis!r} is not one of the mesh's axes {tuple(mesh.axis_names)}")
         size = mesh.shape[axis]
         if math.prod(shape) < min_size:
             return None
@@ -223,4 +233,7 @@ def shard_model(module: torch.nn.Module, mesh: Mesh, rules) -> torch.nn.Module:
 
 def sharding_of(tensor: torch.Tensor):
     """The `jax.sharding.Sharding` of a jax-device tensor's array."""
+    if not isinstance(tensor, Tensor):
+        got = f"one on {tensor.device}" if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}"
+        raise ShardingError(f"sharding_of: expected a tensor on the jax device, got {got}")
     return tensor._value().sharding
