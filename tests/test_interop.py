@@ -374,6 +374,48 @@ def test_plain_jax_jit_cannot_leak_a_tracer_into_a_parameter():
     np.testing.assert_array_equal(local, np.ones(3))
 
 
+def _fill_a_fresh_buffer(t):
+    buf = torch.zeros_like(t)  # made inside the function, then written in place with traced values
+    buf[0] = t[1]
+    buf += t
+    return buf
+
+
+def test_buffers_the_torch_code_allocates_take_traced_writes_under_eager_transforms():
+    x = jnp.arange(3.0)
+    torch_x = torch.arange(3.0)
+    got = jax.grad(lambda v: t2j.call_torch(_fill_a_fresh_buffer, v).sum())(x)
+    np.testing.assert_array_equal(got, torch.func.grad(lambda t: _fill_a_fresh_buffer(t).sum())(torch_x))
+    xs = jnp.arange(6.0).reshape(2, 3)
+    np.testing.assert_array_equal(jax.vmap(lambda v: t2j.call_torch(_fill_a_fresh_buffer, v))(xs),
+                                  torch.func.vmap(_fill_a_fresh_buffer)(torch.arange(6.0).reshape(2, 3)))
+    _, tangent = jax.jvp(lambda v: t2j.call_torch(_fill_a_fresh_buffer, v), (x,), (jnp.ones(3),))
+    _, want = torch.func.jvp(_fill_a_fresh_buffer, (torch_x,), (torch.ones(3),))
+    np.testing.assert_array_equal(tangent, want)
+    # a buffer the code closes over is still refused: the tracer would outlive the call
+    norm = nn.BatchNorm1d(3).to("jax")
+
+    def mutate(v):
+        norm.running_mean.add_(v)
+        return (norm.running_mean * v).sum()
+
+    with pytest.raises(RuntimeError, match="escape the trace"):
+        jax.grad(t2j.jax_view(mutate))(jnp.ones(3))
+
+
+def test_stock_rnn_writing_in_place_under_eager_jax_grad_matches_torch():
+    # nn.RNN's decomposition fills its output buffer in place
+    torch.manual_seed(0)
+    rnn = nn.RNN(4, 5, batch_first=True)
+    fn, state = t2j.functionalize(copy.deepcopy(rnn).to("jax"))
+    x = _x(2, 3, 4)
+    got = jax.grad(lambda v: fn(state, v)[0].sum())(x)
+    xt = torch.tensor(x, requires_grad=True)
+    rnn(xt)[0].sum().backward()
+    np.testing.assert_allclose(got, xt.grad.numpy(), rtol=1e-5, atol=1e-6)
+    assert jax.vmap(lambda v: fn(state, v[None])[0])(x).shape == (2, 1, 3, 5)
+
+
 def test_functionalize_with_closed_over_state_under_transforms():
     # the state's tensors are made for the call: a transform may write its tracers into them
     fn, state = t2j.functionalize(nn.BatchNorm1d(3))

@@ -57,10 +57,12 @@ def _torch_context():
 @contextlib.contextmanager
 def _jax_differentiated():
     """`_torch_context` for torch code that JAX differentiates: grad mode on whatever the
-    caller's, so that only the code's own ``no_grad`` blocks cut gradients (gradcut.py)."""
+    caller's, so that only the code's own ``no_grad`` blocks cut gradients (gradcut.py). The
+    tensors made in the block (a module's state made from the caller's arrays, the buffers the code
+    allocates) are the call's own: JAX's tracers may be written into them in place (`tensor.call_scope`)."""
     _gradcut._state.jax_differentiated += 1
     try:
-        with _torch_context(), torch.enable_grad():
+        with _torch_context(), torch.enable_grad(), _tensor.call_scope():
             yield
     finally:
         _gradcut._state.jax_differentiated -= 1
@@ -473,13 +475,14 @@ class Functional:
         >>> out, state = fn.apply(state, x)
         """
         self._check_state(state)
-        tensors = {name: new_tensor(a) for name, a in state.get("params", {}).items()}
-        buffers = {name: new_tensor(a) for name, a in state.get("buffers", {}).items()}
-        tensors.update(buffers)
         x64 = _jax_config.enable_x64.get_global() if self.x64 is None else self.x64
         args, kwargs = torch_view((args, kwargs))
         rng_scope = _rng.traced_key(rng) if rng is not None else contextlib.nullcontext()
-        with _jax_differentiated(), rng_scope, _tensor.call_local([t._t2j_storage for t in tensors.values()]):
+        with _jax_differentiated(), rng_scope:
+            # (the state's tensors are made for the call: a transform may write its tracers into them)
+            tensors = {name: new_tensor(a) for name, a in state.get("params", {}).items()}
+            buffers = {name: new_tensor(a) for name, a in state.get("buffers", {}).items()}
+            tensors.update(buffers)
             args, kwargs = _as_given((args, kwargs), x64)
             out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=True, strict=False)
             out = _as_returned(out, x64)

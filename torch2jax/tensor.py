@@ -53,34 +53,50 @@ storage_watchers: list = []
 # torch's active fake mode, if any (looked up on every op: bound once)
 _dispatch_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 
-# Storages made for one call of a pure function (`functionalize`'s state as tensors): a
-# transform tracing that call may write tracers into them, as nothing outlives the call.
-CALL_LOCAL: set = set()
+# The innermost `call_scope` running (torch code that JAX code calls), or None.
+CALL_SCOPE = None
 
 # Storages holding the jax-device copy of a CPU tensor that a trace indexes at a traced position
 # (`symbolic._on_device_if_host`): reads see its values, a write would miss the CPU tensor.
 HOST_COPIES: weakref.WeakSet = weakref.WeakSet()
 
 
+class _CallScope:
+    """One run of `call_scope`: ``active`` while it runs, inside ``parent`` (the scope it was entered in)."""
+
+    __slots__ = ("parent", "active")
+
+    def __init__(self, parent):
+        self.parent, self.active = parent, True
+
+
 @contextlib.contextmanager
-def call_local(storages):
-    """Let a traced write into ``storages`` (see `Storage.check_write`) while the block runs."""
-    CALL_LOCAL.update(storages)
+def call_scope():
+    """Let traced writes into the storages created while the block runs (see `Storage.check_write`).
+
+    Torch code that JAX code calls (`call_torch`, `functionalize`) gets its arguments and state as
+    tensors made for the call, and allocates buffers it fills in place (``torch.zeros_like(x)``, then
+    ``buf[0] = x[1]``); under an eager ``jax.grad`` or ``jax.vmap`` these hold concrete arrays until a
+    traced value is written into them. Nothing outside the call holds them, so no tracer escapes.
+    """
+    global CALL_SCOPE
+    scope = CALL_SCOPE = _CallScope(CALL_SCOPE)
     try:
         yield
     finally:
-        CALL_LOCAL.difference_update(storages)
+        scope.active, CALL_SCOPE = False, scope.parent
 
 
 class Storage:
     """The shared value of a base tensor and all of its views."""
 
     # (handle: a weak reference to the `_StorageHandle` ``untyped_storage()`` last gave, set then)
-    __slots__ = ("array", "version", "saved", "host", "handle", "__weakref__")
+    __slots__ = ("array", "version", "saved", "host", "handle", "scope", "__weakref__")
 
     def __init__(self, array):
         self.array = array
         self.version = 0
+        self.scope = CALL_SCOPE  # (the call of torch code from JAX that made it, if any: see `call_scope`)
         self.host = None  # (array, its value on the host), for state `t2j.jit` branches on: see `hints`
         # (weak reference to the CPU copy being pickled, version it copies): see `_saved_base`
         self.saved = None
@@ -105,7 +121,7 @@ class Storage:
                     "with i a number the jitted program takes): a program cannot write a CPU tensor. Keep the "
                     "tensor on the jax device to make this one program.")
         elif isinstance(value, jax.core.Tracer) and not isinstance(self.array, jax.core.Tracer) \
-                and self not in CALL_LOCAL:
+                and not self._made_in_running_call():
             from .dispatch import OpError
 
             raise OpError(
@@ -114,6 +130,15 @@ class Storage:
                 "would escape the trace. Use t2j.jit, which carries such state in and out, or "
                 "t2j.functionalize for a pure function of the state."
             )
+
+    def _made_in_running_call(self) -> bool:
+        """Whether a `call_scope` that is still running created this storage (directly or in a call it made)."""
+        scope = self.scope
+        while scope is not None:
+            if scope.active:
+                return True
+            scope = scope.parent
+        return False
 
 
 class _StorageHandle(torch.UntypedStorage):
