@@ -403,6 +403,24 @@ def test_buffers_the_torch_code_allocates_take_traced_writes_under_eager_transfo
         jax.grad(t2j.jax_view(mutate))(jnp.ones(3))
 
 
+def test_torch_code_writing_into_its_argument_under_jax_grad():
+    def accumulate(x, acc):
+        acc += x * 2
+        return acc
+
+    x = jnp.arange(3.0)
+    got = jax.grad(lambda v: t2j.call_torch(accumulate, v, jnp.zeros(3)).sum())(x)
+    want = torch.func.grad(lambda t: accumulate(t, torch.zeros(3)).sum())(torch.arange(3.0))
+    np.testing.assert_array_equal(got, want)
+
+    class Accumulate(nn.Module):
+        def forward(self, x, acc):
+            return accumulate(x, acc)
+
+    fn, state = t2j.functionalize(Accumulate())
+    np.testing.assert_array_equal(jax.grad(lambda v: fn(state, v, jnp.zeros(3)).sum())(x), want)
+
+
 def test_stock_rnn_writing_in_place_under_eager_jax_grad_matches_torch():
     # nn.RNN's decomposition fills its output buffer in place
     torch.manual_seed(0)

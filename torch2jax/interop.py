@@ -58,8 +58,9 @@ def _torch_context():
 def _jax_differentiated():
     """`_torch_context` for torch code that JAX differentiates: grad mode on whatever the
     caller's, so that only the code's own ``no_grad`` blocks cut gradients (gradcut.py). The
-    tensors made in the block (a module's state made from the caller's arrays, the buffers the code
-    allocates) are the call's own: JAX's tracers may be written into them in place (`tensor.call_scope`)."""
+    tensors made in the block (the code's arguments and a module's state, made from the caller's arrays,
+    the buffers it allocates) are the call's own: JAX's tracers may be written into them in place
+    (`tensor.call_scope`)."""
     _gradcut._state.jax_differentiated += 1
     try:
         with _torch_context(), torch.enable_grad(), _tensor.call_scope():
@@ -140,9 +141,8 @@ class _JaxCallable:
 
     def __call__(self, *args, **kwargs):
         x64 = _jax_config.enable_x64.get_global()
-        args, kwargs = torch_view((args, kwargs))
-        with _jax_differentiated():
-            args, kwargs = _as_given((args, kwargs), x64)
+        with _jax_differentiated():  # (the arguments' tensors are the call's own: it may write into them)
+            args, kwargs = _as_given(torch_view((args, kwargs)), x64)
             out = _as_returned(self.fn(*args, **kwargs), x64)
         return jax_view(out)
 
@@ -476,14 +476,13 @@ class Functional:
         """
         self._check_state(state)
         x64 = _jax_config.enable_x64.get_global() if self.x64 is None else self.x64
-        args, kwargs = torch_view((args, kwargs))
         rng_scope = _rng.traced_key(rng) if rng is not None else contextlib.nullcontext()
         with _jax_differentiated(), rng_scope:
-            # (the state's tensors are made for the call: a transform may write its tracers into them)
+            # (the state's and arguments' tensors are made for the call: a transform may write its tracers into them)
             tensors = {name: new_tensor(a) for name, a in state.get("params", {}).items()}
             buffers = {name: new_tensor(a) for name, a in state.get("buffers", {}).items()}
             tensors.update(buffers)
-            args, kwargs = _as_given((args, kwargs), x64)
+            args, kwargs = _as_given(torch_view((args, kwargs)), x64)
             out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=True, strict=False)
             out = _as_returned(out, x64)
         new_state = {"params": {n: tensors[n]._value() for n in state.get("params", {})},
