@@ -357,6 +357,48 @@ def test_random_ops_under_plain_jax_jit_need_a_key_and_leave_eager_rng_intact():
     assert torch.equal(torch.rand(4, device="jax").cpu(), expected)
 
 
+def _dropout_of_ones(_=None):
+    return t2j.call_torch(lambda t: torch.nn.functional.dropout(t, 0.5), jnp.ones(16))
+
+
+def test_draws_in_a_jax_loop_or_vmap_inside_an_rng_key_block_are_refused_not_repeated():
+    # traced once, the body would draw the same mask at every iteration
+    def scanned(key):
+        with t2j.rng_key(key):
+            return jax.lax.scan(lambda c, _: (c, _dropout_of_ones()), 0.0, None, length=4)[1]
+
+    with pytest.raises(RuntimeError, match="same numbers"):
+        jax.jit(scanned)(jax.random.key(0))
+
+    def vmapped(key):
+        with t2j.rng_key(key):
+            return jax.vmap(_dropout_of_ones)(jnp.arange(3))
+
+    with pytest.raises(RuntimeError, match="same numbers"):
+        jax.jit(vmapped)(jax.random.key(0))
+
+    # a key per iteration, the block entered in the body, draws a mask per iteration
+    def keyed_body(c, key):
+        with t2j.rng_key(key):
+            return c, _dropout_of_ones()
+
+    masks = jax.jit(lambda k: jax.lax.scan(keyed_body, 0.0, jax.random.split(k, 4))[1])(jax.random.key(0))
+    assert len({tuple(np.asarray(m)) for m in masks}) == 4
+
+
+def test_draws_in_a_jax_checkpoint_or_cond_inside_an_rng_key_block_leak_no_key():
+    @jax.jit
+    def f(key):
+        with t2j.rng_key(key) as r:
+            remat = jax.checkpoint(_dropout_of_ones)()
+            cond = jax.lax.cond(True, _dropout_of_ones, lambda _: jnp.ones(16), None)
+            after = _dropout_of_ones()
+        return jnp.stack([remat, cond, after]), jax.random.key_data(r.key)
+
+    masks, _ = f(jax.random.key(0))
+    assert len({tuple(np.asarray(m)) for m in masks}) == 3
+
+
 def test_plain_jax_jit_cannot_leak_a_tracer_into_a_parameter():
     lin = nn.Linear(3, 3).to("jax")
     before = lin.weight.detach().cpu().clone()

@@ -129,6 +129,7 @@ class RngState:
         # whether the key of the innermost `traced_key` block is a concrete one given outside any JAX trace
         # (``with t2j.rng_key(key): jax.jit(f)(x)``): a program staged inside it must not bake it in
         self._outside = False
+        self._block_trace = None  # the JAX trace the innermost `traced_key` block was entered in
         self.draws = 0  # draws from the traced key in the innermost `traced_key` block
         self.generator_draws = None  # inside a t2j.jit trace: its `GeneratorDraws`
         self.loop_bodies = 0  # loop bodies (t2j.scan, fori_loop, while_loop, scan_layers) being traced
@@ -157,7 +158,18 @@ class RngState:
     def next_key(self):
         if self._traced is not None:
             key = self._traced
-            self._traced, sub = jax.random.split(key)
+            nested = _traces_inside(self._block_trace)
+            if nested:
+                _refuse_repeated_draws(nested)
+            if nested and not self._outside:
+                # (split in the block's own trace: the new key must not be a tracer of a JAX transform
+                # traced inside the block (a jax.checkpoint or cond body, an inner jax.jit), which ends first)
+                from jax._src import core
+
+                with core.set_current_trace(self._block_trace):
+                    self._traced, sub = jax.random.split(key)
+            else:
+                self._traced, sub = jax.random.split(key)
             if self._outside and isinstance(sub, jax.core.Tracer):
                 # (the concrete key split into a staged program: jax.grad or vmap would split it concretely)
                 self._traced = key
@@ -242,15 +254,17 @@ class RngState:
     def traced_key(self, key):
         """Draw from ``key`` (usually a tracer) inside the block; ``block.key`` is the
         key after the last draw, to be carried to the next call."""
-        outer, outer_draws, outer_outside = self._traced, self.draws, self._outside
+        from jax._src import core
+
+        outer, outer_draws, outer_outside, outer_trace = self._traced, self.draws, self._outside, self._block_trace
         box = _KeyBox(key)
-        self._traced, self.draws = key, 0
+        self._traced, self.draws, self._block_trace = key, 0, core.trace_ctx.trace
         self._outside = not isinstance(key, jax.core.Tracer) and _trace_state_clean()
         try:
             yield box
         finally:
             box.key = self._traced
-            self._traced, self.draws, self._outside = outer, outer_draws, outer_outside
+            self._traced, self.draws, self._outside, self._block_trace = outer, outer_draws, outer_outside, outer_trace
 
     def stream_key(self):
         """The key the next draw splits: the traced key inside a trace, else the stored one.
@@ -273,6 +287,44 @@ class _KeyBox:
 
     def __init__(self, key):
         self.key = key
+
+
+# How JAX names the bodies its loops trace (``DebugInfo.traced_for``): traced once, run once per iteration
+_LOOP_BODIES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
+
+
+def _traces_inside(block_trace) -> list:
+    """The JAX traces running inside ``block_trace`` (a `traced_key` block's), innermost first: the
+    transforms a draw is traced by that the block's key is not part of. Empty where ``block_trace``
+    is the current trace or is not found among its parents (nothing known to be nested)."""
+    from jax._src import core
+
+    nested, trace = [], core.trace_ctx.trace
+    while trace is not None and trace is not block_trace:
+        nested.append(trace)
+        trace = getattr(trace, "parent_trace", None)
+    return nested if trace is block_trace else []
+
+
+def _refuse_repeated_draws(nested) -> None:
+    """Raise where a draw from a `traced_key` block's key runs in a loop body or under a vmap
+    entered inside the block: traced once, every iteration or batch element would draw the same
+    numbers (torch.func.vmap refuses random ops too, with its default ``randomness="error"``)."""
+    from jax._src.interpreters import batching
+
+    for trace in nested:
+        debug = getattr(getattr(trace, "frame", None), "debug_info", None)
+        where = ("jax.vmap" if isinstance(trace, batching.BatchTrace)
+                 else f"a JAX {debug.traced_for} body" if debug is not None and debug.traced_for in _LOOP_BODIES
+                 else None)
+        if where is not None:
+            raise RuntimeError(
+                f"torch2jax: a random op ran under {where} traced inside the `t2j.rng_key` block (or the "
+                "functionalized module call with rng=) that gives its key: the body is traced once, so every "
+                "iteration or batch element would draw the same numbers. Give each one a key of its own and "
+                "enter the block inside the body: split the key outside (jax.random.split(key, n), passed "
+                "as the scan's xs or vmapped over) or carry it and split it in the body, then "
+                "`with t2j.rng_key(k):` or fn(state, x, rng=k) there; t2j.scan carries the RNG key itself.")
 
 
 def _trace_state_clean() -> bool:
