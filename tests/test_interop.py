@@ -577,6 +577,20 @@ def test_call_torch_under_jax_jit_keeps_item_numbers_traced():
     assert float(jax.jit(lambda a: t2j.call_torch(pick, a))(jnp.arange(5.0))) == 4.0
 
 
+def test_call_torch_returning_item_numbers_under_jax_jit_gives_jax_scalars():
+    def metrics(t):
+        return {"sum": t.sum().item(), "count": t.long().sum().item(), "positive": (t > 0).all().item(),
+                "scaled": t.sum().item() * 2 + 1}
+
+    got = jax.jit(lambda a: t2j.call_torch(metrics, a))(jnp.ones(4))
+    assert all(isinstance(v, jax.Array) for v in got.values())
+    # as eagerly (Python numbers), in JAX's 32-bit types as its own scalars
+    assert {k: v.item() for k, v in got.items()} == t2j.call_torch(metrics, jnp.ones(4))
+    assert {k: v.dtype for k, v in got.items()} == {"sum": jnp.float32, "count": jnp.int32, "positive": jnp.bool_,
+                                                    "scaled": jnp.float32}
+    np.testing.assert_allclose(jax.jit(lambda a: t2j.call_torch(metrics, a)["sum"] + a)(jnp.ones(2)), [3.0, 3.0])
+
+
 def test_functionalize_refuses_a_state_of_another_structure():
     # a name the module does not have would be ignored (its own tensor used: zero gradients)
     fn, state = t2j.functionalize(torch.nn.Linear(3, 1).to("jax"))

@@ -76,6 +76,8 @@ def _to_jax(x):
         return x._value()
     if isinstance(x, torch.Tensor):
         return jax_array(x)
+    if _sym.is_traced_number(x):  # (``t.item()`` under a JAX trace: its traced value, a 0-d array)
+        return _sym.value_of(x)
     if isinstance(x, (int, float, bool, str, type(None))):
         return x
     converted = with_arrays(x, _to_jax)  # an object holding tensors (an HF DynamicCache)
@@ -164,6 +166,8 @@ def _as_returned(tree, x64):
         return tree
 
     def narrowed(t):
+        if _sym.is_traced_number(t):  # (a traced ``t.item()``: its value, a 0-d array, narrowed the same way)
+            return _as_seen(_sym.value_of(t), x64)
         if not isinstance(t, torch.Tensor):
             return t
         narrower = _NARROWER.get(np.dtype(_dt.to_jax(t.dtype)))
