@@ -114,3 +114,43 @@ def test_a_checkpoint_of_a_jitted_adam_step_loads_into_an_optimizer_on_the_cpu()
         m(torch.ones(2, 3)).sum().backward()
         o.step()
     torch.testing.assert_close(resumed.weight.detach(), cpu_model.weight.detach())
+
+
+def test_loss_with_aux_returns_it_and_bad_losses_are_named():
+    ref = nn.Linear(3, 2)
+    model = copy.deepcopy(ref).to("jax")
+
+    def loss_fn(m, x):
+        out = m(x)
+        return out.pow(2).mean(), {"mean": out.mean(), "max": out.max().item()}
+
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    loss, aux = t2j.train.make_train_step(model, loss_fn, optax.sgd(0.1), has_aux=True)(x)
+    want, want_aux = loss_fn(ref, x)
+    torch.testing.assert_close(loss.cpu(), want.detach())
+    torch.testing.assert_close(aux["mean"].cpu(), want_aux["mean"].detach())
+    torch.testing.assert_close(aux["max"].cpu(), torch.tensor(want_aux["max"]))
+    for bad, error, match in [(loss_fn, TypeError, "got tuple; for \\(loss, aux\\) pass has_aux=True"),
+                              (lambda m, x: 1.0, TypeError, "scalar loss tensor .* got float"),
+                              (lambda m, x: m(x), ValueError, "got one of shape \\(4, 2\\)")]:
+        with pytest.raises(error, match="make_train_step: .*" + match):
+            t2j.train.make_train_step(model, bad, optax.sgd(0.1))(x)
+
+
+def test_python_ints_bools_and_strings_in_the_batch_are_static():
+    def loss_fn(m, x, n, neg, mode):
+        out = -m(x[:n]) if neg else m(x[:n])
+        return out.pow(2).mean() if mode == "mse" else out.abs().mean()
+
+    ref = nn.Linear(4, 1)
+    model = copy.deepcopy(ref).to("jax")
+    step = t2j.train.make_train_step(model, loss_fn, optax.sgd(0.1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    for n, neg, mode in [(4, True, "mse"), (6, False, "l1"), (4, True, "mse")]:
+        opt.zero_grad()
+        want = loss_fn(ref, x, n, neg, mode)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(step(x, n, neg, mode=mode).cpu(), want.detach())
+    torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach())
