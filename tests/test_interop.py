@@ -608,6 +608,24 @@ def _scan_and_loop(x):
     return c.sum() + ys.sum() + t2j.fori_loop(0, 3, lambda i, v: v * 2 + i, x[0]).sum()
 
 
+def test_functionalize_names_a_bad_argument():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5))
+    fn, state = t2j.functionalize(model)
+    x = jnp.ones((1, 3))
+    for rng, got in [(0, "got int"), (jnp.ones(2), "dtype float32"),
+                     (jax.random.split(jax.random.key(0), 2), "vmap over them")]:
+        with pytest.raises(TypeError, match=f"functionalize: the function's rng= must be a single JAX PRNG key.*{got}"):
+            fn(state, x, rng=rng)
+    assert fn(state, x, rng=jax.random.PRNGKey(0)).shape == (1, 3)  # (a raw key too)
+    with pytest.raises(TypeError, match="t2j.rng_key: key must be a single JAX PRNG key"):
+        t2j.rng_key(0)
+    torch_state = {"params": {k: torch.tensor(np.asarray(v)) for k, v in state["params"].items()}}
+    with pytest.raises(TypeError, match=r"functionalize: state\['params'\]\['0.weight'\] is a Tensor"):
+        fn(torch_state, x, rng=jax.random.key(0))
+    with pytest.raises(TypeError, match="functionalize: module must be a torch.nn.Module, got function"):
+        t2j.functionalize(lambda t: t)
+
+
 @pytest.mark.parametrize("transform", ["jax.jit", "jax.grad", "jax.vmap"])
 def test_torch_control_flow_drawing_nothing_needs_no_key_under_jax(transform):
     x = np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(4, 3)

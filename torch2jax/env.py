@@ -725,7 +725,22 @@ def rng_key(key):
     ...     mask = torch.rand(3, device="jax") > 0.5
     >>> r.key     # the key to pass to the next call
     """
+    check_key(key, "t2j.rng_key: key")
     return default_rng.traced_key(key)
+
+
+def check_key(key, what: str) -> None:
+    """Refuse ``key`` unless it is one JAX PRNG key: ``jax.random.key(seed)``, or the raw uint32 data
+    of one (``jax.random.PRNGKey(seed)``). Checked where it is given, as a draw from anything else
+    fails deep inside the op that draws, or never where nothing draws."""
+    arrays = (jax.Array, jax.core.Tracer, np.ndarray)
+    typed = isinstance(key, arrays) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if (typed and key.shape == ()) or (isinstance(key, arrays) and key.dtype == np.uint32 and key.ndim == 1):
+        return
+    got = f"an array of shape {tuple(key.shape)} and dtype {key.dtype}" if isinstance(key, arrays) \
+        else type(key).__name__
+    several = "; for one draw per key of a batch of keys, jax.vmap over them" if typed else ""
+    raise TypeError(f"{what} must be a single JAX PRNG key (jax.random.key(seed)), got {got}{several}")
 
 
 def manual_seed(seed: int) -> None:

@@ -35,6 +35,7 @@ from .dispatch import inexact as _inexact
 from . import tensor as _tensor
 from .pytree import ensure_jax_pytree, with_arrays
 from .env import _trace_state_clean
+from .env import check_key as _check_key
 from .env import default_rng as _rng
 from .tensor import Tensor, jax_array, new_tensor
 
@@ -479,12 +480,14 @@ class Functional:
         >>> out, state = fn.apply(state, x)
         """
         self._check_state(state)
+        if rng is not None:
+            _check_key(rng, "functionalize: the function's rng=")
         x64 = _jax_config.enable_x64.get_global() if self.x64 is None else self.x64
         rng_scope = _rng.traced_key(rng) if rng is not None else contextlib.nullcontext()
         with _jax_differentiated(), rng_scope:
             # (the state's and arguments' tensors are made for the call: a transform may write its tracers into them)
-            tensors = {name: new_tensor(a) for name, a in state.get("params", {}).items()}
-            buffers = {name: new_tensor(a) for name, a in state.get("buffers", {}).items()}
+            tensors = {name: _state_tensor("params", name, a) for name, a in state.get("params", {}).items()}
+            buffers = {name: _state_tensor("buffers", name, a) for name, a in state.get("buffers", {}).items()}
             tensors.update(buffers)
             args, kwargs = _as_given(torch_view((args, kwargs)), x64)
             out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=True, strict=False)
@@ -537,6 +540,15 @@ class Functional:
                                f"module.named_{'parameters' if kind == 'params' else 'buffers'}()")
 
 
+def _state_tensor(kind: str, name: str, a):
+    """State entry ``state[kind][name]`` as the tensor the module's forward gets."""
+    if not isinstance(a, (jax.Array, jax.core.Tracer, np.ndarray)) or _is_key(a):
+        hint = " (t2j.jax_view(tensor) is its jax array)" if isinstance(a, torch.Tensor) else ""
+        raise TypeError(f"functionalize: state[{kind!r}][{name!r}] is a {type(a).__name__}; the state holds jax "
+                        f"arrays, as functionalize returns it{hint}")
+    return _to_torch(a)
+
+
 def functionalize(module: torch.nn.Module):
     """``fn, state = functionalize(module)``: a pure function of a state pytree.
 
@@ -555,6 +567,9 @@ def functionalize(module: torch.nn.Module):
     >>> fn, state = t2j.functionalize(torch.nn.Linear(4, 2))
     >>> y = jax.jit(fn)(state, jnp.ones((3, 4)))
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"functionalize: module must be a torch.nn.Module, got {type(module).__name__}; a torch "
+                        "function is a JAX one through t2j.jax_view(fn) or t2j.call_torch(fn, *args)")
     params = {name: _to_jax(p.detach()) for name, p in module.named_parameters()}
     buffers = {name: _to_jax(b) for name, b in module.named_buffers()}
     return Functional(module), {"params": params, "buffers": buffers}
