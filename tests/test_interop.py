@@ -753,3 +753,21 @@ def test_call_jax_returning_a_prng_key_with_gradients():
     out.sum().backward()
     assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     torch.testing.assert_close(x.grad.cpu(), torch.full((3,), 2.0))
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_complex32_through_the_views_call_jax_and_call_torch_is_complex64():
+    # JAX has no complex32: its values cross as complex64, as x.jax() of a jax-device one
+    c = torch.tensor([1 + 1j, 2 - 0.5j], dtype=torch.complex32)
+    want = c.to(torch.complex64).numpy()
+    for got in (t2j.jax_view(c), t2j.call_jax(lambda a: a, c).numpy(),
+                t2j.call_torch(lambda t: t.to(torch.complex32), jnp.asarray(want)),
+                jax.jit(lambda a: t2j.call_torch(lambda t: t.to(torch.complex32), a))(jnp.asarray(want))):
+        assert got.dtype == np.complex64
+        np.testing.assert_array_equal(got, want)
+    x = c.clone().requires_grad_()
+    t2j.call_jax(lambda a: jnp.abs(a * 2).sum(), x).backward()
+    ref = c.to(torch.complex64).requires_grad_()
+    (ref * 2).abs().sum().backward()
+    assert x.grad.dtype == torch.complex32
+    torch.testing.assert_close(x.grad.to(torch.complex64), ref.grad, atol=1e-3, rtol=1e-3)

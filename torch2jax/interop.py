@@ -169,7 +169,7 @@ def _as_returned(tree, x64):
     def narrowed(t):
         if _sym.is_traced_number(t):  # (a traced ``t.item()``: its value, a 0-d array, narrowed the same way)
             return _as_seen(_sym.value_of(t), x64)
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or t.dtype is torch.complex32:  # (held as complex64, returned so)
             return t
         narrower = _NARROWER.get(np.dtype(_dt.to_jax(t.dtype)))
         return t if narrower is None else t.to(_dt.to_torch(narrower))
@@ -278,6 +278,8 @@ def _as_seen(x, x64):
 
 def _gradient_for(t, g):
     """JAX's gradient ``g`` for input tensor ``t``, in its dtype and on its device."""
+    if t.dtype is torch.complex32:  # (JAX has no complex32: torch's cast rounds the complex64 gradient)
+        return new_tensor(g.astype(jax.numpy.complex64)).to(t.device, t.dtype)
     with jax.enable_x64(True):
         g = new_tensor(g.astype(_dt.to_jax(t.dtype)))
     return g if isinstance(t, Tensor) else g.to(t.device)

@@ -1006,6 +1006,8 @@ def jax_array(t: torch.Tensor):
             "batching rule (a jitted function's second-order backward, a JAX function called from torch): "
             "use vectorize=False, or vmap inside JAX")
     t = t.detach().resolve_conj().resolve_neg()
+    if t.dtype is torch.complex32:  # (JAX has no complex32: its values as complex64, as a jax tensor holds them)
+        t = t.to(torch.complex64)
     if not t.is_contiguous():
         t = t.contiguous()
     dtype = _dt.to_jax(t.dtype)
