@@ -194,14 +194,15 @@ def _apply(cls, *args, **kwargs):
         _state.functions -= 1
 
 
-class _Reads:
-    """While a Function's forward first runs: the storages it reads that are neither its
-    inputs nor made by it (closed-over tensors), each with its value before the run."""
+class Reads:
+    """While code runs (a Function's forward, a shard_map body): the tensors it reads whose storages are
+    neither ``known`` (its inputs' ids) nor made by it (closed-over tensors), each with its storage's
+    value before the run, in ``found`` (storage id -> (tensor, array))."""
 
-    def __init__(self, inputs):
+    def __init__(self, known):
         from . import tensor as _tensor
 
-        self.tensor, self.inputs, self.new, self.found = _tensor, inputs, set(), {}
+        self.tensor, self.known, self.found = _tensor, set(known), {}
 
     def __enter__(self):
         self.outer, self.tensor.CAPTURE = self.tensor.CAPTURE, self
@@ -211,14 +212,14 @@ class _Reads:
         self.tensor.CAPTURE = self.outer
 
     def created(self, storage):
-        self.new.add(id(storage))
+        self.known.add(id(storage))
         if self.outer is not None:
             self.outer.created(storage)
 
     def read(self, t):
         st = t._t2j_storage
-        if id(st) not in self.inputs and id(st) not in self.new:
-            self.found.setdefault(id(st), (st, st.array))
+        if id(st) not in self.known:
+            self.found.setdefault(id(st), (t, st.array))
         if self.outer is not None:
             self.outer.read(t)
 
@@ -279,10 +280,10 @@ def _with_own_backward(cls, args, kwargs):
     objects = [a for a in leaves if plain_object(a)]
     before = attributes_of(objects)
     key = _rng._traced  # None where random ops draw from the stored key
-    with _Reads({id(t._t2j_storage) for t in inputs}) as reads:
+    with Reads({id(t._t2j_storage) for t in inputs}) as reads:
         out = _function_apply(cls, *args, **kwargs)  # autograd's node, for a backward() inside the trace
     after = attributes_of(objects)
-    closure = list(reads.found.values())
+    closure = [(t._t2j_storage, a) for t, a in reads.found.values()]
     traced = [k for k, (_, a) in enumerate(closure) if isinstance(a, jax.core.Tracer)]
     if not any(differentiable(t._value()) for t in inputs) and not any(differentiable(closure[k][1]) for k in traced):
         return out

@@ -21,7 +21,8 @@ from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
 from .registry import (HALF_DTYPES, as_dtype, cast, check_values, checked_scalar, decomposition, elementwise,
-                       float_abs, promote, refused_dtypes, register, scalar_type_name, strides, torch_slopes, true_divide, view, warning)
+                       float_abs, promote, refused_dtypes, register, scalar_type_name, strides, torch_slopes, true_divide,
+                       view, warning)
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -562,8 +562,8 @@ def _pnorm_dist(diff, p):
 
 
 # a ** p of a distance's |element|, with slope 0 where it is 0 (for p < 1 JAX's is infinite there)
-_dist_power = torch_slopes(lambda a, p: a ** p, lambda a, p: (jnp.where(a == 0, jnp.zeros((), a.dtype), p * a ** (p - 1)),
-                                                              None))
+_dist_power = torch_slopes(lambda a, p: a ** p,
+                           lambda a, p: (jnp.where(a == 0, jnp.zeros((), a.dtype), p * a ** (p - 1)), None))
 
 
 def _check_cdist(x1, x2, p):

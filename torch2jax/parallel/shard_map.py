@@ -25,7 +25,6 @@ import torch
 from jax.sharding import PartitionSpec
 
 from .. import gradcut as _gradcut
-from .. import tensor as _tensor
 from ..env import _trace_state_clean
 from ..interop import call_jax_64
 from ..jit import _find_roots
@@ -110,35 +109,6 @@ def _closed_over(fn, tensors) -> list:
 _INSIDE: list = []
 
 
-class _Reads:
-    """While the probe runs the body: the tensors it reads that it neither receives nor makes
-    (closed-over tensors that are not lifted parameters: buffers, constants), each with its
-    value before the run. The program takes them as inputs, so that a compiled program kept
-    for later calls reads their values then, not the probe's."""
-
-    def __init__(self, known):
-        self.known, self.found = set(known), {}
-
-    def __enter__(self):
-        self.outer, _tensor.CAPTURE = _tensor.CAPTURE, self
-        return self
-
-    def __exit__(self, *exc):
-        _tensor.CAPTURE = self.outer
-
-    def created(self, storage):
-        self.known.add(id(storage))
-        if self.outer is not None:
-            self.outer.created(storage)
-
-    def read(self, t):
-        st = t._t2j_storage
-        if id(st) not in self.known:
-            self.found.setdefault(id(st), (t, st.array))
-        if self.outer is not None:
-            self.outer.read(t)
-
-
 class _Program:
     """``torch_fn`` per device for one set of argument shapes: the JAX shard_map (``mapped``, and
     ``jitted`` for eager calls: compiled once), and which arguments it writes in place. ``grad``:
@@ -153,7 +123,10 @@ class _Program:
         found = {}
         probe = jax.shard_map(lambda *a: self._body(a, found)[0], mesh=mesh, in_specs=specs,
                               out_specs=PartitionSpec(), check_vma=False)
-        with jax.enable_x64(True), _Reads(id(t._t2j_storage) for t in lifted) as reads:  # (as call_jax_64 runs it)
+        # the tensors the body closes over that are not lifted parameters (buffers, constants) are inputs
+        # of the program, so that a compiled program kept for later calls reads their values then
+        known = (id(t._t2j_storage) for t in lifted)
+        with jax.enable_x64(True), _gradcut.Reads(known) as reads:  # (x64: as call_jax_64 runs it)
             jax.eval_shape(probe, *(jax.ShapeDtypeStruct(t.shape, t._value().dtype) for t in (*tensors, *lifted)))
         self.constants = _unchanged(reads.found.values())
         self.written = found["written"]
