@@ -577,6 +577,23 @@ def test_call_torch_under_jax_jit_keeps_item_numbers_traced():
     assert float(jax.jit(lambda a: t2j.call_torch(pick, a))(jnp.arange(5.0))) == 4.0
 
 
+def test_call_torch_indexes_with_0d_tensors_under_jax_jit_and_vmap():
+    # ``u[j]`` with ``j`` a 0-d tensor whose value JAX traces: torch's indexing asks for the value (a select)
+    a = jnp.arange(6.0).reshape(2, 3)
+    row = jax.jit(lambda a, i: t2j.call_torch(lambda u, j: u[j] * 2, a, i))(a, jnp.array(1))
+    np.testing.assert_array_equal(row, [6.0, 8.0, 10.0])
+    picked = jax.vmap(lambda r, i: t2j.call_torch(lambda u, j: u[j], r, i))(a, jnp.array([0, 2]))
+    np.testing.assert_array_equal(picked, [0.0, 5.0])
+
+    def put(u, j):
+        u = u.clone()
+        u[:, j] = -1.0
+        return u
+
+    np.testing.assert_array_equal(jax.jit(lambda a, i: t2j.call_torch(put, a, i))(a, jnp.array(2)),
+                                  [[0.0, 1.0, -1.0], [3.0, 4.0, -1.0]])
+
+
 def test_call_torch_returning_item_numbers_under_jax_jit_gives_jax_scalars():
     def metrics(t):
         return {"sum": t.sum().item(), "count": t.long().sum().item(), "positive": (t > 0).all().item(),
