@@ -98,6 +98,32 @@ def test_fsdp_times_tensor_parallel_on_a_2d_mesh():
     assert r["qkv_shard"] == [192 // 4, 64 // 2]
 
 
+def test_optimizer_state_a_jitted_step_makes_is_laid_out_as_its_parameter():
+    # Adam's zeros_like(p) in the first step: a replicated LayerNorm or bias between tensor-parallel layers
+    # kept the layout XLA gave its gradient (sharded), so every update resharded it
+    r = run_8("""
+        mesh = P.make_mesh({"data": 2, "model": 4})
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 64)).to("jax")
+        P.shard_model(m, mesh, [(r"0\\.weight", ("model", "data")), (r"2\\.weight", ("data", "model"))])
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        @t2j.jit
+        def step(x):
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        for _ in range(2):
+            step(P.shard_batch(torch.randn(16, 64), mesh))
+        print(json.dumps([(n, str(P.sharding_of(p).spec), str(P.sharding_of(opt.state[p][k]).spec))
+                          for n, p in m.named_parameters() for k in ("exp_avg", "exp_avg_sq")]))
+    """)
+    assert len(r) == 12 and all(state == param for _, param, state in r), r
+
+
 @pytest.mark.slow  # (the rules on unstacked layers stay in CI)
 def test_rules_apply_to_stacked_layers_and_fsdp_says_what_it_leaves_replicated():
     r = run_8("""

@@ -107,6 +107,7 @@ from . import hints as _hints
 from . import pytree as _pytree
 from . import symbolic as _sym
 from . import tensor as _tensor
+from .ops import registry as _placement
 from .dispatch import OpError
 from .interop import differentiable_vjp as _differentiable_vjp
 from .interop import torch_pullback as _torch_pullback
@@ -2457,6 +2458,7 @@ class _Capture:
     def __init__(self, inputs):
         self.inputs = {id(st) for st in inputs}
         self.new = weakref.WeakSet()
+        self.first = {}  # id of a storage created -> its first array
         self.unknown = {}
         # (storage, array) of each unknown storage as it was before the trace: an in-place write
         # to one stores a tracer in it, which `restore` takes out again
@@ -2464,6 +2466,7 @@ class _Capture:
 
     def created(self, storage):
         self.new.add(storage)
+        self.first[id(storage)] = storage.array
 
     def read(self, t):
         st = t._t2j_storage
@@ -3397,6 +3400,8 @@ class JitFunction:
                 st.array = a
                 st.version += 1
             indices = _as_traced_indices(slots.tensors)
+            _placement.traced_shardings({id(a): (a, b.sharding) for (_, b), a in zip(saved, inputs)
+                                         if _multi_device(getattr(b, "sharding", None))})
             leaves = list(leaves)
             for site, v in zip(slots.lifted, values):
                 if isinstance(site, _ArgSite):
@@ -3546,6 +3551,10 @@ class JitFunction:
             own = _jax_core.trace_ctx.trace
             new_storages = [st for st in list(capture.new) if isinstance(st.array, jax.core.Tracer)
                             and st.array._trace is own and id(st.array) not in input_ids]
+            for st in new_storages:  # state made like sharded state (Adam's zeros_like(p)) stays sharded as it
+                sharding = _placement.placed_sharding(capture.first.get(id(st)))
+                if sharding is not None:
+                    st.array = jax.lax.with_sharding_constraint(st.array, sharding)
             # branches on state: the new values of such state it computes from such state alone are mirrored
             branches = any(isinstance(g, _hints.StateGuard) for g in guards)
             info["mirrors"] = [(i, m) for i in written if id(inputs[i]) in state_hints.inputs
@@ -3582,6 +3591,7 @@ class JitFunction:
             _tensor.CAPTURE = _sym.GUARDS = _hints.HINTS = _sym.LEN_READS = _sym.VALUE_ERRORS = _sym.PLACES = None
             for t in indices:
                 t.__class__ = Tensor
+            _placement.traced_shardings({})
             torch._C._set_grad_enabled(grad_mode)
             for st, a in saved:
                 st.array = a
@@ -3629,6 +3639,10 @@ class JitFunction:
 # ---------------------------------------------------------------------------
 # differentiable calls: the outputs of a jitted forward carry an autograd graph
 # ---------------------------------------------------------------------------
+
+
+def _multi_device(sharding) -> bool:
+    return isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1
 
 
 def _as_traced_indices(tensors) -> list:

@@ -599,13 +599,43 @@ def canonical_dims(dims, ndim: int) -> tuple:
     return tuple(canonical_dim(d, ndim) for d in dims)
 
 
+# id of an input of the `t2j.jit` trace running now -> (that tracer, the sharding of the array it stands for),
+# for the inputs sharded across devices (`traced_shardings`)
+_TRACED_SHARDINGS: dict = {}
+
+
+# id of a value `placed_as` constrained in that trace -> (the value, its sharding)
+_PLACED: dict = {}
+
+
+def traced_shardings(shardings: dict):
+    """Set the shardings of the inputs of the trace running now (``{id(tracer): (tracer, sharding)}``)."""
+    global _TRACED_SHARDINGS
+    _TRACED_SHARDINGS = shardings
+    _PLACED.clear()
+
+
+def placed_sharding(value):
+    """The sharding `placed_as` gave ``value`` in the trace running now, if it did."""
+    known = _PLACED.get(id(value))
+    return known[1] if known is not None and known[0] is value else None
+
+
 def placed_as(reference, value):
     """``value`` placed as the concrete array ``reference`` is where that is across devices or in
     host memory: the result of a ``*_like`` factory, or a value written in place into a storage
     holding ``reference`` (``p.normal_()``, the ``p.copy_(cpu_tensor)`` of ``load_state_dict``),
-    stays sharded as a sharded parameter is, as a CUDA tensor's stays on its device."""
-    if isinstance(reference, jax.core.Tracer) or isinstance(value, jax.core.Tracer) \
-            or not isinstance(value, jax.Array):
+    stays sharded as a sharded parameter is, as a CUDA tensor's stays on its device. Inside a
+    `t2j.jit` trace, a ``reference`` that is a sharded input of the program (``zeros_like(p)``: Adam's
+    state made in the first step) constrains ``value`` to its sharding, where XLA would pick one."""
+    if isinstance(reference, jax.core.Tracer):
+        known = _TRACED_SHARDINGS.get(id(reference))
+        if known is not None and known[0] is reference and isinstance(value, jax.core.Tracer) \
+                and value.shape == reference.shape:
+            value = jax.lax.with_sharding_constraint(value, known[1])
+            _PLACED[id(value)] = (value, known[1])
+        return value
+    if isinstance(value, jax.core.Tracer) or not isinstance(value, jax.Array):
         return value
     sharding = reference.sharding
     if type(sharding) is jax.sharding.SingleDeviceSharding and sharding.memory_kind == "device" \
