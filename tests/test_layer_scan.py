@@ -189,6 +189,7 @@ def test_the_loop_sees_each_layer_as_itself():
     assert isinstance(model.layers[0], Block)
 
 
+@pytest.mark.slow  # (use_scan_layers on whole HF models: the Llama runs stay in CI)
 def test_hf_gemma2_alternating_sliding_and_full_attention_matches_torch():
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
@@ -376,6 +377,7 @@ def test_stacking_refuses_layers_frozen_unlike_the_others_and_ties_within_a_laye
     assert _runs(model, x.to("jax")) == 1
 
 
+@pytest.mark.slow  # (use_scan_layers on whole HF models: the Llama runs stay in CI)
 def test_hf_hybrid_of_convolution_and_attention_layers_matches_torch():
     # LFM2's conv layers hold conv.layer_idx, its attention layers self_attn.layer_idx: each differs in every
     # layer that has it (the list was refused: no period)

@@ -299,6 +299,8 @@ def _traces_inside(block_trace) -> list:
     is the current trace or is not found among its parents (nothing known to be nested)."""
     from jax._src import core
 
+    if block_trace is None:  # (a key set as the traced one without a block: a Function's rerun, t2j.jit's)
+        return []
     nested, trace = [], core.trace_ctx.trace
     while trace is not None and trace is not block_trace:
         nested.append(trace)
