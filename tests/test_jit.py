@@ -2348,15 +2348,32 @@ def test_a_branch_on_a_number_input_is_guarded():
     assert run.stats["traces"] == 3  # static, then one program per side of the branch
 
 
-def test_an_int_input_indexes_tensors_without_a_program_per_value():
-    # ``alphas[t]`` in a diffusion sampler, ``cache[:, pos] = k`` in a decoder: the int is a
-    # program input and the indexing a view at a position the program computes; reads, writes
-    # through views of views, negative indices and gradients match the CPU
+def _indexed_runs_match(make_step, calls, **jit_options) -> dict:
+    """Run ``make_step(table, cache, w)`` on the CPU and jitted on the jax device, once per argument tuple of
+    ``calls(device)``; assert the outputs, the cache it writes and ``w.grad`` match; the jitted run's stats."""
     def run(device):
         torch.manual_seed(0)
         table, cache = torch.randn(6, 4).to(device), torch.zeros(2, 6, 4).to(device)
         w = torch.randn(6, 4).to(device).requires_grad_()
+        step = make_step(table, cache, w)
+        f = step if device == "cpu" else t2j.jit(step, **jit_options)
+        outs = [[o.detach().cpu() for o in f(*args)] for args in calls(device)]
+        return outs, cache.cpu(), w.grad.cpu(), getattr(f, "stats", None)
 
+    want, got = run("cpu"), run("jax")
+    for a, b in zip(want[0], got[0]):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(v, u)
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2])
+    return got[3]
+
+
+def test_an_int_input_indexes_tensors_without_a_program_per_value():
+    # ``alphas[t]`` in a diffusion sampler, ``cache[:, pos] = k`` in a decoder: the int is a
+    # program input and the indexing a view at a position the program computes; reads, writes
+    # through views of views, negative indices and gradients match the CPU
+    def make_step(table, cache, w):
         def step(x, t):
             a = table[t]
             cache[:, t] = x * a
@@ -2366,28 +2383,17 @@ def test_an_int_input_indexes_tensors_without_a_program_per_value():
             (w[-t] * x).sum().backward()
             return a.sum() + r.sum(), table[..., t % 4], cache[None, 0, t]
 
-        f = step if device == "cpu" else t2j.jit(step)
-        outs = [[o.detach().cpu() for o in f(torch.arange(4.0).to(device) + t, t)] for t in (1, 2, 3, 5, 2)]
-        return outs, cache.cpu(), w.grad.cpu(), getattr(f, "stats", None)
+        return step
 
-    want, got = run("cpu"), run("jax")
-    for a, b in zip(want[0], got[0]):
-        for u, v in zip(a, b):
-            torch.testing.assert_close(v, u)
-    torch.testing.assert_close(got[1], want[1])
-    torch.testing.assert_close(got[2], want[2])
-    assert got[3]["traces"] == 2
-
+    stats = _indexed_runs_match(make_step,
+                                lambda device: [(torch.arange(4.0).to(device) + t, t) for t in (1, 2, 3, 5, 2)])
+    assert stats["traces"] == 2
 
 
 def test_a_0d_tensor_indexes_tensors_in_one_program():
     # ``q[action]``, ``emb[logits.argmax()]``, ``cache[:, pos] = k`` with ``pos`` a 0-d tensor: torch's indexing
     # reads such an index's value (a select), which the program computes (it used to stop the trace)
-    def run(device):
-        torch.manual_seed(0)
-        table, cache = torch.randn(6, 4).to(device), torch.zeros(2, 6, 4).to(device)
-        w = torch.randn(6, 4).to(device).requires_grad_()
-
+    def make_step(table, cache, w):
         def step(logits, pos):
             i = logits.argmax()
             cache[:, pos] = table[i]
@@ -2395,17 +2401,11 @@ def test_a_0d_tensor_indexes_tensors_in_one_program():
             (w[i] * table[:, pos % 4].sum()).sum().backward()
             return table[i], cache[1, pos], table[i, pos % 4]
 
-        f = step if device == "cpu" else t2j.jit(step, fullgraph=True)
-        outs = [[o.cpu() for o in f(torch.randn(6).to(device), torch.tensor(p).to(device))] for p in (1, 3, 5, 2)]
-        return outs, cache.cpu(), w.grad.cpu(), getattr(f, "stats", None)
+        return step
 
-    want, got = run("cpu"), run("jax")
-    for a, b in zip(want[0], got[0]):
-        for u, v in zip(a, b):
-            torch.testing.assert_close(v, u)
-    torch.testing.assert_close(got[1], want[1])
-    torch.testing.assert_close(got[2], want[2])
-    assert got[3]["traces"] == 2  # (the first call makes w.grad: the second has it as state)
+    stats = _indexed_runs_match(make_step, lambda device: [(torch.randn(6).to(device), torch.tensor(p).to(device))
+                                                           for p in (1, 3, 5, 2)], fullgraph=True)
+    assert stats["traces"] == 2  # (the first call makes w.grad: the second has it as state)
 
 
 def test_a_0d_uint8_tensor_index_stays_a_mask():
