@@ -93,6 +93,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from . import complex32 as _complex32
 from . import device as _device
+from . import dtypes as _dt
 from .env import HOST_RNGS as _HOST_RNGS
 from .env import config as _config
 from .env import default_rng as _rng
@@ -3649,14 +3650,11 @@ def _as_traced_indices(tensors) -> list:
     """Make the 0-d integer tensors among ``tensors`` (arguments and state, whose values the trace takes as
     inputs) `torch2jax.tensor.TracedIndex` until the trace ends, as the trace's own are: ``cache[:, pos]``
     with ``pos`` one of them is then a view at the position the program computes. The ones changed."""
-    changed = [t for t in tensors if type(t) is Tensor and not t.shape and t.dtype in _INDEX_DTYPES]
+    changed = [t for t in tensors
+               if type(t) is Tensor and not t.shape and _dt.to_jax(t.dtype) in _tensor.INDEX_DTYPES]
     for t in changed:
         t.__class__ = _tensor.TracedIndex
     return changed
-
-
-_INDEX_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
-                           torch.uint64})
 
 
 def _differentiable_inputs(slots, slot_storage, written, post, backward) -> list:

@@ -905,7 +905,7 @@ def _dispatch(func, args, kwargs):
 
 _TORCH_DTYPES: dict = {}
 # the dtypes of a 0-d tensor torch's indexing takes as an integer position (uint8 and bool are masks)
-_INDEX_DTYPES = frozenset(map(np.dtype, ("int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")))
+INDEX_DTYPES = frozenset(map(np.dtype, ("int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")))
 
 
 def new_tensor(array, requires_grad: bool = False) -> Tensor:
@@ -916,7 +916,7 @@ def new_tensor(array, requires_grad: bool = False) -> Tensor:
     if dtype is None:
         dtype = _TORCH_DTYPES[jax_dtype] = _dt.to_torch(jax_dtype)
     cls = Tensor
-    if type(array) is not _ArrayImpl and not array.shape and jax_dtype in _INDEX_DTYPES \
+    if type(array) is not _ArrayImpl and not array.shape and jax_dtype in INDEX_DTYPES \
             and isinstance(array, jax.core.Tracer):
         cls = TracedIndex
     try:
