@@ -23,7 +23,7 @@ import torch2jax as t2j
 
 MODULES = {m.name: m for m in module_db}
 # samples per module and dtype in the default run (LinearCrossEntropyLoss alone has hundreds)
-DEFAULT_SAMPLES = 3
+DEFAULT_SAMPLES = 2
 EVERY_SAMPLE_CAP = 48  # the slow set's cap (a spread), for the few modules with hundreds
 TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=5e-5), torch.float64: dict(rtol=1e-7, atol=1e-7)}
 
