@@ -683,3 +683,74 @@ def test_helpers_name_the_argument_they_refuse():
     assert "dict of axis name -> size" in mesh_type and "list" in mesh_type
     assert "sharding_of" in of_cpu and "cpu" in of_cpu
     assert "fsdp: mesh axis 'nope'" in fsdp and "('data',)" in fsdp
+
+
+def test_shard_map_list_collectives_scatter_gather_and_point_to_point():
+    r = run_8("""
+        import torch.distributed as dist
+        mesh = P.make_mesh({"data": 4, "model": 2})
+        dp = P.new_group("data")
+        x = torch.arange(1.0, 9.0).reshape(4, 2)             # device (d, m) holds 2 d + m + 1
+
+        def body(x):
+            out = {}
+            d = dist.get_rank(dp)
+            sent = [x * 10 + j for j in range(4)]
+            got = [torch.empty_like(x) for _ in range(4)]
+            dist.all_to_all(got, sent, group=dp)
+            out["a2a"] = torch.cat(got, 1)
+            part = torch.empty_like(x)
+            dist.reduce_scatter(part, [x * (j + 1) for j in range(4)], group=dp)
+            out["rs"] = part
+            s = torch.empty_like(x)
+            dist.scatter(s, [x + 100 * j for j in range(4)], src=5, group=dp)  # global rank 5: data 2, model 1
+            out["scatter"] = s
+            parts = [torch.empty_like(x) for _ in range(4)]
+            dist.gather(x, parts, group_dst=0, group=dp)
+            out["gather"] = torch.cat(parts, 1)
+            objects = [None] * 4
+            dist.all_gather_object(objects, {"k": 1}, group=dp)
+            body.objects = objects
+            nxt, prev = torch.empty_like(x), torch.empty_like(x)
+            ops = [dist.P2POp(dist.irecv, prev, group_peer=(d - 1) % 4, group=dp),
+                   dist.P2POp(dist.isend, x, group_peer=(d + 1) % 4, group=dp)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            out["ring"] = prev
+            dist.send(x, group_dst=(d + 1) % 4, group=dp)        # two sends to the next member ...
+            dist.send(x * 2, group_dst=(d + 1) % 4, group=dp)
+            first, second = torch.empty_like(x), torch.empty_like(x)
+            dist.recv(first, group_src=(d + 3) % 4, group=dp)    # ... received in the order sent
+            dist.recv(second, group_src=(d + 3) % 4, group=dp)
+            out["p2p"] = torch.cat([first, second], 1)
+            errors = []
+            for bad in (lambda: dist.recv(torch.empty_like(x), group_src=0, group=dp, tag=7),
+                        lambda: dist.all_to_all(got[:3], sent, group=dp),
+                        lambda: dist.scatter(s, None, src=0, group=dp)):
+                try:
+                    bad()
+                except (ValueError, RuntimeError) as e:
+                    errors.append(str(e))
+            body.errors = errors
+            return {k: v.reshape(1, -1) for k, v in out.items()}
+
+        specs = {k: ("data", "model") for k in ("a2a", "rs", "scatter", "gather", "ring", "p2p")}
+        res = P.shard_map(body, mesh, in_specs=(("data", "model"),), out_specs=specs)(x.to("jax"))
+        print(json.dumps({**{k: v.flatten().tolist() for k, v in res.items()}, "messages": body.errors,
+                          "objects": body.objects}))
+    """)
+    rows = [(d, m) for d in range(4) for m in range(2)]
+
+    def v(d, m):
+        return 2 * d + m + 1.0
+
+    assert r["a2a"] == [v(j, m) * 10 + d for d, m in rows for j in range(4)]
+    assert r["rs"] == [sum(v(j, m) * (d + 1) for j in range(4)) for d, m in rows]
+    assert r["scatter"] == [v(2, m) + 100 * d for d, m in rows]
+    assert r["gather"] == [v(j, m) for _, m in rows for j in range(4)]
+    assert r["ring"] == [v((d - 1) % 4, m) for d, m in rows]
+    assert r["p2p"] == [w for d, m in rows for w in (v((d - 1) % 4, m), 2 * v((d - 1) % 4, m))]
+    assert r["objects"] == [{"k": 1}] * 4
+    assert "no send of the same group and tag" in r["messages"][0]
+    assert "the list has 3 tensors, the group has 4 members" in r["messages"][1]
+    assert "every member passes scatter_list" in r["messages"][2]

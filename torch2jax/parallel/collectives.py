@@ -3,7 +3,9 @@
 Inside a `t2j.parallel.shard_map` body the torch function sees one shard per
 device. `torch.distributed`'s collectives (``all_reduce``, ``all_gather_into_tensor``,
 ``reduce_scatter_tensor``, ``all_to_all_single``, ``broadcast``, ``all_gather``, ``reduce``,
-``barrier`` (``async_op=True`` gives a completed work object), and the functional
+the list forms ``all_to_all`` / ``reduce_scatter`` / ``scatter`` / ``gather``, ``all_gather_object``,
+point to point (``send`` / ``recv`` / ``isend`` / ``irecv`` / ``batch_isend_irecv``, paired in call
+order), ``barrier`` (``async_op=True`` gives a completed work object), and the functional
 collectives of ``torch.distributed._functional_collectives``) lower to
 ``lax.psum`` / ``all_gather`` / ``psum_scatter`` / ``all_to_all`` over the mesh
 axes of the process group; ``get_rank`` / ``get_world_size`` answer from the mesh.
@@ -322,6 +324,186 @@ def _reduce_to(tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=Fals
     return _done(async_op, tensor)
 
 
+def _stacked(what, tensors, like, n):
+    """The values of ``tensors`` (one per group member, each shaped and typed as ``like``) stacked."""
+    if len(tensors) != n:
+        raise ValueError(f"torch2jax: {what}: the list has {len(tensors)} tensors, the group has {n} members")
+    for t in tensors:
+        _same_dtype(what, t, like)
+        if tuple(t.shape) != tuple(like.shape):
+            raise ValueError(f"torch2jax: {what}: every tensor of the list must have shape {list(like.shape)} "
+                             f"inside shard_map, got {list(t.shape)}")
+    return jax.numpy.stack([t._value() for t in tensors])
+
+
+def _all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    axes = _axes(group)
+    n = _size(axes)
+    if not input_tensor_list:
+        raise ValueError("torch2jax: all_to_all: input_tensor_list is empty")
+    sent = _stacked("all_to_all", input_tensor_list, input_tensor_list[0], n)
+    _stacked("all_to_all", output_tensor_list, input_tensor_list[0], n)  # (checks the outputs alike)
+    received = jax.lax.all_to_all(sent, axes, split_axis=0, concat_axis=0) if n > 1 else sent
+    for i, t in enumerate(output_tensor_list):
+        _in_place(t, received[i], "all_to_all")
+    return _done(async_op, *output_tensor_list)
+
+
+def _reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    axes = _axes(group)
+    stacked = _stacked("reduce_scatter", input_list, output, _size(axes))
+    flat = stacked.reshape((-1,) + stacked.shape[2:]) if stacked.ndim > 1 else stacked
+    scattered = reduce_scatter_tensor(flat, _op_name(op), None, _group_of(group))
+    _in_place(output, scattered.reshape(output.shape), "reduce_scatter")
+    return _done(async_op, output)
+
+
+def _scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+    """Every member gets its block of the source's ``scatter_list``. In SPMD every member runs the
+    same call, so every member passes a list (only the source's is read)."""
+    axes = _axes(group)
+    if (src is None) == (group_src is None):
+        raise ValueError("torch2jax: scatter takes exactly one of src (a global rank) and group_src")
+    if scatter_list is None:
+        raise ValueError("torch2jax: scatter inside shard_map: every member runs the same code, so every member "
+                         "passes scatter_list (only the source's values are sent)")
+    rank = group_src if group_src is not None else _group_rank_of(src, axes, "scatter: src")
+    stacked = broadcast(_stacked("scatter", scatter_list, tensor, _size(axes)), rank, _group_of(group))
+    _in_place(tensor, stacked[jax.lax.axis_index(axes)], "scatter")
+    return _done(async_op, tensor)
+
+
+def _gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+    """The destination's ``gather_list`` gets every member's tensor; in SPMD every member runs the
+    same call, and every member that passes a list gets the gathered values."""
+    axes = _axes(group)
+    if (dst is None) == (group_dst is None):
+        raise ValueError("torch2jax: gather takes exactly one of dst (a global rank) and group_dst")
+    if group_dst is None:
+        _group_rank_of(dst, axes, "gather: dst")
+    if gather_list is not None:
+        _stacked("gather", gather_list, tensor, _size(axes))
+        gathered = jax.lax.all_gather(tensor._value(), axes, axis=0)
+        for i, t in enumerate(gather_list):
+            _in_place(t, gathered[i], "gather")
+    return _done(async_op, *(gather_list or ()))
+
+
+def _all_gather_object(object_list, obj, group=None):
+    # every member runs the same Python, so every member's object is this one
+    n = _size(_axes(group))
+    if len(object_list) != n:
+        raise ValueError(f"torch2jax: all_gather_object: object_list has {len(object_list)} places, the group has "
+                         f"{n} members")
+    object_list[:] = [obj] * n
+
+
+def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+    _axes(group)  # (every member runs the same Python: its objects are the source's already)
+
+
+# -- point to point: a send is matched with a later receive from its sender, in call order ----------
+
+
+def _peer(peer, group_peer, axes, what: str):
+    """The group rank (a number, traced where it depends on `get_rank`) of a global rank
+    ``peer`` or a group rank ``group_peer``."""
+    if (peer is None) == (group_peer is None):
+        raise ValueError(f"torch2jax: {what} takes exactly one of a global rank and a group rank (group_dst / "
+                         f"group_src / group_peer)")
+    given = group_peer if group_peer is not None else peer
+    value = _sym.value_of(given) if _sym.is_traced_number(given) else given
+    if group_peer is not None:
+        return value
+    if isinstance(value, int):
+        return _group_rank_of(value, axes, what)
+    mesh = _mesh()
+    coords = dict(zip(mesh.axis_names, jax.numpy.unravel_index(value, [mesh.shape[a] for a in mesh.axis_names])))
+    rank = 0
+    for a in axes:
+        rank = rank * mesh.shape[a] + coords[a]
+    return rank
+
+
+class _Sent:
+    """One send inside a shard_map body: each member's tensor and destination, gathered by every
+    member at the first receive that looks at it, and which senders' tensors this member took."""
+
+    def __init__(self, axes, tag, value, dst):
+        self.axes, self.tag, self.value, self.dst = axes, tag, value, dst
+        self.gathered = None
+        self.taken = jax.numpy.zeros(_size(axes), bool)
+
+    def values_and_destinations(self):
+        if self.gathered is None:
+            dst = jax.numpy.asarray(self.dst, jax.numpy.int32)
+            self.gathered = (jax.lax.all_gather(self.value, self.axes, axis=0),
+                             jax.lax.all_gather(dst, self.axes, axis=0))
+        return self.gathered
+
+
+def _send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    axes = _axes(group)
+    _local.sends[-1].append(_Sent(axes, tag, tensor._value(), _peer(dst, group_dst, axes, "send: dst")))
+
+
+def _recv(tensor, src=None, group=None, tag=0, group_src=None):
+    """The tensor member ``src`` sent to this member in its earliest send of the same group and
+    tag that this member has not received yet. Every member runs the same program, so each
+    send is gathered by all and each receiver picks its own; a send comes before its receive."""
+    axes = _axes(group)
+    source = _peer(src, group_src, axes, "recv: src")
+    me = jax.lax.axis_index(axes)
+    value = tensor._value()
+    sends = [s for s in _local.sends[-1] if s.axes == axes and s.tag == tag]
+    if not sends:
+        raise RuntimeError("torch2jax: recv inside shard_map: no send of the same group and tag came before it. "
+                           "Every member runs the same program, so send (or isend, or batch_isend_irecv's isend "
+                           "ops) first, then receive")
+    found = jax.numpy.zeros((), bool)
+    for sent in sends:
+        if sent.value.shape != value.shape:
+            raise ValueError(f"torch2jax: recv: the buffer has shape {list(value.shape)}, the matching send's "
+                             f"tensor {list(sent.value.shape)}")
+        values, dsts = sent.values_and_destinations()
+        mine = ~found & ~sent.taken[source] & (dsts[source] == me)
+        value = jax.numpy.where(mine, values[source].astype(value.dtype), value)
+        sent.taken = sent.taken.at[source].set(sent.taken[source] | mine)
+        found = found | mine
+    _in_place(tensor, value, "recv")
+    return src if src is not None else group_src
+
+
+def _isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    _send(tensor, dst, group, tag, group_dst)
+    return _Work([tensor])
+
+
+def _irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    _recv(tensor, src, group, tag, group_src)
+    return _Work([tensor])
+
+
+class _P2POp:
+    """``torch.distributed.P2POp`` inside shard_map: ``op`` is ``isend`` or ``irecv``."""
+
+    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        name = getattr(op, "__name__", "")
+        if name not in ("isend", "irecv", "_isend", "_irecv"):
+            raise ValueError(f"torch2jax: P2POp: op must be torch.distributed.isend or irecv, got {op!r}")
+        self.op, self.tensor, self.peer, self.group, self.tag, self.group_peer = \
+            op, tensor, peer, group, tag, group_peer
+
+
+def _batch_isend_irecv(p2p_op_list):
+    # the sends first: in a batch, every send may feed any receive
+    sends = [p for p in p2p_op_list if "send" in p.op.__name__]
+    for p in sends + [p for p in p2p_op_list if p not in sends]:
+        run = _isend if p in sends else _irecv
+        run(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+    return [_Work([p.tensor]) for p in p2p_op_list]
+
+
 def _barrier(group=None, async_op=False, device_ids=None):
     _axes(group)  # (inside a program the devices run in lockstep: nothing to wait for)
     return _done(async_op)
@@ -348,6 +530,18 @@ _PATCHES = {
     "reduce_scatter_tensor": _reduce_scatter_tensor,
     "all_to_all_single": _all_to_all_single,
     "broadcast": _broadcast,
+    "all_to_all": _all_to_all,
+    "reduce_scatter": _reduce_scatter,
+    "scatter": _scatter,
+    "gather": _gather,
+    "all_gather_object": _all_gather_object,
+    "broadcast_object_list": _broadcast_object_list,
+    "send": _send,
+    "recv": _recv,
+    "isend": _isend,
+    "irecv": _irecv,
+    "P2POp": _P2POp,
+    "batch_isend_irecv": _batch_isend_irecv,
     "get_rank": _get_rank,
     "get_world_size": _get_world_size,
     "is_initialized": lambda: True,
@@ -372,10 +566,13 @@ def collectives(mesh):
     if stack is None:
         stack = _local.meshes = []
     stack.append(mesh)
+    if not hasattr(_local, "sends"):
+        _local.sends = []
+    _local.sends.append([])
     saved = {name: getattr(dist, name) for name in _PATCHES}
     saved_size = c10d._get_group_size_by_name
     for name, fn in _PATCHES.items():
-        setattr(dist, name, functools.wraps(saved[name])(fn))
+        setattr(dist, name, fn if isinstance(fn, type) else functools.wraps(saved[name])(fn))
     c10d._get_group_size_by_name = _group_size_by_name(saved_size)
     try:
         yield
@@ -384,3 +581,4 @@ def collectives(mesh):
             setattr(dist, name, fn)
         c10d._get_group_size_by_name = saved_size
         stack.pop()
+        _local.sends.pop()
