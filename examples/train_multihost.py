@@ -81,8 +81,10 @@ def main():
         state = t2j.load(args.checkpoint, {"model": model, "optimizer": opt})
         assert state["step"] == args.steps
         train(args.resume_steps)
+    # .cpu() of a parameter sharded over both processes' devices gathers it (every process calls it)
+    sums = {name: p.detach().cpu().double().sum().item() for name, p in model.named_parameters()}
     print(json.dumps({"process": P.process_index(), "processes": P.process_count(), "devices": mesh.size,
-                      "losses": losses}))
+                      "losses": losses, "weight_sums": sums}))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def _single_process_losses(steps):
     for _ in range(steps):
         x, y = torch.randint(0, 96, (8, 32), generator=gen), torch.randint(0, 96, (8, 32), generator=gen)
         out.append(step(x, y).item())
-    return out
+    return out, {name: p.detach().cpu().double().sum().item() for name, p in model.named_parameters()}
 
 
 def _run_two_processes(*extra):
@@ -58,12 +58,16 @@ def _run_two_processes(*extra):
     assert sorted(r["process"] for r in results) == [0, 1]
     assert all(r["processes"] == 2 and r["devices"] == 4 for r in results)
     assert results[0]["losses"] == results[1]["losses"]
-    return results[0]["losses"]
+    assert results[0]["weight_sums"] == results[1]["weight_sums"]
+    return results[0]
 
 
 def test_two_processes_data_parallel_fsdp_match_one_process():
-    losses = _run_two_processes("--steps", "3")
-    assert losses == pytest.approx(_single_process_losses(3), abs=1e-4)
+    result = _run_two_processes("--steps", "3")
+    losses, sums = _single_process_losses(3)
+    assert result["losses"] == pytest.approx(losses, abs=1e-4)
+    # the parameters, FSDP-sharded over both processes' devices, read back whole by .cpu()
+    assert result["weight_sums"] == pytest.approx(sums, abs=1e-3, rel=1e-5)
 
 
 @pytest.mark.slow  # ~54 s; two processes training together stay in CI
@@ -71,6 +75,6 @@ def test_two_processes_save_sharded_checkpoint_and_resume_into_a_fresh_model(tmp
     # 2 steps, orbax checkpoint written by both processes, a fresh model and AdamW
     # restored from it, 2 more steps: the same losses as 4 uninterrupted steps
     ckpt = tmp_path / "ckpt"
-    losses = _run_two_processes("--steps", "2", "--checkpoint", str(ckpt), "--resume-steps", "2")
+    result = _run_two_processes("--steps", "2", "--checkpoint", str(ckpt), "--resume-steps", "2")
     assert (ckpt / "torch2jax_structure.pkl").exists()
-    assert losses == pytest.approx(_single_process_losses(4), abs=1e-4)
+    assert result["losses"] == pytest.approx(_single_process_losses(4)[0], abs=1e-4)

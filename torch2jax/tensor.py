@@ -282,7 +282,7 @@ def _storage_bytes(storage) -> np.ndarray:
     """The bytes of a storage (of a jax tensor, or on the CPU) as a uint8 NumPy array."""
     storage = getattr(storage, "_untyped_storage", storage)
     if isinstance(storage, _StorageHandle):
-        array = np.asarray(jax.device_get(storage._t2j_storage.array))
+        array = np.asarray(jax.device_get(_addressable(storage._t2j_storage.array)))
         return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     if storage.device.type != "cpu":
         raise RuntimeError(f"torch2jax: cannot copy a storage on {storage.device} into a jax tensor's storage")
@@ -856,7 +856,7 @@ def _reduce_for_another_process(t: Tensor):
     tensor's memory through a file descriptor, which the temporary CPU copy of a jax
     tensor would close before the other process opens it."""
     return _rebuild_from_another_process, (
-        np.asarray(jax.device_get(t._value())), t.dtype, t.requires_grad, getattr(t, "_is_param", False))
+        np.asarray(jax.device_get(_addressable(t._value()))), t.dtype, t.requires_grad, getattr(t, "_is_param", False))
 
 
 def _rebuild_from_another_process(values, dtype, requires_grad, is_param):
@@ -966,9 +966,11 @@ def lazy_view(storage, chain, size, stride, offset, dtype) -> Tensor:
 
 
 def torch_cpu(array) -> torch.Tensor:
-    """A torch CPU tensor with the value of a jax / NumPy array (a copy)."""
+    """A torch CPU tensor with the value of a jax / NumPy array (a copy). An array sharded over
+    the devices of several processes is gathered: a collective, which every process makes, as
+    SPMD code calling ``.cpu()`` / ``.item()`` / ``print`` on the same tensor does."""
     dtype = _dt.to_torch(array.dtype)
-    host = np.asarray(jax.device_get(array))
+    host = np.asarray(jax.device_get(_addressable(array)))
     if dtype in (torch.bfloat16,) or host.dtype.kind == "V" or dtype.is_floating_point and dtype.itemsize == 1:
         bits = np.array(host, order="C", copy=True).view(np.uint16 if dtype.itemsize == 2 else np.uint8)
         return torch.from_numpy(bits).view(dtype)
@@ -976,6 +978,17 @@ def torch_cpu(array) -> torch.Tensor:
         signed = {2: np.int16, 4: np.int32, 8: np.int64}[dtype.itemsize]
         return torch.from_numpy(np.array(host, order="C", copy=True).view(signed)).view(dtype)
     return torch.from_numpy(np.array(host, copy=True))
+
+
+def _addressable(array):
+    """``array``, or where it spans other processes' devices, its whole value on this process."""
+    if not isinstance(array, jax.Array) or array.is_fully_addressable:
+        return array
+    if array.sharding.is_fully_replicated:
+        return array.addressable_data(0)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(array, tiled=True)
 
 
 def _as_fake(mode, func, args, kwargs):
