@@ -7,7 +7,8 @@ Run the same script once per process; here, two processes on one machine:
 
 Each process joins the job through `t2j.parallel.initialize` (jax.distributed; gloo
 collectives on CPU) and sees the devices of every process. The model is FSDP-sharded
-over all of them, each global batch is split over the "data" axis, and `t2j.jit`
+over all of them, each process gives its part of every global batch (`shard_batch(...,
+process_local=True)`), which is split over the "data" axis, and `t2j.jit`
 runs one SPMD program across the processes. Every process prints the same losses,
 which equal a single-process run's. With ``--checkpoint DIR`` the processes save a
 sharded checkpoint (`t2j.save`, orbax), load it into a freshly built model and
@@ -70,7 +71,11 @@ def main():
     def train(steps):
         for _ in range(steps):
             x, y = torch.randint(0, 96, (8, 32), generator=gen), torch.randint(0, 96, (8, 32), generator=gen)
-            losses.append(step(P.shard_batch(x, mesh, "data"), P.shard_batch(y, mesh, "data")).item())
+            # each process passes only its own rows (as its own data loader would give them)
+            part = len(x) // P.process_count()
+            rows = slice(part * P.process_index(), part * (P.process_index() + 1))
+            x, y = (P.shard_batch(t[rows], mesh, "data", process_local=True) for t in (x, y))
+            losses.append(step(x, y).item())
 
     train(args.steps)
     if args.checkpoint:

@@ -754,3 +754,19 @@ def test_shard_map_list_collectives_scatter_gather_and_point_to_point():
     assert "no send of the same group and tag" in r["messages"][0]
     assert "the list has 3 tensors, the group has 4 members" in r["messages"][1]
     assert "every member passes scatter_list" in r["messages"][2]
+
+
+def test_shard_batch_of_a_process_local_batch_keeps_its_dtype_and_rows():
+    # (the two-process run of tests/test_multihost.py gives each process's own rows)
+    import torch
+
+    import torch2jax as t2j
+
+    mesh = t2j.parallel.make_mesh({"data": -1})
+    x = torch.arange(6).reshape(3, 2)
+    with t2j.env():
+        out = t2j.parallel.shard_batch(x, mesh, "data", process_local=True)
+        assert out.device.type == "jax" and out.dtype == torch.int64
+        assert torch.equal(out.cpu(), x)
+        with pytest.raises(t2j.parallel.ShardingError, match="needs a first"):
+            t2j.parallel.shard_batch(torch.tensor(1.0), mesh, "data", process_local=True)

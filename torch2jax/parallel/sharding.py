@@ -122,11 +122,28 @@ def mark_sharding(tensor: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
     return tensor
 
 
-def shard_batch(tensor: torch.Tensor, mesh: Mesh, axis="data") -> torch.Tensor:
+def shard_batch(tensor: torch.Tensor, mesh: Mesh, axis="data", process_local: bool = False) -> torch.Tensor:
     """A copy of ``tensor`` (jax or CPU) on the mesh, its first dimension split over ``axis``
-    (data parallelism); the other dimensions are replicated."""
+    (data parallelism); the other dimensions are replicated.
+
+    With ``process_local=True`` (multi-host), ``tensor`` is this process's part of the batch,
+    as each process's own data loader gives it: the result is the global batch made of every
+    process's part, each part on the devices of its process (every process calls this, with
+    parts of one shape; on a mesh that orders the devices by process, as `make_mesh` does, the
+    parts follow in process order).
+
+    >>> x = t2j.parallel.shard_batch(next(loader), mesh, "data", process_local=True)
+    """
     t = tensor if isinstance(tensor, Tensor) else from_torch_cpu(tensor)
     spec = (axis,) + (None,) * (t.dim() - 1)
+    if process_local:
+        if t.dim() == 0:
+            raise ShardingError("shard_batch: a process-local batch needs a first (batch) dimension, got a 0-d tensor")
+        shape = (t.shape[0] * jax.process_count(),) + tuple(t.shape[1:])
+        sharding = named_sharding(shape, mesh, spec, "shard_batch")
+        local = np.asarray(jax.device_get(t._value()))
+        with jax.enable_x64(True):  # (an int64 batch stays int64)
+            return new_tensor(jax.make_array_from_process_local_data(sharding, local, shape))
     sharding = named_sharding(tuple(t.shape), mesh, spec, "shard_batch")
     return new_tensor(jax.device_put(t._value(), sharding))
 
