@@ -398,9 +398,10 @@ def _descent_integral(zeta, order):
     for branch points at s = +-i sqrt(2 zeta), at least 1.4 from the real axis for the zeta it is used at
     (|zeta| >= 2, |arg zeta| <= pi/2), so the trapezoidal rule with step 0.2 is exact to rounding.
     """
-    total = jnp.zeros_like(zeta)
-    for node, weight in zip(_NODES, _WEIGHTED):  # a loop, not an axis of nodes: no array 34 times zeta's size
-        u = node * node / (2 * zeta)  # sinh(t/2)^2
+    nodes, weights = jnp.asarray(_NODES), jnp.asarray(_WEIGHTED)
+
+    def add_node(i, total):
+        u = nodes[i] * nodes[i] / (2 * zeta)  # sinh(t/2)^2
         root = jnp.sqrt(1 + u)  # cosh(t/2)
         if order == 0:
             even = 1
@@ -409,8 +410,11 @@ def _descent_integral(zeta, order):
         else:
             power = (jnp.sqrt(u) + root) ** (2 * order)  # exp(order t)
             even = (power + 1 / power) / 2
-        total = total + weight * even / root
-    return total
+        return total + weights[i] * even / root
+
+    # a loop, not an axis of nodes (no array 34 times zeta's size), and a rolled one: unrolled, the
+    # complex arithmetic of 34 nodes took XLA seconds to compile at every new shape
+    return jax.lax.fori_loop(0, len(_NODES), add_node, jnp.zeros_like(zeta))
 
 
 def _bessel_y(x, order):
