@@ -276,11 +276,14 @@ def _bessel_integral(x, order):
     """Bessel's integral J_n(x) = (1/2 pi) Int_{-pi}^{pi} cos(n t - x sin t) dt by the trapezoidal rule,
     which converges geometrically for this periodic integrand (where the power series would lose
     eight digits to cancellation near x = 20)."""
-    total = jnp.zeros_like(x)
-    for k in range(_INTEGRAL_POINTS):
-        t = 2 * np.pi * k / _INTEGRAL_POINTS
-        total = total + jnp.cos(order * t - x * np.sin(t))
-    return total / _INTEGRAL_POINTS
+    t = np.array([2 * np.pi * k / _INTEGRAL_POINTS for k in range(_INTEGRAL_POINTS)])
+    angles, sines = jnp.asarray(order * t), jnp.asarray(np.sin(t))
+
+    # rolled: unrolled, the 64 cosines are a quarter of the compile time at every new shape
+    def add_point(k, total):
+        return total + jnp.cos(angles[k] - x * sines[k])
+
+    return jax.lax.fori_loop(0, _INTEGRAL_POINTS, add_point, jnp.zeros_like(x)) / _INTEGRAL_POINTS
 
 
 def _bessel_asymptotic(x, order):
