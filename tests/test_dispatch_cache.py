@@ -356,3 +356,27 @@ def test_float_inputs_at_values_xla_simplifies(special):
             torch.testing.assert_close(actual, expected, equal_nan=True)
             if i == 0:  # (elu of alpha -0.0 gives -0.0 * expm1(-0.0) = 0.0 at -0.0, where torch gives -0.0)
                 assert torch.equal(torch.signbit(actual), torch.signbit(expected))
+
+
+def test_ops_on_bool_arrays_compile_whole_and_bool_arithmetic_keeps_torchs_nans(backend_compiles):
+    # where / masked_fill / logical ops on masks are one program each; a lowering converting a bool
+    # to a number runs op by op (XLA would turn False * nan into 0, torch gives nan)
+    x = torch.tensor([[math.nan, 1.0, -2.0], [math.inf, 0.5, math.nan]])
+    mask = torch.tensor([[True, False, True], [False, False, True]])
+    xj, mj = x.to("jax"), mask.to("jax")
+    ops = [lambda t, m: torch.where(m, t, -t), lambda t, m: t.masked_fill(m, 7.0),
+           lambda t, m: (m & ~m.flip(0)) | m.roll(1, 1), lambda t, m: torch.cummax(m.long() * 0 + m, 1)[1]]
+    for op in ops:
+        torch.testing.assert_close(op(xj, mj).cpu(), op(x, mask), equal_nan=True)
+    before = len(backend_compiles)
+    for op in ops[:3]:
+        op(xj, mj).cpu()
+    assert len(backend_compiles) == before  # (cached programs, not op-by-op primitives compiled again)
+    for product in (lambda m, t: m * t, lambda m, t: t * m, lambda m, t: torch.mul(m, t[0]),
+                    lambda m, t: m.float() * t):
+        torch.testing.assert_close(product(mj, xj).cpu(), product(mask, x), equal_nan=True)
+    # a new shape: one program for the op (op by op, each of the scan's primitives would compile)
+    m = torch.tensor([[False, True, True, False, True]])
+    before = len(backend_compiles)
+    torch.testing.assert_close(torch.cummax(m.to("jax"), 1)[1].cpu(), torch.cummax(m, 1)[1])
+    assert len(backend_compiles) - before <= 6  # (with the copy to the device; op by op: over 50)

@@ -28,6 +28,7 @@ import types
 import warnings
 
 import jax
+import jax.extend.core
 import numpy as np
 import torch
 import torch.utils._pytree as _pytree
@@ -1180,13 +1181,8 @@ def _key(a, arrays, key):
     """
     t = type(a)
     if t is _ArrayImpl:
-        aval = a.aval
-        if aval.dtype == _BOOL:
-            # XLA rewrites arithmetic on a converted bool array into a select
-            # (False * nan -> 0), which eager op-by-op JAX and torch do not.
-            raise _NotStatic
         arrays.append(a)
-        key.append(aval)
+        key.append(a.aval)
     elif t is float:
         key.append(a.hex())
     elif t in _STATIC_TYPES:
@@ -1199,7 +1195,7 @@ def _key(a, arrays, key):
         key.append((a.real.hex(), a.imag.hex()))
     elif t is _View:
         base = a.tensor._t2j_storage.array
-        if type(base) is not _ArrayImpl or base.aval.dtype == _BOOL:
+        if type(base) is not _ArrayImpl:
             raise _NotStatic
         arrays.append(base)
         key.append((base.aval, tuple(step.key for step in a.steps)))
@@ -1322,10 +1318,10 @@ class _Compiled:
             key.append(_matmul_precision())
         try:
             for a in args:
-                if type(a) is _ArrayImpl and (aval := a.aval).dtype != _BOOL:
+                if type(a) is _ArrayImpl:
                     # `_key` of the commonest operand, inline: this loop runs once per op
                     arrays.append(a)
-                    key.append(aval)
+                    key.append(a.aval)
                 else:
                     _key(a, arrays, key)
             if kwargs:
@@ -1336,6 +1332,8 @@ class _Compiled:
             return self.fn(*_materialize(args), **kwargs)
         key = tuple(key)
         compiled = self.signatures.get(key)
+        if compiled is _OP_BY_OP:
+            return self.fn(*_materialize(args), **kwargs)
         if compiled is None or type(compiled) is int:
             if any(type(k) is str for k in key[1 + self.reads_precision:]):  # a float (see `_key`)
                 compiled = self._float_inputs(key, arrays, args, kwargs)
@@ -1350,7 +1348,11 @@ class _Compiled:
                         self.signatures.clear()
                     self.signatures[key] = seen
                     return self.fn(*_materialize(args), **kwargs)
-                compiled = self.signatures[key] = self._compile(args, kwargs)
+                compiled = self._compile(args, kwargs)
+                if _converts_bool_inputs(compiled, arrays):
+                    self.signatures[key] = _OP_BY_OP
+                    return self.fn(*_materialize(args), **kwargs)
+                self.signatures[key] = compiled
         try:
             return compiled(*arrays)
         except Exception:  # noqa: BLE001 - the op-by-op run below raises the input's real error
@@ -1386,7 +1388,7 @@ class _Compiled:
         if entry.static >= _MAX_FLOAT_VALUES:
             return _OP_BY_OP
         entry.static += 1
-        if not ordinary or entry.program is False:
+        if not ordinary or entry.program is False or any(getattr(a, "dtype", None) == _BOOL for a in arrays):
             return None
         reference = entry.reference and self.signatures.get(entry.reference[0])
         if reference is None or type(reference) is int:
@@ -1422,6 +1424,24 @@ class _Compiled:
             return out
 
         return jax.jit(traced)
+
+
+def _converts_bool_inputs(program, arrays) -> bool:
+    """Whether ``program`` at ``arrays``, some of them bool, converts a bool to a number: XLA
+    rewrites arithmetic on a converted bool into a select (False * nan -> 0, where torch and
+    JAX's op-by-op run give nan), so such a lowering runs op by op. Where, masks and logical
+    ops on bool arrays stay one program."""
+    if not any(getattr(a, "dtype", None) == _BOOL for a in arrays):
+        return False
+    todo = [jax.make_jaxpr(program)(*arrays).jaxpr]
+    while todo:
+        jaxpr = todo.pop()
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == _BOOL \
+                    and eqn.params["new_dtype"] != _BOOL:
+                return True
+            todo.extend(jax.extend.core.jaxprs_in_params(eqn.params))
+    return False
 
 
 class _FloatInputs:
