@@ -1272,6 +1272,21 @@ def test_captured_cpu_tensor_changed_in_place_is_read_again():
     assert "captured CPU tensor #0" in t2j.explain_recompiles()[-1]
 
 
+def test_captured_cpu_inference_tensor_is_guarded_by_its_bytes():
+    """A CPU tensor made under torch.inference_mode has no version counter (reading it raised in
+    the cache key); one changed in place inside another inference_mode block is read again."""
+    with torch.inference_mode():
+        scale = torch.tensor([1.0, 2.0])
+        half = torch.ones(2, dtype=torch.bfloat16)
+    f = t2j.jit(lambda x: x * scale.to(x.device) * half.to(x.device))
+    x = torch.ones(2, device="jax")
+    assert f(x).tolist() == [1.0, 2.0]
+    assert f(x).tolist() == [1.0, 2.0]
+    with torch.inference_mode():
+        scale.mul_(10)
+    assert f(x).tolist() == [10.0, 20.0]
+
+
 def test_outputs_keep_torchs_strides():
     """A channels_last network's output is channels_last, as in eager (and differentiable)."""
     torch.manual_seed(0)

@@ -68,6 +68,7 @@ import dataclasses
 import enum
 import functools
 import gc
+import hashlib
 import itertools
 import logging
 import math
@@ -1496,11 +1497,22 @@ class _CPUTensor(tuple):
         return f"<CPU tensor, version {self[-1]}>"
 
 
+def _cpu_version(t: torch.Tensor):
+    """The version of CPU tensor ``t`` that a cache key holds: its version counter, or for an
+    inference tensor (made under ``torch.inference_mode``), which has none (reading ``_version``
+    raises), a digest of its bytes: such a tensor can still change in place inside another
+    ``inference_mode`` block, and the trace bakes its value into the program."""
+    if not t.is_inference():
+        return t._version
+    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
+    return "bytes", hashlib.blake2b(flat.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+
+
 def _guard(v):
     """``v`` (a hyperparameter, optimizer state that is not a tensor, a captured CPU tensor)
     as the cache key holds it: hashable (a list, as LBFGS keeps, by its `_python_value`)."""
     if isinstance(v, torch.Tensor) and not isinstance(v, Tensor):
-        return _CPUTensor((id(v), tuple(v.shape), v.dtype, v._version))
+        return _CPUTensor((id(v), tuple(v.shape), v.dtype, _cpu_version(v)))
     if type(v) is tuple and any(isinstance(x, torch.Tensor) for x in v):
         return tuple(map(_guard, v))
     if isinstance(v, (list, dict, set)):
@@ -4468,7 +4480,7 @@ def _python_places(roots):
             objects.append((obj, dict(vars(obj))))
     names = [(g, name, g.get(name, _MISSING)) for g, used in roots.globals for name in used]
     cells = [(cell, _cell_value(cell)) for cell in roots.cells]
-    cpu = [(t, t._version, t.detach().clone() if t.numel() <= _CPU_COPY_LIMIT else None)
+    cpu = [(t, _cpu_version(t), t.detach().clone() if t.numel() <= _CPU_COPY_LIMIT else None)
            for t in roots.cpu_tensors]
     return objects, names, cells, cpu
 
@@ -4499,12 +4511,12 @@ def _restore_python_places(places):
     for cell, value in cells:
         _put("cell", cell, None, value)
     for t, version, copy in cpu:
-        if t._version != version:
+        if _cpu_version(t) != version:
             if copy is None:
                 warnings.warn(f"t2j.jit: a trace that stopped changed a CPU tensor of shape {list(t.shape)} in "
                               "place; the eager run of the call changes it again", stacklevel=4)
-            else:
-                with torch.no_grad():
+            else:  # (an inference tensor is written only inside inference_mode)
+                with torch.inference_mode() if t.is_inference() else torch.no_grad():
                     t.copy_(copy)
 
 
