@@ -3521,6 +3521,63 @@ def test_a_global_read_by_a_module_s_forward_is_guarded():
     assert run.stats["traces"] == 2
 
 
+def _scale_three_deep(x):
+    return _scale_two_deep(x)
+
+
+def _scale_two_deep(x):
+    return _scale_one_deep(x)
+
+
+def _scale_one_deep(x):
+    return x * _FORWARD_SCALE
+
+
+class _ScaledInAMethod(nn.Module):
+    """Reads the global through its own method, a static method, an inherited one, a plain helper
+    object's method, and helpers three calls deep."""
+
+    def __init__(self):
+        super().__init__()
+        self.helper = _ScalingHelper()
+
+    def scale(self, x):
+        return x * _FORWARD_SCALE
+
+    @staticmethod
+    def shift(x):
+        return x + _FORWARD_SCALE
+
+    def forward(self, x):
+        return torch.stack([self.scale(x), self.shift(x), self.core(x), self.helper.apply(x), _scale_three_deep(x)])
+
+
+class _ScalingHelper:
+    def apply(self, x):
+        return x - _FORWARD_SCALE
+
+
+class _ScaledInAMethodSub(_ScaledInAMethod):
+    def core(self, x):
+        return x / _FORWARD_SCALE
+
+
+def test_a_global_read_by_a_module_s_methods_is_guarded():
+    # was: only forward and the plain functions it names two calls deep were read, so a global read
+    # in ``self.helper(x)`` stayed frozen into the program at its first value
+    global _FORWARD_SCALE
+    model = _ScaledInAMethodSub()
+    run = t2j.jit(model)
+    x = torch.ones(2, device="jax")
+    try:
+        for scale in (2.0, 3.0, 3.0):
+            _FORWARD_SCALE = scale
+            torch.testing.assert_close(run(x).cpu(), model(x).cpu())
+    finally:
+        _FORWARD_SCALE = 2.0
+    assert run.stats["traces"] == 2
+
+
 @pytest.mark.parametrize("make", [lambda base: base.t(), lambda base: base.permute(1, 0)])
 def test_writes_into_a_permuted_argument_reach_its_base_on_every_call(make):
     # a dense view in another order is copied in its layout where the function only reads it;

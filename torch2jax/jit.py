@@ -463,32 +463,68 @@ def _module_extras(module) -> tuple:
                      if name[0] != "_" and _gradcut.plain_object(v)}.values())
         read, seen_fns = {}, set()
         for cls in {type(sub) for sub in subs}:
-            _globals_read(cls.forward, read, seen_fns)
+            _globals_read(cls.forward, read, seen_fns, cls=cls)
             # (its forward, and the class attributes it names: ``shift = 0.0`` in the class body)
             code = getattr(cls.forward, "__code__", None)
             names = ("forward", *(_global_names(code) if code is not None else ()))
             read.update({(id(base), name): (where, base, name) for where, base, name in _class_values(cls, names)})
+        # (and the methods of the objects they hold that their forwards name: ``self.scaler.apply(x)``)
+        named = {name for cls in {type(sub) for sub in subs}
+                 for name in _global_names(getattr(cls.forward, "__code__", None) or _EMPTY_CODE)}
+        for cls in {type(obj) for obj in held}:
+            for name in named:
+                method = _own_method(cls, name)
+                if method is not None:
+                    _globals_read(method, read, seen_fns, 1, cls)
         seen = _EXTRAS_SEEN[module] = (now, (extras, held, list(read.values()), lists))
     return seen[1]
 
 
-def _globals_read(fn, read: dict, seen: set, depth: int = 0):
+_EMPTY_CODE = (lambda: None).__code__
+
+
+def _globals_read(fn, read: dict, seen: set, depth: int = 0, cls=None):
     """Add to ``read`` the `_Roots.values` entries of the Python values ``fn`` reads from its globals, and
-    those the functions it names read (``def helper(x): return x / TEMP``, called by a forward), two calls
-    deep; torch's own functions are left out."""
+    those the functions it names read (``def helper(x): return x / TEMP``, called by a forward), three calls
+    deep; torch's own functions are left out. ``cls``: the class whose method ``fn`` is; the methods of it
+    that ``fn`` names (``self.helper(x)``, a static method, an inherited ``self.core(x)``) are followed as
+    the functions it names are (a global they read, changed between calls, was left baked into the program)."""
     code = getattr(fn, "__code__", None)
     if code is None or (getattr(fn, "__module__", None) or "").startswith("torch") or id(fn) in seen:
         return
     seen.add(id(fn))
     g = fn.__globals__
     for name in _global_names(code):
-        if name.startswith("__") or name not in g:
+        if name.startswith("__"):
+            continue
+        if cls is not None and depth < 3:
+            method = _own_method(cls, name)
+            if method is not None:
+                _globals_read(method, read, seen, depth + 1, cls)
+        if name not in g:
             continue
         value = g[name]
         if _watched(value):
             read.setdefault((id(g), name), (f"global {name}", g, name))
-        if isinstance(value, types.FunctionType) and depth < 2:
+        if isinstance(value, types.FunctionType) and depth < 3:
             _globals_read(value, read, seen, depth + 1)
+
+
+def _own_method(cls, name):
+    """The function behind attribute ``name`` of ``cls`` (a method, static or class method, a property's
+    getter) where a class of the user's, not torch's or Python's, defines it; else None."""
+    for base in cls.__mro__:
+        if base.__module__.startswith(("torch", "builtins")):
+            return None
+        attr = vars(base).get(name)
+        if attr is None:
+            continue
+        if isinstance(attr, (staticmethod, classmethod)):
+            attr = attr.__func__
+        elif isinstance(attr, property):
+            attr = attr.fget
+        return attr if isinstance(attr, types.FunctionType) else None
+    return None
 
 
 def _class_values(cls, names):
