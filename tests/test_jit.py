@@ -3578,6 +3578,25 @@ def test_a_global_read_by_a_module_s_methods_is_guarded():
     assert run.stats["traces"] == 2
 
 
+_SCALING_HELPER = _ScalingHelper()
+
+
+def test_a_global_read_by_a_helper_object_s_method_is_guarded():
+    # a jitted function calling a method of a global or closed-over plain object: the method's globals
+    # are the function's (was: frozen into the program at their first values)
+    global _FORWARD_SCALE
+    local = _ScalingHelper()
+    run = t2j.jit(lambda x: _SCALING_HELPER.apply(x) * local.apply(x))
+    x = torch.ones(2, device="jax")
+    try:
+        for scale in (2.0, 3.0, 3.0):
+            _FORWARD_SCALE = scale
+            assert run(x).tolist() == [(1 - scale) ** 2] * 2
+    finally:
+        _FORWARD_SCALE = 2.0
+    assert run.stats["traces"] == 2
+
+
 @pytest.mark.parametrize("make", [lambda base: base.t(), lambda base: base.permute(1, 0)])
 def test_writes_into_a_permuted_argument_reach_its_base_on_every_call(make):
     # a dense view in another order is copied in its layout where the function only reads it;

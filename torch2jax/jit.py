@@ -298,6 +298,7 @@ class _Roots:
                     self.direct.append(value)
                 self.cells.append(cell)
                 self.add(value, depth)
+                self._add_methods(value, _global_names(fn.__code__), depth)
         self.add(fn.__defaults__, depth)
         self.add(fn.__kwdefaults__, depth)
         g = fn.__globals__
@@ -315,6 +316,20 @@ class _Roots:
                 if depth == 0 and not name.startswith("__"):
                     self.direct.append(value)
                 self.add(value, depth)
+                self._add_methods(value, names, depth)
+
+    def _add_methods(self, obj, names, depth):
+        """The methods of plain object ``obj`` (a global or closed-over helper, not a module: those are
+        `_module_extras`') that ``names`` name, as functions the function calls (``helper.go(x)`` reading
+        a global stayed frozen in the program at its first value)."""
+        if (depth >= 3 or isinstance(obj, (type, types.ModuleType, torch.nn.Module, torch.Tensor))
+                or not hasattr(obj, "__dict__")):
+            return
+        cls = type(obj)
+        for name in names:
+            method = _own_method(cls, name)
+            if method is not None:
+                self.add_function(method, depth + 1)
 
     def add_value(self, where, source, name):
         """Add a Python value the functions read (`values`), once per place; ``where`` names it, numbered
