@@ -4374,3 +4374,22 @@ def test_a_number_computed_from_constants_in_the_trace_is_a_constant(case):
     p = torch.tensor([0.2, 0.3, 0.5])
     got = t2j.jit(fn, fullgraph=True)(p.to("jax"))
     torch.testing.assert_close(got.cpu(), fn(p))
+
+
+def test_a_setting_read_from_a_users_own_module_is_guarded(tmp_path, monkeypatch):
+    # ``import cfg; x * cfg.SCALE``: a value set on the user's settings module between calls is seen
+    # (was: frozen into the program at its first value), by a jitted function and by a module's forward
+    (tmp_path / "t2j_settings_for_test.py").write_text("SCALE = 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import t2j_settings_for_test as cfg
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x):
+            return x * cfg.SCALE
+
+    f, h = t2j.jit(lambda x: x * cfg.SCALE + 1), t2j.jit(Scaled())
+    x = torch.ones(2, device="jax")
+    for scale in (1.0, 3.0, 3.0):
+        cfg.SCALE = scale
+        assert f(x).tolist() == [scale + 1] * 2 and h(x).tolist() == [scale] * 2
+    assert f.stats["traces"] == 2

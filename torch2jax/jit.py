@@ -73,7 +73,9 @@ import itertools
 import logging
 import math
 import operator
+import os
 import sys
+import sysconfig
 import threading
 import time
 import types
@@ -294,6 +296,9 @@ class _Roots:
                     continue
                 if _watched(value):
                     self.add_value(f"{fn.__qualname__}: {name}", cell, None)
+                elif isinstance(value, types.ModuleType):
+                    for entry in _module_values(value, _global_names(fn.__code__)):
+                        self.add_value(*entry)
                 if depth == 0:
                     self.direct.append(value)
                 self.cells.append(cell)
@@ -312,6 +317,9 @@ class _Roots:
                     self.add_value(f"global {name}", g, name)
                 elif isinstance(value, type):  # (a namespace of settings: ``class Cfg: scale = 1.0``)
                     for entry in _class_values(value, names):
+                        self.add_value(*entry)
+                elif isinstance(value, types.ModuleType):  # (a ``config.py`` of settings: ``cfg.SCALE``)
+                    for entry in _module_values(value, names):
                         self.add_value(*entry)
                 if depth == 0 and not name.startswith("__"):
                     self.direct.append(value)
@@ -509,6 +517,10 @@ def _globals_read(fn, read: dict, seen: set, depth: int = 0, cls=None):
         return
     seen.add(id(fn))
     g = fn.__globals__
+    for cell in fn.__closure__ or ():
+        if isinstance(_cell_value(cell), types.ModuleType):  # (``import cfg`` inside the enclosing function)
+            for where, module, attribute in _module_values(cell.cell_contents, _global_names(code)):
+                read.setdefault((id(module), attribute), (where, module, attribute))
     for name in _global_names(code):
         if name.startswith("__"):
             continue
@@ -521,6 +533,9 @@ def _globals_read(fn, read: dict, seen: set, depth: int = 0, cls=None):
         value = g[name]
         if _watched(value):
             read.setdefault((id(g), name), (f"global {name}", g, name))
+        elif isinstance(value, types.ModuleType):
+            for where, module, attribute in _module_values(value, _global_names(code)):
+                read.setdefault((id(module), attribute), (where, module, attribute))
         if isinstance(value, types.FunctionType) and depth < 3:
             _globals_read(value, read, seen, depth + 1)
 
@@ -551,6 +566,25 @@ def _class_values(cls, names):
         for name in names:
             if not name.startswith("__") and name in vars(base) and _watched(vars(base)[name]):
                 yield f"{base.__qualname__}.{name}", base, name
+
+
+# where Python's and the installed packages' modules live: a module elsewhere is the user's own
+_LIBRARY_DIRS = tuple(sorted({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
+                              for k in ("stdlib", "platstdlib", "purelib", "platlib")}))
+
+
+def _module_values(module, names):
+    """The `_Roots.values` entries of the attributes ``names`` of a module of the user's own (a
+    ``config.py`` of settings the function reads as ``cfg.SCALE``; a value set on it later is another
+    program). Library modules (Python's, installed packages', torch's, JAX's) are left out."""
+    path = getattr(module, "__file__", None)
+    if path is None or os.path.abspath(path).startswith(_LIBRARY_DIRS) \
+            or module.__name__.split(".")[0] in ("torch", "torch2jax", "jax", "jaxlib", "numpy"):
+        return
+    attrs = vars(module)
+    for name in names:
+        if not name.startswith("__") and name in attrs and _watched(attrs[name]):
+            yield f"{module.__name__}.{name}", module, name
 
 
 def _on_jax(module) -> bool:
