@@ -1388,7 +1388,7 @@ class _Compiled:
         if entry.static >= _MAX_FLOAT_VALUES:
             return _OP_BY_OP
         entry.static += 1
-        if not ordinary or entry.program is False or any(getattr(a, "dtype", None) == _BOOL for a in arrays):
+        if not ordinary or entry.program is False or _has_bool(arrays):
             return None
         reference = entry.reference and self.signatures.get(entry.reference[0])
         if reference is None or type(reference) is int:
@@ -1426,12 +1426,17 @@ class _Compiled:
         return jax.jit(traced)
 
 
+def _has_bool(arrays) -> bool:
+    # (``arrays`` may hold a view step's integer positions)
+    return any(getattr(a, "dtype", None) == _BOOL for a in arrays)
+
+
 def _converts_bool_inputs(program, arrays) -> bool:
     """Whether ``program`` at ``arrays``, some of them bool, converts a bool to a number: XLA
     rewrites arithmetic on a converted bool into a select (False * nan -> 0, where torch and
     JAX's op-by-op run give nan), so such a lowering runs op by op. Where, masks and logical
     ops on bool arrays stay one program."""
-    if not any(getattr(a, "dtype", None) == _BOOL for a in arrays):
+    if not _has_bool(arrays):
         return False
     try:
         todo = [jax.make_jaxpr(program)(*arrays).jaxpr]

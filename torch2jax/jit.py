@@ -517,11 +517,14 @@ def _globals_read(fn, read: dict, seen: set, depth: int = 0, cls=None):
         return
     seen.add(id(fn))
     g = fn.__globals__
-    for cell in fn.__closure__ or ():
-        if isinstance(_cell_value(cell), types.ModuleType):  # (``import cfg`` inside the enclosing function)
-            for where, module, attribute in _module_values(cell.cell_contents, _global_names(code)):
-                read.setdefault((id(module), attribute), (where, module, attribute))
-    for name in _global_names(code):
+    names = _global_names(code)
+    # (a settings module imported in the enclosing function, ``import cfg``, is a closure cell)
+    modules = [v for v in map(_cell_value, fn.__closure__ or ()) if isinstance(v, types.ModuleType)]
+    modules += [g[name] for name in names if isinstance(g.get(name), types.ModuleType)]
+    for module in modules:
+        for where, source, attribute in _module_values(module, names):
+            read.setdefault((id(source), attribute), (where, source, attribute))
+    for name in names:
         if name.startswith("__"):
             continue
         if cls is not None and depth < 3:
@@ -533,9 +536,6 @@ def _globals_read(fn, read: dict, seen: set, depth: int = 0, cls=None):
         value = g[name]
         if _watched(value):
             read.setdefault((id(g), name), (f"global {name}", g, name))
-        elif isinstance(value, types.ModuleType):
-            for where, module, attribute in _module_values(value, _global_names(code)):
-                read.setdefault((id(module), attribute), (where, module, attribute))
         if isinstance(value, types.FunctionType) and depth < 3:
             _globals_read(value, read, seen, depth + 1)
 
@@ -573,13 +573,19 @@ _LIBRARY_DIRS = tuple(sorted({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
                               for k in ("stdlib", "platstdlib", "purelib", "platlib")}))
 
 
+@functools.lru_cache(maxsize=1024)
+def _users_module(module) -> bool:
+    # (asked on every call of a jitted function naming a module: the path test runs once per module)
+    path = getattr(module, "__file__", None)
+    return not (path is None or os.path.abspath(path).startswith(_LIBRARY_DIRS)
+                or module.__name__.split(".")[0] in ("torch", "torch2jax", "jax", "jaxlib", "numpy"))
+
+
 def _module_values(module, names):
     """The `_Roots.values` entries of the attributes ``names`` of a module of the user's own (a
     ``config.py`` of settings the function reads as ``cfg.SCALE``; a value set on it later is another
     program). Library modules (Python's, installed packages', torch's, JAX's) are left out."""
-    path = getattr(module, "__file__", None)
-    if path is None or os.path.abspath(path).startswith(_LIBRARY_DIRS) \
-            or module.__name__.split(".")[0] in ("torch", "torch2jax", "jax", "jaxlib", "numpy"):
+    if not _users_module(module):
         return
     attrs = vars(module)
     for name in names:

@@ -158,10 +158,17 @@ def _group_rank_of(src: int, axes, what: str) -> int:
     world = math.prod(mesh.shape.values())
     if not 0 <= src < world:
         raise ValueError(f"torch2jax: {what}={src} is not a rank of the mesh's {world} devices")
-    coords = dict(zip(mesh.axis_names, map(int, np.unravel_index(src, [mesh.shape[a] for a in mesh.axis_names]))))
+    return int(_rank_within(np.unravel_index(src, [mesh.shape[a] for a in mesh.axis_names]), axes))
+
+
+def _rank_within(coords, axes):
+    """The rank within the group over mesh ``axes`` of the device at mesh ``coords`` (one per axis,
+    in the mesh's order; numbers or traced)."""
+    mesh = _mesh()
+    at = dict(zip(mesh.axis_names, coords))
     rank = 0
     for a in axes:
-        rank = rank * mesh.shape[a] + coords[a]
+        rank = rank * mesh.shape[a] + at[a]
     return rank
 
 
@@ -418,11 +425,7 @@ def _peer(peer, group_peer, axes, what: str):
     if isinstance(value, int):
         return _group_rank_of(value, axes, what)
     mesh = _mesh()
-    coords = dict(zip(mesh.axis_names, jax.numpy.unravel_index(value, [mesh.shape[a] for a in mesh.axis_names])))
-    rank = 0
-    for a in axes:
-        rank = rank * mesh.shape[a] + coords[a]
-    return rank
+    return _rank_within(jax.numpy.unravel_index(value, [mesh.shape[a] for a in mesh.axis_names]), axes)
 
 
 class _Sent:
