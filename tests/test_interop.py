@@ -716,6 +716,25 @@ def test_donated_functional_state_is_written_back_to_the_module():
     assert all(p.requires_grad for p in model.parameters())
 
 
+def test_jitted_call_on_donated_arrays_names_the_tensor():
+    # XLA's "Invalid buffer passed to Execute()" named neither the tensor nor the donation
+    donate = jax.jit(lambda a: a + 1, donate_argnums=0)
+    double = t2j.jit(lambda x: x * 2)
+    for called_before in (False, True):
+        a = jnp.arange(4.0)
+        t = t2j.torch_view(a)
+        if called_before:
+            double(t)
+        donate(a)
+        with pytest.raises(t2j.OpError, match=r"argument.*float32\[4\].*donated to a JAX program"):
+            double(t)
+    model = nn.Linear(3, 2).to("jax")
+    _, state = t2j.functionalize(model)
+    jax.jit(lambda s: s, donate_argnums=0)(state)
+    with pytest.raises(t2j.OpError, match=r"Linear.weight .*donated.*write_back"):
+        t2j.jit(model)(torch.ones(1, 3, device="jax"))
+
+
 @pytest.mark.parametrize("move", [lambda t: t.tolist(), lambda t: t.cpu(), lambda t: t.numpy()])
 def test_moving_a_traced_tensor_to_the_host_says_what_to_do(move):
     with pytest.raises(t2j.OpError, match=r"not known until the program runs.*return it and move it after the call"):

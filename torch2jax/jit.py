@@ -734,6 +734,28 @@ def _binding(t):
     return Tensor(t._t2j_storage)
 
 
+def _refuse_deleted_inputs(fn, slots, storages, inputs, error):
+    """A clear error, naming the tensor, where a program's input holds a deleted jax.Array (XLA's
+    "Buffer has been deleted or donated"): one passed from JAX (`torch_view`) or shared with a
+    functionalized state that a JAX program was given with ``donate_argnums``."""
+    gone = [i for i, a in enumerate(inputs) if isinstance(a, jax.Array) and a.is_deleted()]
+    if not gone:
+        return
+    k = next((k for k, t in enumerate(slots.tensors) if t is not None and t._t2j_storage is storages[gone[0]]), None)
+    if k is None:
+        name = "a tensor it reads"
+    elif slots.names:
+        name = slots.names[k]
+    else:
+        name = f"{'argument' if k >= slots.first_argument else 'state'} tensor {k}"
+    a = inputs[gone[0]]
+    raise OpError(f"t2j.jit({getattr(fn, '__name__', type(fn).__name__)}): {name} ({a.dtype}{list(a.shape)}) holds "
+                  "a jax.Array that was deleted, most likely donated to a JAX program (jax.jit(..., donate_argnums="
+                  "...) of an array given to t2j.torch_view, or of t2j.functionalize's state, which shares the "
+                  "module's arrays). Pass the array the program returned (fn.write_back(state) for a module's "
+                  "state), or do not donate it") from error
+
+
 def _check_layouts(slots, before, storages, arguments):
     """Stop the trace (a graph break: the call runs eagerly) where the function changed the
     shape or strides of a tensor it was given (``resize_``, ``t_``, ``.data =``), or of one it
@@ -3341,6 +3363,7 @@ class JitFunction:
                     _restore(entry.undo)
                 if isinstance(e, jax.errors.UnexpectedTracerError):
                     raise _leaked(self.fn) from e
+                _refuse_deleted_inputs(self.fn, slots, storages, inputs, e)
                 failed = _sym.failed_check() if isinstance(e, jax.errors.JaxRuntimeError) else None
                 if failed is None:
                     raise
