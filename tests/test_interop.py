@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import jax
@@ -245,6 +246,36 @@ def test_call_jax_pytree_outputs_and_no_grad():
     x = torch.arange(4.0, device="jax")
     out = t2j.call_jax(lambda a: {"double": a * 2, "sum": a.sum()}, x)
     assert out["double"].tolist() == [0.0, 2.0, 4.0, 6.0] and out["sum"].item() == 6.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Params:
+    w: object
+    scale: float = dataclasses.field(default=2.0, metadata={"static": True})
+
+
+class _Holder:
+    def __init__(self, a):
+        self.a, self.n = a, 3
+
+
+def test_call_jax_differentiates_tensors_inside_jax_pytrees_and_objects():
+    # torch's pytree took a JAX-registered dataclass (or an object holding tensors) whole: its tensors
+    # reached JAX as constants, with no gradient and no error
+    x = torch.randn(3, device="jax", requires_grad=True)
+    out = t2j.call_jax(lambda p: p.w * p.scale, _Params(x))
+    assert out.requires_grad
+    out.sum().backward()
+    assert x.grad.tolist() == [2.0] * 3
+    x.grad = None
+    t2j.call_jax(lambda h: (h.a * h.n).sum(), _Holder(x)).backward()
+    assert x.grad.tolist() == [3.0] * 3
+    cpu = torch.ones(2, requires_grad=True)
+    out = t2j.call_jax(lambda p: p.w * p.scale, _Params(cpu))
+    assert out.device.type == "cpu" and out.requires_grad
+    g = torch.func.grad(lambda v: t2j.call_jax(lambda p: (p.w ** 2).sum(), _Params(v)))(torch.ones(2, device="jax"))
+    assert g.tolist() == [2.0, 2.0]
 
 
 def test_torch_view_of_a_jax_function():

@@ -394,7 +394,7 @@ def call_jax(jax_fn, *args, **kwargs):
     >>> loss.backward()                       # w.grad from jax.vjp
     """
     out = _call_jax(jax_fn, args, kwargs, _jax_config.enable_x64.get_global())
-    tensors = [x for x in torch_pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    tensors = [x for x in _flatten_arguments((args, kwargs))[0] if isinstance(x, torch.Tensor)]
     if tensors and all(x.device.type == "cpu" for x in tensors):
         return torch_pytree.tree_map_only(torch.Tensor, lambda t: t.cpu(), out)
     return out
@@ -410,7 +410,7 @@ def _call_jax(jax_fn, args, kwargs, x64, reaches=None):
     """`call_jax` with (``x64``) or without JAX's 64-bit types; torch2jax's own JAX code
     (programs traced from torch) needs them. ``reaches``: per output, the argument leaves it
     depends on (a bit set), where known: a backward gives the others None."""
-    leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+    leaves, rebuild = _flatten_arguments((args, kwargs))
     # torch.func's wrapped tensors (under its grad or vmap) reach JAX only through the Function
     wrapped = any(map(_functorch_wrapped, leaves))
     grad = torch.is_grad_enabled()
@@ -424,7 +424,7 @@ def _call_jax(jax_fn, args, kwargs, x64, reaches=None):
         filled = list(arrays)
         for i, a in zip(through, through_arrays):
             filled[i] = a
-        a, k = torch_pytree.tree_unflatten(filled, spec)
+        a, k = rebuild(filled)
         out = jax_fn(*a, **k)
         flat, out_tree["def"] = jax.tree_util.tree_flatten(out)
         # Python values among the outputs (a count, a name) come back as they are, not through autograd
@@ -440,6 +440,37 @@ def _call_jax(jax_fn, args, kwargs, x64, reaches=None):
             saved.reaches = [sum(1 << j for j, i in enumerate(through) if r >> i & 1) for r in reaches]
         outs = iter(_JaxFunction.apply(call, x64, saved, *[leaves[i] for i in through]))
     return jax.tree_util.tree_unflatten(out_tree["def"], [next(outs) if v is None else v for v in out_tree["values"]])
+
+
+def _flatten_arguments(tree):
+    """The leaves of ``tree`` (`call_jax`'s arguments) and the function rebuilding it from them:
+    torch's pytree leaves, and inside those JAX's pytree opens (a dataclass registered with
+    ``jax.tree_util``, an object holding tensors), whose tensors are then differentiated as
+    any argument's rather than passed as constants."""
+    outer, spec = torch_pytree.tree_flatten(tree)
+    leaves, parts = [], []
+    for leaf in outer:
+        inner = None
+        if not (_is_jax_leaf(leaf) or _sym.is_traced_number(leaf) or isinstance(leaf, (int, float, bool, str))):
+            ensure_jax_pytree(leaf)  # (an object holding tensors: its class registered with JAX)
+            inner, treedef = jax.tree_util.tree_flatten(leaf, is_leaf=_is_jax_leaf)
+        if inner is not None and any(isinstance(x, torch.Tensor) for x in inner):
+            parts.append((len(inner), treedef))
+            leaves.extend(inner)
+        else:
+            parts.append(None)
+            leaves.append(leaf)
+
+    def rebuild(flat):
+        flat, outer = iter(flat), []
+        for part in parts:
+            if part is None:
+                outer.append(next(flat))
+            else:
+                outer.append(jax.tree_util.tree_unflatten(part[1], [next(flat) for _ in range(part[0])]))
+        return torch_pytree.tree_unflatten(outer, spec)
+
+    return leaves, rebuild
 
 
 def _functorch_wrapped(x) -> bool:
