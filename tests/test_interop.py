@@ -747,6 +747,28 @@ def test_donated_functional_state_is_written_back_to_the_module():
     assert all(p.requires_grad for p in model.parameters())
 
 
+def test_jitted_function_takes_and_returns_jax_arrays_as_program_inputs_and_outputs():
+    # a jax.Array argument was a constant keyed by identity (a new PRNG key per call compiled a new program
+    # every call), and a JAX value the function returned was the trace's tracer
+    x = torch.ones(3, device="jax")
+
+    def noisy(x, key):
+        key, sub = jax.random.split(key)
+        return x + t2j.call_jax(lambda s: jax.random.normal(s, (3,)), sub), key, jnp.sin(t2j.jax_view(x))
+
+    step = t2j.jit(noisy)
+    key = eager_key = jax.random.key(0)
+    for _ in range(3):
+        y, key, s = step(x, key)
+        y_eager, eager_key, _ = noisy(x, eager_key)
+        torch.testing.assert_close(y, y_eager)
+        assert (jax.random.key_data(key) == jax.random.key_data(eager_key)).all()
+        assert type(s) is type(jnp.ones(1)) and np.allclose(s, np.sin(1.0))
+    assert step.stats["traces"] == 1
+    scaled = t2j.jit(lambda x, m: x * float(np.asarray(m).sum()))  # a value the trace needs: a constant, as before
+    assert scaled(x, jnp.ones(3)).tolist() == [3.0] * 3 and scaled(x, jnp.ones(2)).tolist() == [2.0] * 3
+
+
 def test_jitted_call_on_donated_arrays_names_the_tensor():
     # XLA's "Invalid buffer passed to Execute()" named neither the tensor nor the donation
     donate = jax.jit(lambda a: a + 1, donate_argnums=0)

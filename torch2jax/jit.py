@@ -1449,6 +1449,17 @@ class _LiftedNumber(NamedTuple):
         return f"<program input ({self.type.__name__}): new values need no new trace>"
 
 
+class _ArrayArgument(NamedTuple):
+    """Stands in the cache key for a jax.Array argument, a program input: its type, not its values."""
+
+    shape: tuple
+    dtype: object
+    weak_type: bool
+
+    def __repr__(self):
+        return f"<jax.Array argument {self.dtype}{list(self.shape)}>"
+
+
 class _Hyperparameters:
     """Which numbers a jitted function reads are program inputs: float hyperparameters
     of its optimizers, and the Python numbers among its arguments and the values it
@@ -1567,10 +1578,10 @@ class _ValueSite(NamedTuple):
 
 
 class _ArgSite(NamedTuple):
-    """A Python number among the arguments: the ``index``-th leaf, ``value`` on this call."""
+    """A Python number or a jax.Array among the arguments: the ``index``-th leaf, ``value`` on this call."""
 
     index: int
-    value: int | float
+    value: int | float | jax.Array
 
     def read(self):
         return self.value
@@ -2470,6 +2481,9 @@ class _Outputs:
             if _sym.is_traced_number(leaf):
                 outs.append(jax.numpy.asarray(_sym.value_of(leaf)))
                 return "number", len(outs) - 1
+            if isinstance(leaf, jax.core.Tracer):  # a JAX value it computed (jnp of a jax.Array argument): one per call
+                outs.append(leaf)
+                return "jax", len(outs) - 1
             return "const", leaf
         if id(leaf) in self.arg_index:
             return "arg", self.arg_index[id(leaf)]
@@ -2548,12 +2562,20 @@ def _is_namedtuple(value) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
+def _program_output(a):
+    """A program's output array as a tensor, but a typed PRNG key (returned by JAX code the function calls),
+    which no torch dtype holds."""
+    return a if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) else new_tensor(a)
+
+
 def _output(kind, v, arrays, slots, leaves):
     """One output of a call, of kind ``kind`` (`_Outputs`), from the program's ``arrays``."""
     if kind == "array":
         return arrays[v]
     if kind == "number":  # a traced Python number (``x.sum().item()``) comes back as one
         return arrays[v].item()
+    if kind == "jax":  # (a typed PRNG key is no tensor: `_program_output`)
+        return arrays[v]._value() if isinstance(arrays[v], Tensor) else arrays[v]
     if kind == "array32":  # held as complex64 (torch2jax/complex32.py)
         return _complex32.retag(arrays[v])
     if kind == "laid_out":
@@ -3277,10 +3299,13 @@ class JitFunction:
         return leaves if out is None else out
 
     def _number_arguments(self, leaves) -> list:
-        """(`_ArgSite`, id) of the Python numbers among the arguments that are program inputs."""
+        """(`_ArgSite`, id) of the Python numbers among the arguments that are program inputs, and of
+        the jax.Arrays (a PRNG key, a mask from JAX code): inputs from the first call, as JAX's jit
+        takes them, but for one a trace could not take as a tracer (``np.asarray(a)``: blocked)."""
         lifts = self._hypers
         return [(_ArgSite(i, x), ("arg", i)) for i, x in enumerate(leaves)
-                if _lifted_number(x) and lifts.lifts(("arg", i), x)]
+                if (_lifted_number(x) and lifts.lifts(("arg", i), x))
+                or (_constant_array(x) and ("arg", i) not in lifts.blocked)]
 
     def _run(self, entry, leaves, slots, storages, given):
         if entry.diff:
@@ -3297,7 +3322,7 @@ class JitFunction:
                     value = value.as_strided(t.shape, t.stride(), t.storage_offset())
                 t.copy_(value)  # its history: the call's node, as torch's in-place op makes it
         else:
-            arrays = [new_tensor(o) for o in self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves),
+            arrays = [_program_output(o) for o in self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves),
                                                            donated=True)]
             if entry.spent and torch.is_grad_enabled():
                 _SpentGraph.attach(arrays, entry.spent, self.fn)
@@ -4322,9 +4347,9 @@ class _DifferentiableCall(torch.autograd.Function):
         ctx.call, ctx.tensors = call, tensors
         ctx.inputs = [t for t in tensors if t.requires_grad]
         ctx.set_materialize_grads(False)  # (an output the loss does not use gets None: see backward)
-        outs = [new_tensor(o) for o in call.forward()]
+        outs = [_program_output(o) for o in call.forward()]
         grad_outs = set(call.entry.grad_outs)
-        ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if k not in grad_outs))
+        ctx.mark_non_differentiable(*(o for k, o in enumerate(outs) if k not in grad_outs and isinstance(o, Tensor)))
         saved_inputs = [call.slots.tensors[k] for k in call.entry.saved_slots]
         if call.entry.saves or saved_inputs:
             # what torch's graph saved: its errors for a second backward, a result or an input written since
@@ -4435,6 +4460,8 @@ def _hyper_input(site, value, index, hint):
     """What the trace puts where a number that is a program input is read: a param
     group's ``lr`` as a 0-d tensor (torch.optim's tensor-lr code paths; float32, or
     float64 for a group with float64 parameters), any other as a traced number with guards."""
+    if isinstance(site, _ArgSite) and isinstance(site.value, jax.Array):  # (the function gets a jax.Array's tracer)
+        return value
     if isinstance(site, _GroupSite) and site.hk == "lr" and site.ti is None:
         # torch multiplies by a Python float: a float64 parameter sees all of its digits
         wide = any(p.dtype == torch.float64 for p in site.group["params"])
@@ -4531,7 +4558,8 @@ def _static_key(leaves, numbers=(), by_value=None):
             out.append((x.dtype, tuple(x.tolist())) if by_value and i in by_value else None)
             continue
         if i in lifted:
-            out.append(_LiftedNumber(type(x)))
+            out.append(_ArrayArgument(x.shape, x.dtype, getattr(x, "weak_type", False)) if isinstance(x, jax.Array)
+                       else _LiftedNumber(type(x)))
             continue
         if isinstance(x, torch._C.Generator):  # drawn from on each call (`_keys`): any generator will do
             out.append(_GeneratorArgument(x.device.type))
