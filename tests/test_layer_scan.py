@@ -88,6 +88,29 @@ def test_alternating_layers_scan_a_period_at_a_time():
     torch.testing.assert_close(h.cpu(), ref(x).detach(), atol=1e-5, rtol=1e-5)
 
 
+def test_scanned_layers_of_a_functionalized_module_under_jax_grad():
+    # functional_call swaps plain tensors in for the parameters, which get_parameter refused
+    import jax
+    import numpy as np
+
+    ref, model = _pair(["a", "b"] * 3, norm=True)
+    fn, state = t2j.functionalize(model)
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+
+    def loss(params):
+        out, new = fn.apply({"params": params, "buffers": state["buffers"]}, x)
+        return (out ** 2).sum(), new
+
+    (value, new), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state["params"])
+    expected = (ref(torch.from_numpy(x)) ** 2).sum()
+    expected.backward()
+    np.testing.assert_allclose(value, expected.item(), rtol=1e-5)
+    for n, p in ref.named_parameters():
+        np.testing.assert_allclose(grads[n], p.grad.numpy(), atol=1e-3, rtol=1e-4, err_msg=n)
+    for n, b in ref.named_buffers():
+        np.testing.assert_allclose(new["buffers"][n], b.numpy(), atol=1e-6, err_msg=n)
+
+
 def test_a_forward_reading_an_attribute_that_differs_in_every_layer_runs_the_layers_one_by_one():
     ref, model = _pair(["a"] * 4, reads_index=True)
     x = torch.randn(2, 8)

@@ -633,6 +633,12 @@ def _scan(layers, start, p, m, calls, remat, stacked, hidden, cache_index=None) 
     return scanned
 
 
+def _tensor_at(layer: torch.nn.Module, name: str) -> torch.Tensor:
+    """``layer``'s parameter or buffer ``name`` (dotted), by attribute: under torch.func.functional_call
+    (`t2j.functionalize`) the parameters are plain tensors, which ``get_parameter`` refuses."""
+    return functools.reduce(getattr, name.split("."), layer)
+
+
 def _scan_once(layers, start, p, m, calls, remat, stacked, hidden, cache_index) -> _Scanned:
     templates = layers[start:start + p]
     run_layers = layers[start:start + m * p]
@@ -661,8 +667,8 @@ def _scan_once(layers, start, p, m, calls, remat, stacked, hidden, cache_index) 
             if n in on_list:
                 whole.append(on_list[n][start + t:start + m * p:p])
             else:
-                whole.append(torch.stack([run_layers[i * p + t].get_parameter(n) for i in range(m)]))
-        whole += [torch.stack([run_layers[i * p + t].get_buffer(n) for i in range(m)]) for n in bnames[t]]
+                whole.append(torch.stack([_tensor_at(run_layers[i * p + t], n) for i in range(m)]))
+        whole += [torch.stack([_tensor_at(run_layers[i * p + t], n) for i in range(m)]) for n in bnames[t]]
     cache = _CacheScan(layers, start, p, m, calls, cache_index) \
         if any(_is_cache(x) for c in calls for x in c.leaves) else None
     n_cache = 0
@@ -759,7 +765,7 @@ def _scan_once(layers, start, p, m, calls, remat, stacked, hidden, cache_index) 
         for t in range(p):
             for j, name in enumerate(bnames[t]):
                 for i in range(m):
-                    st = run_layers[i * p + t].get_buffer(name)._t2j_storage
+                    st = _tensor_at(run_layers[i * p + t], name)._t2j_storage
                     restore.setdefault(start + i * p + t, []).append(functools.partial(_put_array, st, st.array))
                     _put_array(st, outs[j]._value()[i])
             outs = outs[len(bnames[t]):]
