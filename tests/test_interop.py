@@ -242,6 +242,22 @@ def test_jax_jit_of_torch_index_ops_without_x64(name):
     np.testing.assert_allclose(np.asarray(jax.jit(f)(x)), np.asarray(fns[name](torch.tensor(np.asarray(x)))))
 
 
+def test_torch_func_transforms_through_jax_code_that_calls_torch():
+    # torch -> JAX -> torch under torch.func.grad: the inner torch code ran at torch.func's level, its
+    # results wrapped tensors that JAX could not read ("Tensor that doesn't have storage")
+    def f(t):
+        return t2j.call_jax(lambda v: t2j.call_torch(lambda u: torch.tanh(u) ** 2, v).sum() * v.sum(), t)
+
+    def expected(v):
+        return (jnp.tanh(v) ** 2).sum() * v.sum()
+
+    x = torch.randn(2, 3, device="jax")
+    a = jnp.asarray(x.cpu().numpy())
+    np.testing.assert_allclose(torch.func.grad(f)(x[0]).cpu(), jax.grad(expected)(a[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(torch.func.vmap(torch.func.grad(f))(x).cpu(), jax.vmap(jax.grad(expected))(a),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_call_jax_pytree_outputs_and_no_grad():
     x = torch.arange(4.0, device="jax")
     out = t2j.call_jax(lambda a: {"double": a * 2, "sum": a.sum()}, x)

@@ -144,10 +144,20 @@ class _JaxCallable:
 
     def __call__(self, *args, **kwargs):
         x64 = _jax_config.enable_x64.get_global()
-        with _jax_differentiated():  # (the arguments' tensors are the call's own: it may write into them)
+        # (the arguments' tensors are the call's own: it may write into them). JAX differentiates the code, also
+        # inside a JAX function torch.func's transforms reach through call_jax: their levels are not its own
+        outside = _functorch_levels_cleared() if torch._C._functorch.maybe_current_level() is not None \
+            else contextlib.nullcontext()
+        with outside, _jax_differentiated():
             args, kwargs = _as_given(torch_view((args, kwargs)), x64)
             out = _as_returned(self.fn(*args, **kwargs), x64)
         return jax_view(out)
+
+
+def _functorch_levels_cleared():
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    return temporarily_clear_interpreter_stack()
 
 
 def _as_given(tree, x64):
