@@ -258,6 +258,19 @@ def test_torch_func_transforms_through_jax_code_that_calls_torch():
                                rtol=1e-5, atol=1e-6)
 
 
+def test_call_jax_under_a_vmapped_backward_pass():
+    # jacobian(vectorize=True) / is_grads_batched=True refused: the batched cotangents reached JAX as they were
+    x = torch.randn(4, device="jax")
+    expected = torch.autograd.functional.jacobian(lambda v: torch.sin(v) * v.sum(), x.cpu())
+    got = torch.autograd.functional.jacobian(lambda v: t2j.call_jax(lambda u: jnp.sin(u) * u.sum(), v), x,
+                                             vectorize=True)
+    torch.testing.assert_close(got.cpu(), expected)
+    leaf = x.clone().requires_grad_()
+    sines, _ = t2j.call_jax(lambda v: (jnp.sin(v), v.sum()), leaf)
+    grad, = torch.autograd.grad(sines, leaf, torch.eye(4, device="jax"), is_grads_batched=True)
+    torch.testing.assert_close(grad.cpu(), torch.diag(torch.cos(x.cpu())))
+
+
 def test_call_jax_pytree_outputs_and_no_grad():
     x = torch.arange(4.0, device="jax")
     out = t2j.call_jax(lambda a: {"double": a * 2, "sum": a.sum()}, x)

@@ -356,11 +356,23 @@ class _JaxFunction(torch.autograd.Function):
                                      ctx.out_avals, ctx.x64)
             return (None, None, None, *[g.to(t.device, t.dtype) if _inexact(t) and reached >> i & 1 else None
                                         for i, (t, g) in enumerate(zip(ctx.inputs, got))])
-        cotangents = [zero_cotangent(a) if g is None else _to_jax(g) for g, a in zip(grads, ctx.out_avals)]
+        from .jit import _batched_grads
+
+        # a vmap over the backward pass (jacobian(vectorize=True), is_grads_batched=True): one VJP per
+        # cotangent along the batch dimension, as jax.vmap of it
+        grads, batch, level = _batched_grads(grads)
+        avals = ctx.out_avals if batch is None else [jax.ShapeDtypeStruct((batch, *a.shape), a.dtype)
+                                                     for a in ctx.out_avals]
+        cotangents = [zero_cotangent(a) if g is None else _to_jax(g) for g, a in zip(grads, avals)]
         with jax.enable_x64(ctx.x64):
-            got = torch_pullback(lambda _, c: ctx.vjp(c), None, cotangents)
-        return (None, None, None, *[_gradient_for(t, g) if _inexact(t) and reached >> i & 1 else None
-                                    for i, (t, g) in enumerate(zip(ctx.inputs, got))])
+            pull = functools.partial(torch_pullback, lambda _, c: ctx.vjp(c), None)
+            got = pull(cotangents) if batch is None else jax.vmap(pull)(cotangents)
+        out = [_gradient_for(t, g) if _inexact(t) and reached >> i & 1 else None
+               for i, (t, g) in enumerate(zip(ctx.inputs, got))]
+        if batch is not None:
+            add = torch._add_batch_dim if level[0] else torch._C._functorch._add_batch_dim
+            out = [None if t is None else add(t, 0, level[1]) for t in out]
+        return (None, None, None, *out)
 
     @staticmethod
     def jvp(ctx, _call, _x64, _saved, *tangents):

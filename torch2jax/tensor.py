@@ -1016,7 +1016,8 @@ def jax_array(t: torch.Tensor):
         raise RuntimeError(
             "torch2jax: a tensor batched by a vmap (torch.func.vmap, is_grads_batched=True, "
             "jacobian/hessian(vectorize=True)) reached a step that converts it to a JAX array, which has no "
-            "batching rule (a jitted function's second-order backward, a JAX function called from torch): "
+            "batching rule (the second-order backward of a jitted function or of a JAX function called from "
+            "torch): "
             "use vectorize=False, or vmap inside JAX")
     t = t.detach().resolve_conj().resolve_neg()
     if t.dtype is torch.complex32:  # (JAX has no complex32: its values as complex64, as a jax tensor holds them)
