@@ -96,6 +96,19 @@ def test_cpu_tensors_and_jax_arrays_come_back_as_they_were_saved(tmp_path):
     torch.testing.assert_close(torch.rand(4), want)
 
 
+def test_optax_state_of_named_tuples_round_trips(tmp_path):
+    # a named tuple (optax's ScaleByAdamState) was rebuilt from one generator argument: save raised a TypeError
+    import optax
+
+    params = {"w": jax.numpy.arange(3.0)}
+    opt = optax.adam(0.1)
+    state = opt.update(params, opt.init(params), params)[1]
+    t2j.save({"opt": state, "step": 1}, str(tmp_path / "c"))
+    back = t2j.load(str(tmp_path / "c"), {"opt": opt.init(params)})["opt"]
+    assert type(back[0]) is type(state[0]) and type(back[1]) is type(state[1])
+    assert int(back[0].count) == 1 and back[0].mu["w"].tolist() == state[0].mu["w"].tolist()
+
+
 def test_empty_tensors_complex32_and_states_without_tensors_round_trip(tmp_path):
     m = torch.nn.Linear(2, 2).to("jax")
     m.register_buffer("cache", torch.zeros(0, 3, device="jax"))

@@ -283,6 +283,25 @@ def test_sharded_checkpoint_resume(tmp_path):
     assert r["spec"] == r["state_spec"] == "P('data',)"
 
 
+def test_checkpoint_of_a_jax_side_state_restores_with_the_targets_shardings(tmp_path):
+    # the target's jax.Arrays (a functionalized sharded model's state, its optax state) were ignored: every
+    # array came back on one device
+    r = run_8(f"""
+        import optax
+        mesh = P.make_mesh({{"data": 8}})
+        m = P.shard_model(torch.nn.Linear(16, 8).to("jax"), mesh, P.fsdp("data", min_size=8))
+        _, state = t2j.functionalize(m)
+        opt = optax.adam(1e-3)
+        t2j.save({{"params": state["params"], "opt": opt.init(state["params"])}}, {str(tmp_path / "c")!r})
+        target = {{"params": state["params"], "opt": opt.init(state["params"])}}
+        back = t2j.load({str(tmp_path / "c")!r}, target)
+        print(json.dumps({{"params": str(back["params"]["weight"].sharding.spec),
+                          "mu": str(back["opt"][0].mu["weight"].sharding.spec),
+                          "same": bool((back["params"]["weight"] == state["params"]["weight"]).all())}}))
+    """)
+    assert r == {"params": "P(None, 'data')", "mu": "P(None, 'data')", "same": True}
+
+
 def test_shard_map_collectives_reduce_ops_ranks_async_and_checks():
     r = run_8("""
         import torch.distributed as dist

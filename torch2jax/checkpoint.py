@@ -68,8 +68,14 @@ def _split(obj, arrays, prefix):
     if isinstance(obj, dict):
         return {k: _split(v, arrays, f"{prefix}{k}/") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_split(v, arrays, f"{prefix}{i}/") for i, v in enumerate(obj))
+        return _same_sequence(obj, [_split(v, arrays, f"{prefix}{i}/") for i, v in enumerate(obj)])
     return obj
+
+
+def _same_sequence(like, items):
+    """A list or tuple of ``like``'s type holding ``items``: a named tuple's class (an optax state such as
+    ``ScaleByAdamState``) takes them as positional arguments, not as one iterable."""
+    return type(like)(*items) if hasattr(type(like), "_fields") else type(like)(items)
 
 
 def save(state, path: str) -> None:
@@ -94,9 +100,9 @@ def save(state, path: str) -> None:
 
 
 def _targets(skeleton, target, out):
-    """For each saved array, the live tensor it goes back into (when ``target`` has one)."""
+    """For each saved array, the live tensor (or jax.Array) it goes back into (when ``target`` has one)."""
     if isinstance(skeleton, _Array):
-        if isinstance(target, Tensor):
+        if isinstance(target, (Tensor, jax.Array)):  # (a JAX-side state's arrays: placed as they are too)
             out[skeleton.key] = target
         return
     if isinstance(skeleton, dict) and "__module__" in skeleton and isinstance(target, torch.nn.Module):
@@ -127,8 +133,8 @@ def _abstract(arrays_meta, targets):
     for key, meta in arrays_meta.items():
         target = targets.get(key)
         sharding = None
-        if isinstance(target, Tensor):
-            value = target._value()
+        if isinstance(target, (Tensor, jax.Array)):
+            value = target._value() if isinstance(target, Tensor) else target
             if tuple(value.shape) == tuple(meta.shape):
                 sharding = value.sharding
             elif hasattr(value.sharding, "mesh"):
@@ -152,7 +158,7 @@ def _join(skeleton, arrays):
     if isinstance(skeleton, dict):
         return {k: _join(v, arrays) for k, v in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_join(v, arrays) for v in skeleton)
+        return _same_sequence(skeleton, [_join(v, arrays) for v in skeleton])
     return skeleton
 
 
@@ -172,7 +178,7 @@ def _apply(restored, target):
         return {k: _apply(v, target.get(k) if isinstance(target, dict) else None) for k, v in restored.items()}
     if isinstance(restored, (list, tuple)):
         ts = target if isinstance(target, (list, tuple)) else [None] * len(restored)
-        return type(restored)(_apply(v, t) for v, t in zip(restored, ts))
+        return _same_sequence(restored, [_apply(v, t) for v, t in zip(restored, ts)])
     return restored
 
 
