@@ -1413,6 +1413,41 @@ def _p_fractional_max_pool_layers(device, wrap):
     return out, idx, grad, vout, vidx, consistent
 
 
+class _NoDecay(nn.Parameter):
+    """A parameter type that an optimizer setup leaves out of weight decay."""
+
+
+def _p_parameter_subclass_groups_weight_decay(device, wrap):
+    """Parameters of a subclass of nn.Parameter (set on the CPU, then moved with the module, and
+    made on the device) grouped by isinstance into AdamW groups with and without weight decay;
+    a deepcopy of the model keeps their type, and arithmetic on one gives a plain tensor."""
+    import copy
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2))
+    for mod in m:
+        mod.bias = _NoDecay(mod.bias.detach().clone())
+    m[1].weight = _NoDecay(m[1].weight.detach().clone())
+    m.to(device)
+    scale = _NoDecay(torch.ones(2, device=device))
+    params = [*m.parameters(), scale]
+    no_decay = [p for p in params if isinstance(p, _NoDecay)]
+    opt = O.AdamW([{"params": [p for p in params if not isinstance(p, _NoDecay)], "weight_decay": 0.5},
+                   {"params": no_decay, "weight_decay": 0.0}], lr=0.1)
+
+    def step(x):
+        opt.zero_grad()
+        loss = (m(x) * scale).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = wrap(step)
+    losses = [step(_randn(5, 4, seed=i, device=device)) for i in range(3)]
+    copied = [isinstance(p, _NoDecay) for p in copy.deepcopy(m).parameters()]
+    return losses, len(no_decay), [p.detach() for p in params], copied, isinstance(scale * 2, nn.Parameter)
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
@@ -1428,7 +1463,7 @@ JITTABLE = {
     "complex_spectral_pooling_and_polar", "integer_division_and_remainder_signs",
     "label_smoothing_ignore_index_and_weights", "gaussian_process_marginal_likelihood", "sinkhorn_optimal_transport",
     "ctc_training_with_lengths_on_the_cpu", "multilabel_margin_and_grid_sample_grads",
-    "antialias_resize_and_volumetric_grid_sample",
+    "antialias_resize_and_volumetric_grid_sample", "parameter_subclass_groups_weight_decay",
 }
 TOL = {
     "func_maml_second_order": dict(atol=1e-4, rtol=1e-4),  # second derivatives summed in another order
@@ -1447,6 +1482,7 @@ FAST = {
     ("checkpoint_dropout_recompute_consistency", False), ("ctc_training_with_lengths_on_the_cpu", True),
     ("embedding_bag_modes_and_gradients", False),
     ("antialias_resize_and_volumetric_grid_sample", True), ("fractional_max_pool_layers", False),
+    ("parameter_subclass_groups_weight_decay", False),
 }
 XFAIL = {}
 

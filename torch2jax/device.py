@@ -243,6 +243,7 @@ def _swapping(method):
         if not involved or torch.__future__.get_swap_module_params_on_conversion():
             return method(module, *args, **kwargs)
         lazy = _take_uninitialized(module)
+        subclassed = _parameter_subclasses(module)
         torch.__future__.set_swap_module_params_on_conversion(True)
         try:
             try:
@@ -255,12 +256,56 @@ def _swapping(method):
                 return _converted_without_swapping(method, module, args, kwargs)
         finally:
             torch.__future__.set_swap_module_params_on_conversion(False)
+            _restore_parameter_subclasses(subclassed)
             target = NAME if method.__name__ != "cpu" and device is not None and device.type == NAME else None
             for slots, key, t in lazy:
                 t._t2j_device = target
                 slots[key] = t
 
     return convert
+
+
+def _parameter_subclasses(module):
+    """The slots of ``module``'s parameters whose type is a subclass of ``nn.Parameter`` (a user's
+    ``class NoDecay(nn.Parameter)``), with that subclass. A move to or from the jax device makes
+    each parameter a new ``nn.Parameter`` (torch's ``_apply`` for tensors of another kind), which
+    a move between the CPU and CUDA, done in place, does not: `_restore_parameter_subclasses`."""
+    from .tensor import _USER_CLASSES
+
+    found = []
+    for m in module.modules():
+        for key, p in m._parameters.items():
+            cls = _USER_CLASSES.get(type(p), type(p))
+            if cls is not torch.nn.Parameter and issubclass(cls, torch.nn.Parameter):
+                found.append((m._parameters, key, cls))
+    return found
+
+
+def _restore_parameter_subclasses(found):
+    from .tensor import on_jax_device
+
+    for params, key, cls in found:
+        p = params[key]
+        if p is not None and not isinstance(p, cls):
+            p.__class__ = on_jax_device(cls) if p.device.type == NAME else cls
+
+
+def _parameter_subclass_kept(original):
+    """``nn.Parameter.__new__`` giving a subclass of ``nn.Parameter`` made from a jax tensor
+    (``MyParam(w)``) that type, as on the CPU: torch's path for tensor subclasses returns the
+    tensor itself, only marked as a parameter, so ``isinstance(p, MyParam)`` was False (and an
+    optimizer grouping parameters by their type grouped them otherwise than on the CPU)."""
+
+    @functools.wraps(original)
+    def __new__(cls, data=None, requires_grad=True):
+        from .tensor import Tensor, on_jax_device
+
+        out = original(cls, data, requires_grad)
+        if isinstance(out, Tensor) and not isinstance(out, cls):
+            out.__class__ = on_jax_device(cls)
+        return out
+
+    return staticmethod(__new__)
 
 
 def _converted_without_swapping(method, module, args, kwargs):
@@ -393,6 +438,7 @@ def register() -> None:
         keep_dynamo_out_of_jax()
     torch.nn.Module.to = _swapping(torch.nn.Module.to)
     torch.nn.Module.cpu = _swapping(torch.nn.Module.cpu)
+    torch.nn.Parameter.__new__ = _parameter_subclass_kept(torch.nn.Parameter.__new__)
     mixin = torch.nn.parameter.UninitializedTensorMixin
     mixin.materialize = _materialize(mixin.materialize)
     for cls in (torch.nn.UninitializedParameter, torch.nn.UninitializedBuffer):

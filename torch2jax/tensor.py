@@ -436,6 +436,10 @@ def on_jax_device(cls: type) -> type:
         # (torch disables a class's inherited default next to a __torch_dispatch__: name it again)
         own = classmethod(_default_torch_function)
     namespace = {"__torch_function__": own, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    if issubclass(cls, torch.nn.Parameter):
+        # pickled as a jax tensor is (nn.Parameter's own would pickle torch2jax's attributes), which
+        # gives an nn.Parameter, as torch's pickling of a subclass of it does
+        namespace["__reduce_ex__"] = Tensor.__reduce_ex__
     jax_cls = type(cls.__name__, (cls, Tensor), namespace)
     _USER_CLASSES[jax_cls] = cls
     return jax_cls
