@@ -1448,6 +1448,37 @@ def _p_parameter_subclass_groups_weight_decay(device, wrap):
     return losses, len(no_decay), [p.detach() for p in params], copied, isinstance(scale * 2, nn.Parameter)
 
 
+def _p_parameter_attributes_pick_optimizer_groups(device, wrap):
+    """Attributes set on parameters before the model moves to the device (``p.no_decay = True``
+    on biases and norms, a per-parameter learning-rate scale) pick their optimizer groups, as
+    libraries tag parameters at construction; a move back to the CPU keeps them too."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2))
+    for name, p in m.named_parameters():
+        if p.ndim == 1:
+            p.no_decay = True
+    m[2].weight.lr_scale = 0.1
+    m.to(device)
+    params = list(m.parameters())
+    groups = [{"params": [p for p in params if getattr(p, "no_decay", False)], "weight_decay": 0.0},
+              {"params": [p for p in params if not getattr(p, "no_decay", False) and not hasattr(p, "lr_scale")]},
+              {"params": [p for p in params if hasattr(p, "lr_scale")], "lr": 0.1 * m[2].weight.lr_scale}]
+    opt = O.AdamW(groups, lr=0.1, weight_decay=0.5)
+
+    def step(x):
+        opt.zero_grad()
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = wrap(step)
+    losses = [step(_randn(5, 4, seed=i, device=device)) for i in range(3)]
+    trained = [p.detach().clone() for p in params]
+    m.cpu()
+    return losses, [len(g["params"]) for g in groups], trained, m[0].bias.no_decay
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
@@ -1464,6 +1495,7 @@ JITTABLE = {
     "label_smoothing_ignore_index_and_weights", "gaussian_process_marginal_likelihood", "sinkhorn_optimal_transport",
     "ctc_training_with_lengths_on_the_cpu", "multilabel_margin_and_grid_sample_grads",
     "antialias_resize_and_volumetric_grid_sample", "parameter_subclass_groups_weight_decay",
+    "parameter_attributes_pick_optimizer_groups",
 }
 TOL = {
     "func_maml_second_order": dict(atol=1e-4, rtol=1e-4),  # second derivatives summed in another order
@@ -1482,7 +1514,7 @@ FAST = {
     ("checkpoint_dropout_recompute_consistency", False), ("ctc_training_with_lengths_on_the_cpu", True),
     ("embedding_bag_modes_and_gradients", False),
     ("antialias_resize_and_volumetric_grid_sample", True), ("fractional_max_pool_layers", False),
-    ("parameter_subclass_groups_weight_decay", False),
+    ("parameter_subclass_groups_weight_decay", False), ("parameter_attributes_pick_optimizer_groups", False),
 }
 XFAIL = {}
 

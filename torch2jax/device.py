@@ -243,7 +243,7 @@ def _swapping(method):
         if not involved or torch.__future__.get_swap_module_params_on_conversion():
             return method(module, *args, **kwargs)
         lazy = _take_uninitialized(module)
-        subclassed = _parameter_subclasses(module)
+        kinds = _parameter_kinds(module)
         torch.__future__.set_swap_module_params_on_conversion(True)
         try:
             try:
@@ -256,7 +256,7 @@ def _swapping(method):
                 return _converted_without_swapping(method, module, args, kwargs)
         finally:
             torch.__future__.set_swap_module_params_on_conversion(False)
-            _restore_parameter_subclasses(subclassed)
+            _restore_parameter_kinds(kinds)
             target = NAME if method.__name__ != "cpu" and device is not None and device.type == NAME else None
             for slots, key, t in lazy:
                 t._t2j_device = target
@@ -265,29 +265,40 @@ def _swapping(method):
     return convert
 
 
-def _parameter_subclasses(module):
-    """The slots of ``module``'s parameters whose type is a subclass of ``nn.Parameter`` (a user's
-    ``class NoDecay(nn.Parameter)``), with that subclass. A move to or from the jax device makes
-    each parameter a new ``nn.Parameter`` (torch's ``_apply`` for tensors of another kind), which
-    a move between the CPU and CUDA, done in place, does not: `_restore_parameter_subclasses`."""
-    from .tensor import _USER_CLASSES
+def _parameter_kinds(module):
+    """(slots, key, type, attributes) of each of ``module``'s parameters: its type where that is a
+    subclass of ``nn.Parameter`` (a user's ``class NoDecay(nn.Parameter)``, else None) and the
+    attributes a program set on it (``p.no_decay = True``). A move to or from the jax device swaps
+    each parameter for a new ``nn.Parameter`` (torch's ``_apply`` for tensors of another kind),
+    which has neither, where a move between the CPU and CUDA (``param.data = ...``) keeps both:
+    `_restore_parameter_kinds`."""
+    from .tensor import _USER_CLASSES, user_attributes
 
     found = []
     for m in module.modules():
         for key, p in m._parameters.items():
+            if p is None:
+                continue
             cls = _USER_CLASSES.get(type(p), type(p))
-            if cls is not torch.nn.Parameter and issubclass(cls, torch.nn.Parameter):
-                found.append((m._parameters, key, cls))
+            subclass = cls if cls is not torch.nn.Parameter and issubclass(cls, torch.nn.Parameter) else None
+            attributes = user_attributes(p)
+            if subclass is not None or attributes:
+                found.append((m._parameters, key, subclass, attributes))
     return found
 
 
-def _restore_parameter_subclasses(found):
+def _restore_parameter_kinds(found):
     from .tensor import on_jax_device
 
-    for params, key, cls in found:
+    for params, key, cls, attributes in found:
         p = params[key]
-        if p is not None and not isinstance(p, cls):
+        if p is None:
+            continue
+        if cls is not None and not isinstance(p, cls):
             p.__class__ = on_jax_device(cls) if p.device.type == NAME else cls
+        for name, value in attributes.items():
+            if name not in p.__dict__:
+                setattr(p, name, value)
 
 
 def _parameter_subclass_kept(original):
