@@ -1479,6 +1479,36 @@ def _p_parameter_attributes_pick_optimizer_groups(device, wrap):
     return losses, [len(g["params"]) for g in groups], trained, m[0].bias.no_decay
 
 
+def _p_parameter_hooks_registered_before_the_move(device, wrap):
+    """Gradient hooks registered on parameters while the model is still on the CPU (a gradient
+    scale, a post-accumulate clamp), then the model moved to the device: every backward runs
+    them, and the handle of one removes it after two steps."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    def clamp(p):
+        p.grad.clamp_(-0.05, 0.05)
+
+    scale = m[0].weight.register_hook(lambda g: g * 0.25)
+    m[2].weight.register_post_accumulate_grad_hook(clamp)
+    m.to(device)
+    opt = O.SGD(m.parameters(), lr=0.5)
+
+    def step(x):
+        opt.zero_grad()
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss, m[0].weight.grad.clone(), m[2].weight.grad.clone()
+
+    step = wrap(step)
+    out = []
+    for i in range(4):
+        if i == 2:
+            scale.remove()
+        out.append(step(_randn(5, 4, seed=i, device=device)))
+    return out, [p.detach() for p in m.parameters()]
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
@@ -1495,7 +1525,7 @@ JITTABLE = {
     "label_smoothing_ignore_index_and_weights", "gaussian_process_marginal_likelihood", "sinkhorn_optimal_transport",
     "ctc_training_with_lengths_on_the_cpu", "multilabel_margin_and_grid_sample_grads",
     "antialias_resize_and_volumetric_grid_sample", "parameter_subclass_groups_weight_decay",
-    "parameter_attributes_pick_optimizer_groups",
+    "parameter_attributes_pick_optimizer_groups", "parameter_hooks_registered_before_the_move",
 }
 TOL = {
     "func_maml_second_order": dict(atol=1e-4, rtol=1e-4),  # second derivatives summed in another order
@@ -1515,6 +1545,7 @@ FAST = {
     ("embedding_bag_modes_and_gradients", False),
     ("antialias_resize_and_volumetric_grid_sample", True), ("fractional_max_pool_layers", False),
     ("parameter_subclass_groups_weight_decay", False), ("parameter_attributes_pick_optimizer_groups", False),
+    ("parameter_hooks_registered_before_the_move", False),
 }
 XFAIL = {}
 

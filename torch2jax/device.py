@@ -266,11 +266,12 @@ def _swapping(method):
 
 
 def _parameter_kinds(module):
-    """(slots, key, type, attributes) of each of ``module``'s parameters: its type where that is a
-    subclass of ``nn.Parameter`` (a user's ``class NoDecay(nn.Parameter)``, else None) and the
-    attributes a program set on it (``p.no_decay = True``). A move to or from the jax device swaps
-    each parameter for a new ``nn.Parameter`` (torch's ``_apply`` for tensors of another kind),
-    which has neither, where a move between the CPU and CUDA (``param.data = ...``) keeps both:
+    """(slots, key, type, attributes, hooks) of each of ``module``'s parameters: its type where that
+    is a subclass of ``nn.Parameter`` (a user's ``class NoDecay(nn.Parameter)``, else None), the
+    attributes a program set on it (``p.no_decay = True``) and its gradient hooks (``register_hook``,
+    ``register_post_accumulate_grad_hook``). A move to or from the jax device swaps each parameter
+    for a new ``nn.Parameter`` (torch's ``_apply`` for tensors of another kind), which has none of
+    them, where a move between the CPU and CUDA (``param.data = ...``) keeps them all:
     `_restore_parameter_kinds`."""
     from .tensor import _USER_CLASSES, user_attributes
 
@@ -282,15 +283,16 @@ def _parameter_kinds(module):
             cls = _USER_CLASSES.get(type(p), type(p))
             subclass = cls if cls is not torch.nn.Parameter and issubclass(cls, torch.nn.Parameter) else None
             attributes = user_attributes(p)
-            if subclass is not None or attributes:
-                found.append((m._parameters, key, subclass, attributes))
+            hooks = p._backward_hooks, p._post_accumulate_grad_hooks
+            if subclass is not None or attributes or hooks != (None, None):
+                found.append((m._parameters, key, subclass, attributes, hooks))
     return found
 
 
 def _restore_parameter_kinds(found):
     from .tensor import on_jax_device
 
-    for params, key, cls, attributes in found:
+    for params, key, cls, attributes, (hooks, post_hooks) in found:
         p = params[key]
         if p is None:
             continue
@@ -299,6 +301,12 @@ def _restore_parameter_kinds(found):
         for name, value in attributes.items():
             if name not in p.__dict__:
                 setattr(p, name, value)
+        # set again even where the Python object still shows them: the swap moved their registration
+        # with the tensor's autograd data; the same dicts, so that the handles returned remove them
+        if hooks is not None:
+            p._backward_hooks = hooks
+        if post_hooks is not None:
+            p._post_accumulate_grad_hooks = post_hooks
 
 
 def _parameter_subclass_kept(original):
