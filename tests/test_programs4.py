@@ -1509,6 +1509,47 @@ def _p_parameter_hooks_registered_before_the_move(device, wrap):
     return out, [p.detach() for p in m.parameters()]
 
 
+class _Tagged(nn.Parameter):
+    """A parameter type with its own ``__new__`` over ``torch.Tensor._make_subclass`` and a
+    piece of metadata, as quantization libraries write theirs."""
+
+    def __new__(cls, data, requires_grad=True, group=0):
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self.group = group
+        return self
+
+
+def _p_parameter_subclass_own_new_make_subclass(device, wrap):
+    """``_Tagged`` parameters made from tensors on the device share their values, keep their type
+    and metadata, and their metadata picks the learning rate of their optimizer group; then
+    per-sample gradients of the first layer."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).to(device)
+    base = m[0].weight.detach()
+    m[0].weight = _Tagged(base, group=1)
+    m[2].bias = _Tagged(m[2].bias.detach(), group=2)
+    shares = m[0].weight.data_ptr() == base.data_ptr()
+    params = list(m.parameters())
+    opt = O.SGD([{"params": [p for p in params if getattr(p, "group", 0) == k], "lr": 0.1 * (k + 1)}
+                 for k in range(3)], momentum=0.5)
+
+    def step(x):
+        opt.zero_grad()
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = wrap(step)
+    losses = [step(_randn(5, 4, seed=i, device=device)) for i in range(3)]
+    kinds = [(isinstance(p, _Tagged), getattr(p, "group", None), p.requires_grad) for p in params]
+    # torch's per-sample gradients wrap each weight in a tensor type of theirs the same way
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    call_for_per_sample_grads(m[0])(_randn(3, 4, seed=9, device=device)).pow(2).sum().backward()
+    return losses, kinds, shares, [p.detach() for p in params], m[0].weight.grad_sample
+
+
 PROGRAMS = {name[3:]: fn for name, fn in dict(globals()).items() if name.startswith("_p_")}
 # programs whose inner function is meant for t2j.jit (a train step or a pure function)
 JITTABLE = {
@@ -1526,6 +1567,7 @@ JITTABLE = {
     "ctc_training_with_lengths_on_the_cpu", "multilabel_margin_and_grid_sample_grads",
     "antialias_resize_and_volumetric_grid_sample", "parameter_subclass_groups_weight_decay",
     "parameter_attributes_pick_optimizer_groups", "parameter_hooks_registered_before_the_move",
+    "parameter_subclass_own_new_make_subclass",
 }
 TOL = {
     "func_maml_second_order": dict(atol=1e-4, rtol=1e-4),  # second derivatives summed in another order
@@ -1545,7 +1587,7 @@ FAST = {
     ("embedding_bag_modes_and_gradients", False),
     ("antialias_resize_and_volumetric_grid_sample", True), ("fractional_max_pool_layers", False),
     ("parameter_subclass_groups_weight_decay", False), ("parameter_attributes_pick_optimizer_groups", False),
-    ("parameter_hooks_registered_before_the_move", False),
+    ("parameter_hooks_registered_before_the_move", False), ("parameter_subclass_own_new_make_subclass", False),
 }
 XFAIL = {}
 

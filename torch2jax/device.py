@@ -327,6 +327,27 @@ def _parameter_subclass_kept(original):
     return staticmethod(__new__)
 
 
+def _make_subclass_of_jax_tensors(original):
+    """``torch.Tensor._make_subclass(cls, data, requires_grad)`` of a jax tensor ``data``: a
+    ``cls`` sharing its values, as for a CPU or CUDA tensor (a ``Parameter`` subclass's own
+    ``__new__`` calls it, as bitsandbytes' do). torch refuses it for a tensor whose Python object
+    is already of another type, as every jax tensor's is."""
+
+    @functools.wraps(original)
+    def _make_subclass(cls, data, require_grad=False, **kwargs):
+        from .tensor import Tensor, on_jax_device
+
+        if not isinstance(data, Tensor) or kwargs:
+            return original(cls, data, require_grad, **kwargs)
+        out = data.detach().requires_grad_(require_grad)  # (before cls's __torch_function__ sees it)
+        out.__class__ = on_jax_device(cls)
+        if issubclass(cls, torch.nn.Parameter):
+            out._is_param = True
+        return out
+
+    return staticmethod(_make_subclass)
+
+
 def _converted_without_swapping(method, module, args, kwargs):
     """``method(module, ...)`` giving the parameters that cannot be swapped in place new
     Parameter objects, as torch does for a move its ``.data =`` cannot make: an autograd graph
@@ -458,6 +479,7 @@ def register() -> None:
     torch.nn.Module.to = _swapping(torch.nn.Module.to)
     torch.nn.Module.cpu = _swapping(torch.nn.Module.cpu)
     torch.nn.Parameter.__new__ = _parameter_subclass_kept(torch.nn.Parameter.__new__)
+    torch.Tensor._make_subclass = _make_subclass_of_jax_tensors(torch.Tensor._make_subclass)
     mixin = torch.nn.parameter.UninitializedTensorMixin
     mixin.materialize = _materialize(mixin.materialize)
     for cls in (torch.nn.UninitializedParameter, torch.nn.UninitializedBuffer):
