@@ -123,6 +123,17 @@ CASES = {
         *(_x(1, 2, 5, 8)(d) for _ in range(3)), attn_mask=_x(5, 5)(d).requires_grad_(), is_causal=True),
     "sdpa causal and mask, 3-d": lambda d: F.scaled_dot_product_attention(
         *(_x(2, 5, 8)(d) for _ in range(3)), attn_mask=_x(5, 5)(d), is_causal=True),
+    "sdpa key of another dtype": lambda d: F.scaled_dot_product_attention(
+        _x(1, 2, 3, 4)(d), _x(1, 2, 5, 4)(d).double(), _x(1, 2, 5, 4)(d)),
+    "sdpa 1-d query": lambda d: F.scaled_dot_product_attention(_x(4)(d), _x(5, 4)(d), _x(5, 4)(d)),
+    "sdpa long mask": lambda d: F.scaled_dot_product_attention(
+        *(_x(1, 2, 3, 4)(d) for _ in range(3)), attn_mask=torch.ones(3, 3, dtype=torch.long, device=d)),
+    "sdpa integers": lambda d: F.scaled_dot_product_attention(
+        *(torch.ones(1, 2, 3, 4, dtype=torch.int32, device=d) for _ in range(3))),
+    "sdpa complex": lambda d: F.scaled_dot_product_attention(
+        *(_x(1, 2, 3, 4)(d).to(torch.complex64) for _ in range(3))),
+    "sdpa mask of another length": lambda d: F.scaled_dot_product_attention(
+        _x(1, 2, 3, 4)(d), _x(1, 2, 5, 4)(d), _x(1, 2, 5, 4)(d), attn_mask=_x(1, 1, 4, 5)(d)),
 }
 
 

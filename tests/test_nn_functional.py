@@ -254,3 +254,14 @@ def test_batch_norm_lays_its_result_out_as_the_cpu_kernel(shape, layout, trainin
     got = copy.deepcopy(module).to("jax")(x.to("jax"))
     assert got.stride() == expected.stride()
     torch.testing.assert_close(got.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("k", "v", "message"), [
+    ((1, 2, 5, 6), (1, 2, 5, 4), "query [1, 2, 3, 4] and key [1, 2, 5, 6] must have the same last dimension"),
+    ((1, 2, 5, 4), (1, 2, 6, 4), "key [1, 2, 5, 4] and value [1, 2, 6, 4] must have the same length"),
+])
+def test_scaled_dot_product_attention_refuses_sizes_that_do_not_fit(k, v, message):
+    # (torch's CPU kernel gives a bmm message for the first and reads past the value for the second)
+    with t2j.env(), pytest.raises(RuntimeError, match=re.escape(message)):
+        F.scaled_dot_product_attention(torch.ones(1, 2, 3, 4, device="jax"), torch.ones(k, device="jax"),
+                                       torch.ones(v, device="jax"))

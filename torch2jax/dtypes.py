@@ -223,3 +223,21 @@ def can_cast(src, dst) -> bool:
     if cs != _BOOL and cd == _BOOL:
         return False
     return True
+
+
+# torch's C++ names of its element types, which its error messages print ("long int", "c10::Half")
+_C_TYPE_NAMES = {torch.uint8: "unsigned char", torch.int8: "signed char", torch.int16: "short int",
+                 torch.int32: "int", torch.int64: "long int", torch.bool: "bool", torch.float16: "c10::Half",
+                 torch.bfloat16: "c10::BFloat16", torch.float32: "float", torch.float64: "double",
+                 torch.complex32: "c10::complex<c10::Half>", torch.complex64: "c10::complex<float>",
+                 torch.complex128: "c10::complex<double>"}
+
+
+def c_type_name(dtype) -> str:
+    """The name torch's C++ errors give ``dtype`` (a torch or NumPy dtype).
+
+    >>> c_type_name(torch.int64)
+    'long int'
+    """
+    t = dtype if isinstance(dtype, torch.dtype) else to_torch(dtype)
+    return _C_TYPE_NAMES.get(t, str(t).removeprefix("torch."))

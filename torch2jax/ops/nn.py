@@ -23,8 +23,8 @@ from .. import env as _env
 from ..dispatch import OpError, TorchRuntimeError, TorchValueError
 from .indexing import raise_as_torch, stand_in
 from .linalg import _acc_dtype, _precision
-from .registry import (HALF_DTYPES, canonical_dim, check_values, checked_scalar, decomposition, refused_dtypes,
-                       register, scalar_type_name, torch_slopes, true_divide)
+from .registry import (HALF_DTYPES, broadcast_shapes, canonical_dim, check_values, checked_scalar, decomposition,
+                       refused_dtypes, register, scalar_type_name, torch_slopes, true_divide)
 from .shape import is_traced
 from .sparse import _warn_dense
 
@@ -1488,9 +1488,40 @@ def _math_path(q, k, v) -> bool:
         torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v))
 
 
+def _check_attention_inputs(q, k, v, attn_mask):
+    """torch's checks of scaled_dot_product_attention's arguments, with its messages, then
+    the sizes its kernels assume: the query's and key's feature sizes (the scores are their
+    dot products) and the key's and value's lengths (torch's CPU kernels read past a shorter
+    value)."""
+    if not q.dtype == k.dtype == v.dtype:
+        raise RuntimeError(f"Expected query, key, and value to have the same dtype, but got query.dtype: "
+                           f"{_dt.c_type_name(q.dtype)} key.dtype: {_dt.c_type_name(k.dtype)} and value.dtype: "
+                           f"{_dt.c_type_name(v.dtype)} instead.")
+    if min(q.dim(), k.dim(), v.dim()) < 2:
+        raise RuntimeError(f"Expected query, key, and value to all be  at least 2 dimensional, but got query.dim: "
+                           f"{q.dim()} key.dim: {k.dim()} and value.dim: {v.dim()} instead.")
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        raise RuntimeError(f"Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+                           f"attn_mask.dtype: {_dt.c_type_name(attn_mask.dtype)} and  query.dtype: "
+                           f"{_dt.c_type_name(q.dtype)} instead.")
+    if not (q.dtype.is_floating_point or q.dtype.is_complex):
+        raise RuntimeError(f"expected scalar type Float but found {scalar_type_name(q.dtype)}")
+    if q.dtype.is_complex:
+        raise NotImplementedError(f'"softmax_lastdim_kernel_impl" not implemented for \'{scalar_type_name(q.dtype)}\'')
+    if q.shape[-1] != k.shape[-1]:
+        raise RuntimeError(f"scaled_dot_product_attention: query {list(q.shape)} and key {list(k.shape)} must have "
+                           "the same last dimension (the attention scores are their dot products)")
+    if k.shape[-2] != v.shape[-2]:
+        raise RuntimeError(f"scaled_dot_product_attention: key {list(k.shape)} and value {list(v.shape)} must have "
+                           "the same length (dimension -2): each value row belongs to one key")
+    if attn_mask is not None:  # (the scores' shape, with TensorIterator's message)
+        broadcast_shapes((*q.shape[:-1], k.shape[-2]), tuple(attn_mask.shape))
+
+
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """The AutogradPrivateUse1 kernel of aten::scaled_dot_product_attention."""
+    _check_attention_inputs(q, k, v, attn_mask)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         # (True: attend) an additive mask, as torch makes one before either path
         attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device),

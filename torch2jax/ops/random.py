@@ -57,19 +57,6 @@ def _require_float(kernel, dtype, complex_ok=True):
         raise _unsupported(kernel, dtype)
 
 
-# torch's C++ names of its element types, which some of its sampling errors print
-_C_TYPE_NAMES = {torch.uint8: "unsigned char", torch.int8: "signed char", torch.int16: "short int",
-                 torch.int32: "int", torch.int64: "long int", torch.bool: "bool", torch.float16: "c10::Half",
-                 torch.bfloat16: "c10::BFloat16", torch.float32: "float", torch.float64: "double",
-                 torch.complex32: "c10::complex<c10::Half>", torch.complex64: "c10::complex<float>",
-                 torch.complex128: "c10::complex<double>"}
-
-
-def _c_type_name(dtype) -> str:
-    t = _dt.to_torch(dtype)
-    return _C_TYPE_NAMES.get(t, str(t).removeprefix("torch."))
-
-
 def _continuous_only(name, dtype, type_name):
     if not _dt.is_floating(dtype):
         raise RuntimeError(f"{name} distribution is a continuous probability distribution. dtype must be a "
@@ -219,7 +206,7 @@ def uniform(x, low=0.0, high=1.0, *, generator=None):
     largest = float(jnp.finfo(real).max)
     for name, v in (("from", low), ("to", high)) if known else ():
         if not -largest <= v <= largest:
-            raise RuntimeError(f"{name} is out of bounds for {_c_type_name(real)}")
+            raise RuntimeError(f"{name} is out of bounds for {_dt.c_type_name(real)}")
     if low > high:
         raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={_c(low)} > to={_c(high)}")
     if known and high - low > largest:
@@ -242,7 +229,7 @@ def exponential(x, lambd=1.0, *, generator=None):
 
 @register(aten.cauchy.default)
 def cauchy(x, median=0.0, sigma=1.0, *, generator=None):
-    _continuous_only("Cauchy", x.dtype, _c_type_name)
+    _continuous_only("Cauchy", x.dtype, _dt.c_type_name)
     if sigma <= 0:
         raise RuntimeError(f"cauchy_ expects sigma > 0.0, but found sigma={_c(sigma)}")
     u = _uniform(generator, x.shape, x.dtype)
@@ -553,13 +540,13 @@ def _check_range(low, high_inclusive, dtype):
         lowest, highest = (0, 1) if dtype == np.bool_ else (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
     for value, what in ((low, "from"), (high_inclusive, "to - 1")):
         if not lowest <= value <= highest:
-            raise RuntimeError(f"{what} is out of bounds for {_c_type_name(dtype)}")
+            raise RuntimeError(f"{what} is out of bounds for {_dt.c_type_name(dtype)}")
     if _dt.is_floating(dtype):
         digits = jnp.finfo(dtype).nmant + 1
         for value, what in ((low, "from"), (high_inclusive, "to - 1")):
             if not -(2**digits) <= value <= 2**digits:
                 warnings.warn(f"{what} is out of bounds [-(2^{digits}), 2^{digits}]. Due to precision limitations "
-                              f"{_c_type_name(dtype)} can support discrete uniform distribution only within this "
+                              f"{_dt.c_type_name(dtype)} can support discrete uniform distribution only within this "
                               "range. This warning will become an error in version 1.7 release, please fix the "
                               "code in advance")
 

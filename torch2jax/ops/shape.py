@@ -18,7 +18,6 @@ import torch
 from .. import dtypes as _dt
 from ..tensor import Tensor
 from ..dispatch import INTERNAL_OVERLAP_MESSAGE, TorchRuntimeError, _storage_numel
-from .random import _C_TYPE_NAMES
 from .registry import canonical_dim, canonical_dims, decomposition, register, view
 
 aten = torch.ops.aten
@@ -321,8 +320,8 @@ def _write_pieces(name, pieces, out, exact):
             o.copy_(piece)
             continue
         if o.dtype != piece.dtype:
-            raise RuntimeError(f"Expected out tensor to have dtype {_C_TYPE_NAMES[piece.dtype]}, but got "
-                               f"{_C_TYPE_NAMES[o.dtype]} instead")
+            raise RuntimeError(f"Expected out tensor to have dtype {_dt.c_type_name(piece.dtype)}, but got "
+                               f"{_dt.c_type_name(o.dtype)} instead")
         aten.clone.out(piece, out=o)  # (resized as out= is)
 
 
