@@ -109,6 +109,23 @@ def test_optax_state_of_named_tuples_round_trips(tmp_path):
     assert int(back[0].count) == 1 and back[0].mu["w"].tolist() == state[0].mu["w"].tolist()
 
 
+def test_jax_pytree_nodes_are_saved_through_orbax(tmp_path):
+    # a flax nnx State or an equinox module was pickled whole into the structure file: not orbax's sharded,
+    # per-process arrays, and placed on one device at load whatever the target
+    import equinox as eqx
+    from flax import nnx
+
+    state = nnx.state(nnx.Linear(64, 32, rngs=nnx.Rngs(0)))
+    layer = eqx.nn.Linear(64, 32, key=jax.random.key(0))
+    t2j.save({"nnx": state, "eqx": layer}, str(tmp_path / "c"))
+    assert os.path.getsize(tmp_path / "c" / "torch2jax_structure.pkl") < 2000  # (the arrays are orbax's)
+    back = t2j.load(str(tmp_path / "c"), {"nnx": state, "eqx": layer})
+    for name, tree in (("nnx", state), ("eqx", layer)):
+        assert jax.tree.structure(back[name]) == jax.tree.structure(tree)
+        for a, b in zip(jax.tree.leaves(back[name]), jax.tree.leaves(tree)):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_empty_tensors_complex32_and_states_without_tensors_round_trip(tmp_path):
     m = torch.nn.Linear(2, 2).to("jax")
     m.register_buffer("cache", torch.zeros(0, 3, device="jax"))

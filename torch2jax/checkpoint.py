@@ -69,7 +69,23 @@ def _split(obj, arrays, prefix):
         return {k: _split(v, arrays, f"{prefix}{k}/") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return _same_sequence(obj, [_split(v, arrays, f"{prefix}{i}/") for i, v in enumerate(obj)])
+    if obj is not None and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(obj)):
+        # a JAX pytree node (flax nnx's State, an equinox module, a registered dataclass): its arrays go to
+        # orbax as any other's (sharded, each process its shards), not into the pickled structure
+        leaves, treedef = jax.tree_util.tree_flatten(obj)
+        return _Tree(jax.tree_util.tree_unflatten(treedef, [_split(v, arrays, f"{prefix}{i}/")
+                                                            for i, v in enumerate(leaves)]))
     return obj
+
+
+class _Tree:
+    """Placeholder in the saved structure for a JAX pytree node: the node with `_Array` placeholders as leaves."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def leaves(self) -> list:
+        return jax.tree_util.tree_leaves(self.tree, is_leaf=lambda x: isinstance(x, _Array))
 
 
 def _same_sequence(like, items):
@@ -115,6 +131,11 @@ def _targets(skeleton, target, out):
     elif isinstance(skeleton, (list, tuple)) and isinstance(target, (list, tuple)):
         for s, t in zip(skeleton, target):
             _targets(s, t, out)
+    elif isinstance(skeleton, _Tree) and target is not None:
+        saved, live = skeleton.leaves(), jax.tree_util.tree_leaves(target)
+        if len(saved) == len(live):
+            for s, t in zip(saved, live):
+                _targets(s, t, out)
 
 
 def _optimizer_targets(saved, opt, out):
@@ -159,6 +180,8 @@ def _join(skeleton, arrays):
         return {k: _join(v, arrays) for k, v in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):
         return _same_sequence(skeleton, [_join(v, arrays) for v in skeleton])
+    if isinstance(skeleton, _Tree):
+        return jax.tree_util.tree_map(lambda v: _join(v, arrays), skeleton.tree, is_leaf=lambda x: isinstance(x, _Array))
     return skeleton
 
 
