@@ -238,7 +238,8 @@ def _score(out):
     return logits.pow(2).mean()
 
 
-@pytest.mark.parametrize("name", ["roberta", pytest.param("distilbert", marks=pytest.mark.slow), "vit", "llava",
+@pytest.mark.parametrize("name", [pytest.param("roberta", marks=pytest.mark.slow),
+                                  pytest.param("distilbert", marks=pytest.mark.slow), "vit", "llava",
                                   pytest.param("clip", marks=pytest.mark.slow),
                                   pytest.param("whisper", marks=pytest.mark.slow)])
 def test_encoders_and_multimodal_jitted_training_matches_torch(name):
