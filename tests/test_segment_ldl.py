@@ -75,11 +75,11 @@ def _assert_same(actual, expected, dtype):
     torch.testing.assert_close(actual.cpu(), expected, atol=tol, rtol=tol, equal_nan=True)
 
 
-# (the offsets form of each reduction, float64, and mean and prod run with the slow set: CI time)
+# (the offsets form of each reduction, float64, and min, mean and prod run with the slow set: CI time)
 @pytest.mark.parametrize("form", ["lengths", pytest.param("offsets", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, pytest.param(torch.float64, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("reduce", ["sum", "max", pytest.param("min", marks=pytest.mark.slow)] + [pytest.param(r, marks=pytest.mark.slow)
-                                                           for r in ("mean", "prod")])
+@pytest.mark.parametrize("reduce", ["sum", "max"] + [pytest.param(r, marks=pytest.mark.slow)
+                                                     for r in ("min", "mean", "prod")])
 def test_segment_reduce_values_and_grads_match_torch(reduce, dtype, form):
     for i, (shape, lengths, unsafe) in enumerate(SEGMENT_CASES):
         for initial in (None, 2, -0.5):
