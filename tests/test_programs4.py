@@ -1413,6 +1413,20 @@ def _p_fractional_max_pool_layers(device, wrap):
     return out, idx, grad, vout, vidx, consistent
 
 
+def _square_loss_steps(m, opt, wrap, device, scale=None):
+    """The losses of three ``wrap``ped steps of ``opt`` on the mean square of ``m``'s output (times ``scale``)."""
+    def step(x):
+        opt.zero_grad()
+        out = m(x) if scale is None else m(x) * scale
+        loss = out.pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = wrap(step)
+    return [step(_randn(5, 4, seed=i, device=device)) for i in range(3)]
+
+
 class _NoDecay(nn.Parameter):
     """A parameter type that an optimizer setup leaves out of weight decay."""
 
@@ -1435,15 +1449,7 @@ def _p_parameter_subclass_groups_weight_decay(device, wrap):
     opt = O.AdamW([{"params": [p for p in params if not isinstance(p, _NoDecay)], "weight_decay": 0.5},
                    {"params": no_decay, "weight_decay": 0.0}], lr=0.1)
 
-    def step(x):
-        opt.zero_grad()
-        loss = (m(x) * scale).pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
-    step = wrap(step)
-    losses = [step(_randn(5, 4, seed=i, device=device)) for i in range(3)]
+    losses = _square_loss_steps(m, opt, wrap, device, scale)
     copied = [isinstance(p, _NoDecay) for p in copy.deepcopy(m).parameters()]
     return losses, len(no_decay), [p.detach() for p in params], copied, isinstance(scale * 2, nn.Parameter)
 
@@ -1465,15 +1471,7 @@ def _p_parameter_attributes_pick_optimizer_groups(device, wrap):
               {"params": [p for p in params if hasattr(p, "lr_scale")], "lr": 0.1 * m[2].weight.lr_scale}]
     opt = O.AdamW(groups, lr=0.1, weight_decay=0.5)
 
-    def step(x):
-        opt.zero_grad()
-        loss = m(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
-    step = wrap(step)
-    losses = [step(_randn(5, 4, seed=i, device=device)) for i in range(3)]
+    losses = _square_loss_steps(m, opt, wrap, device)
     trained = [p.detach().clone() for p in params]
     m.cpu()
     return losses, [len(g["params"]) for g in groups], trained, m[0].bias.no_decay
@@ -1533,15 +1531,7 @@ def _p_parameter_subclass_own_new_make_subclass(device, wrap):
     opt = O.SGD([{"params": [p for p in params if getattr(p, "group", 0) == k], "lr": 0.1 * (k + 1)}
                  for k in range(3)], momentum=0.5)
 
-    def step(x):
-        opt.zero_grad()
-        loss = m(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
-    step = wrap(step)
-    losses = [step(_randn(5, 4, seed=i, device=device)) for i in range(3)]
+    losses = _square_loss_steps(m, opt, wrap, device)
     kinds = [(isinstance(p, _Tagged), getattr(p, "group", None), p.requires_grad) for p in params]
     # torch's per-sample gradients wrap each weight in a tensor type of theirs the same way
     from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
