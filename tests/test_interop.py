@@ -798,6 +798,26 @@ def test_jitted_function_takes_and_returns_jax_arrays_as_program_inputs_and_outp
     assert scaled(x, jnp.ones(3)).tolist() == [3.0] * 3 and scaled(x, jnp.ones(2)).tolist() == [2.0] * 3
 
 
+def test_jitted_function_takes_the_arrays_inside_a_jax_pytree_argument_as_inputs():
+    # a jax.tree_util dataclass argument was one leaf keyed by identity: every new batch compiled a new program
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Batch:
+        mask: jax.Array
+        x: torch.Tensor
+        scale: float = dataclasses.field(metadata=dict(static=True), default=2.0)
+
+    w = torch.randn(4, device="jax")
+    f = t2j.jit(lambda b, bias=None: (b.x * w * t2j.torch_view(b.mask)).sum() * b.scale)
+    for i in range(3):
+        b = Batch(jnp.arange(4.0) + i, torch.full((4,), float(i), device="jax"))
+        torch.testing.assert_close(f(b, None).cpu(), (b.x.cpu() * w.cpu() * torch.arange(4.0).add(i)).sum() * 2)
+    assert f.stats["traces"] == 1
+    assert torch.utils._pytree.tree_leaves([None]) == [None]  # (JAX's pytree has None as a node: torch's unchanged)
+    torch.testing.assert_close(f(Batch(jnp.ones(4), torch.ones(4, device="jax"), 3.0), None).cpu(), w.cpu().sum() * 3)
+    assert f.stats["traces"] == 2  # (a new static field: a new program)
+
+
 def test_jitted_call_on_donated_arrays_names_the_tensor():
     # XLA's "Invalid buffer passed to Execute()" named neither the tensor nor the donation
     donate = jax.jit(lambda a: a + 1, donate_argnums=0)

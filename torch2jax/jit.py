@@ -914,7 +914,7 @@ def _same_tree(a, b) -> bool:
 
 
 # the pytree nodes of a call's arguments that the function can change in place (and the dict-like
-# classes `_pytree.register_mapping_arguments` made nodes: a ``BatchEncoding``)
+# classes `_pytree.register_argument_nodes` made nodes: a ``BatchEncoding``)
 _MUTABLE_NODES = (list, dict, collections.OrderedDict, collections.defaultdict)
 
 
@@ -2926,7 +2926,7 @@ class JitFunction:
             # its ops are that program's, as torch.compile inlines a compiled function it reaches
             return self.fn(*args, **kwargs)
         self.stats["calls"] += 1
-        _pytree.register_mapping_arguments((args, kwargs))
+        _pytree.register_argument_nodes((args, kwargs))
         if self._escapes is not None:
             _renew_escaped(*self._escapes)
             self._escapes = None
@@ -3013,7 +3013,7 @@ class JitFunction:
         return self._lower(None, args, kwargs)
 
     def _lower(self, target, args, kwargs) -> jax.stages.Lowered:
-        _pytree.register_mapping_arguments((args, kwargs))
+        _pytree.register_argument_nodes((args, kwargs))
         leaves = [_to_device(x) for x in torch_pytree.tree_leaves((args, kwargs))]
         roots = _find_roots(self.fn, args, kwargs)
         before = _snapshot(_collect(leaves, roots, full=True), roots)

@@ -174,11 +174,14 @@ def _register_object_class(cls) -> None:
 _MAPPING_CLASSES: set = set()
 
 
-def register_mapping_arguments(tree, depth=0) -> None:
+def register_argument_nodes(tree, depth=0) -> None:
     """Register with torch's pytree every dict-like class among ``tree``'s containers that is not a
-    node yet: a ``collections.UserDict`` subclass or a ``dict`` subclass. Its values are its children.
+    node yet (a ``collections.UserDict`` subclass or a ``dict`` subclass: its values are its
+    children), and every class JAX's pytree knows and torch's does not (a dataclass registered with
+    ``jax.tree_util``, an equinox module: JAX's children are its children), so that `t2j.jit` takes
+    the tensors and arrays inside them as arguments of their own.
 
-    >>> register_mapping_arguments(((batch_encoding,), {}))
+    >>> register_argument_nodes(((batch_encoding,), {}))
     >>> torch.utils._pytree.tree_leaves(batch_encoding)   # its tensors
     """
     from torch.utils import _pytree as tp
@@ -189,15 +192,19 @@ def register_mapping_arguments(tree, depth=0) -> None:
         if type(tree) not in tp.SUPPORTED_NODES:
             _register_mapping_class(type(tree))
         children = tree.values()
+    elif (tree is not None and not _is_array(tree) and type(tree) not in _OBJECT_CLASSES and tp.tree_is_leaf(tree)
+          and (one_level := jax.tree_util.default_registry.flatten_one_level(tree)) is not None):
+        _register_jax_node_class(type(tree))
+        children = one_level[0]
     else:
         return
     if depth < 8:
         for child in children:
-            register_mapping_arguments(child, depth + 1)
+            register_argument_nodes(child, depth + 1)
 
 
 def is_registered_mapping(x) -> bool:
-    """Whether ``x`` is an instance of a class `register_mapping_arguments` registered."""
+    """Whether ``x`` is an instance of a dict-like class `register_argument_nodes` registered."""
     return type(x) in _MAPPING_CLASSES
 
 
@@ -253,5 +260,50 @@ def _register_mapping_class(cls) -> None:
 
     try:
         tp.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
+    except ValueError:  # registered meanwhile
+        pass
+
+
+# -- JAX's pytree nodes as arguments ---------------------------------------------------------
+
+
+class _JaxNodeContext:
+    """The static part of a JAX pytree node for torch's pytree: JAX's treedef of its first level,
+    compared as JAX compares them (its class and auxiliary data)."""
+
+    __slots__ = ("treedef",)
+
+    def __init__(self, treedef):
+        self.treedef = treedef
+
+    def __eq__(self, other):
+        return type(other) is _JaxNodeContext and self.treedef == other.treedef
+
+    def __hash__(self):  # (auxiliary data need not be hashable: JAX compares it with ==)
+        return hash(self.treedef.num_leaves)
+
+    def __repr__(self):
+        return f"_JaxNodeContext({self.treedef})"
+
+
+_JAX_NODE_CLASSES: set = set()
+
+
+def _register_jax_node_class(cls) -> None:
+    from torch.utils import _pytree as tp
+
+    if cls in _JAX_NODE_CLASSES:
+        return
+    _JAX_NODE_CLASSES.add(cls)
+
+    def flatten(obj):
+        children = jax.tree_util.default_registry.flatten_one_level(obj)[0]
+        return list(children), _JaxNodeContext(jax.tree_util.tree_structure(obj, is_leaf=lambda x: x is not obj))
+
+    def unflatten(children, context):
+        return context.treedef.unflatten(list(children))
+
+    try:
+        tp.register_pytree_node(cls, flatten, unflatten)
     except ValueError:  # registered meanwhile
         pass
