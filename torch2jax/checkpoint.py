@@ -181,7 +181,8 @@ def _join(skeleton, arrays):
     if isinstance(skeleton, (list, tuple)):
         return _same_sequence(skeleton, [_join(v, arrays) for v in skeleton])
     if isinstance(skeleton, _Tree):
-        return jax.tree_util.tree_map(lambda v: _join(v, arrays), skeleton.tree, is_leaf=lambda x: isinstance(x, _Array))
+        return jax.tree_util.tree_map(lambda v: _join(v, arrays), skeleton.tree,
+                                      is_leaf=lambda x: isinstance(x, _Array))
     return skeleton
 
 

@@ -356,7 +356,7 @@ class _JaxFunction(torch.autograd.Function):
                                      ctx.out_avals, ctx.x64)
             return (None, None, None, *[g.to(t.device, t.dtype) if _inexact(t) and reached >> i & 1 else None
                                         for i, (t, g) in enumerate(zip(ctx.inputs, got))])
-        from .jit import _batched_grads
+        from .jit import _batched_grads, _rebatched
 
         # a vmap over the backward pass (jacobian(vectorize=True), is_grads_batched=True): one VJP per
         # cotangent along the batch dimension, as jax.vmap of it
@@ -370,8 +370,7 @@ class _JaxFunction(torch.autograd.Function):
         out = [_gradient_for(t, g) if _inexact(t) and reached >> i & 1 else None
                for i, (t, g) in enumerate(zip(ctx.inputs, got))]
         if batch is not None:
-            add = torch._add_batch_dim if level[0] else torch._C._functorch._add_batch_dim
-            out = [None if t is None else add(t, 0, level[1]) for t in out]
+            out = _rebatched(out, level)
         return (None, None, None, *out)
 
     @staticmethod

@@ -3322,8 +3322,8 @@ class JitFunction:
                     value = value.as_strided(t.shape, t.stride(), t.storage_offset())
                 t.copy_(value)  # its history: the call's node, as torch's in-place op makes it
         else:
-            arrays = [_program_output(o) for o in self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves),
-                                                           donated=True)]
+            outs = self._execute(entry, slots, storages, entry.jitted, _keys(entry, leaves), donated=True)
+            arrays = [_program_output(o) for o in outs]
             if entry.spent and torch.is_grad_enabled():
                 _SpentGraph.attach(arrays, entry.spent, self.fn)
         if entry.inference:  # (outputs made under torch.inference_mode() are inference tensors)
@@ -4338,6 +4338,13 @@ def _batched_grads(grads):
     return [u if u is None or f else u.expand(size, *u.shape) for u, f in zip(out, flags)], size, (legacy, level)
 
 
+def _rebatched(grads, level):
+    """The gradients a backward computed for every cotangent of `_batched_grads` (batch dimension
+    first) as the vmap at ``level`` (its (legacy?, vmap level)) gives them back: batched tensors."""
+    add = torch._add_batch_dim if level[0] else torch._C._functorch._add_batch_dim
+    return [None if g is None else add(g, 0, level[1]) for g in grads]
+
+
 class _DifferentiableCall(torch.autograd.Function):
     """A jitted call as one node of torch's autograd graph: its inputs are the tensors
     that require grad among the call's state, its outputs the program's outputs."""
@@ -4393,8 +4400,7 @@ class _DifferentiableCall(torch.autograd.Function):
             out = [new_tensor(through(chain, g)) if reached >> i & 1 else None
                    for g, chain, (i, _) in zip(ctx.call.backward(grads, batch), ctx.call.chains, call.entry.diff)]
             if batch is not None:
-                add = torch._add_batch_dim if level[0] else torch._C._functorch._add_batch_dim
-                out = [None if t is None else add(t, 0, level[1]) for t in out]
+                out = _rebatched(out, level)
         return (None, *_gradcut.once_differentiable("t2j.jit", out, (*ctx.inputs, *grads)))
 
 

@@ -192,10 +192,11 @@ def register_argument_nodes(tree, depth=0) -> None:
         if type(tree) not in tp.SUPPORTED_NODES:
             _register_mapping_class(type(tree))
         children = tree.values()
-    elif (tree is not None and not _is_array(tree) and type(tree) not in _OBJECT_CLASSES and tp.tree_is_leaf(tree)
-          and (one_level := jax.tree_util.default_registry.flatten_one_level(tree)) is not None):
+    elif type(tree) in _JAX_NODE_CLASSES or (
+            tree is not None and not _is_array(tree) and type(tree) not in _OBJECT_CLASSES and tp.tree_is_leaf(tree)
+            and jax.tree_util.default_registry.flatten_one_level(tree) is not None):
         _register_jax_node_class(type(tree))
-        children = one_level[0]
+        children = jax.tree_util.default_registry.flatten_one_level(tree)[0]
     else:
         return
     if depth < 8:
