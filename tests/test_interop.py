@@ -141,7 +141,7 @@ def test_call_jax_inputs_no_output_reaches_get_no_gradient():
     # as torch's graph with no path: None, not zeros (AdamW then leaves the parameter alone)
     w, unused, other = (torch.randn(3, device="jax", requires_grad=True) for _ in range(3))
     loss, aux = t2j.call_jax(lambda a, b, c: (jnp.sum(jnp.sin(a)), jnp.sum(c * 2)), w, unused, other)
-    loss.backward()
+    loss.backward(retain_graph=True)  # (one node of torch's graph for both outputs, as a torch op's)
     assert w.grad is not None and unused.grad is None and other.grad is None
     aux.backward()
     torch.testing.assert_close(other.grad.cpu(), torch.full((3,), 2.0))
@@ -150,6 +150,21 @@ def test_call_jax_inputs_no_output_reaches_get_no_gradient():
     before = unused.detach().clone()
     opt.step()
     torch.testing.assert_close(unused.detach(), before)
+
+
+def test_call_jax_second_backward_without_retain_graph_raises_as_torch():
+    x = torch.randn(3, device="jax", requires_grad=True)
+    y = t2j.call_jax(jnp.sin, x)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), 2 * x.detach().cpu().cos())
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()
+    # the node's inputs are not saved: JAX holds their values, so writing to one later is no error
+    z = t2j.call_jax(jnp.sin, x)
+    with torch.no_grad():
+        x.add_(1)
+    z.sum().backward()
 
 
 def test_call_jax_on_cpu_tensors_gives_cpu_tensors():

@@ -341,6 +341,10 @@ class _JaxFunction(torch.autograd.Function):
         call, x64, saved, *tensors = inputs
         ctx.call, ctx.x64, ctx.inputs, ctx.vjp, ctx.arrays = call, x64, tensors, saved.vjp, saved.arrays
         ctx.reaches = saved.reaches
+        # a tensor of its own that torch frees after a backward without retain_graph, as it frees an op's
+        # saved tensors: a second backward through this node then raises torch's error (the inputs
+        # themselves are not saved: JAX holds their values, so a later in-place write to one is harmless)
+        ctx.save_for_backward(torch.empty(0))
         ctx.set_materialize_grads(False)  # (an output the backward does not reach gives its inputs no gradient)
         # (under torch.func.vmap the forward ran as the vmap rule's: no VJP was saved here)
         ctx.out_avals = [jax.ShapeDtypeStruct(tuple(o.shape), o.dtype if _is_key(o) else _dt.to_jax(o.dtype))
@@ -348,6 +352,7 @@ class _JaxFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        ctx.saved_tensors  # raises torch's error on a second backward through a freed graph
         # (inputs none of the given gradients' outputs depends on get None, as with no path in torch's graph)
         reached = -1 if ctx.reaches is None else functools.reduce(
             operator.or_, (r for r, g in zip(ctx.reaches, grads) if g is not None), 0)
