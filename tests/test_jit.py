@@ -12,6 +12,7 @@ import itertools
 import math
 import types
 import sys
+import threading
 import warnings
 import weakref
 
@@ -4393,3 +4394,53 @@ def test_a_setting_read_from_a_users_own_module_is_guarded(tmp_path, monkeypatch
         cfg.SCALE = scale
         assert f(x).tolist() == [scale + 1] * 2 and h(x).tolist() == [scale] * 2
     assert f.stats["traces"] == 2
+
+
+def test_threads_trace_and_run_eager_ops_at_once():
+    # a trace sets state every thread's ops read (the tensors it captures, its traced RNG key): two threads
+    # tracing their own steps, and a third running eager random ops meanwhile, each get their own results
+    torch.manual_seed(0)
+    base = nn.Linear(4, 1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def train(model, lr, wrap, device):
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = wrap(step)
+        return [step(x.to(device), y.to(device)).item() for _ in range(2)]
+
+    results, errors, done = {}, [], threading.Event()
+
+    def jitted(lr):
+        try:
+            results[lr] = train(copy.deepcopy(base).to("jax"), lr, t2j.jit, "jax")
+        except Exception as e:  # (raised in the test's thread below)
+            errors.append(e)
+
+    def eager():
+        try:
+            a = torch.randn(8, 8, device="jax")
+            while not done.is_set():
+                b = torch.randn(8, 8, device="jax")
+                torch.testing.assert_close((a @ b).relu().cpu(), (a.cpu() @ b.cpu()).relu())
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=jitted, args=(lr,)) for lr in (0.01, 0.02)]
+    side = threading.Thread(target=eager)
+    for t in [side, *threads]:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    side.join()
+    assert not errors, errors
+    for lr in (0.01, 0.02):
+        assert results[lr] == pytest.approx(train(copy.deepcopy(base), lr, lambda f: f, "cpu"), rel=1e-5)

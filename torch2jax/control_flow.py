@@ -207,6 +207,8 @@ class _Installed:
         self.state, self.arrays = state, arrays
 
     def __enter__(self):
+        self.block = _tensor.traced_block()
+        self.block.__enter__()
         self.saved = [(st, st.array) for st in self.state.storages]
         for st, a in zip(self.state.storages, self.arrays):
             st.array = a
@@ -223,6 +225,7 @@ class _Installed:
         for st, a in self.saved:
             st.array = a
             st.version += 1
+        self.block.__exit__(*exc)
         self.capture.restore()
         if exc[0] is None and self.capture.unknown:
             raise _Retrace(list(self.capture.unknown.values()))

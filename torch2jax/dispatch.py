@@ -126,6 +126,9 @@ _log_depth = 0
 
 def dispatch(func, args, kwargs):
     """Run ATen op ``func`` on torch2jax tensors and return torch2jax tensors."""
+    if _tensor.TRACING is not None and _tensor.TRACING != _get_ident():
+        with _tensor.TRACE_LOCK:  # (another thread is tracing: run once it is done, `traced_block`)
+            return dispatch(func, args, kwargs)
     entry = _BY_ID.get(id(func))
     handler = entry[1] if entry is not None and entry[0] is func else _resolve(func)
     if _coverage_log is not None:
@@ -1270,6 +1273,7 @@ _matmul_precision = torch._C._get_float32_matmul_precision
 
 
 _grad_enabled = torch.is_grad_enabled
+_get_ident = threading.get_ident
 
 
 def _eager():

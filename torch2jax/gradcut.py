@@ -205,11 +205,14 @@ class Reads:
         self.tensor, self.known, self.found = _tensor, set(known), {}
 
     def __enter__(self):
+        self.block = self.tensor.traced_block()
+        self.block.__enter__()
         self.outer, self.tensor.CAPTURE = self.tensor.CAPTURE, self
         return self
 
     def __exit__(self, *exc):
         self.tensor.CAPTURE = self.outer
+        self.block.__exit__(*exc)
 
     def created(self, storage):
         self.known.add(id(storage))

@@ -419,8 +419,9 @@ def call_jax(jax_fn, *args, **kwargs):
     >>> loss = t2j.call_jax(lambda v: jnp.sum(jnp.sin(v) ** 2), w)
     >>> loss.backward()                       # w.grad from jax.vjp
     """
-    out = _call_jax(jax_fn, args, kwargs, _jax_config.enable_x64.get_global())
-    tensors = [x for x in _flatten_arguments((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    flat = _flatten_arguments((args, kwargs))
+    out = _call_jax(jax_fn, args, kwargs, _jax_config.enable_x64.get_global(), flat=flat)
+    tensors = [x for x in flat[0] if isinstance(x, torch.Tensor)]
     if tensors and all(x.device.type == "cpu" for x in tensors):
         return torch_pytree.tree_map_only(torch.Tensor, lambda t: t.cpu(), out)
     return out
@@ -432,11 +433,12 @@ def call_jax_64(jax_fn, *args, **kwargs):
     return _call_jax(jax_fn, args, kwargs, True)
 
 
-def _call_jax(jax_fn, args, kwargs, x64, reaches=None):
+def _call_jax(jax_fn, args, kwargs, x64, reaches=None, flat=None):
     """`call_jax` with (``x64``) or without JAX's 64-bit types; torch2jax's own JAX code
     (programs traced from torch) needs them. ``reaches``: per output, the argument leaves it
-    depends on (a bit set), where known: a backward gives the others None."""
-    leaves, rebuild = _flatten_arguments((args, kwargs))
+    depends on (a bit set), where known: a backward gives the others None. ``flat``: the
+    arguments' `_flatten_arguments`, where the caller has it."""
+    leaves, rebuild = _flatten_arguments((args, kwargs)) if flat is None else flat
     # torch.func's wrapped tensors (under its grad or vmap) reach JAX only through the Function
     wrapped = any(map(_functorch_wrapped, leaves))
     grad = torch.is_grad_enabled()

@@ -3447,7 +3447,8 @@ class JitFunction:
             info["own_histories"] = _own_histories(slots.tensors)
             drawn = np.zeros((draws, _KEY_WORDS), np.uint32) if draws else None
             try:
-                with jax.enable_x64(True), _capturable(roots.optimizers, slots.lifted), _young_objects_only():
+                with _tensor.traced_block(), jax.enable_x64(True), _capturable(roots.optimizers, slots.lifted), \
+                        _young_objects_only():
                     closed = jax.make_jaxpr(pure)(inputs, hints, (_rng.key, drawn))
                 break
             except _MoreDraws as m:

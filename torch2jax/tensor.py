@@ -25,6 +25,7 @@ import inspect
 import math
 import multiprocessing.reduction
 import os
+import threading
 import weakref
 
 import jax
@@ -55,6 +56,25 @@ _dispatch_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchMode
 
 # The innermost `call_scope` running (torch code that JAX code calls), or None.
 CALL_SCOPE = None
+
+# A trace of torch code (`t2j.jit`, a control-flow body, the reads of an autograd Function's forward)
+# sets the module state above, which the ops of every thread read. So one thread traces at a time,
+# holding TRACE_LOCK in a `traced_block`, and the ops of another thread wait for it (`dispatch`):
+# none of their storages, reads or random draws lands in a trace that is not theirs.
+TRACE_LOCK = threading.RLock()
+TRACING = None  # the ident of the thread inside a `traced_block`, if any
+
+
+@contextlib.contextmanager
+def traced_block():
+    """Hold the trace state for this thread while the block runs (re-entrant)."""
+    global TRACING
+    with TRACE_LOCK:
+        outer, TRACING = TRACING, threading.get_ident()
+        try:
+            yield
+        finally:
+            TRACING = outer
 
 # Storages holding the jax-device copy of a CPU tensor that a trace indexes at a traced position
 # (`symbolic._on_device_if_host`): reads see its values, a write would miss the CPU tensor.
