@@ -658,19 +658,23 @@ def test_a_scheduler_stepping_inside_the_step_runs_after_each_program(name):
         sched = _SCHEDULERS[name](opt)
 
         def step():
+            before = sched.get_last_lr()[0]
             opt.zero_grad()
             loss = m(inputs).pow(2).mean()
             loss.backward()
             opt.step()
             sched.step(*([loss] if name == "ReduceLROnPlateau" else []))
-            return loss
+            # (read after the step: the lr it set, which a jitted call sets after its program)
+            return loss, before, opt.param_groups[0]["lr"], sched.get_last_lr()
 
         return step, opt
 
     (step, opt), (jitted, opt_j) = make_step(model, x), make_step(copy.deepcopy(model).to("jax"), x.to("jax"))
     jitted = t2j.jit(jitted, fullgraph=True)
     for _ in range(8):
-        torch.testing.assert_close(jitted().cpu(), step())
+        (loss_j, *lrs_j), (loss, *lrs) = jitted(), step()
+        torch.testing.assert_close(loss_j.cpu(), loss)
+        assert lrs_j == lrs
         assert opt_j.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     assert jitted.stats["traces"] == 2, t2j.explain_recompiles()
 

@@ -168,6 +168,7 @@ class _Roots:
 
     def __init__(self):
         self.modules, self.optimizers, self.tensors = [], [], []
+        self.schedulers = []  # LR schedulers (`_scheduler_steps_after_the_program`)
         self.cpu_tensors = []  # read at trace time: guarded by `_guard`, not carried
         # torch.Generators, and Python's and NumPy's generator objects: a trace must not draw from them on
         # the host (`GeneratorDraws`)
@@ -256,6 +257,7 @@ class _Roots:
             for o in list(obj.values())[:256]:
                 self.add(o, depth + 1, summarized)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            self.schedulers.append(obj)
             self.add(obj.optimizer, depth + 1)
         elif isinstance(obj, weakref.ref):  # an LR scheduler's wrapper of opt.step holds the optimizer so
             self.add(obj(), depth)
@@ -1320,16 +1322,18 @@ def _scheduler_classes() -> list:
 
 
 @contextlib.contextmanager
-def _scheduler_steps_after_the_program():
+def _scheduler_steps_after_the_program(schedulers=()):
     """While tracing, an LR scheduler's ``step()`` is recorded, not run: it changes Python state
     (its epoch counter, the groups' ``lr``) that a program cannot, so each call runs it on the host
     after the program (`_Entry.stores`), with the program's values of its arguments (the metric of
     ReduceLROnPlateau), and the next call reads the new ``lr`` (a program input). Yields the list of
-    (scheduler, (args, kwargs), optimizer steps before it) recorded. A scheduler step an optimizer
-    step of the same call follows would change that step's ``lr``: the call runs eagerly."""
+    (scheduler, (args, kwargs), optimizer steps before it) recorded (`_SchedulerSteps`). A scheduler
+    step an optimizer step of the same call follows would change that step's ``lr``: the call runs
+    eagerly. ``schedulers``: those whose ``get_last_lr()`` is their groups' ``lr`` when the trace
+    starts: it reads the groups' ``lr`` (program inputs), not numbers frozen into the program."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    steps, tracing, optimizer_steps = [], threading.get_ident(), [0]
+    steps, tracing, optimizer_steps = _SchedulerSteps(), threading.get_ident(), [0]
     classes = [(cls, vars(cls)["step"]) for cls in _scheduler_classes()]
 
     def deferring(original):
@@ -1338,6 +1342,7 @@ def _scheduler_steps_after_the_program():
             if threading.get_ident() != tracing or getattr(scheduler, "_is_initial", False):
                 return original(scheduler, *args, **kwargs)  # (another thread's, or its constructor's first)
             steps.append((scheduler, (args, kwargs), optimizer_steps[0]))
+            steps.stand_in_for_stepped(scheduler)
             return None
 
         return step
@@ -1349,17 +1354,74 @@ def _scheduler_steps_after_the_program():
     handle = register_optimizer_step_post_hook(count)
     for cls, original in classes:
         cls.step = deferring(original)
+    for scheduler in schedulers:
+        steps.last_lr_read_from_groups(scheduler)
     try:
         yield steps
     finally:
         handle.remove()
         for cls, original in classes:
             cls.step = original
+        steps.restore()
     if any(n < optimizer_steps[0] for _, _, n in steps):
         raise OpError(
             "t2j.jit: the function steps an LR scheduler before an optimizer step of the same call; a scheduler "
             "runs on the host after each call's program, so call scheduler.step() after the last optimizer.step() "
             "(torch's order) or outside the jitted function")
+
+
+class _SchedulerSteps(list):
+    """The scheduler steps a trace recorded (`_scheduler_steps_after_the_program`), and the stand-ins
+    for the ``lr`` values they will set. The function may read a stepped scheduler's groups' ``lr``
+    or ``get_last_lr()`` after its ``step()`` (``return loss, sched.get_last_lr()[0]``): those reads
+    see a stand-in tensor of their own, and an output that is one is the group's ``lr`` read after
+    the call's scheduler steps ran (``"lifted_after"``), not the value the program was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.after = {}  # id of a stand-in -> (stand-in, the group's lifted lr tensor it stands after)
+        self._undo = []
+
+    def last_lr_read_from_groups(self, scheduler):
+        """Make ``scheduler.get_last_lr()`` its groups' traced ``lr`` until `restore`."""
+        lrs = [group.get("lr") for group in scheduler.optimizer.param_groups]
+        if all(isinstance(lr, Tensor) for lr in lrs):
+            self._undo.append(functools.partial(setattr, scheduler, "_last_lr", scheduler._last_lr))
+            scheduler._last_lr = lrs
+
+    def stand_in_for_stepped(self, scheduler):
+        """Put stand-ins for the stepped ``lr`` in the groups of ``scheduler``'s optimizer and its ``_last_lr``."""
+        groups = scheduler.optimizer.param_groups
+        stand_ins = []
+        for group in groups:
+            lr = group.get("lr")
+            if isinstance(lr, Tensor) and id(lr) not in self.after:
+                stand_in = lr.detach().clone()
+                self.after[id(stand_in)] = (stand_in, lr)
+                self._undo.append(functools.partial(self._put_back, group, stand_in, lr))
+                group["lr"] = lr = stand_in
+            stand_ins.append(lr)
+        if all(id(lr) in self.after for lr in stand_ins):
+            self._undo.append(functools.partial(setattr, scheduler, "_last_lr", getattr(scheduler, "_last_lr", None)))
+            scheduler._last_lr = stand_ins
+
+    @staticmethod
+    def _put_back(group, stand_in, lr):
+        if group.get("lr") is stand_in:
+            group["lr"] = lr
+
+    def restore(self):
+        """Put the traced ``lr`` values and the schedulers' ``_last_lr`` back, latest first."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def _last_lr_is_groups_lr(scheduler) -> bool:
+    """Whether ``scheduler.get_last_lr()`` is the Python numbers its optimizer's groups' ``lr`` are now."""
+    last = getattr(scheduler, "_last_lr", None)
+    lrs = [group.get("lr") for group in scheduler.optimizer.param_groups]
+    return isinstance(last, list) and all(isinstance(lr, float) for lr in lrs) and last == lrs
 
 
 def _step_scheduler(scheduler, given):
@@ -2369,9 +2431,10 @@ class _Outputs:
     """What a traced call gives back, and how each call makes it again (`_output`): the
     arrays a program returns, and per output a kind (see `_Entry.out_leaves`)."""
 
-    def __init__(self, slots, storages, pre_index, arg_index, lifted_index):
+    def __init__(self, slots, storages, pre_index, arg_index, lifted_index, after=None):
         self.slots, self.storages, self.pre_index, self.arg_index = slots, storages, pre_index, arg_index
         self.lifted_index = lifted_index  # id of a tensor standing for a lifted number (a group's lr) -> its index
+        self.after = after or {}  # id of a stand-in for an lr a scheduler step sets -> (it, the lifted lr's tensor)
         self.arrays, self.grad_outs = [], []
         self.histories = []  # of those, the outputs an op made (with a grad_fn), not leaves made inside
         self.saved_results = []  # of those, the outputs their op saved for its backward (sigmoid's, exp's)
@@ -2387,7 +2450,7 @@ class _Outputs:
         """The kind of output leaf ``leaf`` at ``position``, adding its value to the program's outputs
         where it has one. A tensor returned twice is the same tensor twice; a view of an output
         classified before it (`_classification_order`), a view of it."""
-        if isinstance(leaf, Tensor):
+        if isinstance(leaf, Tensor) and id(leaf) not in self.after:  # (a stand-in is a number: no identity)
             if id(leaf) in self.leaves:
                 return "leaf", self.leaves[id(leaf)]
             view = self._view_of_output(leaf)
@@ -2489,6 +2552,8 @@ class _Outputs:
             return "arg", self.arg_index[id(leaf)]
         if id(leaf) in self.lifted_index:  # (``return opt.param_groups[0]["lr"]``: the Python number it is)
             return "lifted", self.lifted_index[id(leaf)]
+        if id(leaf) in self.after and id(lr := self.after[id(leaf)][1]) in self.lifted_index:
+            return "lifted_after", self.lifted_index[id(lr)]  # (read after ``sched.step()``: after the stores)
         if id(leaf) in self.pre_index:
             return "pre", self.pre_index[id(leaf)]
         if (view := _view_of_slot(leaf, self.slots.tensors, self.storages)) is not None:
@@ -2591,7 +2656,7 @@ def _output(kind, v, arrays, slots, leaves):
         return slots.tensors[v]
     if kind == "arg":
         return leaves[v]
-    if kind == "lifted":
+    if kind in ("lifted", "lifted_after"):
         return slots.lifted[v].current()
     if kind == "view_of_made":  # (a base returned as an array is one tensor per call: its views share it)
         (base_kind, base_v), size, stride, offset, grad_mode = v
@@ -3345,12 +3410,15 @@ class JitFunction:
             elif kind == "laid_out" and v[0] in entry.inference:
                 with torch.inference_mode():
                     result[position] = _output(kind, v, arrays, slots, leaves)
-            else:
+            elif kind != "lifted_after":  # (made after the stores, which step the schedulers)
                 result[position] = _output(kind, v, arrays, slots, leaves)
         for k, grad in entry.leaf_grads:
             arrays[k].grad = _stored_value(grad, result, arrays, slots, leaves)
         for setter, stored in entry.stores:
             setter(_stored_value(stored, result, arrays, slots, leaves))
+        for position, (kind, v) in enumerate(entry.out_leaves):
+            if kind == "lifted_after":
+                result[position] = _output(kind, v, arrays, slots, leaves)
         for p, stored in entry.post_outputs.items():
             setter, _, _, argument = entry.post[p]
             value = _stored_value(stored, result, arrays, slots, leaves)
@@ -3556,6 +3624,7 @@ class JitFunction:
             _placement.traced_shardings({id(a): (a, b.sharding) for (_, b), a in zip(saved, inputs)
                                          if _multi_device(getattr(b, "sharding", None))})
             leaves = list(leaves)
+            schedulers = [s for s in roots.schedulers if _last_lr_is_groups_lr(s)]  # (before the lr are traced)
             for site, v in zip(slots.lifted, values):
                 if isinstance(site, _ArgSite):
                     leaves[site.index] = v
@@ -3575,7 +3644,7 @@ class JitFunction:
                     _sym.traced_builtins(), _unreached_optimizers(roots), _gradient_hooks_counted() as hooks, \
                     _outside_histories_stop(), \
                     _watching_grads(not roots.grads) as grads_seen, _watching_copies(self._copies) as copies_seen, \
-                    _scheduler_steps_after_the_program() as scheduler_steps:
+                    _scheduler_steps_after_the_program(schedulers) as scheduler_steps:
                 try:
                     with _unread_lists_hidden(roots.lists_unread) as lists_read:
                         out = self.fn(*args, **kwargs)
@@ -3645,7 +3714,7 @@ class JitFunction:
             arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
             made = _Outputs(slots, storages, pre_index, arg_index, {
                 id(v): i for i, (v, a) in enumerate(zip(values, arrays))
-                if isinstance(v, Tensor) and v._t2j_storage.array is a})
+                if isinstance(v, Tensor) and v._t2j_storage.array is a}, scheduler_steps.after)
             out_order = _classification_order(out_leaves)
             kinds = [None] * len(out_leaves)
             for position in out_order:
@@ -3686,6 +3755,7 @@ class JitFunction:
             saved_slots[2].restore()  # (the tensors the trace stored hold tracers, and their histories its graph)
             outs, grad_outs, leaf = made.arrays, made.grad_outs, None
             made.release()
+            scheduler_steps.after.clear()  # (the stand-ins: not state the function made)
             del out_leaves, leaf
             post_slots = _collect(leaves, roots, full=True)
             info["creates_state"] = _creates_state(slots, post_slots)
