@@ -658,7 +658,7 @@ def test_a_scheduler_stepping_inside_the_step_runs_after_each_program(name):
         sched = _SCHEDULERS[name](opt)
 
         def step():
-            before = sched.get_last_lr()[0]
+            before = sched.get_last_lr()[0], sched.last_epoch
             opt.zero_grad()
             loss = m(inputs).pow(2).mean()
             loss.backward()

@@ -257,7 +257,9 @@ class _Roots:
             for o in list(obj.values())[:256]:
                 self.add(o, depth + 1, summarized)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            self._seen.add(id(obj))
             self.schedulers.append(obj)
+            self.objects.append(obj)  # (the attributes its code names, ``sched.last_epoch``: guarded or lifted)
             self.add(obj.optimizer, depth + 1)
         elif isinstance(obj, weakref.ref):  # an LR scheduler's wrapper of opt.step holds the optimizer so
             self.add(obj(), depth)
