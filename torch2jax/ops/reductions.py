@@ -493,6 +493,22 @@ _library.impl("cov", cov, "AutogradPrivateUse1")
 # -- norms -------------------------------------------------------------------
 
 
+def _check_empty_norm(x, ord, dim):
+    """torch's refusal of a negative or infinite norm of an empty tensor or over an empty dim (these norms
+    have no identity; JAX would give 0 or inf). ``dim`` as the caller gave it: torch names it so."""
+    if x.size != 0 or not (ord < 0 or ord == math.inf):
+        return
+    shown = f"{ord:g}" if isinstance(ord, float) else str(ord)  # as torch prints a Scalar
+    dim = (dim,) if isinstance(dim, int) else dim
+    if not dim:
+        raise RuntimeError(f"linalg.vector_norm cannot compute the {shown} norm on an empty tensor because the "
+                           "operation does not have an identity")
+    for d in dim:
+        if x.shape[d] == 0:  # (torch's message has no space before "because")
+            raise RuntimeError(f"linalg.vector_norm cannot compute the {shown} norm on the dimension {d}because this "
+                               "dimension is empty and the operation does not have an identity")
+
+
 @register(aten.linalg_vector_norm.default)
 def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     _require_float(
@@ -502,13 +518,13 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     )
     if dtype is not None:
         x = x.astype(_dt.to_jax(dtype))
+    _check_empty_norm(x, ord, dim)
     out = _real_out(x)
     axes = _axes(dim, x.ndim)
     xo = _opmath(x)
     # (|x| of a real x as sqrt(x * x) does not need; torch's abs'(0) is 0, JAX's 1)
     a = jnp.abs(xo) if _dt.is_complex(x.dtype) else float_abs(xo) if ord != 2 else xo
     if ord in (math.inf, -math.inf):
-        _require_nonempty("linalg.vector_norm", x, axes)
         r = (jnp.max if ord > 0 else jnp.min)(a, axis=axes, keepdims=keepdim)
     elif ord == 0:
         r = jnp.sum(a != 0, axis=axes, keepdims=keepdim).astype(a.dtype)
