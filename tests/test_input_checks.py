@@ -507,6 +507,16 @@ _KERNEL_DTYPE_CASES = [
           RuntimeError, "linalg.vector_norm cannot compute the inf norm on an empty tensor because the operation"),
     _case("negative norm over an empty dim", lambda d: torch.norm(torch.empty(0, 2, device=d), -2.0, dim=-2),
           RuntimeError, "cannot compute the -2 norm on the dimension -2because this dimension is empty"),
+    _case("adaptive_avg_pool2d of an empty spatial dim", lambda d: F.adaptive_avg_pool2d(torch.ones(1, 2, 0, 3, device=d), 2),
+          RuntimeError, "adaptive_avg_pool2d(): Expected input to have non-zero size for non-batch dimensions, but "
+                        "input has sizes [1, 2, 0, 3] with dimension 2 being empty"),
+    _case("adaptive_avg_pool3d of no channels", lambda d: F.adaptive_avg_pool3d(torch.ones(1, 0, 2, 2, 2, device=d), 2),
+          RuntimeError, "adaptive_avg_pool3d(): Expected input to have non-zero size for non-batch dimensions, but "
+                        "input has sizes [1, 0, 2, 2, 2] with dimension 1 being empty"),
+    _case("adaptive_avg_pool2d backward of a zero size",
+          lambda d: F.adaptive_avg_pool2d(torch.ones(1, 2, 3, 3, device=d, requires_grad=True), (0, 2)).sum().backward(),
+          RuntimeError, "adaptive_avg_pool2d_backward(): Expected grad_output to have non-zero size for non-batch "
+                        "dimensions, but grad_output has sizes [1, 2, 0, 2] with dimension 2 being empty"),
     _case("kthvalue's k out of range", lambda d: torch.ones(3, device=d).kthvalue(4), RuntimeError,
           "kthvalue(): selected number k out of range for dimension 0"),
     _case("median of bools", lambda d: _bools(d).median(), NotImplementedError,

@@ -265,3 +265,14 @@ def test_scaled_dot_product_attention_refuses_sizes_that_do_not_fit(k, v, messag
     with t2j.env(), pytest.raises(RuntimeError, match=re.escape(message)):
         F.scaled_dot_product_attention(torch.ones(1, 2, 3, 4, device="jax"), torch.ones(k, device="jax"),
                                        torch.ones(v, device="jax"))
+
+
+@pytest.mark.parametrize("pool, shape, size", [
+    (F.adaptive_avg_pool1d, (1, 2, 3), 0), (F.adaptive_max_pool2d, (2, 3, 3), (0, 2)),
+    (F.adaptive_avg_pool2d, (1, 2, 3, 3), (2, 0)), (F.adaptive_max_pool3d, (1, 2, 3, 3, 3), (1, 0, 2)),
+])
+def test_adaptive_pools_to_a_zero_size_give_torchs_empty_result(pool, shape, size):
+    expected = pool(torch.ones(shape), size)
+    for run in (pool, t2j.jit(pool)):
+        result = run(torch.ones(shape, device="jax"), size)
+        assert (result.shape, result.dtype) == (expected.shape, expected.dtype)

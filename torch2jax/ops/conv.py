@@ -515,25 +515,51 @@ refused_dtypes(aten.adaptive_max_pool2d, aten.adaptive_max_pool3d, aten._adaptiv
                aten.avg_pool2d, aten.avg_pool3d, kinds="bic")
 
 
+def _no_windows(x, output_size, n):
+    """The (empty) result of an adaptive pool of ``x`` to an ``output_size`` with a zero in it, or None:
+    torch gives one, while gathering zero windows of zero elements has no shape to reduce."""
+    if 0 not in output_size:
+        return None
+    return jnp.zeros(x.shape[:x.ndim - n] + tuple(output_size), x.dtype)
+
+
+def _check_adaptive_grad(name, grad):
+    """torch's adaptive pooling backward refuses a gradient empty past its batch dim (a pool to a size with a
+    zero, or of no channels)."""
+    for i in range(1, grad.ndim):
+        if grad.shape[i] == 0:
+            raise TorchRuntimeError(f"{name}_backward(): Expected grad_output to have non-zero size for non-batch "
+                                    f"dimensions, but grad_output has sizes {list(grad.shape)} with dimension {i} "
+                                    "being empty")
+
+
+def _adaptive_max(x, output_size, n):
+    _check_adaptive_max(x, output_size, n)
+    empty = _no_windows(x, output_size, n)
+    if empty is not None:
+        return empty, empty.astype(np.int64)
+    return _max_windows(x, _adaptive_geometry(x, output_size, n))
+
+
 @register(aten.adaptive_max_pool2d.default)
 def adaptive_max_pool2d(x, output_size):
-    _check_adaptive_max(x, output_size, 2)
-    return _max_windows(x, _adaptive_geometry(x, output_size, 2))
+    return _adaptive_max(x, output_size, 2)
 
 
 @register(aten.adaptive_max_pool3d.default)
 def adaptive_max_pool3d(x, output_size):
-    _check_adaptive_max(x, output_size, 3)
-    return _max_windows(x, _adaptive_geometry(x, output_size, 3))
+    return _adaptive_max(x, output_size, 3)
 
 
 @register(aten.adaptive_max_pool2d_backward.default)
 def adaptive_max_pool2d_backward(grad, x, indices):
+    _check_adaptive_grad("adaptive_max_pool2d", grad)
     return _scatter_indices(grad, x, indices, 2)
 
 
 @register(aten.adaptive_max_pool3d_backward.default)
 def adaptive_max_pool3d_backward(grad, x, indices):
+    _check_adaptive_grad("adaptive_max_pool3d", grad)
     return _scatter_indices(grad, x, indices, 3)
 
 
@@ -583,13 +609,31 @@ def avg_pool3d_backward(grad, x, *args):
     return _linear_backward(lambda a: _avg_pool(a, 3, *args), x.shape, x.dtype, grad)
 
 
+def _check_adaptive_avg(x, output_size, n):
+    """torch's checks of an adaptive average pool's input, in its words: the 2-d pool needs non-empty
+    spatial dims, the 3-d one every dim but the first non-empty (an empty window would average to NaN)."""
+    name = f"adaptive_avg_pool{n}d"
+    if len(output_size) != n:
+        raise TorchRuntimeError(f"{name}: output_size must be {n}")
+    if x.ndim not in (n + 1, n + 2):
+        raise TorchRuntimeError(f"{name}(): Expected {n + 1}D or {n + 2}D tensor, but got {list(x.shape)}")
+    for i in range(x.ndim - 2, x.ndim) if n == 2 else range(1, x.ndim):
+        if x.shape[i] == 0:
+            raise TorchRuntimeError(f"{name}(): Expected input to have non-zero size for non-batch dimensions, "
+                                    f"but input has sizes {list(x.shape)} with dimension {i} being empty")
+
+
 def _adaptive_avg(x, output_size, n):
+    empty = _no_windows(x, output_size, n)
+    if empty is not None:
+        return empty
     patches, valid, _ = _windows(upcast(x), _adaptive_geometry(x, output_size, n))
     return (jnp.sum(jnp.where(valid, patches, 0), axis=-1) / valid.sum(axis=-1)).astype(x.dtype)
 
 
 @register(aten._adaptive_avg_pool2d.default)
 def _adaptive_avg_pool2d(x, output_size):
+    _check_adaptive_avg(x, output_size, 2)
     return _adaptive_avg(x, output_size, 2)
 
 
@@ -613,19 +657,22 @@ def _adaptive_avg3d_half(x, output_size):
 
 @register(aten._adaptive_avg_pool3d.default)
 def _adaptive_avg_pool3d(x, output_size):
-    if x.dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)) and x.size:
+    _check_adaptive_avg(x, output_size, 3)
+    if x.dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)) and x.size and 0 not in output_size:
         return _adaptive_avg3d_half(x, output_size)
     return _adaptive_avg(x, output_size, 3)
 
 
 @register(aten._adaptive_avg_pool2d_backward.default)
 def _adaptive_avg_pool2d_backward(grad, x):
+    _check_adaptive_grad("adaptive_avg_pool2d", grad)
     size = grad.shape[-2:]
     return _linear_backward(lambda a: _adaptive_avg(a, size, 2), x.shape, x.dtype, grad)
 
 
 @register(aten._adaptive_avg_pool3d_backward.default)
 def _adaptive_avg_pool3d_backward(grad, x):
+    _check_adaptive_grad("adaptive_avg_pool3d", grad)
     size = grad.shape[-3:]
     return _linear_backward(lambda a: _adaptive_avg(a, size, 3), x.shape, x.dtype, grad)
 
