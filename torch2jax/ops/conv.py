@@ -686,6 +686,25 @@ def _src_scale(in_size, out_size, scale, align_corners=False):
     return 1.0 / scale if scale is not None and scale > 0 else in_size / out_size
 
 
+def _check_resize(x, output_size, n):
+    """torch's checks of an ``n``-d resizing's input (upsample_{n}d_common_check, then its meta function's),
+    in its words: ranks, sizes above zero, and no empty dim but the batch. The backward lowerings run the
+    forward on the input's shape, so they check as torch's do too."""
+    if len(output_size) != n:
+        raise TorchRuntimeError(f"It is expected output_size equals to {n}, but got size {len(output_size)}")
+    if x.ndim != n + 2:
+        raise TorchRuntimeError(f"It is expected input_size equals to {n + 2}, but got size {x.ndim}")
+    sizes = x.shape[2:]
+    if min(sizes) <= 0 or min(output_size) <= 0:
+        def shown(values):
+            return ", ".join(f"{a}: {v}" for a, v in zip("DHW"[3 - n:], values))
+        between = ") and output (" if n == 1 else ") output ("
+        raise TorchRuntimeError(f"Input and output sizes should be greater than 0, but got input ({shown(sizes)}"
+                                f"{between}{shown(output_size)})")
+    if x.shape[1] == 0:
+        raise TorchRuntimeError(f"Non-empty {n + 2}D data tensor expected but got a tensor with sizes {list(x.shape)}")
+
+
 def _nearest(x, output_size, scales, exact):
     n = len(output_size)
     for i, (o, sc) in enumerate(zip(output_size, scales)):
@@ -700,10 +719,11 @@ def _nearest(x, output_size, scales, exact):
 
 def _register_nearest(op, exact, n):
     def lowering(x, output_size, *scales):
+        _check_resize(x, output_size, n)
         return _nearest(x, output_size, (tuple(scales) + (None,) * n)[:n], exact)
 
     def backward(grad, output_size, input_size, *scales):
-        fwd = lambda a: _nearest(a, output_size, (tuple(scales) + (None,) * n)[:n], exact)  # noqa: E731
+        fwd = lambda a: lowering(a, output_size, *scales)  # noqa: E731
         return _linear_backward(fwd, tuple(input_size), grad.dtype, grad)
 
     register(getattr(aten, op).default)(lowering)
@@ -807,6 +827,7 @@ def _cubic_axis(x, ax, out, scale, align_corners, dtype):
 
 
 def _interpolate(axis_fn, x, output_size, align_corners, scales, rounds=True):
+    _check_resize(x, output_size, len(output_size))
     if x.dtype == np.uint8:
         raise HostFallback  # torch CPU resizes uint8 images in fixed point (its antialias kernel's)
     n = len(output_size)
@@ -874,6 +895,7 @@ def _aa_taps(size, out, scale, align_corners, support_size, kernel, ftype):
 
 
 def _aa_resize(x, output_size, align_corners, scales, support_size, kernel):
+    _check_resize(x, output_size, 2)
     if x.dtype not in (np.float32, np.float64):
         raise HostFallback  # torch computes uint8 in fixed point and refuses the other dtypes
     ftype = _opmath(x.dtype)
