@@ -525,6 +525,19 @@ _KERNEL_DTYPE_CASES = [
     _case("antialiased resize of no channels", lambda d: F.interpolate(torch.ones(1, 0, 3, 3, device=d), size=(2, 2),
                                                                        mode="bicubic", antialias=True),
           RuntimeError, "Non-empty 4D data tensor expected but got a tensor with sizes [1, 0, 3, 3]"),
+    _case("reflection pad of no channels", lambda d: F.pad(torch.ones(1, 0, 2, device=d), (1, 1), mode="reflect"),
+          RuntimeError, "Expected 2D or 3D (batch mode) tensor with possibly 0 batch size and other non-zero dimensions "
+                        "for input, but got: [1, 0, 2]"),
+    _case("replication pad of an empty dim", lambda d: F.pad(torch.ones(1, 2, 0, 2, device=d), (1, 1, 0, 0),
+                                                             mode="replicate"),
+          RuntimeError, "Expected 3D or 4D (batch mode) tensor with possibly 0 batch size and other non-zero dimensions "
+                        "for input, but got: [1, 2, 0, 2]"),
+    _case("unfold of no channels", lambda d: F.unfold(torch.ones(1, 0, 3, 3, device=d), 2), RuntimeError,
+          "Expected 3D or 4D (batch mode) tensor with possibly 0 batch size and other non-zero dimensions for input, "
+          "but got: [1, 0, 3, 3]"),
+    _case("fold of no columns", lambda d: F.fold(torch.ones(1, 4, 0, device=d), (2, 2), 2), RuntimeError,
+          "Expected 2D or 3D (batch mode) tensor for input with possibly 0 batch size and non-zero dimensions for "
+          "input, but got: [1, 4, 0]"),
     _case("kthvalue's k out of range", lambda d: torch.ones(3, device=d).kthvalue(4), RuntimeError,
           "kthvalue(): selected number k out of range for dimension 0"),
     _case("median of bools", lambda d: _bools(d).median(), NotImplementedError,

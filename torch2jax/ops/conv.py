@@ -1133,12 +1133,22 @@ def _pad(x, padding, mode):
     return x
 
 
-def _register_pad(op, mode):
+def _check_pad_input(x, n):
+    """torch's check of a reflection / replication pad's input (before the pads' own): no empty dim, but a
+    batch's first (the meta kernel words it otherwise, and JAX would pad the empty dims)."""
+    dims = x.shape[1:] if x.ndim == n + 2 else x.shape
+    if 0 in dims:
+        raise TorchRuntimeError(f"Expected {n + 1}D or {n + 2}D (batch mode) tensor with possibly 0 batch size and "
+                                f"other non-zero dimensions for input, but got: {list(x.shape)}")
+
+
+def _register_pad(op, mode, n):
     def lowering(x, padding):
+        _check_pad_input(x, n)
         return _pad(x, padding, mode)
 
     def backward(grad, x, padding):
-        return _vjp(lambda a: _pad(a, padding, mode), (x,), grad)[0]
+        return _vjp(lambda a: lowering(a, padding), (x,), grad)[0]
 
     register(getattr(aten, op).default)(lowering)
     register(getattr(aten, op + "_backward").default)(backward)
@@ -1148,8 +1158,8 @@ def _register_pad(op, mode):
 refused_dtypes(*(getattr(aten, f"{name}{n}d") for name in ("reflection_pad", "replication_pad") for n in (1, 2, 3)),
                kinds="b")
 for _n in (1, 2, 3):
-    _register_pad(f"reflection_pad{_n}d", "reflect")
-    _register_pad(f"replication_pad{_n}d", "edge")
+    _register_pad(f"reflection_pad{_n}d", "reflect", _n)
+    _register_pad(f"replication_pad{_n}d", "edge", _n)
 
 
 # -- im2col / col2im -------------------------------------------------------------------
@@ -1169,13 +1179,24 @@ def _im2col(x, kernel_size, dilation, padding, stride):
 refused_dtypes(aten.im2col, aten.col2im, kinds="i")  # (torch's CPU kernels: floating, complex and bool only)
 
 
+def _check_unbatched_or_batch(x, ranks, message):
+    """torch CPU's im2col / col2im input check: rank ``ranks[0]`` with no empty dim, or ``ranks[1]`` (batched)
+    with only the batch empty; ``message`` in the kernel's words (its meta kernel's differ)."""
+    if not ((x.ndim == ranks[0] and 0 not in x.shape) or (x.ndim == ranks[1] and 0 not in x.shape[1:])):
+        raise TorchRuntimeError(f"{message}, but got: {list(x.shape)}")
+
+
 @register(aten.im2col.default)
 def im2col(x, kernel_size, dilation, padding, stride):
+    _check_unbatched_or_batch(x, (3, 4), "Expected 3D or 4D (batch mode) tensor with possibly 0 batch size and "
+                                         "other non-zero dimensions for input")
     return _im2col(x, kernel_size, dilation, padding, stride)
 
 
 @register(aten.col2im.default)
 def col2im(x, output_size, kernel_size, dilation, padding, stride):
+    _check_unbatched_or_batch(x, (2, 3), "Expected 2D or 3D (batch mode) tensor for input with possibly 0 batch "
+                                         "size and non-zero dimensions for input")
     k = _tuple(kernel_size, 2)
     c = x.shape[-2] // (k[0] * k[1])
     shape = x.shape[:-2] + (c,) + tuple(_tuple(output_size, 2))
