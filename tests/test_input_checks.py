@@ -538,6 +538,8 @@ _KERNEL_DTYPE_CASES = [
     _case("fold of no columns", lambda d: F.fold(torch.ones(1, 4, 0, device=d), (2, 2), 2), RuntimeError,
           "Expected 2D or 3D (batch mode) tensor for input with possibly 0 batch size and non-zero dimensions for "
           "input, but got: [1, 4, 0]"),
+    _case("embedding of no rows", lambda d: F.embedding(_t([0], d), torch.ones(0, 3, device=d)), RuntimeError,
+          "index_select(): self indexing axis dim should be positive"),
     _case("kthvalue's k out of range", lambda d: torch.ones(3, device=d).kthvalue(4), RuntimeError,
           "kthvalue(): selected number k out of range for dimension 0"),
     _case("median of bools", lambda d: _bools(d).median(), NotImplementedError,

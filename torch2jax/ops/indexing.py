@@ -600,6 +600,8 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
         raise TorchRuntimeError(
             "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got "
             f"{legacy} instead (while checking arguments for embedding)")
+    if weight.shape[0] == 0 and indices.size:  # torch's embedding is an index_select of the weight's rows
+        raise TorchRuntimeError("index_select(): self indexing axis dim should be positive")
     _check_range(indices, weight.shape[0], _index_out_of_range_in_self, negative=False)
     if padding_idx < 0 and not scale_grad_by_freq:
         return jnp.take(weight, indices, axis=0)
