@@ -276,3 +276,19 @@ def test_adaptive_pools_to_a_zero_size_give_torchs_empty_result(pool, shape, siz
     for run in (pool, t2j.jit(pool)):
         result = run(torch.ones(shape, device="jax"), size)
         assert (result.shape, result.dtype) == (expected.shape, expected.dtype)
+
+
+def test_embedding_bag_max_of_no_indices_gives_empty_bags():
+    def bags(weight, device):
+        out = F.embedding_bag(torch.empty(0, dtype=torch.long, device=device), weight, torch.zeros(2, dtype=torch.long,
+                                                                                                    device=device),
+                              mode="max")
+        out.sum().backward()
+        return out
+
+    weight = torch.ones(3, 2, requires_grad=True)
+    expected = bags(weight, "cpu")
+    for run in (bags, t2j.jit(bags)):
+        w = torch.ones(3, 2, device="jax", requires_grad=True)
+        torch.testing.assert_close(run(w, "jax").cpu(), expected)
+        torch.testing.assert_close(w.grad.cpu(), weight.grad)

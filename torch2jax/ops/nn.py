@@ -1109,7 +1109,9 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
         best = jax.ops.segment_max(masked, offset2bag, bags)
         first = jax.ops.segment_min(jnp.where(masked == best[offset2bag], jnp.arange(n)[:, None], n), offset2bag, bags)
         out = jnp.where(count[:, None] > 0, best, 0)
-        max_indices = jnp.where(count[:, None] > 0, indices[jnp.minimum(first, n - 1)], 0).astype(np.int64)
+        # (no indices at all: every bag is empty, and there is no entry to read)
+        picked = indices[jnp.minimum(first, n - 1)] if n else jnp.zeros(first.shape, indices.dtype)
+        max_indices = jnp.where(count[:, None] > 0, picked, 0).astype(np.int64)
         return out.astype(weight.dtype), offset2bag, count, max_indices
     out = jax.ops.segment_sum(jnp.where(valid[:, None], rows, 0), offset2bag, bags)
     if mode == 1:
