@@ -292,3 +292,15 @@ def test_embedding_bag_max_of_no_indices_gives_empty_bags():
         w = torch.ones(3, 2, device="jax", requires_grad=True)
         torch.testing.assert_close(run(w, "jax").cpu(), expected)
         torch.testing.assert_close(w.grad.cpu(), weight.grad)
+
+
+def test_sdpa_of_empty_heads_attends_uniformly_as_torch():
+    # torch's default scale 1 / sqrt(0) is inf, which it applies to the empty queries and keys: the scores stay 0
+    results = []
+    for d in ("cpu", "jax"):
+        q = torch.ones(1, 2, 3, 0, device=d)
+        v = torch.arange(30.0, device=d).view(1, 2, 3, 5).requires_grad_()
+        out = F.scaled_dot_product_attention(q, q, v, is_causal=True)
+        out.sum().backward()
+        results.append((out.detach().cpu(), v.grad.cpu()))
+    torch.testing.assert_close(results[1], results[0])

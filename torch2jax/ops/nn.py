@@ -1389,8 +1389,11 @@ def _scores(q, k, v, bias, is_causal, scale):
     if k.shape[-3] != q.shape[-3]:
         k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
         v = jnp.repeat(v, q.shape[-3] // v.shape[-3], axis=-3)
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = jnp.einsum("...qd,...kd->...qk", upcast(q), k) * scale
+    if scale is None:  # torch's 1 / sqrt(E), inf for E = 0, where it scales empty queries and keys
+        scale = 1 / math.sqrt(q.shape[-1]) if q.shape[-1] else math.inf
+    s = jnp.einsum("...qd,...kd->...qk", upcast(q), k)
+    if q.shape[-1]:  # (an empty product is 0, and stays 0 in torch, which scales q and k, not their product)
+        s = s * scale
     if is_causal:
         s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)  # (jnp: sizes may be symbolic)
     if bias is not None:
