@@ -507,31 +507,34 @@ _KERNEL_DTYPE_CASES = [
           RuntimeError, "linalg.vector_norm cannot compute the inf norm on an empty tensor because the operation"),
     _case("negative norm over an empty dim", lambda d: torch.norm(torch.empty(0, 2, device=d), -2.0, dim=-2),
           RuntimeError, "cannot compute the -2 norm on the dimension -2because this dimension is empty"),
-    _case("adaptive_avg_pool2d of an empty spatial dim", lambda d: F.adaptive_avg_pool2d(torch.ones(1, 2, 0, 3, device=d), 2),
+    _case("adaptive_avg_pool2d of an empty spatial dim",
+          lambda d: F.adaptive_avg_pool2d(torch.ones(1, 2, 0, 3, device=d), 2),
           RuntimeError, "adaptive_avg_pool2d(): Expected input to have non-zero size for non-batch dimensions, but "
                         "input has sizes [1, 2, 0, 3] with dimension 2 being empty"),
     _case("adaptive_avg_pool3d of no channels", lambda d: F.adaptive_avg_pool3d(torch.ones(1, 0, 2, 2, 2, device=d), 2),
           RuntimeError, "adaptive_avg_pool3d(): Expected input to have non-zero size for non-batch dimensions, but "
                         "input has sizes [1, 0, 2, 2, 2] with dimension 1 being empty"),
     _case("adaptive_avg_pool2d backward of a zero size",
-          lambda d: F.adaptive_avg_pool2d(torch.ones(1, 2, 3, 3, device=d, requires_grad=True), (0, 2)).sum().backward(),
+          lambda d: F.adaptive_avg_pool2d(torch.ones(1, 2, 3, 3, device=d, requires_grad=True),
+                                          (0, 2)).sum().backward(),
           RuntimeError, "adaptive_avg_pool2d_backward(): Expected grad_output to have non-zero size for non-batch "
                         "dimensions, but grad_output has sizes [1, 2, 0, 2] with dimension 2 being empty"),
     _case("interpolate to a zero size", lambda d: F.interpolate(torch.ones(1, 2, 3, device=d), size=0), RuntimeError,
           "Input and output sizes should be greater than 0, but got input (W: 3) and output (W: 0)"),
     _case("bilinear resize of an empty dim", lambda d: F.interpolate(torch.ones(1, 2, 0, 3, device=d), size=(2, 2),
                                                                       mode="bilinear"),
-          RuntimeError, "Input and output sizes should be greater than 0, but got input (H: 0, W: 3) output (H: 2, W: 2)"),
+          RuntimeError,
+          "Input and output sizes should be greater than 0, but got input (H: 0, W: 3) output (H: 2, W: 2)"),
     _case("antialiased resize of no channels", lambda d: F.interpolate(torch.ones(1, 0, 3, 3, device=d), size=(2, 2),
                                                                        mode="bicubic", antialias=True),
           RuntimeError, "Non-empty 4D data tensor expected but got a tensor with sizes [1, 0, 3, 3]"),
     _case("reflection pad of no channels", lambda d: F.pad(torch.ones(1, 0, 2, device=d), (1, 1), mode="reflect"),
-          RuntimeError, "Expected 2D or 3D (batch mode) tensor with possibly 0 batch size and other non-zero dimensions "
-                        "for input, but got: [1, 0, 2]"),
+          RuntimeError, "Expected 2D or 3D (batch mode) tensor with possibly 0 batch size and other non-zero "
+                        "dimensions for input, but got: [1, 0, 2]"),
     _case("replication pad of an empty dim", lambda d: F.pad(torch.ones(1, 2, 0, 2, device=d), (1, 1, 0, 0),
                                                              mode="replicate"),
-          RuntimeError, "Expected 3D or 4D (batch mode) tensor with possibly 0 batch size and other non-zero dimensions "
-                        "for input, but got: [1, 2, 0, 2]"),
+          RuntimeError, "Expected 3D or 4D (batch mode) tensor with possibly 0 batch size and other non-zero "
+                        "dimensions for input, but got: [1, 2, 0, 2]"),
     _case("unfold of no channels", lambda d: F.unfold(torch.ones(1, 0, 3, 3, device=d), 2), RuntimeError,
           "Expected 3D or 4D (batch mode) tensor with possibly 0 batch size and other non-zero dimensions for input, "
           "but got: [1, 0, 3, 3]"),
