@@ -225,17 +225,23 @@ def test_shard_map_with_torch_distributed_collectives():
             b = x.clone()
             dist.broadcast(b, src=1, group=dp)
             rank = x.new_zeros(1) + dist.get_rank(dp)
-            return rows * 1, gathered * 1, out, b, rank
+            p = x.clone()
+            dist.all_reduce(p, op=dist.ReduceOp.PRODUCT, group=dp)  # equal on the data group: x ** 4
+            parts = [torch.empty_like(x) for _ in range(4)]
+            dist.all_gather(parts, x, group=dp)
+            return rows * 1, gathered * 1, out, b, rank, p, torch.cat(parts)
 
-        rows, gathered, rs, b, rank = P.shard_map(
+        rows, gathered, rs, b, rank, p, parts = P.shard_map(
             per_group, mesh, in_specs=((None, "model"),),
-            out_specs=((None, "model"), (None, "model"), ("data", "model"), (None, "model"), ("data",)),
+            out_specs=((None, "model"), (None, "model"), ("data", "model"), (None, "model"), ("data",),
+                       (None, "model"), (None, "model")),
         )(x.to("jax"))
         xg = x.clone().to("jax").requires_grad_(True)
         loss = P.shard_map(lambda v: total(v)[0], mesh, in_specs=(("data", "model"),), out_specs=())(xg).sum()
         loss.backward()
         print(json.dumps({"s": s.tolist(), "ws": ws.tolist(), "rows": rows.tolist(), "gathered": list(gathered.shape),
-                          "rs": rs.tolist(), "b": b.tolist(), "rank": rank.tolist(), "grad": xg.grad.tolist()}))
+                          "rs": rs.tolist(), "b": b.tolist(), "rank": rank.tolist(), "grad": xg.grad.tolist(),
+                          "p": p.tolist(), "parts": parts.tolist()}))
     """)
     x = [[2.0 * i, 2.0 * i + 1] for i in range(8)]
     assert r["s"] == [[sum(map(sum, x))]] and r["ws"] == [8.0]
@@ -244,6 +250,7 @@ def test_shard_map_with_torch_distributed_collectives():
     assert r["rs"] == [[4 * v for v in row] for row in x]
     assert r["b"] == x and r["rank"] == [0.0, 1.0, 2.0, 3.0]
     assert r["grad"] == [[1.0, 1.0]] * 8
+    assert r["p"] == [[v ** 4 for v in row] for row in x] and r["parts"] == x * 4
 
 
 @pytest.mark.slow  # CI keeps tests/test_multihost.py's two-process save + resume, a superset
@@ -403,7 +410,9 @@ def test_shard_map_closed_over_parameters_in_place_arguments_and_spec_errors():
         inner = P.shard_map(lambda a: a * 2, mesh, in_specs=(("model",),), out_specs=("model",))
         for bad in (lambda: P.shard_map(lambda a, b: a, mesh, in_specs=(("data",),), out_specs=())(x, x),
                     lambda: P.shard_map(lambda a: a, mesh, in_specs=(("data",),), out_specs=())(torch.ones(6, 2)),
-                    lambda: P.shard_map(inner, mesh, in_specs=(("data",),), out_specs=("data",))(torch.ones(8))):
+                    lambda: P.shard_map(inner, mesh, in_specs=(("data",),), out_specs=("data",))(torch.ones(8)),
+                    # differs per device, declared replicated: an error, not device 0's value
+                    lambda: P.shard_map(lambda a: a * 2, mesh, in_specs=(("data",),), out_specs=())(torch.ones(8))):
             try:
                 bad()
             except ValueError as e:
@@ -418,6 +427,8 @@ def test_shard_map_closed_over_parameters_in_place_arguments_and_spec_errors():
     assert "1 in_specs for 2 arguments" in r["errors"][0]
     assert "argument 0" in r["errors"][1] and "not divisible by 4" in r["errors"][1]
     assert "inside the function of another shard_map" in r["errors"][2]
+    assert "shard_map(<lambda>): output differs between the devices along mesh axes ['data']" in r["errors"][3]
+    assert "spec P() declares it replicated" in r["errors"][3] and "check_vma=False" in r["errors"][3]
 
 
 def test_jit_follows_a_parameter_resharded_between_calls():

@@ -23,6 +23,7 @@ import threading
 
 import jax
 import numpy as np
+from jax._src.lax.parallel import all_gather_invariant  # (not exported by jax.lax yet)
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401 - defines _c10d_functional's Python-side ops
@@ -93,6 +94,30 @@ def _size(axes):
     return math.prod(_mesh().shape[a] for a in axes)
 
 
+def varying_axes(x) -> frozenset:
+    """The mesh axes over which JAX types ``x`` as differing between devices (its varying manual
+    axes); none where the shard_map does not check them (``check_vma=False``)."""
+    return frozenset(jax.typeof(x).mat.varying)
+
+
+def _vary(x, axes):
+    """``x`` typed as varying over every axis of ``axes``, as JAX's collectives take their inputs.
+    A torch collective of a value equal on the group's members still acts on each member's copy
+    (``all_reduce`` sums n of them), so the value becomes per member first."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _gathered(x, axes, axis=0, tiled=False):
+    """Every member's ``x`` gathered: the same on every member of the group, so typed invariant
+    over ``axes`` where the shard_map checks types (unchecked, ``lax.all_gather``, whose transpose
+    agrees with unchecked outputs)."""
+    x = _vary(x, axes)
+    if varying_axes(x):
+        return all_gather_invariant(x, axes, axis=axis, tiled=tiled)
+    return jax.lax.all_gather(x, axes, axis=axis, tiled=tiled)
+
+
 # reductions without a lax primitive: every shard gathered, then reduced in order
 _GATHERED_REDUCTIONS = {
     "product": lambda g: jax.numpy.prod(g, axis=0),
@@ -126,6 +151,7 @@ def _extreme_jvp(axes, reduce, primals, tangents):
 
 def _reduce(value, op, axes):
     op = _op_key(op)
+    value = _vary(value, axes)
     if op in ("sum",):
         return jax.lax.psum(value, axes)
     if op in ("avg", "mean"):
@@ -137,7 +163,7 @@ def _reduce(value, op, axes):
     if op in _GATHERED_REDUCTIONS:
         if op != "product" and jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
             raise RuntimeError(f"torch2jax: reduce op {op.upper()} needs an integer or bool tensor, got {value.dtype}")
-        return _GATHERED_REDUCTIONS[op](jax.lax.all_gather(value, axes, axis=0)).astype(value.dtype)
+        return _GATHERED_REDUCTIONS[op](_gathered(value, axes)).astype(value.dtype)
     raise RuntimeError(f"torch2jax: reduce op {op!r} is not supported in collectives "
                        "(sum, avg, max, min, product, band, bor, bxor)")
 
@@ -184,7 +210,7 @@ def all_reduce(x, reduce_op, group_name):
 
 @register(_c10d.all_gather_into_tensor.default)
 def all_gather_into_tensor(x, group_size, group_name):
-    return jax.lax.all_gather(x, _axes(group_name), axis=0, tiled=True)
+    return _gathered(x, _axes(group_name), tiled=True)
 
 
 @register(_c10d.reduce_scatter_tensor.default)
@@ -192,7 +218,7 @@ def reduce_scatter_tensor(x, reduce_op, group_size, group_name):
     axes = _axes(group_name)
     op = _op_key(reduce_op)
     if op in ("sum", "avg", "mean"):
-        out = jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
+        out = jax.lax.psum_scatter(_vary(x, axes), axes, scatter_dimension=0, tiled=True)
         return out / _size(axes) if op != "sum" else out
     # the others reduce everything, then each member keeps its block
     n = _size(axes)
@@ -206,7 +232,7 @@ def all_to_all_single(x, output_split_sizes, input_split_sizes, group_name):
     n = _size(axes)
     if len(set(output_split_sizes)) > 1 or len(set(input_split_sizes)) > 1:
         raise RuntimeError("torch2jax: all_to_all_single supports equal splits only")
-    return jax.lax.all_to_all(x, axes, split_axis=0, concat_axis=0, tiled=True) if n > 1 else x
+    return jax.lax.all_to_all(_vary(x, axes), axes, split_axis=0, concat_axis=0, tiled=True) if n > 1 else x
 
 
 @register(_c10d.broadcast.default)
@@ -214,7 +240,7 @@ def broadcast(x, src, group_name):
     """``src``: the source's rank within the group."""
     axes = _axes(group_name)
     mine = jax.lax.axis_index(axes) == src
-    return jax.lax.psum(jax.numpy.where(mine, x, jax.numpy.zeros_like(x)), axes)
+    return jax.lax.psum(jax.numpy.where(mine, x, jax.numpy.zeros_like(x)), axes)  # (varies over axes, as mine does)
 
 
 @register(_c10d.wait_tensor.default, _c10d._wrap_tensor_autograd.default)
@@ -276,7 +302,7 @@ def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
 
 def _all_gather_into_tensor(output, input, group=None, async_op=False):
     _same_dtype("all_gather_into_tensor", output, input)
-    _in_place(output, jax.lax.all_gather(input._value(), _axes(group), axis=0, tiled=True), "all_gather_into_tensor")
+    _in_place(output, _gathered(input._value(), _axes(group), tiled=True), "all_gather_into_tensor")
     return _done(async_op, output)
 
 
@@ -285,7 +311,7 @@ def _all_gather(tensor_list, tensor, group=None, async_op=False):
     if len(tensor_list) != _size(axes):
         raise ValueError(f"torch2jax: all_gather: tensor_list has {len(tensor_list)} tensors, the group has "
                          f"{_size(axes)} members")
-    gathered = jax.lax.all_gather(tensor._value(), axes, axis=0)
+    gathered = _gathered(tensor._value(), axes)
     for i, t in enumerate(tensor_list):
         _same_dtype("all_gather", t, tensor)
         _in_place(t, gathered[i], "all_gather")
@@ -350,7 +376,7 @@ def _all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=Fals
         raise ValueError("torch2jax: all_to_all: input_tensor_list is empty")
     sent = _stacked("all_to_all", input_tensor_list, input_tensor_list[0], n)
     _stacked("all_to_all", output_tensor_list, input_tensor_list[0], n)  # (checks the outputs alike)
-    received = jax.lax.all_to_all(sent, axes, split_axis=0, concat_axis=0) if n > 1 else sent
+    received = jax.lax.all_to_all(_vary(sent, axes), axes, split_axis=0, concat_axis=0) if n > 1 else sent
     for i, t in enumerate(output_tensor_list):
         _in_place(t, received[i], "all_to_all")
     return _done(async_op, *output_tensor_list)
@@ -390,7 +416,7 @@ def _gather(tensor, gather_list=None, dst=None, group=None, async_op=False, grou
         _group_rank_of(dst, axes, "gather: dst")
     if gather_list is not None:
         _stacked("gather", gather_list, tensor, _size(axes))
-        gathered = jax.lax.all_gather(tensor._value(), axes, axis=0)
+        gathered = _gathered(tensor._value(), axes)
         for i, t in enumerate(gather_list):
             _in_place(t, gathered[i], "gather")
     return _done(async_op, *(gather_list or ()))
@@ -440,8 +466,7 @@ class _Sent:
     def values_and_destinations(self):
         if self.gathered is None:
             dst = jax.numpy.asarray(self.dst, jax.numpy.int32)
-            self.gathered = (jax.lax.all_gather(self.value, self.axes, axis=0),
-                             jax.lax.all_gather(dst, self.axes, axis=0))
+            self.gathered = (_gathered(self.value, self.axes), _gathered(dst, self.axes))
         return self.gathered
 
 

@@ -29,7 +29,7 @@ from ..env import _trace_state_clean
 from ..interop import call_jax_64
 from ..jit import _find_roots
 from ..tensor import Tensor, new_tensor
-from .collectives import collectives
+from .collectives import collectives, varying_axes
 from .sharding import ShardingError, named_sharding
 
 
@@ -105,6 +105,32 @@ def _closed_over(fn, tensors) -> list:
     return out
 
 
+def _spec_axes(spec) -> set:
+    """The mesh axes a partition spec shards over."""
+    return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+
+
+def _check_replication(torch_fn, specs, out, written):
+    """Raise where an output differs between devices over mesh axes its spec replicates it over:
+    unchecked, the caller would silently get one device's value."""
+    def check(where, spec, value):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+            varying = sorted(varying_axes(leaf) - _spec_axes(spec))
+            if varying:
+                name = getattr(torch_fn, "__name__", type(torch_fn).__name__)
+                raise ShardingError(
+                    f"shard_map({name}): {where}{jax.tree_util.keystr(path)} differs between the devices along mesh "
+                    f"axes {varying}, but its spec {spec} declares it replicated over them. Name the axes in its "
+                    f"spec (to concatenate the shards), reduce it over them with a collective (dist.all_reduce), "
+                    f"or pass check_vma=False to skip the check (the caller then gets one device's value)")
+
+    is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
+    jax.tree_util.tree_map_with_path(lambda p, spec, v: check("output" + jax.tree_util.keystr(p), spec, v),
+                                     specs[0], out, is_leaf=is_spec)
+    for spec, (i, v) in zip(specs[1], written):
+        check(f"argument {i} (written in place)", spec, v)
+
+
 # The programs whose torch function is running (being traced) now.
 _INSIDE: list = []
 
@@ -117,7 +143,7 @@ class _Program:
     where a Function's forward with grad mode off would be cut."""
 
     def __init__(self, torch_fn, mesh, in_specs, out_specs, check_vma, tensors, lifted, grad):
-        self.torch_fn, self.mesh, self.lifted, self.grad = torch_fn, mesh, lifted, grad
+        self.torch_fn, self.mesh, self.lifted, self.grad, self.check_vma = torch_fn, mesh, lifted, grad, check_vma
         self.n, self.constants = len(tensors), []
         specs = (*in_specs, *(PartitionSpec() for _ in lifted))
         found = {}
@@ -130,7 +156,7 @@ class _Program:
             jax.eval_shape(probe, *(jax.ShapeDtypeStruct(t.shape, t._value().dtype) for t in (*tensors, *lifted)))
         self.constants = _unchanged(reads.found.values())
         self.written = found["written"]
-        out = (_out_specs(out_specs, found["out"]), [in_specs[i] for i in self.written])
+        self.out_specs = out = (_out_specs(out_specs, found["out"]), [in_specs[i] for i in self.written])
         specs += tuple(PartitionSpec() for _ in self.constants)
         self.mapped = jax.shard_map(self._run, mesh=mesh, in_specs=specs, out_specs=out, check_vma=check_vma)
         self.jitted = jax.jit(self.mapped)
@@ -162,7 +188,10 @@ class _Program:
     def _run(self, *arrays):
         found = {}
         out, written = self._body(arrays, found)
-        return out, [t._value() for t in written]
+        written = [t._value() for t in written]
+        if self.check_vma:
+            _check_replication(self.torch_fn, self.out_specs, out, list(zip(self.written, written)))
+        return out, written
 
 
 class _ShardMapped:
@@ -202,7 +231,7 @@ class _ShardMapped:
         return out
 
 
-def shard_map(torch_fn, mesh, in_specs, out_specs, check_vma: bool = False):
+def shard_map(torch_fn, mesh, in_specs, out_specs, check_vma: bool = True):
     """Run ``torch_fn`` once per device on its shards (``jax.shard_map`` for torch).
 
     ``in_specs`` has one partition spec per positional argument (a tuple of mesh axis
@@ -214,6 +243,12 @@ def shard_map(torch_fn, mesh, in_specs, out_specs, check_vma: bool = False):
     autograd node whose backward is JAX's), also for the parameters the function reaches
     without receiving them, and usable inside `t2j.jit`, with ``backward()`` there too.
     Arguments it writes in place are written back.
+
+    ``check_vma`` (as ``jax.shard_map``'s): an output whose spec leaves out a mesh axis is
+    replicated over it, so its value must be the same on the devices along it (reduced by a
+    collective, or computed from replicated values); one that may differ raises a
+    `ShardingError` naming it. ``check_vma=False`` skips the check: the caller then gets one
+    device's value of such an output.
 
     >>> f = t2j.parallel.shard_map(lambda x: x * 2, mesh, in_specs=(("data",),), out_specs=("data",))
     """
