@@ -406,6 +406,9 @@ def test_shard_map_closed_over_parameters_in_place_arguments_and_spec_errors():
         P.shard_map(summed_in_place, mesh, in_specs=(("data", "model"),), out_specs=("data", "model"))(v)
         one = P.shard_map(lambda a: a * 2, mesh, in_specs=((None, "model"),), out_specs=(None, "model"))(
             torch.ones(4, 2, device="jax"))
+        w = torch.arange(16.0, device="jax").reshape(4, 4)  # closed over, read through views
+        viewed = P.shard_map(lambda a: a + w[1, 2] + w.t()[0, :2], mesh, in_specs=(("data",),), out_specs=("data",))(
+            torch.zeros(8, 2, device="jax"))
         errors = []
         inner = P.shard_map(lambda a: a * 2, mesh, in_specs=(("model",),), out_specs=("model",))
         for bad in (lambda: P.shard_map(lambda a, b: a, mesh, in_specs=(("data",),), out_specs=())(x, x),
@@ -418,12 +421,14 @@ def test_shard_map_closed_over_parameters_in_place_arguments_and_spec_errors():
             except ValueError as e:
                 errors.append(str(e))
         print(json.dumps({"loss": [got.item(), want.item()], "grad": [jlin.weight.grad.cpu().tolist(),
-                          lin.weight.grad.tolist()], "v": v.tolist(), "one": list(one.shape), "errors": errors}))
+                          lin.weight.grad.tolist()], "v": v.tolist(), "one": list(one.shape), "viewed": viewed.tolist(),
+                          "errors": errors}))
     """)
     assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5)
     assert sum(r["grad"][0], []) == pytest.approx(sum(r["grad"][1], []), rel=1e-5)
     assert r["v"] == [[12.0, 16.0]] * 4                     # each column summed over the data axis, in place
     assert r["one"] == [4, 2]
+    assert r["viewed"] == [[6.0, 10.0]] * 8
     assert "1 in_specs for 2 arguments" in r["errors"][0]
     assert "argument 0" in r["errors"][1] and "not divisible by 4" in r["errors"][1]
     assert "inside the function of another shard_map" in r["errors"][2]

@@ -89,7 +89,19 @@ def _unchanged(found) -> list:
         raise ShardingError(f"shard_map: the function writes in place into tensors of shapes {wrote} that it "
                             "closes over (a buffer such as BatchNorm's running statistics): pass them as "
                             "arguments, which are written back, or return the new values")
-    return [t for t, _ in found]
+    return [_whole(t) for t, _ in found]
+
+
+def _whole(t: Tensor) -> Tensor:
+    """A tensor over all of ``t``'s storage, which the program then takes as an input: ``t``'s base
+    where the body read it through a view (``w[0, 0]``)."""
+    if not t._t2j_view:
+        return t
+    base = t._base
+    if isinstance(base, Tensor) and base._t2j_storage is t._t2j_storage and not base._t2j_view:
+        return base
+    raise ShardingError(f"shard_map: the function reads a view of shape {tuple(t.shape)} of a tensor it closes "
+                        "over whose base is unknown; pass the tensor as an argument")
 
 
 def _closed_over(fn, tensors) -> list:
