@@ -409,6 +409,8 @@ def test_shard_map_closed_over_parameters_in_place_arguments_and_spec_errors():
         w = torch.arange(16.0, device="jax").reshape(4, 4)  # closed over, read through views
         viewed = P.shard_map(lambda a: a + w[1, 2] + w.t()[0, :2], mesh, in_specs=(("data",),), out_specs=("data",))(
             torch.zeros(8, 2, device="jax"))
+        nested = P.shard_map(lambda a: ({"y": a * 2}, {"z": [a + 1]}), mesh, in_specs=(("data",),),
+                             out_specs=({"y": ("data",)}, {"z": [("data",)]}))(torch.arange(8.0, device="jax"))
         errors = []
         inner = P.shard_map(lambda a: a * 2, mesh, in_specs=(("model",),), out_specs=("model",))
         for bad in (lambda: P.shard_map(lambda a, b: a, mesh, in_specs=(("data",),), out_specs=())(x, x),
@@ -422,6 +424,7 @@ def test_shard_map_closed_over_parameters_in_place_arguments_and_spec_errors():
                 errors.append(str(e))
         print(json.dumps({"loss": [got.item(), want.item()], "grad": [jlin.weight.grad.cpu().tolist(),
                           lin.weight.grad.tolist()], "v": v.tolist(), "one": list(one.shape), "viewed": viewed.tolist(),
+                          "nested": [nested[0]["y"].tolist(), nested[1]["z"][0].tolist()],
                           "errors": errors}))
     """)
     assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5)
@@ -429,6 +432,7 @@ def test_shard_map_closed_over_parameters_in_place_arguments_and_spec_errors():
     assert r["v"] == [[12.0, 16.0]] * 4                     # each column summed over the data axis, in place
     assert r["one"] == [4, 2]
     assert r["viewed"] == [[6.0, 10.0]] * 8
+    assert r["nested"] == [[2.0 * i for i in range(8)], [i + 1.0 for i in range(8)]]  # specs nest as outputs do
     assert "1 in_specs for 2 arguments" in r["errors"][0]
     assert "argument 0" in r["errors"][1] and "not divisible by 4" in r["errors"][1]
     assert "inside the function of another shard_map" in r["errors"][2]

@@ -51,14 +51,15 @@ def _out_specs(specs, out):
 
     A tuple is per output where the function returns a tuple of as many values, and one
     output's spec where it returns a single tensor: ``(None, "model")`` is both two
-    outputs' specs and one 2-D output's."""
+    outputs' specs and one 2-D output's. Specs nest as the outputs do (a tuple of dicts)."""
     if isinstance(specs, dict):  # one spec per output of a dict of outputs
-        return {k: _spec(v) for k, v in specs.items()}
+        return {k: _out_specs(v, out.get(k) if isinstance(out, dict) else None) for k, v in specs.items()}
     if isinstance(specs, list):
-        return [_spec(s) for s in specs]
+        outs = out if isinstance(out, (tuple, list)) and len(out) == len(specs) else [None] * len(specs)
+        return [_out_specs(s, o) for s, o in zip(specs, outs)]
     if isinstance(specs, tuple) and specs:
         if isinstance(out, (tuple, list)) and len(out) == len(specs):
-            per_output = [_spec(s) for s in specs]
+            per_output = [_out_specs(s, o) for s, o in zip(specs, out)]  # (nested: a tuple of dicts of outputs)
             return out._make(per_output) if hasattr(out, "_make") else type(out)(per_output)
         if all(_is_entry(s) for s in specs):
             return _spec(specs)
