@@ -12,6 +12,7 @@ import torch
 
 import torch2jax as t2j
 from torch2jax import dispatch
+from torch2jax.ops.registry import LOWERINGS
 
 # Enough calls to pass the compile threshold, each checked.
 REPEAT = 4
@@ -205,6 +206,14 @@ def _compiled_of(handler):
             if found is not None:
                 return found
     return None
+
+
+@pytest.mark.parametrize("op", ["sin.default", "add.Tensor", "mul.Tensor", "clamp.default", "fill.Scalar",
+                                "full.default", "pow.Tensor_Scalar", "lerp.Scalar", "addcmul.default"])
+def test_lowerings_checking_python_numbers_still_compile(op):
+    # their scalar check branches on tracers only for a number t2j.jit lifted, never in a compiled call
+    func = eval(f"torch.ops.aten.{op}")
+    assert dispatch._jittable(func, LOWERINGS[func])
 
 
 def test_compiles_only_from_the_third_call(monkeypatch):

@@ -1097,8 +1097,8 @@ def _refers_to(fn, names) -> bool:
     """Whether ``fn``, or a torch2jax function it may call, names one of ``names``.
 
     Follows the torch2jax functions its code reaches through globals, module
-    attributes, closures, partials and nested functions; methods and other
-    packages' code are not followed.
+    attributes, closures, partials and nested functions; methods, other
+    packages' code and functions marked `registry.traced_numbers_only` are not followed.
     """
     seen, todo = set(), [fn]
     while todo:
@@ -1107,7 +1107,7 @@ def _refers_to(fn, names) -> bool:
             todo.append(f.func)
             continue
         code = getattr(f, "__code__", None)
-        if code is None or code in seen:
+        if code is None or code in seen or getattr(f, "traced_numbers_only", False):
             continue
         seen.add(code)
         todo.extend(c.cell_contents for c in f.__closure__ or () if callable(_cell(c)))

@@ -346,6 +346,19 @@ _C_TYPE_NAMES = {
 }
 
 
+def traced_numbers_only(fn):
+    """Mark ``fn`` as safe in a compiled lowering (see ``dispatch._jittable``) although it
+    branches on tracers: its traced branch is taken only for a Python number that t2j.jit
+    lifted to a program input, and a compiled lowering's numbers are static, never traced.
+
+    >>> @traced_numbers_only
+    ... def checked_scalar(value, dtype): ...
+    """
+    fn.traced_numbers_only = True
+    return fn
+
+
+@traced_numbers_only
 def checked_scalar(value, dtype):
     """``value`` itself, after torch's check (c10::checked_convert) that the Python number
     fits ``dtype``, which the kernels taking a Scalar make (fill_, full, masked_fill, clamp,
