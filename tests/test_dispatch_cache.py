@@ -389,3 +389,17 @@ def test_ops_on_bool_arrays_compile_whole_and_bool_arithmetic_keeps_torchs_nans(
     before = len(backend_compiles)
     torch.testing.assert_close(torch.cummax(m.to("jax"), 1)[1].cpu(), torch.cummax(m, 1)[1])
     assert len(backend_compiles) - before <= 6  # (with the copy to the device; op by op: over 50)
+
+
+def test_a_float_input_program_keeps_torch_scalar_overflow_checks():
+    # after two values a signature's floats become program inputs; one that would not fit the result
+    # dtype stays static, so torch's check that it fits runs (not a silent inf)
+    h = torch.zeros(3, dtype=torch.float16, device="jax")
+    for v in (1.5, 2.5, 3.5, 7.25):
+        h.fill_(v)
+        assert h[0].item() == v
+        assert torch.clamp(h, max=v - 1)[0].item() == v - 1
+    with pytest.raises(RuntimeError, match="cannot be converted to type c10::Half without overflow"):
+        h.fill_(1e6)
+    with pytest.raises(RuntimeError, match="cannot be converted to type c10::Half without overflow"):
+        torch.clamp(h, max=1e6)

@@ -1059,6 +1059,10 @@ _MAX_SIGNATURES = 4096
 # Float values a compiled program may simplify as constants (see `_Compiled._float_inputs`): they are
 # keyed by value, with a program each.
 _STATIC_FLOATS = frozenset({0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 3.0, 4.0, math.inf, -math.inf})
+# Floats within this bound fit every dtype (int8 the narrowest), so torch's check that a Scalar fits the
+# result dtype (`registry.checked_scalar`) cannot fail for them: only they may be inputs of a program,
+# where the check would see a tracer; any other value is static, checked when its program is traced.
+_CHECK_FREE = 127.0
 # Programs of one signature at different static float values, beyond which its other values run op by op
 _MAX_FLOAT_VALUES = 16
 
@@ -1386,7 +1390,7 @@ class _Compiled:
         floats = _floats(list(args), [])
         if kwargs:
             _floats(list(kwargs.values()), floats)
-        ordinary = not any(f in _STATIC_FLOATS or f != f for f in floats)
+        ordinary = not any(f in _STATIC_FLOATS or not -_CHECK_FREE <= f <= _CHECK_FREE for f in floats)
         if entry.program:
             return (entry.program, arrays + floats) if ordinary else None
         if entry.static >= _MAX_FLOAT_VALUES:
