@@ -679,6 +679,30 @@ def test_a_scheduler_stepping_inside_the_step_runs_after_each_program(name):
     assert jitted.stats["traces"] == 2, t2j.explain_recompiles()
 
 
+def test_arithmetic_on_the_lr_a_scheduler_step_set_in_the_step_runs_eagerly():
+    # (the scheduler steps on the host after a compiled call's program, which cannot compute with its lr)
+    def make_step(device):
+        lin = nn.Linear(2, 2).to(device)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+
+        def step(x):
+            opt.zero_grad()
+            lin(x).sum().backward()
+            opt.step()
+            sched.step()
+            return opt.param_groups[0]["lr"] * 2
+
+        return step
+
+    step, jitted = make_step("cpu"), t2j.jit(make_step("jax"))
+    with pytest.warns(UserWarning, match="lr read after scheduler.step"):
+        out = jitted(torch.ones(1, 2, device="jax"))
+    assert out == step(torch.ones(1, 2)) == 0.1
+    with pytest.raises(t2j.OpError, match=r"aten.mul.Tensor of a param group's lr read after scheduler.step"):
+        t2j.jit(make_step("jax"), fullgraph=True)(torch.ones(1, 2, device="jax"))
+
+
 def test_a_scheduler_stepping_before_the_optimizer_in_the_step_runs_eagerly():
     def make_step(device):
         lin = nn.Linear(2, 2).to(device)

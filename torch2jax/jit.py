@@ -1329,13 +1329,11 @@ def _scheduler_steps_after_the_program(schedulers=()):
     (its epoch counter, the groups' ``lr``) that a program cannot, so each call runs it on the host
     after the program (`_Entry.stores`), with the program's values of its arguments (the metric of
     ReduceLROnPlateau), and the next call reads the new ``lr`` (a program input). Yields the list of
-    (scheduler, (args, kwargs), optimizer steps before it) recorded (`_SchedulerSteps`). A scheduler
-    step an optimizer step of the same call follows would change that step's ``lr``: the call runs
-    eagerly. ``schedulers``: those whose ``get_last_lr()`` is their groups' ``lr`` when the trace
-    starts: it reads the groups' ``lr`` (program inputs), not numbers frozen into the program."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    steps, tracing, optimizer_steps = _SchedulerSteps(), threading.get_ident(), [0]
+    (scheduler, (args, kwargs)) recorded (`_SchedulerSteps`). A scheduler step an optimizer step of
+    the same call follows would change that step's ``lr``: the call runs eagerly. ``schedulers``:
+    those whose ``get_last_lr()`` is their groups' ``lr`` when the trace starts: it reads the
+    groups' ``lr`` (program inputs), not numbers frozen into the program."""
+    steps, tracing = _SchedulerSteps(), threading.get_ident()
     classes = [(cls, vars(cls)["step"]) for cls in _scheduler_classes()]
 
     def deferring(original):
@@ -1343,17 +1341,20 @@ def _scheduler_steps_after_the_program(schedulers=()):
         def step(scheduler, *args, **kwargs):
             if threading.get_ident() != tracing or getattr(scheduler, "_is_initial", False):
                 return original(scheduler, *args, **kwargs)  # (another thread's, or its constructor's first)
-            steps.append((scheduler, (args, kwargs), optimizer_steps[0]))
+            steps.append((scheduler, (args, kwargs)))
             steps.stand_in_for_stepped(scheduler)
             return None
 
         return step
 
-    def count(optimizer, args, kwargs):
-        if threading.get_ident() == tracing:
-            optimizer_steps[0] += 1
+    def refuse_after_a_scheduler_step(optimizer, args, kwargs):
+        if steps and threading.get_ident() == tracing:
+            raise OpError(
+                "t2j.jit: the function steps an LR scheduler before an optimizer step of the same call; a "
+                "scheduler runs on the host after each call's program, so call scheduler.step() after the last "
+                "optimizer.step() (torch's order) or outside the jitted function")
 
-    handle = register_optimizer_step_post_hook(count)
+    handle = register_optimizer_step_pre_hook(refuse_after_a_scheduler_step)
     for cls, original in classes:
         cls.step = deferring(original)
     for scheduler in schedulers:
@@ -1365,11 +1366,6 @@ def _scheduler_steps_after_the_program(schedulers=()):
         for cls, original in classes:
             cls.step = original
         steps.restore()
-    if any(n < optimizer_steps[0] for _, _, n in steps):
-        raise OpError(
-            "t2j.jit: the function steps an LR scheduler before an optimizer step of the same call; a scheduler "
-            "runs on the host after each call's program, so call scheduler.step() after the last optimizer.step() "
-            "(torch's order) or outside the jitted function")
 
 
 class _SchedulerSteps(list):
@@ -1398,7 +1394,7 @@ class _SchedulerSteps(list):
         for group in groups:
             lr = group.get("lr")
             if isinstance(lr, Tensor) and id(lr) not in self.after:
-                stand_in = lr.detach().clone()
+                stand_in = _SteppedLr.standing_in_for(lr)
                 self.after[id(stand_in)] = (stand_in, lr)
                 self._undo.append(functools.partial(self._put_back, group, stand_in, lr))
                 group["lr"] = lr = stand_in
@@ -1417,6 +1413,28 @@ class _SchedulerSteps(list):
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+
+
+class _SteppedLr(Tensor):
+    """A group's ``lr`` as the function sees it after a ``scheduler.step()`` the trace recorded
+    (`_SchedulerSteps`). Its value exists only once the step runs on the host after the program:
+    returned as it is (``return sched.get_last_lr()[0]``), it is the stepped value; an op on it
+    (``lr * 2``, ``float(lr)``, an optimizer step's arithmetic) stops the trace, and the call runs
+    eagerly, where the step happens in the function's own order."""
+
+    @staticmethod
+    def standing_in_for(lr):
+        r = torch.Tensor._make_wrapper_subclass(_SteppedLr, lr.shape, dtype=lr.dtype, device=lr.device)
+        r._t2j_storage = Storage(lr._value())
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise OpError(
+            f"t2j.jit: {func} of a param group's lr read after scheduler.step() inside the function: in a "
+            "compiled call an LR scheduler steps on the host after the program, so the program cannot compute "
+            "with the stepped lr. Use the lr before scheduler.step(), return it as it is (a returned lr or "
+            "get_last_lr() is the stepped value), or step the scheduler outside the jitted function")
 
 
 def _last_lr_is_groups_lr(scheduler) -> bool:
@@ -3729,7 +3747,7 @@ class JitFunction:
             stores += [(site.write, ("arg", arg_numbers[id(new)]) if id(new) in arg_numbers else made.stored(new))
                        for site, new in numbers_stored]
             stores += [(functools.partial(_step_scheduler, scheduler), made.stored(given))
-                       for scheduler, given, _ in scheduler_steps]
+                       for scheduler, given in scheduler_steps]
             stores += [(functools.partial(_drop_skipped_state, optimizer, entries), made.stored(skip))
                        for optimizer, entries, skip in scaler_state]
             for container, (how, items) in rewritten:
