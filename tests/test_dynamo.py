@@ -307,6 +307,44 @@ def test_plain_torch_compile_still_works_after_import():
     _assert_close(out, model(x))
 
 
+_CONTROL_FLOW = {
+    "cond": lambda x: torch.cond(x.sum() > 0, lambda x: x.sin() * 2, lambda x: x.cos(), (x,)),
+    "while_loop": lambda x: torch._higher_order_ops.while_loop(
+        lambda i, y: i < 3, lambda i, y: (i + 1, y * 2), (torch.zeros((), dtype=torch.int64, device=x.device), x))[1],
+    "scan": lambda x: torch._higher_order_ops.scan(lambda c, y: (c * y, c + y), x[0], x)[1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CONTROL_FLOW))
+def test_torch_control_flow_on_cpu_is_one_graph_for_other_backends(name):
+    # torch2jax replaces torch.cond / while_loop / scan to take jax tensors its way; Dynamo, which
+    # skips torch2jax's files, still captures the originals in code on other devices
+    x = torch.randn(4)
+    out = torch.compile(_CONTROL_FLOW[name], backend="aot_eager", fullgraph=True)(x)
+    _assert_close(out, _CONTROL_FLOW[name](x))
+
+
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+@pytest.mark.parametrize("name", sorted(_CONTROL_FLOW))
+def test_torch_control_flow_under_the_backend_matches_eager(name, device):
+    # a captured cond / while_loop / scan runs as lax.cond / while_loop / scan (on the jax device, Dynamo
+    # traces while_loop and scan as graph breaks: torch's fake-tensor rules for them refuse the device)
+    fn = _CONTROL_FLOW[name]
+    compiled = torch.compile(fn, backend="torch2jax")
+    for sign in (1.0, -1.0):
+        x = torch.randn(4) * sign
+        xs = [x.clone().to(device).requires_grad_(name != "while_loop") for _ in range(2)]
+        out = compiled(xs[0])
+        if sign > 0 and (device == "cpu" or name == "cond"):  # (before the eager runs: they compile too)
+            assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+        expected = fn(xs[1])
+        _assert_close(out, expected)
+        if name != "while_loop":  # (torch's while_loop has no autograd)
+            out.pow(2).sum().backward()
+            expected.pow(2).sum().backward()
+            _assert_close(xs[0].grad, xs[1].grad)
+
+
 def _gpt2():
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()

@@ -43,6 +43,7 @@ from . import gradcut as _gradcut
 from . import symbolic as _sym
 from . import tensor as _tensor
 from .env import default_rng as _rng
+from .device import wraps_torch_function
 from .interop import _torch_context, differentiable_vjp, torch_pullback, zero_cotangent
 from .jit import _Capture, _find_roots, _inputs_reaching, _Retrace
 from .tensor import Tensor, jax_array, new_tensor
@@ -791,9 +792,9 @@ def install_torch_higher_order_ops() -> None:
 
     if getattr(torch.cond, "_t2j", False):
         return
-    torch.cond = _torch_cond(torch.cond)
-    while_module.while_loop = hops.while_loop = _torch_while_loop(while_module.while_loop)
-    scan_module.scan = hops.scan = _torch_scan(scan_module.scan)
+    torch.cond = wraps_torch_function(_torch_cond(torch.cond), traced_on_jax=True)
+    while_module.while_loop = hops.while_loop = wraps_torch_function(_torch_while_loop(while_module.while_loop))
+    scan_module.scan = hops.scan = wraps_torch_function(_torch_scan(scan_module.scan))
     torch.utils.checkpoint.checkpoint = _torch_checkpoint(torch.utils.checkpoint.checkpoint)
     # transformers binds the name when it is imported; if that came first, rebind it
     hf = sys.modules.get("transformers.modeling_utils")

@@ -200,12 +200,15 @@ _libs = []
 
 
 _dynamo_kept_out = False
+# torch functions replaced by torch2jax's wrappers that send jax tensors its way (`wraps_torch_function`)
+_TORCH_WRAPPERS: list = []
 
 
 def keep_dynamo_out_of_jax() -> None:
     """Keep Dynamo out of JAX's and torch2jax's frames (once): a jax tensor under a
     backend other than torch2jax's then runs eagerly instead of Dynamo tracing the
-    dispatcher (and breaking JAX)."""
+    dispatcher (and breaking JAX). Where the code Dynamo compiles calls a torch function
+    torch2jax wraps (`wraps_torch_function`), it traces the original."""
     global _dynamo_kept_out
     if not _dynamo_kept_out:
         import torch._dynamo
@@ -213,6 +216,60 @@ def keep_dynamo_out_of_jax() -> None:
         for package in ("jax", "jaxlib", "torch2jax"):
             torch._dynamo.trace_rules.add(package)
         _dynamo_kept_out = True
+        for wrapper, traced_on_jax in _TORCH_WRAPPERS:
+            _original_in_graphs(wrapper, traced_on_jax)
+
+
+def wraps_torch_function(wrapper, traced_on_jax: bool = False):
+    """Register ``wrapper``, which replaced a torch function (``torch.cond``) and names it as
+    its ``__wrapped__`` (`functools.wraps`). A Python function in a file Dynamo skips, it would
+    be a graph break (an error under ``fullgraph=True``) wherever ``torch.compile`` meets it,
+    also in code on other devices, where the original is traceable: Dynamo traces the original
+    instead where no argument is a jax tensor, and, with ``traced_on_jax``, where the jax tensors
+    are the fake tensors torch2jax's backend traces (`dynamo.trace_jax_tensors`). Returns ``wrapper``.
+
+    >>> torch.cond = wraps_torch_function(_torch_cond(torch.cond), traced_on_jax=True)
+    """
+    _TORCH_WRAPPERS.append((wrapper, traced_on_jax))
+    if _dynamo_kept_out:
+        _original_in_graphs(wrapper, traced_on_jax)
+    return wrapper
+
+
+# What Dynamo traces for a wrapper: compiled from this source, so that it belongs to no file that
+# Dynamo skips. Jax tensors (opaque objects to Dynamo, and unless ``traced_on_jax``, the fake
+# tensors on the jax device it traces for torch2jax's backend) go to the wrapper, which runs
+# eagerly (a graph break), as the function runs without Dynamo; other tensors to the original.
+_SUBSTITUTE = """
+def holds_jax_tensor(x):
+    if isinstance(x, jax_tensor) or not traced_on_jax and isinstance(x, torch.Tensor) and x.device.type == "jax":
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(holds_jax_tensor(v) for v in x)
+    if isinstance(x, dict):
+        return any(holds_jax_tensor(v) for v in x.values())
+    return False
+
+
+def substitute(*args, **kwargs):
+    if holds_jax_tensor(args) or holds_jax_tensor(kwargs):
+        return wrapper(*args, **kwargs)
+    return original(*args, **kwargs)
+"""
+
+
+def _original_in_graphs(wrapper, traced_on_jax: bool) -> None:
+    import torch._dynamo
+
+    from .tensor import Tensor
+
+    def eagerly(*args, **kwargs):  # (a function of this file, which Dynamo skips: a graph break, then eager)
+        return wrapper(*args, **kwargs)
+
+    namespace = {"torch": torch, "jax_tensor": Tensor, "traced_on_jax": traced_on_jax, "wrapper": eagerly,
+                 "original": wrapper.__wrapped__}
+    exec(compile(_SUBSTITUTE, f"<torch2jax: {wrapper.__qualname__} in Dynamo>", "exec"), namespace)  # noqa: S102
+    torch._dynamo.substitute_in_graph(wrapper, skip_signature_check=True)(namespace["substitute"])
 
 
 def _keeping_dynamo_out_of_jax(compile):

@@ -313,7 +313,56 @@ def _higher_order(op, args, kwargs):
     if op is torch.ops.higher_order.wrap_with_autocast:
         *_, body = args[:5]
         return run(body, *args[5:])
+    control_flow = _CONTROL_FLOW.get(op)
+    if control_flow is not None:
+        return control_flow(*args, **kwargs)
     raise OpError(f"torch2jax.fx: the higher-order op {op} is not supported")
+
+
+def _outputs(result) -> tuple:
+    """A subgraph's outputs as a tuple (a graph returns one value or a sequence of them)."""
+    return tuple(result) if isinstance(result, (list, tuple)) else (result,)
+
+
+def _cond(pred, true_graph, false_graph, operands):
+    """``torch.cond`` as `jax.lax.cond`: both branches are traced, one runs."""
+    operands = tuple(operands)
+    if isinstance(pred, (bool, int)):
+        return _outputs(run(true_graph if pred else false_graph, *operands))
+    return jax.lax.cond(jnp.reshape(pred, ()).astype(bool), lambda ops: _outputs(run(true_graph, *ops)),
+                        lambda ops: _outputs(run(false_graph, *ops)), operands)
+
+
+def _while_loop(cond_graph, body_graph, carried, additional):
+    """``torch._higher_order_ops.while_loop`` as `jax.lax.while_loop`; ``additional`` are the
+    inputs the graphs read that the loop does not carry."""
+    additional = tuple(additional)
+
+    def keep_going(c):
+        (pred,) = _outputs(run(cond_graph, *c, *additional))
+        return jnp.reshape(pred, ()).astype(bool)
+
+    return jax.lax.while_loop(keep_going, lambda c: _outputs(run(body_graph, *c, *additional)), tuple(carried))
+
+
+def _scan(combine_graph, init, xs, additional):
+    """``torch._higher_order_ops.scan`` (over dimension 0: torch moved ``dim`` there) as
+    `jax.lax.scan`; the result is the final carry followed by the stacked outputs."""
+    init, xs, additional = tuple(init), tuple(xs), tuple(additional)
+
+    def step(carry, x):
+        out = _outputs(run(combine_graph, *carry, *x, *additional))
+        return out[:len(init)], out[len(init):]
+
+    carry, ys = jax.lax.scan(step, init, xs)
+    return (*carry, *ys)
+
+
+_CONTROL_FLOW = {
+    torch.ops.higher_order.cond: _cond,
+    torch.ops.higher_order.while_loop: _while_loop,
+    torch.ops.higher_order.scan: _scan,
+}
 
 
 def _constant(value):
