@@ -16,6 +16,7 @@ from .env import Config, config, disable, enable, env, manual_seed, rng_key
 from .checkpoint import load, load_safetensors, save
 from .compile import CompiledModule, compile
 from . import control_flow
+from . import flex_attention as _flex_attention
 from .control_flow import checkpoint, cond, fori_loop, scan, while_loop
 from .layer_scan import scan_layers, use_scan_layers
 from .export import export
@@ -25,6 +26,7 @@ from .tensor import Tensor
 
 _device.register_factories(_ops.registry.LOWERINGS)
 control_flow.install_torch_higher_order_ops()
+_flex_attention.install_flex_attention()
 
 # Integrations that pull in optional machinery are imported on first use:
 # ``t2j.amp``, ``t2j.quantize``, ``t2j.offload``, ``t2j.debug``, ``t2j.modules``,
