@@ -1644,6 +1644,46 @@ def test_a_counter_a_gradient_hook_advances_advances_on_every_call(hook):
     torch.testing.assert_close(got[1], want[1])
 
 
+@pytest.mark.parametrize("hook", ["module_forward", "module_full_backward", "step_pre", "global_step_post"])
+def test_a_counter_a_global_module_hook_or_an_optimizer_step_hook_advances_advances_on_every_call(hook):
+    # (a global module hook and an optimizer's step hooks were no roots: the counter they close over
+    # advanced only while tracing, twice in four calls)
+    from torch.nn.modules import module as module_hooks
+    from torch.optim import optimizer as optimizer_hooks
+
+    def run(device, jit):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 1).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        calls = [0]
+
+        def count(*_):
+            calls[0] += 1
+
+        handle = {"module_forward": lambda: module_hooks.register_module_forward_hook(count),
+                  "module_full_backward": lambda: module_hooks.register_module_full_backward_hook(count),
+                  "step_pre": lambda: opt.register_step_pre_hook(count),
+                  "global_step_post": lambda: optimizer_hooks.register_optimizer_step_post_hook(count)}[hook]()
+
+        def step(x):
+            opt.zero_grad()
+            m(x).sum().backward()
+            opt.step()
+
+        s = t2j.jit(step) if jit else step
+        try:
+            for _ in range(4):
+                s(torch.ones(2, 3, device=device))
+        finally:
+            handle.remove()
+        return calls[0], m.weight.detach().cpu()
+
+    want = run("cpu", False)
+    got = run("jax", True)
+    assert got[0] == want[0] == 4
+    torch.testing.assert_close(got[1], want[1])
+
+
 @pytest.mark.parametrize("foreach", [None, False])
 def test_adam_steps_a_parameter_listed_twice_twice(foreach):
     # (tied weights listed by named_parameters(remove_duplicate=False); torch warns but steps each entry)

@@ -232,6 +232,8 @@ class _Roots:
             self._seen.add(id(obj))
             if _optimizer_on_jax(obj) and not _stepping(obj):
                 self.optimizers.append(obj)
+                for hook in _step_hooks(obj):  # (what they close over: ``steps[0] += 1``)
+                    self.add(hook, depth + 1)
         elif isinstance(obj, Tensor):
             self._seen.add(id(obj))
             self.tensors.append(obj)
@@ -458,6 +460,13 @@ def _parameter_hooks(module) -> list:
     return seen[1]
 
 
+def _step_hooks(opt) -> list:
+    """The functions hooked on optimizer ``opt``'s steps: its own step pre- and post-hooks and the global ones."""
+    dicts = (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks,
+             _optimizer._global_optimizer_pre_hooks, _optimizer._global_optimizer_post_hooks)
+    return [hook for d in dicts for hook in d.values()]
+
+
 def _gradient_hooks(t) -> list:
     """The functions hooked on tensor ``t``'s gradient (``register_hook``, a post-accumulate-grad hook)."""
     return [getattr(h, "__wrapped__", h) for d in (t._backward_hooks, t._post_accumulate_grad_hooks)
@@ -481,6 +490,8 @@ def _module_extras(module) -> tuple:
     if seen is None or seen[0] != now:
         subs = _submodules(module)
         extras = [hook for sub in subs for name in _MODULE_HOOK_DICTS for hook in getattr(sub, name).values()]
+        # (the global module hooks run for its modules too: ``register_module_forward_hook(count)``)
+        extras += [hook for name in _GLOBAL_HOOK_DICTS for hook in getattr(torch.nn.modules.module, name).values()]
         # (and the functions they hold, whose closures and globals hold values too: ``self.fn = lambda o: o * k[0]``)
         extras += [v for sub in subs for name, v in sub.__dict__.items()
                    if isinstance(v, _CALLABLES) and name[0] != "_"]
