@@ -1684,6 +1684,43 @@ def test_a_counter_a_global_module_hook_or_an_optimizer_step_hook_advances_advan
     torch.testing.assert_close(got[1], want[1])
 
 
+_FORWARD_CALLS = {"n": 0}  # advanced by `_CountingLoss.forward`
+_FORWARD_LOG = [0]
+
+
+class _CountingLoss(torch.nn.Module):
+    def forward(self, a):
+        _FORWARD_CALLS["n"] += 1
+        _FORWARD_LOG[0] += 1
+        return a.pow(2).mean()
+
+
+def test_a_global_dict_or_list_a_module_forward_advances_advances_on_every_call():
+    # (a module's forward read from globals only numbers, strings and functions: the dict and list it advances
+    # were no state, advanced only while tracing)
+    def run(device, jit):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 1).to(device)
+        loss_fn = _CountingLoss()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        _FORWARD_CALLS["n"] = _FORWARD_LOG[0] = 0
+
+        def step(x):
+            opt.zero_grad()
+            loss_fn(m(x)).backward()
+            opt.step()
+
+        s = t2j.jit(step) if jit else step
+        for _ in range(4):
+            s(torch.ones(2, 3, device=device))
+        return _FORWARD_CALLS["n"], _FORWARD_LOG[0], m.weight.detach().cpu()
+
+    want = run("cpu", False)
+    got = run("jax", True)
+    assert got[:2] == want[:2] == (4, 4)
+    torch.testing.assert_close(got[2], want[2])
+
+
 @pytest.mark.parametrize("foreach", [None, False])
 def test_adam_steps_a_parameter_listed_twice_twice(foreach):
     # (tied weights listed by named_parameters(remove_duplicate=False); torch warns but steps each entry)

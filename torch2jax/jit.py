@@ -214,9 +214,12 @@ class _Roots:
                     self.add(t, depth)
                 # what its hooks close over (``feats.append(out)``) and the lists it keeps
                 # (``self.maps.append(x)``): places a trace may store into, as the function's own
-                extras, held, read, lists = _module_extras(obj)
+                extras, held, read, lists, containers = _module_extras(obj)
                 for extra in extras:
                     self.add(extra, depth + 1)
+                # (the dicts and lists its forward reads as globals: ``STATS["calls"] += 1``)
+                for g, name in containers:
+                    self.add(g.get(name), depth + 1)
                 for sub, name, items in lists:
                     if self.lists_read is None or (id(sub), name) in self.lists_read:
                         self.add(items, depth + 1)
@@ -482,7 +485,8 @@ def _module_extras(module) -> tuple:
     plain attributes its code reads all over: each is guarded as a module's own), the Python
     values their ``forward`` functions (and the functions those name) read from globals and from their
     classes (`_globals_read`, `_class_values`): `_Roots.values` entries, guarded as the
-    jitted function's own, and (submodule, name, list) of the lists they hold as public attributes),
+    jitted function's own, (submodule, name, list) of the lists they hold as public attributes, and (globals
+    dict, name) of the global dicts and lists their ``forward`` functions read),
     read again only after a module attribute was set or a hook registered or removed somewhere (reading
     every submodule's attributes on each call would cost more than the rest of finding the roots)."""
     now = (_ATTRIBUTE_WRITES[0], _HOOK_CHANGES[0])
@@ -499,9 +503,9 @@ def _module_extras(module) -> tuple:
                  if type(v) is list and name[0] != "_"]
         held = list({id(v): v for sub in subs for name, v in sub.__dict__.items()
                      if name[0] != "_" and _gradcut.plain_object(v)}.values())
-        read, seen_fns = {}, set()
+        read, seen_fns, containers = {}, set(), {}
         for cls in {type(sub) for sub in subs}:
-            _globals_read(cls.forward, read, seen_fns, cls=cls)
+            _globals_read(cls.forward, read, seen_fns, cls=cls, containers=containers)
             # (its forward, and the class attributes it names: ``shift = 0.0`` in the class body)
             code = getattr(cls.forward, "__code__", None)
             names = ("forward", *(_global_names(code) if code is not None else ()))
@@ -513,20 +517,22 @@ def _module_extras(module) -> tuple:
             for name in named:
                 method = _own_method(cls, name)
                 if method is not None:
-                    _globals_read(method, read, seen_fns, 1, cls)
-        seen = _EXTRAS_SEEN[module] = (now, (extras, held, list(read.values()), lists))
+                    _globals_read(method, read, seen_fns, 1, cls, containers)
+        seen = _EXTRAS_SEEN[module] = (now, (extras, held, list(read.values()), lists, list(containers.values())))
     return seen[1]
 
 
 _EMPTY_CODE = (lambda: None).__code__
 
 
-def _globals_read(fn, read: dict, seen: set, depth: int = 0, cls=None):
+def _globals_read(fn, read: dict, seen: set, depth: int = 0, cls=None, containers: dict | None = None):
     """Add to ``read`` the `_Roots.values` entries of the Python values ``fn`` reads from its globals, and
     those the functions it names read (``def helper(x): return x / TEMP``, called by a forward), three calls
     deep; torch's own functions are left out. ``cls``: the class whose method ``fn`` is; the methods of it
     that ``fn`` names (``self.helper(x)``, a static method, an inherited ``self.core(x)``) are followed as
-    the functions it names are (a global they read, changed between calls, was left baked into the program)."""
+    the functions it names are (a global they read, changed between calls, was left baked into the program).
+    ``containers``: gets (globals dict, name) of the dicts and lists they read as globals (``STATS["n"] += 1``),
+    which the roots walk as the jitted function's own globals."""
     code = getattr(fn, "__code__", None)
     if code is None or (getattr(fn, "__module__", None) or "").startswith("torch") or id(fn) in seen:
         return
@@ -545,14 +551,16 @@ def _globals_read(fn, read: dict, seen: set, depth: int = 0, cls=None):
         if cls is not None and depth < 3:
             method = _own_method(cls, name)
             if method is not None:
-                _globals_read(method, read, seen, depth + 1, cls)
+                _globals_read(method, read, seen, depth + 1, cls, containers)
         if name not in g:
             continue
         value = g[name]
         if _watched(value):
             read.setdefault((id(g), name), (f"global {name}", g, name))
+        elif type(value) in (dict, list) and containers is not None:
+            containers[id(g), name] = (g, name)  # (read again from ``g``: the global may be bound anew)
         if isinstance(value, types.FunctionType) and depth < 3:
-            _globals_read(value, read, seen, depth + 1)
+            _globals_read(value, read, seen, depth + 1, containers=containers)
 
 
 def _own_method(cls, name):
