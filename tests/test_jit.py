@@ -1721,6 +1721,66 @@ def test_a_global_dict_or_list_a_module_forward_advances_advances_on_every_call(
     torch.testing.assert_close(got[2], want[2])
 
 
+_REVERSAL = 1.0  # the gradient reversal's scale, set by the training loop (DANN's schedule)
+
+
+class _GradReverse(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _GradReverse.calls += 1
+        return -_REVERSAL * g
+
+
+class _ReversedHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.lin(_GradReverse.apply(x))
+
+
+@pytest.mark.parametrize("where", ["function", "forward"])
+def test_a_global_and_a_class_counter_a_custom_function_reads_are_the_functions_own(where):
+    # (a custom autograd.Function's methods were not walked: the global its backward reads was frozen into the
+    # program, and its class counter advanced only while tracing)
+    global _REVERSAL
+
+    def run(device, jit):
+        global _REVERSAL
+        torch.manual_seed(0)
+        feat, head = torch.nn.Linear(3, 3).to(device), _ReversedHead().to(device)
+        opt = torch.optim.SGD([*feat.parameters(), *head.parameters()], lr=0.1)
+        _GradReverse.calls = 0
+
+        def step(x):
+            opt.zero_grad()
+            h = feat(x)
+            out = head(h) if where == "forward" else _GradReverse.apply(h).sum(1, keepdim=True)
+            out.sum().backward()
+            opt.step()
+
+        s = t2j.jit(step) if jit else step
+        for i in range(4):
+            _REVERSAL = 0.5 * i
+            s(torch.ones(2, 3, device=device))
+        return _GradReverse.calls, feat.weight.detach().cpu()
+
+    try:
+        want = run("cpu", False)
+        got = run("jax", True)
+    finally:
+        _REVERSAL = 1.0
+    assert got[0] == want[0] == 4
+    torch.testing.assert_close(got[1], want[1])
+
+
 @pytest.mark.parametrize("foreach", [None, False])
 def test_adam_steps_a_parameter_listed_twice_twice(foreach):
     # (tied weights listed by named_parameters(remove_duplicate=False); torch warns but steps each entry)

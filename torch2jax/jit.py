@@ -327,6 +327,8 @@ class _Roots:
                 elif isinstance(value, type):  # (a namespace of settings: ``class Cfg: scale = 1.0``)
                     for entry in _class_values(value, names):
                         self.add_value(*entry)
+                    for method in _function_methods(value):  # (``GradReverse.apply(x)``: what its backward reads)
+                        self.add_function(method, depth + 1)
                 elif isinstance(value, types.ModuleType):  # (a ``config.py`` of settings: ``cfg.SCALE``)
                     for entry in _module_values(value, names):
                         self.add_value(*entry)
@@ -557,6 +559,12 @@ def _globals_read(fn, read: dict, seen: set, depth: int = 0, cls=None, container
         value = g[name]
         if _watched(value):
             read.setdefault((id(g), name), (f"global {name}", g, name))
+        elif isinstance(value, type) and depth < 3:
+            for method in _function_methods(value):
+                _globals_read(method, read, seen, depth + 1, containers=containers)
+                method_names = _global_names(method.__code__)
+                read.update({(id(base), attr): (where, base, attr)
+                             for where, base, attr in _class_values(value, method_names)})
         elif type(value) in (dict, list) and containers is not None:
             containers[id(g), name] = (g, name)  # (read again from ``g``: the global may be bound anew)
         if isinstance(value, types.FunctionType) and depth < 3:
@@ -578,6 +586,16 @@ def _own_method(cls, name):
             attr = attr.fget
         return attr if isinstance(attr, types.FunctionType) else None
     return None
+
+
+def _function_methods(cls) -> list:
+    """The methods of ``cls`` where it is a custom ``torch.autograd.Function`` of the user's (forward,
+    backward, setup_context, jvp, vmap): a function applying it runs them, and what they read (a global
+    ``LAMBDA`` a gradient reversal's backward scales by, a class counter) is the function's too."""
+    if not (issubclass(cls, torch.autograd.Function) and not cls.__module__.startswith("torch")):
+        return []
+    methods = (_own_method(cls, name) for name in ("forward", "backward", "setup_context", "jvp", "vmap"))
+    return [m for m in methods if m is not None]
 
 
 def _class_values(cls, names):
