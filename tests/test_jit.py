@@ -1781,6 +1781,47 @@ def test_a_global_and_a_class_counter_a_custom_function_reads_are_the_functions_
     torch.testing.assert_close(got[1], want[1])
 
 
+class _BoostedSGD(torch.optim.Optimizer):
+    """An optimizer of the user's whose step reads a plain attribute the training loop sets and advances a
+    counter."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+        self.boost, self.steps = 1.0, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.steps += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * self.boost)
+
+
+def test_an_optimizer_class_of_the_users_attributes_are_guarded_and_its_counters_advance():
+    # (its attributes were no state: a new ``opt.boost`` kept the traced value, silently, and ``self.steps``
+    # advanced only while tracing)
+    def run(device, jit):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 1).to(device)
+        opt = _BoostedSGD(m.parameters(), 0.1)
+
+        def step(x):
+            opt.zero_grad()
+            m(x).sum().backward()
+            opt.step()
+
+        s = t2j.jit(step) if jit else step
+        for i in range(4):
+            opt.boost = 0.5 * i
+            s(torch.ones(2, 3, device=device))
+        return opt.steps, m.weight.detach().cpu()
+
+    want = run("cpu", False)
+    got = run("jax", True)
+    assert got[0] == want[0] == 4
+    torch.testing.assert_close(got[1], want[1])
+
+
 @pytest.mark.parametrize("foreach", [None, False])
 def test_adam_steps_a_parameter_listed_twice_twice(foreach):
     # (tied weights listed by named_parameters(remove_duplicate=False); torch warns but steps each entry)

@@ -67,6 +67,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import inspect
 import gc
 import hashlib
 import itertools
@@ -237,6 +238,10 @@ class _Roots:
                 self.optimizers.append(obj)
                 for hook in _step_hooks(obj):  # (what they close over: ``steps[0] += 1``)
                     self.add(hook, depth + 1)
+                step = _own_method(type(obj), "step")
+                if step is not None:  # (an optimizer class of the user's: its ``self.boost``, ``self.steps += 1``)
+                    self.objects.append(obj)
+                    self.add_function(inspect.unwrap(step), depth + 1)
         elif isinstance(obj, Tensor):
             self._seen.add(id(obj))
             self.tensors.append(obj)
