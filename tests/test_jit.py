@@ -3242,6 +3242,30 @@ def test_packed_sequence_with_lengths_on_the_cpu_compiles():
     assert g.stats["eager_calls"] == 0 and g.stats["hits"] == 1
 
 
+def test_integer_cpu_arguments_go_to_the_device_in_the_eager_run_of_a_graph_break():
+    # (the trace is tried again with them on the CPU, for their values; that stops too, and the eager run
+    # takes them on the device, as every compiled call does: a jax model's embedding reads them there)
+    torch.manual_seed(0)
+    emb, lin = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+    def make_step(emb, lin):
+        def step(idx, y):
+            loss = F.cross_entropy(lin(emb(idx)), y)
+            return loss, (idx > 1).nonzero()  # (a value-dependent shape: a graph break)
+
+        return step
+
+    step, jitted = make_step(emb, lin), t2j.jit(make_step(copy.deepcopy(emb).to("jax"), copy.deepcopy(lin).to("jax")))
+    for _ in range(3):
+        idx, y = torch.tensor([1, 2]), torch.tensor([0, 1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = jitted(idx, y)
+        for a, b in zip(got, step(idx, y)):
+            torch.testing.assert_close(a.cpu(), b)
+    assert jitted.stats["eager_calls"] == 3
+
+
 def test_nan_times_a_false_mask_stays_nan_in_a_program():
     # XLA turns x * convert(mask) into a select that drops x's NaN and inf where the mask is False
     def f(x, mask):

@@ -3296,8 +3296,9 @@ class JitFunction:
                         plain = self._device_leaves(given)
                         leaves = self._view_copies(plain)
                         continue
-                    if retried:  # their values did not help: on the device, as before
+                    if retried:  # their values did not help: on the device, as before, also for the eager run
                         self._by_value = frozenset()
+                        plain = self._device_leaves(given)
                     reason = f"{type(e).__name__}: {e}"
                     self._breaks += 1
                     self._last_break = reason
