@@ -465,3 +465,20 @@ def test_a_cpu_tensor_indexed_with_jax_indices_is_indexed_on_the_cpu(index):
     assert torch.equal(w.grad, torch.zeros(6).index_put_((index,), torch.tensor(1.0), accumulate=True))
     # the other way round, a CPU index on a jax tensor
     assert all(torch.equal(g.cpu(), e) for g, e in zip(_index_with(x.to("jax"), index), _index_with(x, index)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.complex64])
+def test_an_alpha_of_zero_ignores_nan_matrices_where_blas_does(dtype):
+    """torch's CPU addmm / addbmm (float and complex) and addmv (float) hand alpha to BLAS,
+    which never reads the matrices when it is 0: their nans leave no trace. Half-precision
+    kernels, baddbmm and addr compute the product and keep them."""
+    nan, ones = torch.full((3, 3), float("nan"), dtype=dtype), torch.ones(3, 3, dtype=dtype)
+    v = nan[0]
+
+    def ops(n, a, v):
+        return (torch.addmm(a, n, n.t(), alpha=0), torch.addmm(a, n, n, alpha=0, beta=0),
+                torch.addbmm(a, n[None], n[None], alpha=0), torch.addmv(a[0], n, v, alpha=0),
+                torch.baddbmm(a[None], n[None], n[None], alpha=0), torch.addr(a, v, v, alpha=0))
+
+    for got, want in zip(ops(nan.to("jax"), ones.to("jax"), v.to("jax")), ops(nan, ones, v)):
+        torch.testing.assert_close(got.cpu(), want, equal_nan=True)

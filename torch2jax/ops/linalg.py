@@ -292,12 +292,21 @@ def _scalar(value, dtype, half=True):
     return float(np.asarray(value, dtype))
 
 
-def _add_scaled(self, product, beta, alpha, round_half=False):
+# dtypes whose CPU kernels hand ``alpha`` to BLAS gemm / gemv, which never reads the matrices
+# when alpha is 0: a nan or inf in them leaves no trace (addmm(c, nan, nan, alpha=0) is c)
+_BLAS_GEMM = frozenset({np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.complex64), np.dtype(np.complex128)})
+_BLAS_GEMV = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
+def _add_scaled(self, product, beta, alpha, round_half=False, blas=frozenset()):
     """``beta * self + alpha * product`` in the accumulation dtype; ``self`` is ignored when beta is 0.
 
     ``round_half``: bf16/fp16 scalars are first rounded to the tensor's dtype (torch's gemv does).
+    ``blas``: the dtypes for which an ``alpha`` of 0 ignores the product, as BLAS does.
     """
     beta, alpha = _scalar(beta, self.dtype, round_half), _scalar(alpha, self.dtype, round_half)
+    if alpha == 0 and np.dtype(self.dtype) in blas:
+        product = jnp.zeros_like(product)
     out = product if alpha == 1 else product * alpha
     if beta == 0:
         return jnp.broadcast_to(out, jnp.broadcast_shapes(self.shape, out.shape))
@@ -364,7 +373,7 @@ def addmm(self, a, b, *, beta=1, alpha=1):
     _check_mm(a, b, addmm=True)
     _check_dtypes(torch.addmm, self, a, b)
     _check_expand(self, (a.shape[0], b.shape[1]))
-    return _finish(_add_scaled(self, _mm(a, b), beta, alpha), a.dtype)
+    return _finish(_add_scaled(self, _mm(a, b), beta, alpha, blas=_BLAS_GEMM), a.dtype)
 
 
 @register(aten.addmm.dtype)
@@ -418,7 +427,7 @@ def addbmm(self, a, b, *, beta=1, alpha=1):
 
         return lax.scan(step, start, (a[1:], b[1:]))[0]
     lhs = jnp.transpose(a, (1, 0, 2)).reshape(n, nb * k)
-    return _finish(_add_scaled(self, _mm(lhs, b.reshape(nb * k, m)), beta, alpha), a.dtype)
+    return _finish(_add_scaled(self, _mm(lhs, b.reshape(nb * k, m)), beta, alpha, blas=_BLAS_GEMM), a.dtype)
 
 
 @register(aten.mv.default)
@@ -432,7 +441,7 @@ def mv(a, v):
 def addmv(self, a, v, *, beta=1, alpha=1):
     _check_addmv(self.shape, a, v)
     _check_dtypes(torch.addmv, self, a, v)
-    return _finish(_add_scaled(self, _mm(a, v), beta, alpha, round_half=True), a.dtype)
+    return _finish(_add_scaled(self, _mm(a, v), beta, alpha, round_half=True, blas=_BLAS_GEMV), a.dtype)
 
 
 def _check_dot(a, b):
