@@ -482,3 +482,11 @@ def test_an_alpha_of_zero_ignores_nan_matrices_where_blas_does(dtype):
 
     for got, want in zip(ops(nan.to("jax"), ones.to("jax"), v.to("jax")), ops(nan, ones, v)):
         torch.testing.assert_close(got.cpu(), want, equal_nan=True)
+
+
+def test_a_complex_tensor_divided_by_a_python_zero_is_infinite_as_torch():
+    """XLA turns a division by a broadcast scalar into a multiplication by its reciprocal,
+    and a complex zero's reciprocal is nan: z / 0 was nan+nanj everywhere."""
+    z = torch.tensor([1 + 2j, -1 + 0j, 0j, 1j, complex(float("inf"), 0)])
+    for divisor in (0, 0.0, 0j, torch.tensor(0j)):
+        torch.testing.assert_close((z.to("jax") / divisor).cpu(), z / divisor, equal_nan=True)

@@ -252,7 +252,8 @@ def true_divide(a, b):
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     shape = jnp.broadcast_shapes(a.shape, b.shape)
-    if (b.shape != shape or not shape) and jnp.issubdtype(b.dtype, jnp.floating):
+    # (a complex divisor too: the reciprocal of a complex zero is nan, where the quotient is infinite)
+    if (b.shape != shape or not shape) and jnp.issubdtype(b.dtype, jnp.inexact):
         # along the longest dimension: an iota of length 1 is a known zero. A quotient of
         # one element (a constant 0-d divisor is rewritten too) hides it behind a barrier.
         full = shape or (1,)
@@ -260,10 +261,11 @@ def true_divide(a, b):
         # (a symbolic dimension of an export with dynamic shapes cannot be compared: one is
         # taken where every static dimension is 1)
         axis = int(np.argmax(static)) if max(static) > 1 or len(static) == full.count(1) else static.index(0)
-        iota = jax.lax.broadcasted_iota(b.dtype, full, axis)
+        real = jnp.finfo(b.dtype).dtype  # (the iota of a complex divisor is real)
+        iota = jax.lax.broadcasted_iota(real, full, axis)
         if static[axis] == 1:
             iota = jax.lax.optimization_barrier(iota)
-        b = b - jnp.zeros((), b.dtype) * iota
+        b = b - (jnp.zeros((), real) * iota).astype(b.dtype)
         return (a / b).reshape(shape)
     return a / b
 
