@@ -236,23 +236,38 @@ def wraps_torch_function(wrapper, traced_on_jax: bool = False):
     return wrapper
 
 
-# What Dynamo traces for a wrapper: compiled from this source, so that it belongs to no file that
-# Dynamo skips. Jax tensors (opaque objects to Dynamo, and unless ``traced_on_jax``, the fake
-# tensors on the jax device it traces for torch2jax's backend) go to the wrapper, which runs
-# eagerly (a graph break), as the function runs without Dynamo; other tensors to the original.
-_SUBSTITUTE = """
-def holds_jax_tensor(x):
-    if isinstance(x, jax_tensor) or not traced_on_jax and isinstance(x, torch.Tensor) and x.device.type == "jax":
+# Whether a value (or a tuple, list or dict of them) holds a jax tensor: an opaque object to Dynamo or, with
+# ``fakes``, one of the fake tensors on the jax device Dynamo traces for torch2jax's backend
+# (`dynamo.trace_jax_tensors`). Compiled from this source, so that it belongs to no file Dynamo skips:
+# the code that replaces torch functions for jax tensors calls it where Dynamo traces.
+_HOLDS_JAX_TENSOR = """
+def holds_jax_tensor(x, fakes=True):
+    if isinstance(x, jax_tensor) or fakes and isinstance(x, torch.Tensor) and x.device.type == "jax":
         return True
     if isinstance(x, (tuple, list)):
-        return any(holds_jax_tensor(v) for v in x)
+        return any(holds_jax_tensor(v, fakes) for v in x)
     if isinstance(x, dict):
-        return any(holds_jax_tensor(v) for v in x.values())
+        return any(holds_jax_tensor(v, fakes) for v in x.values())
     return False
+"""
 
 
+@functools.lru_cache(maxsize=None)
+def holds_jax_tensor():
+    """The `_HOLDS_JAX_TENSOR` function (made on first use: it names `torch2jax.Tensor`)."""
+    from .tensor import Tensor
+
+    namespace = {"torch": torch, "jax_tensor": Tensor}
+    exec(compile(_HOLDS_JAX_TENSOR, "<torch2jax: holds_jax_tensor>", "exec"), namespace)  # noqa: S102
+    return namespace["holds_jax_tensor"]
+
+
+# What Dynamo traces for a wrapper, compiled as `_HOLDS_JAX_TENSOR` is: jax tensors (unless ``traced_on_jax``,
+# also the fake ones) go to the wrapper, which runs eagerly (a graph break), as the function runs without
+# Dynamo; other tensors to the original.
+_SUBSTITUTE = """
 def substitute(*args, **kwargs):
-    if holds_jax_tensor(args) or holds_jax_tensor(kwargs):
+    if holds_jax_tensor((args, kwargs), not traced_on_jax):
         return wrapper(*args, **kwargs)
     return original(*args, **kwargs)
 """
@@ -261,12 +276,10 @@ def substitute(*args, **kwargs):
 def _original_in_graphs(wrapper, traced_on_jax: bool) -> None:
     import torch._dynamo
 
-    from .tensor import Tensor
-
     def eagerly(*args, **kwargs):  # (a function of this file, which Dynamo skips: a graph break, then eager)
         return wrapper(*args, **kwargs)
 
-    namespace = {"torch": torch, "jax_tensor": Tensor, "traced_on_jax": traced_on_jax, "wrapper": eagerly,
+    namespace = {"holds_jax_tensor": holds_jax_tensor(), "traced_on_jax": traced_on_jax, "wrapper": eagerly,
                  "original": wrapper.__wrapped__}
     exec(compile(_SUBSTITUTE, f"<torch2jax: {wrapper.__qualname__} in Dynamo>", "exec"), namespace)  # noqa: S102
     torch._dynamo.substitute_in_graph(wrapper, skip_signature_check=True)(namespace["substitute"])

@@ -33,7 +33,7 @@ import types
 
 import torch
 
-from .tensor import Tensor
+from .device import holds_jax_tensor
 
 
 def install_flex_attention() -> None:
@@ -47,7 +47,7 @@ def install_flex_attention() -> None:
     import torch.nn.attention.flex_attention as module
 
     _reroute(module.flex_attention, _FLEX_ATTENTION_ROUTE, _t2j_flex_attention=flex_attention,
-             _t2j_jax_tensor=Tensor)
+             _t2j_holds_jax_tensor=holds_jax_tensor())
     _reroute(module.create_block_mask, _CREATE_BLOCK_MASK_ROUTE)
 
 
@@ -77,8 +77,7 @@ def _reroute(function, source: str, **names) -> None:
 _FLEX_ATTENTION_ROUTE = """
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
                    return_lse=False, kernel_options=None, *, return_aux=None):
-    if any(isinstance(t, _t2j_jax_tensor) or isinstance(t, torch.Tensor) and t.device.type == "jax"
-           for t in (query, key, value)):
+    if _t2j_holds_jax_tensor((query, key, value)):
         route = _t2j_flex_attention
     else:
         route = _t2j_original_flex_attention

@@ -67,9 +67,9 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import inspect
 import gc
 import hashlib
+import inspect
 import itertools
 import logging
 import math
