@@ -1112,10 +1112,7 @@ JITTABLE = {
     "interpolate_and_pad", "channels_last_convnet",
 }
 TOL = {"half_precision_model": dict(atol=1e-3, rtol=1e-2)}  # float16 sums in another order
-XFAIL = {
-    "sparse_embedding_sparse_adam": "the jax device has no sparse layouts: nn.Embedding(sparse=True)'s weight "
-    "gradient arrives dense, which SparseAdam refuses with torch's RuntimeError",
-}
+XFAIL: dict = {}  # program name -> why it fails (a strict xfail)
 # the default run keeps the cheap programs (a few seconds each on 2 cores); `-m slow` runs all
 FAST = {
     ("hooks", False), ("inplace_errors", False), ("retain_graph_and_higher_order", False),

@@ -270,11 +270,9 @@ WHY = {
                          "torch2jax's series and asymptotic expansions are within 1e-15 there.",
     "special.bessel_y1": "float64: torch CPU's kernel is off by up to 4e-7 for x near 5 (against mpmath's values); "
                          "torch2jax's is within 1e-15 there.",
-    "sparse.mm.reduce": "needs a sparse CSR input: the jax device has no sparse layouts (JAX arrays are dense); "
-                        "torch's sparse kernels need the layout itself.",
-    "sparse.sampled_addmm": "needs a sparse CSR input: the jax device has no sparse layouts.",
-    "to_sparse": "produces a sparse layout, which the jax device does not have: torch2jax raises its OpError saying so "
-                 "(a sparse COO tensor built from indices and values on the jax device is stored dense instead).",
+    "sparse.mm.reduce": "jit: its CSR kernel runs on the host (through torch's sparse kernels, eagerly), which a "
+                        "traced program cannot do; torch2jax raises its OpError saying so.",
+    "sparse.sampled_addmm": "jit: as sparse.mm.reduce.",
 }
 
 

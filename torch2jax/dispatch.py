@@ -210,6 +210,8 @@ def _short_dtype(dtype):
 def _run(handler, func, args, kwargs):
     try:
         return handler(func, args, kwargs)
+    except SparseOperand:
+        return sparse_run(func, args, kwargs)
     except _dt.Complex32Needed:
         if not _complex32.involved((args, kwargs)):
             raise
@@ -373,7 +375,17 @@ def _unwrap(a, cpu_ok=False):
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
+class SparseOperand(Exception):
+    """Raised where an op meets a sparse jax tensor among its operands: `_run` hands the op to
+    torch2jax/ops/sparse.py (``sparse_run``)."""
+
+
+sparse_run = None  # torch2jax.ops.sparse.run, set when it is imported
+
+
 def _foreign(a):
+    if a.layout != torch.strided and a.device.type == DEVICE.type:
+        raise SparseOperand
     raise OpError(f"torch2jax: expected a tensor on the jax or cpu device, got one on {a.device}")
 
 
@@ -2498,12 +2510,15 @@ def _checked_value(target, value, func):
 
 
 def _host_handler(func, args, kwargs, which=""):
+    if any(isinstance(a, torch.Tensor) and a.layout != torch.strided and a.device.type == DEVICE.type
+           for a in _pytree.tree_leaves((args, kwargs))):
+        return sparse_run(func, args, kwargs)  # (a dense jax tensor with a sparse one: `sparse_mask`)
     _check_devices(func, args, kwargs)
     if _sparse_only(func):
         raise OpError(
-            f"torch2jax: {func} reads a sparse layout, which the jax device does not have: a sparse tensor moved "
-            "or made there is stored dense (its to_dense()), and torch has no kernel of this op for dense "
-            "tensors. Use dense ops on it (a sum, a masked softmax), or keep the sparse tensor on the CPU")
+            f"torch2jax: {func} reads a sparse layout, and this tensor is dense: a sparse tensor made inside a "
+            "traced program (t2j.jit, jax.jit) is stored dense (its to_dense()), and torch has no kernel of this "
+            "op for dense tensors. Use dense ops on it (a sum, a masked softmax), or make the sparse tensor outside")
     COUNTERS["host_fallbacks"] += 1
     mode = _env.config().fallback
     if mode == "error":

@@ -26,7 +26,6 @@ from .linalg import _acc_dtype, _precision
 from .registry import (HALF_DTYPES, broadcast_shapes, canonical_dim, check_values, checked_scalar, decomposition,
                        refused_dtypes, register, scalar_type_name, torch_slopes, true_divide)
 from .shape import is_traced
-from .sparse import _warn_dense
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -1179,13 +1178,16 @@ def _embedding_bag_freq(indices, num_weights):
     return jnp.maximum(divisor, 1).astype(_F32)
 
 
-@register(aten._embedding_bag_backward.default)
+@decomposition(aten._embedding_bag_backward)
 def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
                             scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
-    if sparse:  # the jax device has no sparse layout: the gradient is its dense equivalent
-        _warn_dense()
-    return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
-                                         scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+    """The weight gradient of ``EmbeddingBag``: sparse for ``sparse=True``, as torch's (torch2jax/ops/sparse.py:
+    stored dense inside a traced program)."""
+    if sparse:
+        return aten._embedding_bag_sparse_backward(grad, indices, offsets, offset2bag, bag_size, num_weights,
+                                                   scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+    return aten._embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                              scale_grad_by_freq, mode, per_sample_weights, padding_idx)
 
 
 @register(aten._embedding_bag_per_sample_weights_backward.default)
