@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import importlib
@@ -731,6 +732,31 @@ def test_outputs_structure_and_cpu_inputs():
     out = f(torch.arange(6.0), 2)
     assert out["sum"].device.type == "jax" and out["sum"].item() == 15.0
     assert out["parts"][0].tolist() == [0.0, 1.0] and out["parts"][1:] == (None, "tag")
+
+
+def test_objects_it_makes_and_returns_are_new_objects_with_each_calls_values():
+    @dataclasses.dataclass(frozen=True)
+    class Out:
+        loss: torch.Tensor
+        extra: dict
+
+    class Stats:
+        def __init__(self, peak, total):
+            self.peak, self.total, self.tag = peak, total, "s"
+
+    holder = types.SimpleNamespace(last=None)
+
+    @t2j.jit
+    def step(x):
+        holder.last = x + 1
+        return Out(x * 2, {"stats": [Stats(x.max(), x.sum().item())]}), holder
+
+    outs = [step(torch.full((2,), float(i), device="jax")) for i in range(3)]
+    assert len({id(o) for o, _ in outs}) == 3 and all(h is holder for _, h in outs)  # (an object it reached is itself)
+    for i, (o, _) in enumerate(outs):
+        stats = o.extra["stats"][0]
+        assert o.loss.tolist() == [2.0 * i] * 2 and stats.peak.item() == i and stats.total == 2.0 * i
+        assert stats.tag == "s"
 
 
 def test_method_of_a_module_subclass():

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import enum
 import functools
@@ -2645,6 +2646,61 @@ class _Outputs:
             else ("laid_out", (k, order))
 
 
+class _MadeObject:
+    """An object the traced function made and returns that holds tensors (a dataclass of outputs,
+    ``Result(loss, logits)``), as a node of the outputs' tree: its attributes are its children, so each
+    call returns a new object holding that call's values, as the eager function does, not the one the
+    trace made (`_made_objects_as_nodes`)."""
+
+    def __init__(self, obj, attrs: dict):
+        self.obj, self.attrs = obj, attrs
+
+
+def _flatten_made_object(node):
+    names = tuple(node.attrs)
+    # the object without the values, copied again for every call (tensors of the trace are not kept)
+    template = copy.copy(node.obj)
+    template.__dict__.update(dict.fromkeys(names))
+    return [node.attrs[n] for n in names], (template, names)
+
+
+def _unflatten_made_object(values, context):
+    template, names = context
+    obj = copy.copy(template)
+    obj.__dict__.update(zip(names, values))  # (also a frozen dataclass's fields: no __setattr__)
+    return obj
+
+
+torch_pytree.register_pytree_node(_MadeObject, _flatten_made_object, _unflatten_made_object)
+
+
+def _made_objects_as_nodes(out, known: set):
+    """``out`` with each plain object in it that holds tensors or traced numbers, that the function made
+    (its id not in ``known``: the arguments and the objects the state walk reached), a `_MadeObject`."""
+    def holds_traced(value, within):
+        return any(isinstance(x, torch.Tensor) or _sym.is_traced_number(x) or made(x, within)
+                   for x in torch_pytree.tree_leaves(value, _is_size))
+
+    def made(x, within=frozenset()):
+        if id(x) in known or id(x) in within or isinstance(x, (torch.Tensor, torch.nn.Module, type)):
+            return False  # (``within``: the objects it is looked for in, as objects can hold each other)
+        return (not callable(x) and not isinstance(x, types.ModuleType) and type(getattr(x, "__dict__", None)) is dict
+                and holds_traced(vars(x), within | {id(x)}))
+
+    def nodes(value, within):
+        return torch_pytree.tree_map(functools.partial(node, within=within), value, is_leaf=_is_size)
+
+    def node(x, within):
+        if not made(x):
+            return x
+        if id(x) in within:  # (a graph break: its eager run returns the objects themselves)
+            raise OpError(f"t2j.jit: the function returns {type(x).__name__} objects that hold each other; one "
+                          "program returns a tree of values")
+        return _MadeObject(x, {k: nodes(v, within | {id(x)}) for k, v in vars(x).items()})
+
+    return nodes(out, frozenset())
+
+
 def _classification_order(out_leaves) -> tuple:
     """The output positions with the tensors that are not views first: a view returned before
     its base (``return t[:, :2], t``) is then found to be a view of that output, as when it
@@ -3770,8 +3826,9 @@ class JitFunction:
             _check_layouts(slots, layouts, layout_storages, {id(x) for x in leaves if isinstance(x, torch.Tensor)})
             if capture.unknown:
                 raise _Retrace([t._t2j_storage for t in capture.unknown.values()])
-            out_leaves, out_def = torch_pytree.tree_flatten(out, _is_size)
             info["returned_args"] = tuple(_returned_containers(out, {id(c): path for path, c, _ in containers}))
+            known = {id(x) for x in (*leaves, *roots.objects, *roots.modules, *roots.optimizers)}
+            out_leaves, out_def = torch_pytree.tree_flatten(_made_objects_as_nodes(out, known), _is_size)
             del out
             pre_index = {id(t): i for i, t in enumerate(slots.tensors) if t is not None}
             arg_index = {id(x): i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
@@ -4647,10 +4704,10 @@ def _set_hyper(group, hk, ti, value):
 def _write_back_to_cpu(from_cpu):
     """Copy into each CPU tensor argument what the call wrote into its copy on the device
     (``x.add_(1)`` of a CPU ``x``), as torch's in-place op would have written it."""
-    for cpu, copy, array in from_cpu:
-        if copy._t2j_storage.array is not array:
+    for cpu, on_device, array in from_cpu:
+        if on_device._t2j_storage.array is not array:
             with torch.no_grad():
-                cpu.copy_(copy.detach().cpu())
+                cpu.copy_(on_device.detach().cpu())
 
 
 def _to_device(x):
@@ -4792,14 +4849,14 @@ def _restore_python_places(places):
                 g[name] = value
     for cell, value in cells:
         _put("cell", cell, None, value)
-    for t, version, copy in cpu:
+    for t, version, saved in cpu:
         if _cpu_version(t) != version:
-            if copy is None:
+            if saved is None:
                 warnings.warn(f"t2j.jit: a trace that stopped changed a CPU tensor of shape {list(t.shape)} in "
                               "place; the eager run of the call changes it again", stacklevel=4)
             else:  # (an inference tensor is written only inside inference_mode)
                 with torch.inference_mode() if t.is_inference() else torch.no_grad():
-                    t.copy_(copy)
+                    t.copy_(saved)
 
 
 def _restore(snapshot):
