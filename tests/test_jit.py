@@ -4192,6 +4192,30 @@ def test_a_dict_subclass_argument_keeps_its_class_and_attributes():
     assert jitted.stats["traces"] == 1
 
 
+def test_a_dataclass_batch_made_for_each_call_is_one_program():
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        scale: float = 1.0
+        logits: object = None
+
+    lin = nn.Linear(3, 2).to("jax")
+
+    @t2j.jit
+    def step(batch):
+        batch.logits = lin(batch.x) * batch.scale
+        batch.x.mul_(2)
+        return batch, batch.logits.sum()
+
+    batches = [Batch(torch.full((2, 3), float(i), device="jax")) for i in range(4)]  # (all alive: no id reused)
+    for i, batch in enumerate(batches):
+        out, total = step(batch)
+        expected = lin(torch.full((2, 3), float(i), device="jax"))
+        assert out is batch and torch.equal(batch.logits, expected) and torch.equal(total, expected.sum())
+        assert batch.x.eq(2.0 * i).all()
+    assert step.stats["traces"] == 1
+
+
 @pytest.mark.parametrize("change", ["pop first", "insert", "nested", "reorder", "tuple of lists", "delete"])
 def test_argument_containers_changed_in_place_as_in_torch(change):
     def f(x, tree):

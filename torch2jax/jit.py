@@ -961,15 +961,25 @@ def _same_tree(a, b) -> bool:
 
 
 # the pytree nodes of a call's arguments that the function can change in place (and the dict-like
-# classes `_pytree.register_argument_nodes` made nodes: a ``BatchEncoding``)
+# classes `_pytree.register_argument_nodes` made nodes: a ``BatchEncoding``; and its dataclasses)
 _MUTABLE_NODES = (list, dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _keyed(container) -> bool:
+    """Whether ``container`` holds its items by key: a mapping, or a dataclass argument (by attribute name)."""
+    return isinstance(container, Mapping) or _pytree.is_registered_record(container)
+
+
+def _keyed_items(container):
+    """A mapping's items; a dataclass argument's attributes."""
+    return vars(container).items() if _pytree.is_registered_record(container) else container.items()
 
 
 def _argument_containers(tree, path=()) -> list:
     """(path, container, its (key, item) pairs then) per list and dict of a call's ``(args, kwargs)``,
     the outermost first: the places whose changes each compiled call makes again (`_argument_changes`)."""
-    if type(tree) in _MUTABLE_NODES or _pytree.is_registered_mapping(tree):
-        items = list(tree.items()) if isinstance(tree, Mapping) else list(enumerate(tree))
+    if type(tree) in _MUTABLE_NODES or _pytree.is_registered_mapping(tree) or _pytree.is_registered_record(tree):
+        items = list(_keyed_items(tree)) if _keyed(tree) else list(enumerate(tree))
         found = [(path, tree, items)]
     elif type(tree) is tuple or _is_namedtuple(tree):
         items, found = list(enumerate(tree)), []
@@ -990,8 +1000,8 @@ def _argument_changes(containers, traced_args, leaves, spec) -> list | None:
     moved = {id(c) for _, c, _ in containers}
     changes = []
     for path, container, before in containers:
-        if isinstance(container, Mapping):
-            now = list(container.items())
+        if _keyed(container):
+            now = list(_keyed_items(container))
             if len(now) == len(before) and all(k == j and v is w for (k, v), (j, w) in zip(now, before)):
                 continue
             old = dict(before)
@@ -1018,14 +1028,14 @@ def _nodes(value):
     if isinstance(value, (tuple, list)):
         for v in value:
             yield from _nodes(v)
-    elif isinstance(value, Mapping):
-        for v in value.values():
+    elif _keyed(value):
+        for _, v in _keyed_items(value):
             yield from _nodes(v)
 
 
 def _at(tree, path):
     for key in path:
-        tree = tree[key]
+        tree = getattr(tree, key) if _pytree.is_registered_record(tree) else tree[key]
     return tree
 
 
@@ -1033,7 +1043,12 @@ def _change_container(container, layout, values):
     """Make ``container`` what a trace left it (`_argument_changes`): ``layout`` gives each item
     as its index (a list's) or ``(key, kept)`` (a dict's) before the call, or None (unkept) for the
     next of ``values``."""
-    if isinstance(container, Mapping):
+    if _pytree.is_registered_record(container):  # (a frozen dataclass's too: its trace changed it the same way)
+        values = iter(values)
+        items = [(k, vars(container)[k] if kept else next(values)) for k, kept in layout]
+        vars(container).clear()
+        vars(container).update(items)
+    elif isinstance(container, Mapping):
         values = iter(values)
         items = [(k, container[k] if kept else next(values)) for k, kept in layout]
         container.clear()

@@ -10,6 +10,7 @@ objects that hold tensors (a Hugging Face ``DynamicCache``, returned with
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -177,9 +178,10 @@ _MAPPING_CLASSES: set = set()
 def register_argument_nodes(tree, depth=0) -> None:
     """Register with torch's pytree every dict-like class among ``tree``'s containers that is not a
     node yet (a ``collections.UserDict`` subclass or a ``dict`` subclass: its values are its
-    children), and every class JAX's pytree knows and torch's does not (a dataclass registered with
-    ``jax.tree_util``, an equinox module: JAX's children are its children), so that `t2j.jit` takes
-    the tensors and arrays inside them as arguments of their own.
+    children), every class JAX's pytree knows and torch's does not (a dataclass registered with
+    ``jax.tree_util``, an equinox module: JAX's children are its children), and every other
+    dataclass (a batch made for each call: its attributes are its children), so that `t2j.jit`
+    takes the tensors and arrays inside them as arguments of their own.
 
     >>> register_argument_nodes(((batch_encoding,), {}))
     >>> torch.utils._pytree.tree_leaves(batch_encoding)   # its tensors
@@ -197,6 +199,9 @@ def register_argument_nodes(tree, depth=0) -> None:
             and jax.tree_util.default_registry.flatten_one_level(tree) is not None):
         _register_jax_node_class(type(tree))
         children = jax.tree_util.default_registry.flatten_one_level(tree)[0]
+    elif type(tree) in _RECORD_CLASSES or (_is_record(tree) and tp.tree_is_leaf(tree)):
+        _register_record_class(type(tree))
+        children = vars(tree).values()
     else:
         return
     if depth < 8:
@@ -258,6 +263,51 @@ def _register_mapping_class(cls) -> None:
 
     def flatten_with_keys(obj):
         return [(tp.MappingKey(k), v) for k, v in obj.items()], flatten(obj)[1]
+
+    try:
+        tp.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
+    except ValueError:  # registered meanwhile
+        pass
+
+
+# -- dataclass arguments ----------------------------------------------------------------
+#
+# A dataclass instance (``Batch(x, y)``, made for each call) is a leaf to torch's pytree: t2j.jit
+# would key its programs by the object, compiling one per batch. Registered, its attributes are
+# children and their names the static part; `t2j.jit` makes the attribute assignments a trace
+# made to it (``batch.logits = ...``) on the caller's object, as it does a dict's changes.
+
+_RECORD_CLASSES: set = set()
+
+
+def _is_record(x) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, (type, torch.nn.Module, torch.optim.Optimizer)) \
+        and type(getattr(x, "__dict__", None)) is dict
+
+
+def is_registered_record(x) -> bool:
+    """Whether ``x`` is an instance of a dataclass `register_argument_nodes` registered."""
+    return type(x) in _RECORD_CLASSES
+
+
+def _register_record_class(cls) -> None:
+    from torch.utils import _pytree as tp
+
+    if cls in _RECORD_CLASSES:
+        return
+    _RECORD_CLASSES.add(cls)
+
+    def flatten(obj):
+        names = tuple(vars(obj))
+        return [vars(obj)[n] for n in names], names
+
+    def unflatten(children, names):
+        obj = cls.__new__(cls)  # (not __init__: its __post_init__ already ran on the caller's object)
+        obj.__dict__.update(zip(names, children))
+        return obj
+
+    def flatten_with_keys(obj):
+        return [(tp.GetAttrKey(n), v) for n, v in vars(obj).items()], tuple(vars(obj))
 
     try:
         tp.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
