@@ -192,6 +192,32 @@ def test_torch_sparse_matmul_under_jit_with_a_sparse_constant():
         torch.testing.assert_close(wj.grad.cpu(), wc.grad)
 
 
+def test_a_sparse_tensor_a_jitted_step_reads_is_carried_not_baked_in():
+    # a GCN-style step reading a sparse adjacency it does not receive: its parts are state of the program (one trace),
+    # so a later in-place change of its values is seen without a retrace
+    torch.manual_seed(0)
+    indices, values, lin0 = torch.tensor([[0, 1, 2, 2], [1, 2, 0, 2]]), torch.tensor([0.1, 0.2, 0.3, 0.4]), nn.Linear(2, 2)
+    runs = []
+    for device, wrap in (("cpu", lambda f: f), ("jax", t2j.jit)):
+        adj = torch.sparse_coo_tensor(indices.to(device), values.clone().to(device), (3, 3))
+        lin = copy.deepcopy(lin0).to(device)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.05)
+
+        def step(x):
+            opt.zero_grad()
+            loss = torch.sparse.mm(adj, lin(x)).pow(2).sum() + (adj * 2).to_dense().sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        step, x = wrap(step), torch.ones(3, 2, device=device)
+        losses = [step(x).item() for _ in range(2)]
+        adj._values().mul_(2)
+        runs.append(losses + [step(x).item() for _ in range(2)])
+    assert runs[1] == pytest.approx(runs[0], rel=1e-5)
+    assert step.stats["traces"] == 2  # (the first call's state, with no .grad yet, and every later one)
+
+
 def test_host_kernels_of_sparse_ops_warn_once_and_refuse_when_traced():
     a, aj = _pair()
     with warnings.catch_warnings(record=True) as record:

@@ -247,6 +247,10 @@ class _Roots:
             self._seen.add(id(obj))
             self.tensors.append(obj)
             self.add_gradient_hooks(obj, depth)
+        elif isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo and obj.device == _tensor.DEVICE:
+            self._seen.add(id(obj))
+            for part in (obj._indices(), obj._values()):  # (jax tensors, carried as any other: no constants)
+                self.add(part, depth)
         elif isinstance(obj, torch.Tensor):
             self._seen.add(id(obj))
             self.cpu_tensors.append(obj)
