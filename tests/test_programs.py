@@ -134,6 +134,26 @@ def test_optimizer_foreach_matches_torch(name, jit):
     _check_optimizer(name, jit, 3, foreach=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("op", ["addcmul", "addcdiv"])
+def test_foreach_pointwise_with_a_tensor_of_scalars(op, dtype):
+    # torch reads a CPU tensor of scalars out into numbers (each element's op in its own opmath);
+    # a jax one (a compiled optimizer's step sizes) is computed the same way, not in float16
+    g = torch.Generator().manual_seed(0)
+    xs, t1, t2 = ([torch.randn(300, generator=g).to(dtype) + k for _ in range(2)] for k in (0, 0, 3))
+    scalars = torch.tensor([0.1, -1 / 3], dtype=torch.float64)
+    want = getattr(torch, f"_foreach_{op}")(xs, t1, t2, scalars)
+    on_jax = [[t.to("jax") for t in ts] for ts in (xs, t1, t2)]
+    for where in ("cpu", "jax"):
+        got = getattr(torch, f"_foreach_{op}")(*on_jax, scalars.to(where))
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b), where
+    for bad, message in [(scalars[None], "of dimension 1. Got 2"), (scalars[:1], "input of length 2 but got 1"),
+                         (torch.tensor([1j, 1j]), "cannot be converted to type")]:
+        with pytest.raises(RuntimeError, match=message):
+            getattr(torch, f"_foreach_{op}")(*on_jax, bad)
+
+
 @pytest.mark.parametrize("make, cycle_betas", [
     (lambda p: torch.optim.Adam(p, lr=1e-2), False), (lambda p: torch.optim.AdamW(p, lr=1e-2), False),
     (lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True), False),

@@ -81,14 +81,46 @@ def _per_element(foreach_op):
                 for t, value in zip(lists[0], out.unbind()):
                     t.copy_(value)
                 return None
+        bound = [_packed_scalars(v, n) if a.name == "scalars" and isinstance(v, torch.Tensor) else v
+                 for a, v in zip(arguments, bound)]
         results = [
-            call(lambda a, v: v[i] if _is_list(a) or (a.name == "scalars" and isinstance(v, torch.Tensor)) else v,
-                 inplace)
+            call(lambda a, v: v[i] if _is_list(a) or (a.name == "scalars" and isinstance(v, (torch.Tensor, list)))
+                 else v, inplace)
             for i in range(n)
         ]
         return None if inplace else results
 
     return decomposed
+
+
+def _packed_scalars(scalars, n):
+    """The values of a packed 1-D tensor of ``scalars`` (addcmul / addcdiv's ``.Tensor``
+    overloads), checked as torch checks them. One on the CPU gives its Python numbers: torch
+    reads them out (convert_tensor_to_scalar_list) and runs each element's op with its number,
+    so the op keeps its precision and its checks on the value; one on the jax device (a
+    compiled optimizer's stacked step sizes) stays a tensor, whose elements ``_apply`` takes."""
+    if scalars.dim() != 1:
+        raise RuntimeError(f"Expected packed scalar Tensor to be of dimension 1. Got {scalars.dim()} instead.")
+    if scalars.numel() != n:
+        raise RuntimeError(f"Expected length of scalars to match input of length {n} but got {scalars.numel()} "
+                           "instead.")
+    return scalars.tolist() if scalars.device.type == "cpu" else scalars
+
+
+def _add_scaled_pointwise(name, x, t1, t2, value, inplace):
+    """``x + value * t1 op t2`` for a tensor ``value``, as the per-tensor op's kernel computes
+    it with a number: in float32 for float16 / bfloat16 (torch's opmath, ``value`` not rounded
+    to the narrow dtype), ``value * t1`` first and then the op itself with value 1, so that the
+    product and the sum round (or fuse) as in ``addcmul`` / ``addcdiv``."""
+    if value.is_complex() and not x.is_complex():
+        raise RuntimeError(f"_foreach_{name}: a complex value cannot be converted to {x.dtype} without overflow")
+    if not (x.is_floating_point() or x.is_complex()) or not t1.dtype == t2.dtype == x.dtype:
+        product = _POINTWISE[name](aten.mul(value, t1), t2)  # mixed dtypes: torch's promotion decides
+        return aten.add_(x, product) if inplace else aten.add(x, product)
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    scaled = aten.mul(t1.to(compute), value.to(compute))
+    out = getattr(aten, name)(x.to(compute), scaled, t2.to(compute)).to(x.dtype)
+    return x.copy_(out) if inplace else out
 
 
 def _scalars_only(arguments, bound) -> bool:
@@ -116,10 +148,9 @@ def _scalars_only(arguments, bound) -> bool:
 def _apply(name, functional, in_place, scalar_clamp, positional, keywords, inplace):
     op = in_place if inplace else functional
     if isinstance(keywords.get("value"), torch.Tensor):
-        # a tensor-valued ``value`` (from a tensor of scalars): self + value * (t1 op t2)
+        # a tensor-valued ``value`` (an element of a jax tensor of scalars)
         x, t1, t2 = positional
-        positional, keywords = [x, aten.mul(_POINTWISE[name](t1, t2), keywords["value"])], {}
-        functional, op = aten.add, (aten.add_ if inplace else aten.add)
+        return _add_scaled_pointwise(name, x, t1, t2, keywords["value"], inplace)
     elif scalar_clamp is not None and not isinstance(positional[1], torch.Tensor):
         functional = getattr(aten, scalar_clamp)  # maximum(x, 2.0) is clamp_min(x, 2.0)
         op = getattr(aten, scalar_clamp + "_") if inplace else functional
