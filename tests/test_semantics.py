@@ -369,6 +369,19 @@ def test_lerp_keeps_a_python_weight_in_float32(dtype):
     assert (torch.lerp(a.to("jax"), b.to("jax"), 0.1).cpu() != expected).sum() <= 2  # (1-ulp FMA differences)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lerp_takes_a_0dim_weight_of_another_dtype_rounded_to_the_inputs(dtype):
+    # torch exempts a 0-dim weight from lerp's same-dtype check and casts it to the inputs' dtype
+    torch.manual_seed(0)
+    a, b = torch.randn(1000).to(dtype), torch.randn(1000).to(dtype)
+    for weight in (torch.tensor(0.3337, dtype=torch.float64), torch.tensor(0.7771)):
+        expected = torch.lerp(a, b, weight)
+        for where in ("cpu", "jax"):
+            assert torch.equal(torch.lerp(a.to("jax"), b.to("jax"), weight.to(where)).cpu(), expected)
+    with pytest.raises(RuntimeError, match="expected dtype .* for `weight` but got dtype double"):
+        torch.lerp(a.to("jax"), b.to("jax"), torch.full((1000,), 0.5, dtype=torch.float64, device="jax"))
+
 _OUT_RESIZES = {
     "zeros": lambda e, d: torch.zeros(4, out=e(2)),
     "full": lambda e, d: torch.full((4,), 2.0, out=e(2)),

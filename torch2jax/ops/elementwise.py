@@ -276,8 +276,9 @@ def add(x, y, alpha=1):
 
 
 def _cpu_operand(a):
-    """``a`` for a run of torch's CPU kernel that only checks dtypes: a tensor's one-element stand-in."""
-    return torch.zeros(1, dtype=a.dtype) if isinstance(a, torch.Tensor) else a
+    """``a`` for a run of torch's CPU kernel that only checks dtypes: a tensor's one-element stand-in,
+    0-dim for a 0-dim tensor (which torch's checks can exempt: lerp takes a 0-dim weight of any dtype)."""
+    return torch.zeros((1,) * min(a.dim(), 1), dtype=a.dtype) if isinstance(a, torch.Tensor) else a
 
 
 @warning(aten.sub, aten.sub_, aten.rsub)
@@ -521,7 +522,7 @@ def _lerp_dtypes(func, args, kwargs):
         raise_as_torch(torch.lerp, *map(_cpu_operand, args[:3]))
 
 
-@elementwise(aten.lerp, round_scalars=False)  # torch keeps a Scalar weight in float32
+@elementwise(aten.lerp, round_scalars="tensors")  # torch keeps a Scalar weight in float32, casts a 0-dim tensor
 def lerp(start, end, weight):
     diff = end - start
     return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end - diff * (1 - weight))

@@ -466,6 +466,11 @@ def _scalar_like(a) -> bool:
     return isinstance(a, (bool, int, float, complex)) or getattr(a, "ndim", 1) == 0
 
 
+def _is_tensor_scalar(a) -> bool:
+    """A 0-dim tensor operand (an array, traced or not), not a Python number."""
+    return isinstance(a, jax.Array) and a.ndim == 0
+
+
 def elementwise(*ops, promote_kind: str = "default", opmath: bool = True, checked: tuple = (),
                 round_scalars: bool | str = True):
     """Register an elementwise lowering with torch's type promotion.
@@ -477,7 +482,8 @@ def elementwise(*ops, promote_kind: str = "default", opmath: bool = True, checke
     (`checked_scalar`), as the kernels taking them as a Scalar require. With bf16 / fp16
     operands, a number or 0-dim operand is first rounded to that dtype, as torch converts
     it to the common dtype (``round_scalars="first"``: only as the first operand, for kernels
-    that read a second scalar operand's own value in float32, as mul and div do).
+    that read a second scalar operand's own value in float32, as mul and div do;
+    ``"tensors"``: only 0-dim tensors, for kernels that read a number in float32, as lerp does).
     """
 
     def deco(fn):
@@ -493,7 +499,8 @@ def elementwise(*ops, promote_kind: str = "default", opmath: bool = True, checke
             operands = args[:n]
             if compute in _HALF and round_scalars and n > 1 and not all(map(_scalar_like, operands)):
                 last = 1 if round_scalars == "first" else n
-                operands = [as_dtype(a, compute) if i < last and _scalar_like(a) else a for i, a in enumerate(operands)]
+                rounds = _is_tensor_scalar if round_scalars == "tensors" else _scalar_like
+                operands = [as_dtype(a, compute) if i < last and rounds(a) else a for i, a in enumerate(operands)]
                 if isinstance(kwargs.get("alpha"), (int, float)):  # add / sub's alpha too
                     kwargs = {**kwargs, "alpha": float(np.asarray(kwargs["alpha"], compute))}
             if opmath and compute in _HALF:
