@@ -304,3 +304,14 @@ def test_sdpa_of_empty_heads_attends_uniformly_as_torch():
         out.sum().backward()
         results.append((out.detach().cpu(), v.grad.cpu()))
     torch.testing.assert_close(results[1], results[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_threshold_and_rrelu_eval_read_their_numbers_in_float32(dtype):
+    # torch's kernels take a Python threshold / slope in float32, not rounded to float16 / bfloat16:
+    # an element equal to the rounded threshold is above it, and the mean slope scales in float32
+    edge = torch.tensor(0.3337, dtype=dtype).item()
+    x = torch.cat([torch.tensor([edge, -edge, 0.3335]), torch.randn(200, generator=torch.Generator().manual_seed(0))])
+    x = x.to(dtype)
+    for op in (lambda t: F.threshold(t, 0.3337, 9.0), lambda t: F.rrelu(t, 0.1, 0.3337, training=False)):
+        assert torch.equal(op(x.to("jax")).cpu(), op(x))

@@ -571,12 +571,13 @@ def _prelu_kernel_backward(grad, x, weight):
 @register(aten.threshold.default)
 def threshold(x, threshold, value):
     checked_scalar(threshold, x.dtype)
-    return jnp.where(x <= threshold, np.asarray(checked_scalar(value, x.dtype)).astype(x.dtype), x)
+    # compared in float32 for float16 / bfloat16, as torch's kernel does: the threshold is not rounded
+    return jnp.where(upcast(x) <= threshold, np.asarray(checked_scalar(value, x.dtype)).astype(x.dtype), x)
 
 
 @register(aten.threshold_backward.default)
 def threshold_backward(grad, x, threshold):
-    return jnp.where(x <= threshold, jnp.zeros((), grad.dtype), grad)
+    return jnp.where(upcast(x) <= threshold, jnp.zeros((), grad.dtype), grad)
 
 
 @register(aten.hardshrink.default)

@@ -404,8 +404,9 @@ def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1.0 / 3.0, training
     """(output, noise): in training each non-positive element gets a slope drawn from
     U(lower, upper), recorded in noise (1 elsewhere) for the backward; in eval the
     slope is the mean and noise is left as it was."""
-    if not training:
-        return jnp.where(x > 0, x, x * ((lower + upper) / 2)).astype(x.dtype), noise
+    if not training:  # torch's leaky_relu with the mean slope: in float32 for float16 / bfloat16
+        wide = x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
+        return jnp.where(x > 0, x, wide * ((lower + upper) / 2)).astype(x.dtype), noise
     slope = _uniform(generator, x.shape, x.dtype, lower, upper)
     negative = x <= 0
     out = jnp.where(negative, x.astype(slope.dtype) * slope, x.astype(slope.dtype))
