@@ -382,6 +382,14 @@ def test_lerp_takes_a_0dim_weight_of_another_dtype_rounded_to_the_inputs(dtype):
     with pytest.raises(RuntimeError, match="expected dtype .* for `weight` but got dtype double"):
         torch.lerp(a.to("jax"), b.to("jax"), torch.full((1000,), 0.5, dtype=torch.float64, device="jax"))
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("eps", [None, 0.0337])
+def test_logit_rounds_its_ratio_to_half_precision_as_torch(dtype, eps):
+    # torch's kernel computes log(x / (1 - x)) in the narrow dtype, not in float32
+    p = torch.rand(500, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert torch.equal(torch.logit(p.to("jax"), eps).cpu(), torch.logit(p, eps))
+
 _OUT_RESIZES = {
     "zeros": lambda e, d: torch.zeros(4, out=e(2)),
     "full": lambda e, d: torch.full((4,), 2.0, out=e(2)),

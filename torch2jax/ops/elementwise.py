@@ -137,7 +137,7 @@ def sigmoid(x):
     return 1 / (1 + jnp.exp(-x)) if _is_complex(x) else jax.nn.sigmoid(x)
 
 
-@elementwise(aten.logit, promote_kind="int_to_float")
+@elementwise(aten.logit, promote_kind="int_to_float", opmath=False)  # torch's kernel rounds x / (1 - x) to float16
 def logit(x, eps=None):
     if eps is None:
         return _logit(x)
