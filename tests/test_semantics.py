@@ -389,6 +389,10 @@ def test_logit_rounds_its_ratio_to_half_precision_as_torch(dtype, eps):
     # torch's kernel computes log(x / (1 - x)) in the narrow dtype, not in float32
     p = torch.rand(500, generator=torch.Generator().manual_seed(0)).to(dtype)
     assert torch.equal(torch.logit(p.to("jax"), eps).cpu(), torch.logit(p, eps))
+    # and its derivative grad / (x (1 - x)), also in the narrow dtype
+    grad = torch.linspace(-2, 2, 500).to(dtype)
+    got = torch.ops.aten.logit_backward(grad.to("jax"), p.to("jax"), eps).cpu()
+    assert torch.equal(got, torch.ops.aten.logit_backward(grad, p, eps))
 
 _OUT_RESIZES = {
     "zeros": lambda e, d: torch.zeros(4, out=e(2)),
