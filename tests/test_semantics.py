@@ -394,6 +394,14 @@ def test_logit_rounds_its_ratio_to_half_precision_as_torch(dtype, eps):
     got = torch.ops.aten.logit_backward(grad.to("jax"), p.to("jax"), eps).cpu()
     assert torch.equal(got, torch.ops.aten.logit_backward(grad, p, eps))
 
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_entr_of_half_precision_rounds_the_log_first_as_torch(dtype):
+    # torch's kernel computes -x * log(x) in the narrow dtype: the log is rounded before the product
+    x = torch.cat([torch.rand(500, generator=torch.Generator().manual_seed(0)) * 3, torch.tensor([0.0, -1.0])])
+    x = x.to(dtype)
+    assert torch.equal(torch.special.entr(x.to("jax")).cpu(), torch.special.entr(x))
+
 _OUT_RESIZES = {
     "zeros": lambda e, d: torch.zeros(4, out=e(2)),
     "full": lambda e, d: torch.full((4,), 2.0, out=e(2)),

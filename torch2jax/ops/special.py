@@ -97,7 +97,7 @@ def special_erfcx(x):
     return jnp.where(large, asymptotic, direct).astype(result)
 
 
-@elementwise(aten.special_entr, promote_kind="int_to_float")
+@elementwise(aten.special_entr, promote_kind="int_to_float", opmath=False)  # torch rounds log(x) to float16 first
 def special_entr(x):
     safe = jnp.where(x > 0, x, 1)
     out = jnp.where(x > 0, -x * jnp.log(safe), jnp.where(x == 0, 0, -jnp.inf).astype(x.dtype))
