@@ -402,6 +402,14 @@ def test_entr_of_half_precision_rounds_the_log_first_as_torch(dtype):
     x = x.to(dtype)
     assert torch.equal(torch.special.entr(x.to("jax")).cpu(), torch.special.entr(x))
 
+
+def test_logsumexp_of_float16_rounds_each_step_as_torch():
+    # torch's composite runs in float16: x - max, exp, the sum and the log each rounded (an infinite max taken as 0)
+    x = ((torch.rand(2000, generator=torch.Generator().manual_seed(0)) - 0.5) * 8).half().view(20, 100)
+    x[0] = float("-inf")
+    for dim in (-1, 0):
+        assert torch.equal(torch.logsumexp(x.to("jax"), dim).cpu(), torch.logsumexp(x, dim))
+
 _OUT_RESIZES = {
     "zeros": lambda e, d: torch.zeros(4, out=e(2)),
     "full": lambda e, d: torch.full((4,), 2.0, out=e(2)),

@@ -142,7 +142,19 @@ def logsumexp(x, dim, keepdim=False):
     axes = _axes(dim, x.ndim)
     if _size(x, axes) == 0:
         return jnp.full(jnp.sum(x, axis=axes, keepdims=keepdim).shape, -jnp.inf, out)
+    if out in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+        return _logsumexp_narrow(x.astype(out), axes, keepdim)
     return jax.nn.logsumexp(_opmath(x.astype(out)), axis=axes, keepdims=keepdim).astype(out)
+
+
+def _logsumexp_narrow(x, axes, keepdim):
+    """torch's composite logsumexp in float16 / bfloat16, each step rounded to that dtype:
+    log(sum(exp(x - max))) + max, an infinite max taken as 0."""
+    top = jnp.max(x, axis=axes, keepdims=True)
+    top = jnp.where(jnp.isinf(top), jnp.zeros((), x.dtype), top)
+    total = jnp.sum(jnp.exp(x - top).astype(jnp.float32), axis=axes, keepdims=True).astype(x.dtype)
+    out = jnp.log(total) + top
+    return out if keepdim else jnp.squeeze(out, axes)
 
 
 # -- extrema -----------------------------------------------------------------
