@@ -391,7 +391,7 @@ def _on_host(func, args, kwargs):
     if stays:
         return out
     mutated = {id(c): a for c, a in zip(cargs, args) if isinstance(a, torch.Tensor)}
-    return _pytree.tree_map(lambda o: mutated.get(id(o), o) if id(o) in mutated else _to_jax(o), out)
+    return _pytree.tree_map(lambda o: mutated[id(o)] if id(o) in mutated else _to_jax(o), out)
 
 
 def _to_host(x):
