@@ -84,6 +84,10 @@ def test_opinfo(name, dname, mode):
     check(name, dname, mode)
 
 
+# ops whose samples pass a sparse tensor as the argument, which t2j.jit refuses (it takes dense ones)
+T2J_JIT_SPARSE_ARGUMENTS = {"sparse.mm.reduce", "sparse.sampled_addmm"}
+
+
 def t2j_jit_cases():
     """(op, dtype) cases of the t2j_jit mode: every op on the jit mode's dtypes, all slow."""
     for name, op in sorted(OPS.items()):
@@ -95,6 +99,8 @@ def t2j_jit_cases():
             eager, jit = f"{name}|{dname}|eager", f"{name}|{dname}|jit"
             if eager in XFAIL:
                 marks.append(pytest.mark.xfail(strict=False, reason=f"eager fails: {XFAIL[eager]}"))
+            if name in T2J_JIT_SPARSE_ARGUMENTS:
+                marks.append(pytest.mark.xfail(strict=True, reason="t2j.jit takes dense arguments only"))
             if eager in CRASHES or jit in CRASHES:
                 marks.append(pytest.mark.skip(reason=CRASHES.get(eager) or CRASHES[jit]))
             yield pytest.param(name, dname, "t2j_jit", id=f"{name}|{dname}|t2j_jit", marks=marks)

@@ -383,8 +383,13 @@ class SparseOperand(Exception):
 sparse_run = None  # torch2jax.ops.sparse.run, set when it is imported
 
 
+def is_sparse_jax(x) -> bool:
+    """Whether ``x`` is a tensor of a sparse layout on the jax device (torch's own, its parts jax tensors)."""
+    return isinstance(x, torch.Tensor) and x.layout != torch.strided and x.device.type == DEVICE.type
+
+
 def _foreign(a):
-    if a.layout != torch.strided and a.device.type == DEVICE.type:
+    if is_sparse_jax(a):
         raise SparseOperand
     raise OpError(f"torch2jax: expected a tensor on the jax or cpu device, got one on {a.device}")
 
@@ -2510,8 +2515,7 @@ def _checked_value(target, value, func):
 
 
 def _host_handler(func, args, kwargs, which=""):
-    if any(isinstance(a, torch.Tensor) and a.layout != torch.strided and a.device.type == DEVICE.type
-           for a in _pytree.tree_leaves((args, kwargs))):
+    if any(map(is_sparse_jax, _pytree.tree_leaves((args, kwargs)))):
         return sparse_run(func, args, kwargs)  # (a dense jax tensor with a sparse one: `sparse_mask`)
     _check_devices(func, args, kwargs)
     if _sparse_only(func):

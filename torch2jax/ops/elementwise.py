@@ -151,7 +151,6 @@ _logit = torch_slopes(lambda x: jnp.log(x / (1 - x)),
                       lambda x: (jnp.where((x < 0) | (x > 1), jnp.full((), jnp.nan, x.dtype), 1 / (x * (1 - x))),))
 
 
-
 @register(aten.logit_backward.default)
 def logit_backward(grad, x, eps=None):
     """``grad / (x (1 - x))``, 0 outside [eps, 1 - eps] (NaN outside [0, 1] without eps), in the
@@ -163,6 +162,7 @@ def logit_backward(grad, x, eps=None):
         return jnp.where((x < 0) | (x > 1), jnp.full((), jnp.nan, dtype), slope)
     low = jnp.asarray(eps, dtype)
     return jnp.where((x < low) | (x > 1 - low), jnp.zeros((), dtype), slope)
+
 
 @elementwise(aten.digamma, prims.digamma, promote_kind="int_to_float")
 def digamma(x):

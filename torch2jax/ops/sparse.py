@@ -26,7 +26,7 @@ import torch
 from torch.utils import _pytree
 
 from .. import dispatch as _dispatch
-from ..dispatch import OpError
+from ..dispatch import OpError, is_sparse_jax
 from ..tensor import DEVICE, Tensor, from_torch_cpu
 from .linalg import addmm
 from .reductions import sum_
@@ -58,9 +58,11 @@ def _warn_dense():
         )
 
 
-def is_sparse_jax(x) -> bool:
-    """Whether ``x`` is a tensor of a sparse layout on the jax device."""
-    return isinstance(x, torch.Tensor) and x.layout != torch.strided and x.device.type == DEVICE.type
+def _every_overload(op) -> list:
+    """``op``'s overloads, in-place and ``out=`` ones included (``op`` itself if it is one)."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
 
 
 def sparse_kernel(*ops):
@@ -68,11 +70,8 @@ def sparse_kernel(*ops):
     (every overload of a packet, in-place ones included) where a sparse jax tensor takes part."""
 
     def deco(fn):
-        for op in ops:
-            overloads = [getattr(op, n) for n in op.overloads()] if isinstance(op, torch._ops.OpOverloadPacket) \
-                else [op]
-            for overload in overloads:
-                SPARSE[overload] = lambda func, args, kwargs: fn(*args, **kwargs)
+        for overload in (o for op in ops for o in _every_overload(op)):
+            SPARSE[overload] = lambda func, args, kwargs: fn(*args, **kwargs)
         return fn
 
     return deco
@@ -96,8 +95,8 @@ for _name in ("_indices", "_values", "_nnz", "is_coalesced", "sparse_dim", "dens
               "_coalesced_", "indices", "values", "crow_indices", "col_indices", "ccol_indices", "row_indices",
               "clone", "copy_", "zero_", "sparse_resize_", "sparse_resize_and_clear_", "copy_sparse_to_sparse_",
               "_sparse_coo_tensor_with_dims", "detach", "alias"):
-    for _overload in getattr(aten, _name).overloads():
-        SPARSE[getattr(getattr(aten, _name), _overload)] = _structural
+    for _overload in _every_overload(getattr(aten, _name)):
+        SPARSE[_overload] = _structural
 
 
 def _coo(sparse_dim, dense_dim, size, indices, values, dtype=None, is_coalesced=None):
@@ -138,8 +137,7 @@ def _compressed_from_parts(func):
 
 
 for _packet in (aten.sparse_compressed_tensor, aten._sparse_compressed_tensor_unsafe):
-    for _overload in _packet.overloads():
-        _op = getattr(_packet, _overload)
+    for _op in _every_overload(_packet):
         decomposition(_op)(_compressed_from_parts(_op))
 
 
