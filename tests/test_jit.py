@@ -759,6 +759,21 @@ def test_objects_it_makes_and_returns_are_new_objects_with_each_calls_values():
         assert stats.tag == "s"
 
 
+def test_an_object_it_returns_in_several_places_is_one_object_after_each_call():
+    class Out:
+        pass
+
+    @t2j.jit
+    def step(x):
+        r = Out()
+        r.y = x * 2
+        return r, r, [r], {"r": r}
+
+    for i in range(2):
+        a, b, (c,), d = step(torch.full((2,), float(i), device="jax"))
+        assert a is b and a is c and a is d["r"] and a.y.tolist() == [2.0 * i] * 2
+
+
 def test_method_of_a_module_subclass():
     class Net(nn.Module):
         def __init__(self):
@@ -904,6 +919,38 @@ def test_float64_learning_rate_keeps_its_digits():
         sched.step()
         torch.testing.assert_close(got.cpu(), expected.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("decay", ["in place", "assigned"])
+def test_a_learning_rate_the_step_decays_itself_is_stored_after_each_call(dtype, decay):
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 2).to(dtype)
+    model = copy.deepcopy(ref).to("jax")
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (ref, model)]
+
+    def step(m, opt, x):
+        opt.zero_grad()
+        loss = m(x).pow(2).sum()
+        loss.backward()
+        opt.step()
+        for group in opt.param_groups:
+            if decay == "in place":
+                group["lr"] *= 0.9
+            else:
+                group["lr"] = group["lr"] * 0.5 + 0.01
+        return loss
+
+    jitted = t2j.jit(step)
+    x = torch.randn(8, 4, dtype=dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    for _ in range(4):
+        expected = step(ref, opts[0], x)
+        torch.testing.assert_close(jitted(model, opts[1], x.to("jax")).cpu(), expected.detach(), **tol)
+        lr = opts[1].param_groups[0]["lr"]
+        assert type(lr) is float and lr == pytest.approx(opts[0].param_groups[0]["lr"], rel=tol["rtol"])
+    torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach(), **tol)
+    assert jitted.stats["compiles"] <= 2
 
 
 @pytest.mark.parametrize("make_copy", [
@@ -4192,13 +4239,20 @@ def test_a_dict_subclass_argument_keeps_its_class_and_attributes():
     assert jitted.stats["traces"] == 1
 
 
-def test_a_dataclass_batch_made_for_each_call_is_one_program():
-    @dataclasses.dataclass
-    class Batch:
-        x: torch.Tensor
-        scale: float = 1.0
-        logits: object = None
+class _PlainBatch:
+    def __init__(self, x, scale=1.0):
+        self.x, self.scale, self.logits = x, scale, None
 
+
+@dataclasses.dataclass
+class _DataclassBatch:
+    x: torch.Tensor
+    scale: float = 1.0
+    logits: object = None
+
+
+@pytest.mark.parametrize("Batch", [_DataclassBatch, _PlainBatch], ids=["dataclass", "plain class"])
+def test_a_batch_object_made_for_each_call_is_one_program(Batch):
     lin = nn.Linear(3, 2).to("jax")
 
     @t2j.jit

@@ -2669,10 +2669,15 @@ class _MadeObject:
     """An object the traced function made and returns that holds tensors (a dataclass of outputs,
     ``Result(loss, logits)``), as a node of the outputs' tree: its attributes are its children, so each
     call returns a new object holding that call's values, as the eager function does, not the one the
-    trace made (`_made_objects_as_nodes`)."""
+    trace made (`_made_objects_as_nodes`). ``index`` numbers the objects of one output tree: an object
+    returned in several places (``return r, r``) is one object again after each call."""
 
-    def __init__(self, obj, attrs: dict):
-        self.obj, self.attrs = obj, attrs
+    def __init__(self, obj, attrs: dict, index: int):
+        self.obj, self.attrs, self.index = obj, attrs, index
+
+
+# the objects made again so far while one call's outputs are unflattened, by index (`_rebuilt_outputs`)
+_REBUILT = threading.local()
 
 
 def _flatten_made_object(node):
@@ -2680,17 +2685,32 @@ def _flatten_made_object(node):
     # the object without the values, copied again for every call (tensors of the trace are not kept)
     template = copy.copy(node.obj)
     template.__dict__.update(dict.fromkeys(names))
-    return [node.attrs[n] for n in names], (template, names)
+    return [node.attrs[n] for n in names], (template, names, node.index)
 
 
 def _unflatten_made_object(values, context):
-    template, names = context
+    template, names, index = context
+    rebuilt = getattr(_REBUILT, "objects", None)
+    if rebuilt is not None and index in rebuilt:
+        return rebuilt[index]
     obj = copy.copy(template)
     obj.__dict__.update(zip(names, values))  # (also a frozen dataclass's fields: no __setattr__)
+    if rebuilt is not None:
+        rebuilt[index] = obj
     return obj
 
 
 torch_pytree.register_pytree_node(_MadeObject, _flatten_made_object, _unflatten_made_object)
+
+
+def _rebuilt_outputs(leaves, spec):
+    """``tree_unflatten(leaves, spec)`` with each object the function returned in several places
+    made once (`_MadeObject`)."""
+    _REBUILT.objects = {}
+    try:
+        return torch_pytree.tree_unflatten(leaves, spec)
+    finally:
+        _REBUILT.objects = None
 
 
 def _made_objects_as_nodes(out, known: set):
@@ -2709,13 +2729,18 @@ def _made_objects_as_nodes(out, known: set):
     def nodes(value, within):
         return torch_pytree.tree_map(functools.partial(node, within=within), value, is_leaf=_is_size)
 
+    seen = {}
+
     def node(x, within):
+        if id(x) in seen:
+            return seen[id(x)]
         if not made(x):
             return x
         if id(x) in within:  # (a graph break: its eager run returns the objects themselves)
             raise OpError(f"t2j.jit: the function returns {type(x).__name__} objects that hold each other; one "
                           "program returns a tree of values")
-        return _MadeObject(x, {k: nodes(v, within | {id(x)}) for k, v in vars(x).items()})
+        seen[id(x)] = _MadeObject(x, {k: nodes(v, within | {id(x)}) for k, v in vars(x).items()}, len(seen))
+        return seen[id(x)]
 
     return nodes(out, frozenset())
 
@@ -3566,7 +3591,7 @@ class JitFunction:
                 setter(value)
         for path, layout, new in entry.arg_changes:
             _change_container(_at(given, path), layout, [_stored_value(v, result, arrays, slots, leaves) for v in new])
-        out = torch_pytree.tree_unflatten(result, entry.out_def)
+        out = _rebuilt_outputs(result, entry.out_def)
         for out_path, arg_path in entry.returned_args:
             out = _with_node(out, out_path, _at(given, arg_path))
         return out
@@ -3829,7 +3854,7 @@ class JitFunction:
             for site, v, a in zip(slots.lifted, values, arrays):
                 if isinstance(site, _ValueSite) and site.changed(v) and _is_number(new := site.read()):
                     numbers_stored.append((site, new))  # (a counter the function advances)
-                elif isinstance(site, _GroupSite) and site.changed(v) and _is_number(new := site.current()):
+                elif isinstance(site, _GroupSite) and _is_number(new := _group_number(site, v, a)):
                     numbers_stored.append((site, new))  # (a warm-up setting ``group["lr"]`` itself)
                 elif site.changed(v) or (a is not None and v._t2j_storage.array is not a):
                     raise JitError(
@@ -4683,6 +4708,22 @@ def _hyper_input(site, value, index, hint):
         wide = any(p.dtype == torch.float64 for p in site.group["params"])
         return new_tensor(value.astype(jax.numpy.float64 if wide else jax.numpy.float32))
     return _sym.hinted_number(value, index, hint)
+
+
+def _group_number(site, given, array):
+    """What the function left at the hyperparameter ``site``, given as a program input (``given``,
+    holding ``array``), where it changed: the lr tensor `_hyper_input` gives, multiplied in place
+    (``group["lr"] *= 0.9``) or replaced by a 0-d tensor computed from it, as the Python number
+    torch's arithmetic on a float lr leaves there; None where it did not change."""
+    now = site.current()
+    if now is given and isinstance(given, Tensor):
+        return _sym.traced_number(now._value()) if array is not None and now._t2j_storage.array is not array else None
+    if now is given:
+        return None
+    if type(now) is Tensor and isinstance(given, Tensor) and now.dim() == 0 and now.dtype == given.dtype \
+            and not now.requires_grad:
+        return _sym.traced_number(now._value())
+    return now
 
 
 def _is_lr_id(where) -> bool:

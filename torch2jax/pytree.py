@@ -180,7 +180,8 @@ def register_argument_nodes(tree, depth=0) -> None:
     node yet (a ``collections.UserDict`` subclass or a ``dict`` subclass: its values are its
     children), every class JAX's pytree knows and torch's does not (a dataclass registered with
     ``jax.tree_util``, an equinox module: JAX's children are its children), and every other
-    dataclass (a batch made for each call: its attributes are its children), so that `t2j.jit`
+    dataclass and every plain class whose instance holds data only (a batch made for each call:
+    its attributes are its children), so that `t2j.jit`
     takes the tensors and arrays inside them as arguments of their own.
 
     >>> register_argument_nodes(((batch_encoding,), {}))
@@ -270,23 +271,50 @@ def _register_mapping_class(cls) -> None:
         pass
 
 
-# -- dataclass arguments ----------------------------------------------------------------
+# -- record arguments -------------------------------------------------------------------
 #
-# A dataclass instance (``Batch(x, y)``, made for each call) is a leaf to torch's pytree: t2j.jit
-# would key its programs by the object, compiling one per batch. Registered, its attributes are
-# children and their names the static part; `t2j.jit` makes the attribute assignments a trace
-# made to it (``batch.logits = ...``) on the caller's object, as it does a dict's changes.
+# A dataclass instance (``Batch(x, y)``, made for each call), or a plain class's instance that
+# holds only data (tensors, numbers, strings, and lists, tuples and dicts of them), is a leaf to
+# torch's pytree: t2j.jit would key its programs by the object, compiling one per batch.
+# Registered, its attributes are children and their names the static part; `t2j.jit` makes the
+# attribute assignments a trace made to it (``batch.logits = ...``) on the caller's object, as
+# it does a dict's changes. A plain object holding anything else (a module, a function: a trainer,
+# a context) stays one object, its state read where the function reads it.
 
 _RECORD_CLASSES: set = set()
+_DATA = (torch.Tensor, jax.Array, np.ndarray, int, float, complex, bool, str, bytes, type(None), torch.dtype,
+         torch.device)
 
 
 def _is_record(x) -> bool:
-    return dataclasses.is_dataclass(x) and not isinstance(x, (type, torch.nn.Module, torch.optim.Optimizer)) \
-        and type(getattr(x, "__dict__", None)) is dict
+    if isinstance(x, (type, torch.nn.Module, torch.optim.Optimizer)) or type(getattr(x, "__dict__", None)) is not dict:
+        return False
+    return dataclasses.is_dataclass(x) or _is_plain_record(x)
+
+
+def _is_plain_record(x) -> bool:
+    """Whether ``x`` is an instance of a plain class, compared by identity, whose attributes are
+    data only, some of it tensors."""
+    cls = type(x)
+    if cls.__module__ == "builtins" or cls.__eq__ is not object.__eq__ or cls.__hash__ is not object.__hash__:
+        return False
+    values = vars(x).values()
+    return all(_is_data(v) for v in values) and any(_holds_tensors(v) for v in values)
+
+
+def _is_data(x, depth=0) -> bool:
+    if isinstance(x, _DATA):
+        return True
+    if type(x) in (list, tuple) and depth < 4:
+        return all(_is_data(v, depth + 1) for v in x)
+    if type(x) is dict and depth < 4:
+        return all(_is_data(v, depth + 1) for v in x.values())
+    return False
 
 
 def is_registered_record(x) -> bool:
-    """Whether ``x`` is an instance of a dataclass `register_argument_nodes` registered."""
+    """Whether ``x`` is an instance of a record class (a dataclass, a plain class holding data)
+    `register_argument_nodes` registered."""
     return type(x) in _RECORD_CLASSES
 
 
