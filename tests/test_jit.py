@@ -1407,16 +1407,18 @@ def test_outputs_keep_torchs_strides():
 
 
 def test_modules_left_on_the_cpu():
-    """A CPU copy the function can reach but does not use is not its state; one it uses
-    gets torch's device error from the op; a submodule added after ``.to('jax')`` is named."""
+    """A CPU copy the function can reach but does not use is not its state; one it uses is
+    named in the error, also where the arguments are CPU tensors t2j.jit moves to the jax
+    device; a submodule added after ``.to('jax')`` is named."""
     torch.manual_seed(0)
     ref = nn.Linear(3, 3)
     model = copy.deepcopy(ref).to("jax")
     x = torch.randn(2, 3)
     f = t2j.jit(lambda x: (model if x.device.type == "jax" else ref)(x))
     torch.testing.assert_close(f(x.to("jax")).cpu(), ref(x))
-    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
-        t2j.jit(lambda x: ref(x))(x.to("jax"))
+    for arg in (x.to("jax"), x):
+        with pytest.raises(t2j.JitError, match="uses a Linear, whose parameters or buffers are on the CPU"):
+            t2j.jit(lambda x: ref(x))(arg)
     seq = nn.Sequential(nn.Linear(3, 3)).to("jax")
     seq.append(nn.Linear(3, 2))
     with pytest.raises(t2j.JitError, match=r"Sequential\.1\.weight is a tensor on cpu, not on the jax device"):

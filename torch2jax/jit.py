@@ -114,7 +114,7 @@ from . import pytree as _pytree
 from . import symbolic as _sym
 from . import tensor as _tensor
 from .ops import registry as _placement
-from .dispatch import OpError
+from .dispatch import DeviceMismatchError, OpError
 from .interop import differentiable_vjp as _differentiable_vjp
 from .interop import torch_pullback as _torch_pullback
 from .tensor import Storage, Tensor, jax_array, new_tensor
@@ -2140,6 +2140,13 @@ def _moved_scalar_buffer(origin, t, prefixes) -> bool:
     return True
 
 
+def _cpu_modules(roots: _Roots) -> str:
+    """The modules ``roots`` reached whose own tensors are on the CPU, named for an error; '' if none."""
+    found = [o for o in roots.objects if isinstance(o, torch.nn.Module)
+             and any(t.device.type == "cpu" for t in itertools.chain(o.parameters(), o.buffers()))]
+    return ", ".join(f"a {type(m).__name__}" for m in found[:3])
+
+
 def _refuse_off_device(walk: _Walk, i: int, prefixes):
     raise JitError(
         f"t2j.jit: {_slot_name(walk.origins[i], prefixes)} is a tensor on {walk.tensors[i].device}, not on the "
@@ -3379,6 +3386,11 @@ class JitFunction:
             except jax.errors.UnexpectedTracerError as e:
                 raise _leaked(self.fn) from e
             except Exception as e:
+                if isinstance(e, DeviceMismatchError) and (cpu := _cpu_modules(roots)):
+                    raise JitError(
+                        f"t2j.jit: {getattr(self.fn, '__qualname__', self.fn)} uses {cpu}, whose parameters or "
+                        "buffers are on the CPU, with tensors on the jax device (t2j.jit moves CPU arguments there): "
+                        "move the module first, module.to('jax')") from e
                 if not new:
                     if (stop := _size_from_values(e)) is not e:
                         e = stop
