@@ -222,3 +222,42 @@ def test_weight_int8pack_mm_bad_input_errors_like_torch():
             torch._weight_int8pack_mm(xj.double(), wj, sj)
         with pytest.raises(RuntimeError, match=r"_weight_int8pack_mm: expected scales to have x's dtype"):
             torch._weight_int8pack_mm(xj.bfloat16(), wj, sj)
+
+
+_SCALED_MM_CASES = {
+    "tensor-wise, float8 result": dict(scale_a=torch.tensor(0.3), scale_b=torch.tensor(1.7)),
+    "row-wise, bias, bfloat16": dict(scale_a=torch.rand(16, 1) + 0.5, scale_b=torch.rand(1, 64) + 0.5,
+                                     bias=torch.randn(64).bfloat16(), out_dtype=torch.bfloat16),
+    "scale_result, saturating float8": dict(scale_a=torch.tensor([40.0]), scale_b=torch.tensor([[1.7]]),
+                                            bias=torch.randn(64) * 30, scale_result=torch.tensor(3.0),
+                                            out_dtype=torch.float8_e4m3fn),
+    "scale_result ignored, float16": dict(scale_a=torch.tensor(0.3), scale_b=torch.tensor(1.7),
+                                          scale_result=torch.tensor(3.0), out_dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("case", list(_SCALED_MM_CASES))
+def test_scaled_mm_float8_matches_torch_eagerly_and_in_one_program(case):
+    torch.manual_seed(0)
+    a = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    b = torch.randn(64, 32).to(torch.float8_e5m2).t()
+    kwargs = _SCALED_MM_CASES[case]
+    expected = torch._scaled_mm(a, b, **kwargs)
+    on_jax = {k: v.to("jax") for k, v in kwargs.items() if isinstance(v, torch.Tensor)} | \
+        {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    eager = torch._scaled_mm(a.to("jax"), b.to("jax"), **on_jax)
+    jitted = t2j.jit(lambda a, b: torch._scaled_mm(a, b, **on_jax), fullgraph=True)(a.to("jax"), b.to("jax"))
+    for got in (eager, jitted):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got.cpu().float(), expected.float(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_scaled_mm_bad_scales_and_bias_raise_torchs_errors():
+    a, b = torch.ones(4, 16).to(torch.float8_e4m3fn), torch.ones(8, 16).to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0, device="jax")
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        torch._scaled_mm(a.to("jax"), b.to("jax"), torch.ones(4, device="jax"), one)
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        torch._scaled_mm(a.to("jax"), b.to("jax"), one.double(), one)
+    with pytest.raises(RuntimeError, match="Bias must be size 8 but got 9"):
+        torch._scaled_mm(a.to("jax"), b.to("jax"), one, one, bias=torch.ones(9, device="jax"))

@@ -32,7 +32,7 @@ from jax import lax
 from jax.lax import linalg as lax_linalg
 
 from .. import dtypes as _dt
-from ..dispatch import OpError, TorchRuntimeError
+from ..dispatch import OpError, TorchRuntimeError, TorchValueError
 from .registry import (argmax_index, canonical_dim, cast, float_abs, layout_keywords, refused_dtypes, register,
                        root_zero_slope, scalar_type_name, strides, torch_slopes)
 
@@ -326,6 +326,55 @@ def mm_dtype(a, b, out_dtype):
     _check_mm(a, b)
     _check_dtypes(torch.mm, a, b)
     return _finish(_mm(a, b), _dt.to_jax(out_dtype))
+
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def _scaled_mm_scales(a, b, scale_a, scale_b):
+    """Refuse scales that are neither tensor-wise (a float32 singleton each) nor row-wise
+    (float32 ``(M, 1)`` and ``(1, N)``), in torch's words."""
+    float8 = {_dt.to_jax(t) for t in _FLOAT8}
+    tensor_wise = scale_a.size == 1 and scale_b.size == 1
+    row_wise = scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1])
+    if a.dtype in float8 and b.dtype in float8 and scale_a.dtype == scale_b.dtype == np.float32 \
+            and (tensor_wise or row_wise):
+        return
+    raise TorchValueError(
+        "Invalid scaling configuration.\n- For TensorWise scaling, a and b should be float8, scales should be float "
+        "and singletons.\n- For RowWise scaling, a and b should be float8, scales should be float, scale_a should be "
+        f"({a.shape[0]}, 1) and scale_b should be (1, {b.shape[1]}), and both should be contiguous.\nGot "
+        f"mat_a.dtype()={_dt.to_torch(a.dtype)}, scale_a.dtype()={_dt.to_torch(scale_a.dtype)}, "
+        f"scale_a.size()={list(scale_a.shape)}, mat_b.dtype()={_dt.to_torch(b.dtype)}, "
+        f"scale_b.dtype()={_dt.to_torch(scale_b.dtype)}, scale_b.size()={list(scale_b.shape)}")
+
+
+@register(aten._scaled_mm.default)
+def _scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    """float8 matmul, as torch's CPU kernel computes it: each operand widened to float32 and scaled
+    (tensor-wise or row-wise), multiplied in float32, ``bias`` added, and for a float8 result divided
+    by ``scale_result`` before the saturating cast. ``use_fast_accum`` changes nothing here.
+
+    >>> torch._scaled_mm(a8, b8.t(), torch.tensor(0.5), torch.tensor(2.0), out_dtype=torch.bfloat16)
+    """
+    if a.ndim != 2 or b.ndim != 2:
+        raise TorchRuntimeError(f"mat{1 if a.ndim != 2 else 2} must be a matrix")
+    if a.shape[1] != b.shape[0]:
+        raise TorchRuntimeError(f"mat_a and mat_b shapes cannot be multiplied ({a.shape[0]}x{a.shape[1]} and "
+                                f"{b.shape[0]}x{b.shape[1]})")
+    _scaled_mm_scales(a, b, scale_a, scale_b)
+    dtype = a.dtype if out_dtype is None else _dt.to_jax(out_dtype)
+    wide = functools.partial(jnp.asarray, dtype=np.float32)
+    # ((1, 1) or (M, 1) scales a's rows; (1, 1) or (1, N) b's columns)
+    out = jnp.matmul(wide(a) * scale_a.reshape(-1, 1), wide(b) * scale_b.reshape(1, -1),
+                     precision=lax.Precision.HIGHEST)
+    if bias is not None:
+        if bias.size != b.shape[1]:
+            raise TorchRuntimeError(f"Bias must be size {b.shape[1]} but got {bias.size}")
+        out = out + wide(bias).reshape(-1)
+    if scale_result is not None and dtype in {_dt.to_jax(t) for t in _FLOAT8}:
+        out = out / wide(scale_result)
+    return cast(out, dtype)
 
 
 refused_dtypes(aten._trilinear, kinds="b")  # (torch's CPU kernel is a bmm: no bools)
