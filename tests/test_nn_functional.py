@@ -315,3 +315,15 @@ def test_threshold_and_rrelu_eval_read_their_numbers_in_float32(dtype):
     x = x.to(dtype)
     for op in (lambda t: F.threshold(t, 0.3337, 9.0), lambda t: F.rrelu(t, 0.1, 0.3337, training=False)):
         assert torch.equal(op(x.to("jax")).cpu(), op(x))
+
+
+def test_inplace_rrelu_is_lowered_and_compiles():
+    # F.rrelu_ (nn.RReLU(inplace=True)) calls rrelu_with_noise_, which ran on the host through torch
+    x = torch.linspace(-2, 2, 9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluated = F.rrelu_(x.to("jax"), training=False)
+        trained = t2j.jit(lambda t: F.rrelu_(t * 1, 0.1, 0.3, training=True))(x.to("jax")).cpu()
+    torch.testing.assert_close(evaluated.cpu(), F.rrelu_(x.clone(), training=False))
+    slopes = (trained / x)[x < 0]
+    assert torch.equal(trained[x >= 0], x[x >= 0]) and slopes.min() >= 0.1 and slopes.max() <= 0.3

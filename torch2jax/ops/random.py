@@ -425,6 +425,14 @@ def rrelu_with_noise(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, gen
     return out
 
 
+# (F.rrelu_): the in-place name leads to rrelu_with_noise, itself a decomposition, not a lowering
+@decomposition(aten.rrelu_with_noise_.default)
+def rrelu_with_noise_(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    out, new_noise = aten.rrelu_with_noise_functional.default(x, noise, lower, upper, training, generator)
+    noise.copy_(new_noise)
+    return x.copy_(out)
+
+
 @register(aten.geometric.default)
 def geometric(x, p, *, generator=None):
     if x.dtype == np.bool_ or _dt.is_complex(x.dtype):
