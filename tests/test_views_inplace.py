@@ -472,6 +472,15 @@ OVERLAP_PROGRAMS = {
     "as_strided_rows_addcmul": lambda x: x.as_strided((4, 4), (2, 1)).addcmul_(_W[:4, :1].to(x.device), _W[0, :].repeat(2)[:4].to(x.device)),
     "unfold_out_add": lambda x: torch.add(_W.to(x.device), 1, out=x.unfold(0, 3, 1)),
     "unfold_view_read_back": lambda x: x.copy_(x.unfold(0, 3, 1).copy_(_W.to(x.device)).sum(1).repeat(2)[:10]),
+    # out= of an indexed reduction, topk, addr and cross into (part of) their own input
+    "topk_values_into_the_input": lambda x: torch.topk(x, 3, out=(x[1:4], _I[:3].to(x.device).clone())),
+    "max_dim_values_into_the_input": lambda x: torch.max(x.view(2, 5), 1, out=(x[1:3], _I[:2].to(x.device).clone())),
+    "median_dim_values_onto_the_input": lambda x: torch.median(
+        x[:2].view(2, 1), 1, True, out=(x[:2].view(2, 1), _I[:2].to(x.device).view(2, 1).clone())),
+    "kthvalue_onto_the_input": lambda x: torch.kthvalue(
+        x[:2].view(2, 1), 1, 1, True, out=(x[:2].view(2, 1), _I[:2].to(x.device).view(2, 1).clone())),
+    "cross_onto_its_input": lambda x: torch.linalg.cross(x[:3], x[3:6], out=x[:3]),
+    "addr_of_a_row_of_itself": lambda x: x[:9].view(3, 3).addr_(x[:3], _W[0].to(x.device)),
 }
 _W = torch.arange(24.0).view(8, 3).mul(0.5).sin()
 

@@ -1931,11 +1931,17 @@ def _mutated(schema):
 _NO_OVERLAP = {
     "index_copy", "index_copy_", "index_add", "index_add_", "index_reduce", "index_reduce_", "index_put_",
     "_index_put_impl_", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
-    "put_", "gather", "index_select", "take", "cat", "stack", "masked_select",
+    "put_", "gather", "index_select", "take", "cat", "stack", "masked_select", "kthvalue", "linalg_cross",
 }
 # Beside the pointwise ops (torch's TensorIterator), these refuse a partial overlap only
 # (at::assert_no_partial_overlap): writing a tensor onto itself is fine.
 _NO_PARTIAL_OVERLAP = {"copy_", "where", "cumsum", "cumsum_", "cumprod", "cumprod_", "sort"}
+# ... and these overloads, where others of the name do not check (``max(x, out=)`` lets its
+# value overlap the input; addr's kernel is a TensorIterator over self, vec1 and vec2)
+_NO_PARTIAL_OVERLAP_OPS = {
+    aten.max.dim_max, aten.min.dim_min, aten.median.dim_values, aten.nanmedian.dim_values, aten.mode.values,
+    aten.topk.values, aten.addr.out, aten.addr_.default,
+}
 # The written tensor itself may not show one element twice (at::assert_no_internal_overlap): the
 # ops above, the pointwise ones, and these; but not the ones after them, which torch lets write
 # an expanded tensor.
@@ -1952,7 +1958,7 @@ _INTERNAL_OVERLAP_ALLOWED = {"index_put_", "_index_put_impl_", "threshold_", "ma
 # `_pointwise`): the pointwise checks apply
 _UNTAGGED_POINTWISE = {"floor_divide", "floor_divide_", "hardswish", "hardswish_"}
 # in-place ops whose kernels refuse only a written tensor that shows an element twice
-_NO_INTERNAL_OVERLAP_NAMES = {"renorm_", "addmm_", "addr_", "addbmm_", "rrelu_with_noise_"}
+_NO_INTERNAL_OVERLAP_NAMES = {"renorm_", "addmm_", "addbmm_", "rrelu_with_noise_"}
 
 _OVERLAP_MESSAGE = (
     "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory "
@@ -1977,7 +1983,7 @@ def _checking_overlap(func, handler):
     schema = func._schema
     name = schema.name.split("::")[1]
     full = name in _NO_OVERLAP
-    inputs = full or name in _NO_PARTIAL_OVERLAP or _pointwise(func, name)
+    inputs = full or name in _NO_PARTIAL_OVERLAP or func in _NO_PARTIAL_OVERLAP_OPS or _pointwise(func, name)
     internal = (inputs or func in _NO_INTERNAL_OVERLAP or name in _NO_INTERNAL_OVERLAP_NAMES) and \
         name not in _INTERNAL_OVERLAP_ALLOWED
     if not (inputs or internal):
