@@ -345,3 +345,17 @@ def test_bessel_first_kind_float64_accurate_to_rounding(order):
     ours = fn(torch.tensor(xs, dtype=torch.float64, device="jax")).cpu().numpy()
     expected = np.array([float(mpmath.besselj(order, x)) for x in xs])
     np.testing.assert_allclose(ours, expected, rtol=1e-12, atol=1e-13)
+
+
+def test_inplace_polygamma_is_lowered():
+    # x.polygamma_(n) takes polygamma's arguments swapped: no functional variant was found, and it
+    # ran on the host through torch
+    x = torch.linspace(0.1, 3, 6).view(2, 3).t()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in (0, 1, 3):
+            on_jax = x.to("jax")
+            assert on_jax.polygamma_(n) is on_jax
+            torch.testing.assert_close(on_jax.cpu(), x.clone().polygamma_(n))
+    with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
+        torch.arange(3, device="jax").polygamma_(1)

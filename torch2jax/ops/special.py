@@ -22,8 +22,8 @@ import torch
 
 from ..dispatch import OpError
 from .elementwise import digamma
-from .registry import (HALF_DTYPES, as_dtype, cast, elementwise, promote, refused_dtypes, register, torch_slopes,
-                       true_divide)
+from .registry import (HALF_DTYPES, as_dtype, cast, decomposition, elementwise, promote, refused_dtypes, register,
+                       torch_slopes, true_divide)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -243,6 +243,12 @@ def polygamma(n, x):
         scale = (-1) ** (n + 1) * math.factorial(n)
         out = scale * special_zeta.compute(jnp.full(x.shape, n + 1, x.dtype), x)
     return out.astype(result)
+
+
+# (x.polygamma_(n)): its arguments are polygamma's swapped, so no functional variant is found for it
+@decomposition(aten.polygamma_.default)
+def polygamma_(x, n):
+    return aten.polygamma.out(n, x, out=x)
 
 
 @register(aten.mvlgamma)
