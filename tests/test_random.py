@@ -458,6 +458,7 @@ _SAMPLERS = {
     "randperm(3)": lambda d, dt: torch.randperm(3, dtype=dt, device=d),
     "randperm(200)": lambda d, dt: torch.randperm(200, dtype=dt, device=d),
     "randperm(3000)": lambda d, dt: torch.randperm(3000, dtype=dt, device=d),
+    "randperm(-1)": lambda d, dt: torch.randperm(-1, dtype=dt, device=d),
 }
 
 

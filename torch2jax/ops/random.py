@@ -597,8 +597,7 @@ def randint_like_low(x, low, high, *, generator=None, dtype=None, layout=None, d
 
 @register(aten.randperm.default, aten.randperm.generator)
 def randperm(n, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
-    if n < 0:
-        raise RuntimeError(f"randperm: n must be non-negative, got {n}")
+    _size(n)  # (torch allocates the result before it checks n: a negative n raises as a negative size)
     dtype = jax_dtype(dtype, np.int64)
     if dtype == np.bool_ or _dt.is_complex(dtype):
         raise _unsupported("randperm", dtype)
