@@ -105,7 +105,9 @@ def _bitcast(x, dtype):
             )
         )
     if dst.itemsize < src.itemsize:
-        out = jax.lax.bitcast_convert_type(x, dst)  # adds a trailing dim of src/dst
+        # (through a trailing unit dim: XLA's simplifier folds a narrowing bitcast of a widening one's result
+        # into one bitcast between the outer types, of a shape the HLO verifier then refuses)
+        out = jax.lax.bitcast_convert_type(x[..., None], dst)  # adds a trailing dim of src/dst
         return out.reshape(x.shape[:-1] + (x.shape[-1] * (src.itemsize // dst.itemsize),))
     ratio = dst.itemsize // src.itemsize
     return jax.lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // ratio, ratio)), dst)
