@@ -87,6 +87,32 @@ def test_sparse_ops_match_torch(op):
         _same_sparse(got, expected)
 
 
+@pytest.mark.parametrize("dims", [(0,), (3,), (0, 1), (1, 3), (0, 1, 2), (0, 1, 2, 3)])
+@pytest.mark.parametrize("coalesced", [True, False])
+def test_sparse_sum_over_dims_and_its_gradient_match_torch(dims, coalesced, monkeypatch):
+    """Summed over sparse and dense dimensions, on the device (no host copy), gradient included."""
+    monkeypatch.setattr(t2j.ops.sparse, "_warned_host", set())  # (a host kernel warns once per process)
+    indices = torch.tensor([[0, 1, 1, 2, 0], [2, 0, 2, 1, 2], [0, 0, 1, 1, 0]])  # (0, 2, 0) twice
+    base = torch.sparse_coo_tensor(indices, torch.randn(5, 2), (3, 3, 2, 2))
+    base = base.coalesce() if coalesced else base
+    results, grads = [], []
+    for device in ("cpu", "jax"):
+        x = base.to(device).detach().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no host kernel)
+            out = torch.sparse.sum(x, dims)
+            dense = out.to_dense() if out.is_sparse else out
+            (dense * torch.arange(1.0, 1 + dense.numel(), device=device).view(dense.shape)).sum().backward()
+        results.append(out)
+        grads.append(x.grad.coalesce())
+    if results[0].is_sparse:
+        _same_sparse(results[1], results[0])
+    else:
+        torch.testing.assert_close(results[1].cpu(), results[0])
+    assert torch.equal(grads[1]._indices().cpu(), grads[0]._indices())
+    torch.testing.assert_close(grads[1]._values().cpu(), grads[0]._values())
+
+
 def test_sparse_gradients_match_torch():
     indices, values, w = torch.tensor([[0, 1, 1, 0], [2, 0, 2, 2]]), torch.randn(4), torch.randn(3, 2)
     grads = []

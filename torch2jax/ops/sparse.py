@@ -330,6 +330,73 @@ def _sum(x, dtype=None):
     return x._values().sum(dtype=dtype)
 
 
+@sparse_kernel(aten.sum.dim_IntList)
+def _sum_dim(x, dim, keepdim=False, *, dtype=None):
+    """``x.sum(dim)`` of a COO tensor: `_coo_sum`, integers summed as int64 (torch.sum's promotion)."""
+    if x.layout != torch.sparse_coo or keepdim or not dim:
+        return _on_host(aten.sum.dim_IntList, (x, dim, keepdim), {"dtype": dtype})
+    if dtype is None and not (x.is_floating_point() or x.is_complex()):
+        dtype = torch.int64
+    return _coo_sum(x, dim, dtype)
+
+
+@sparse_kernel(aten._sparse_sum.dim, aten._sparse_sum.dim_dtype)
+def _sparse_sum(x, dim, dtype=None):
+    """``torch.sparse.sum(x, dim)`` of a COO tensor: `_coo_sum`, in ``x``'s dtype."""
+    if x.layout != torch.sparse_coo:
+        return _on_host(aten._sparse_sum.dim_dtype if dtype is not None else aten._sparse_sum.dim, (x, dim),
+                        {} if dtype is None else {"dtype": dtype})
+    return _coo_sum(x, dim, dtype)
+
+
+def _coo_sum(x, dim, dtype):
+    """COO ``x`` summed over ``dim``: dense dimensions in the values; summed sparse dimensions leave
+    the index rows, and entries that then coincide add up (the result coalesced, as torch's always
+    is). With every sparse dimension summed the result is dense (as torch.sum promotes it)."""
+    sd = x.sparse_dim()
+    dims = sorted({d % x.dim() for d in dim})
+    values = x._values() if dtype is None else x._values().to(dtype)
+    dense = [d - sd + 1 for d in dims if d >= sd]  # (values are (nnz, *dense dims))
+    if dense:
+        values = values.sum(dense, dtype=values.dtype)
+    keep = [d for d in range(sd) if d not in dims]
+    if not keep:
+        return values.sum(0)
+    size = [n for d, n in enumerate(x.shape) if d not in dims]
+    if len(keep) == sd and x.is_coalesced():
+        return _coo(sd, values.dim() - 1, size, x._indices().clone(), values, values.dtype, True)
+    return _coalesce(_coo(len(keep), values.dim() - 1, size, x._indices()[keep], values, values.dtype))
+
+
+@sparse_kernel(aten._sparse_sum_backward)
+def _sparse_sum_backward(grad, x, dim):
+    """The gradient of `_coo_sum` for COO ``x``: each entry of ``x`` (coalesced) gets the entry of
+    ``grad`` at its position with the summed dimensions left out (zero where ``grad`` stores none),
+    spread over the summed dense dimensions."""
+    if x.layout != torch.sparse_coo or (is_sparse_jax(grad) and grad.layout != torch.sparse_coo):
+        return _on_host(aten._sparse_sum_backward.default, (grad, x, dim), {})
+    x = x if x.is_coalesced() else _coalesce(x)
+    sd, indices = x.sparse_dim(), x._indices()
+    dims = sorted({d % x.dim() for d in dim})
+    keep = [d for d in range(sd) if d not in dims]
+    if keep:  # grad is sparse over the kept sparse dimensions: look each entry up by position
+        grad = grad if grad.is_coalesced() else _coalesce(grad)
+        size = [x.shape[d] for d in keep]
+        stored, wanted = _linear(grad._indices(), size), _linear(indices[keep], size)
+        at = torch.searchsorted(stored, wanted).clamp(max=max(stored.shape[0] - 1, 0))
+        found = stored[at] == wanted if stored.shape[0] else torch.zeros_like(wanted, dtype=torch.bool)
+        rows = grad._values()[at] if stored.shape[0] else grad._values().new_zeros((wanted.shape[0],
+                                                                                     *grad._values().shape[1:]))
+        per_entry = torch.where(found.view(-1, *[1] * (rows.dim() - 1)), rows, torch.zeros_like(rows))
+    else:  # every sparse dimension summed: grad is dense over the dense dimensions left
+        per_entry = grad.unsqueeze(0).expand(indices.shape[1], *grad.shape)
+    for d in dims:  # (the summed dense dimensions back, as size-1, then spread)
+        if d >= sd:
+            per_entry = per_entry.unsqueeze(d - sd + 1)
+    values = per_entry.expand(indices.shape[1], *x.shape[sd:]).to(x.dtype).clone()
+    return _like(x, indices.clone(), values, True)
+
+
 # -- matrix products ------------------------------------------------------------------------
 
 
