@@ -283,6 +283,7 @@ def test_other_backends_run_jax_tensors_eagerly():
     assert counters["stats"]["unique_graphs"] == 0
 
 
+@pytest.mark.slow  # ~35 s (a fresh interpreter importing inductor); the in-process sibling above stays in CI
 def test_other_backends_run_jax_tensors_eagerly_in_a_fresh_process():
     # without this test file's `import torch._dynamo` before torch2jax: Dynamo must still
     # stay out of torch2jax's dispatcher
