@@ -237,6 +237,21 @@ def test_jax_device_training_with_a_compiled_optimizer_step_matches_eager():
     assert counters["stats"]["unique_graphs"] >= 2  # the model's and the optimizer step's
 
 
+def test_dynamo_rewrites_to_fma_run_in_the_jax_program(recwarn):
+    # Dynamo turns addcmul_ / addcdiv_ with a value and add_ with a tensor alpha (Adam's moments) into
+    # inductor's prims.fma, which had no lowering: it ran on the host through torch
+    def fn(x, t, alpha):
+        return x.addcmul_(t, t, value=0.5).addcdiv_(t, t + 2, value=-2).add_(t, alpha=alpha)
+
+    x, t, alpha = torch.randn(5), torch.randn(5), torch.tensor(0.25)
+    x_jax = x.to("jax")
+    out = torch.compile(fn, backend="torch2jax")(x_jax, t.to("jax"), alpha.to("jax"))
+    fn(x, t, alpha)
+    _assert_close(out, x)
+    _assert_close(x_jax, x)
+    assert not [w for w in recwarn if "no JAX lowering" in str(w.message)]
+
+
 def test_jax_inputs_mutated_in_place_and_view_outputs_alias_them_as_in_eager():
     def fn(x):
         return x.t(), x.mul_(2).sum()

@@ -39,6 +39,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from . import device as _device
 from . import fx
 from .env import _trace_state_clean, default_rng
+from .ops import elementwise as _elementwise
 from .tensor import Tensor, jax_array, new_tensor, torch_cpu
 
 BACKEND = "torch2jax"
@@ -149,6 +150,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs, **options):
         fw_compiler=_compile_graph, bw_compiler=_compile_graph, decompositions=fx.decompositions()
     )
     _constants_made_on_host(gm)
+    _elementwise.lower_inductor_prims()  # Dynamo's graph may hold prims.fma, defined as it traced
     return compile_with_aot(gm, example_inputs)
 
 

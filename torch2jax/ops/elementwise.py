@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from jax import lax
 from .. import dtypes as _dt
 from ..dispatch import OpError, TorchRuntimeError
 from .indexing import raise_as_torch, stand_in
-from .registry import (HALF_DTYPES, as_dtype, cast, check_values, checked_scalar, decomposition, elementwise,
+from .registry import (HALF_DTYPES, LOWERINGS, as_dtype, cast, check_values, checked_scalar, decomposition, elementwise,
                        float_abs, promote, refused_dtypes, register, scalar_type_name, strides, torch_slopes, true_divide,
                        view, warning)
 
@@ -544,6 +545,21 @@ def lerp(start, end, weight):
 @elementwise(aten.addcmul)
 def addcmul(x, t1, t2, *, value=1):
     return x + as_dtype(checked_scalar(value, x.dtype), x.dtype) * t1 * t2
+
+
+def fma(a, b, c):
+    """Inductor's ``prims.fma(a, b, c)``, ``a * b + c``: Dynamo's own rewrite of ``addcmul_`` /
+    ``addcdiv_`` with a ``value`` and of ``add_`` with a tensor ``alpha`` (Adam's moments), so it
+    reaches graphs compiled by the torch2jax backend. The op exists only once
+    ``torch._inductor.inductor_prims`` is imported (seconds): `lower_inductor_prims` registers it then."""
+    return a * b + c
+
+
+def lower_inductor_prims() -> None:
+    """Register `fma` as the lowering of ``prims.fma`` if Dynamo has defined the op by now."""
+    op = getattr(prims, "fma", None) if "torch._inductor.inductor_prims" in sys.modules else None
+    if op is not None and op.default not in LOWERINGS:
+        elementwise(op)(fma)
 
 
 @elementwise(aten.addcdiv)
