@@ -252,6 +252,22 @@ def test_dynamo_rewrites_to_fma_run_in_the_jax_program(recwarn):
     assert not [w for w in recwarn if "no JAX lowering" in str(w.message)]
 
 
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_captured_item_is_a_scalar_of_the_program(device):
+    # under capture_scalar_outputs, t.item() is a graph node: the lowerings got its traced number,
+    # and float() of it raised ValueNeeded; a returned one could not become an output array
+    def fn(x, i):
+        n, k = x.sum().item(), i.argmax().item()
+        return x * n + i * k, k, n
+
+    x, i = torch.randn(4), torch.arange(4)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        out, k, n = torch.compile(fn, backend="torch2jax", fullgraph=True)(x.to(device), i.to(device))
+    expected, expected_k, expected_n = fn(x, i)
+    _assert_close(out, expected)
+    assert (k, type(n)) == (expected_k, float) and n == pytest.approx(expected_n)
+
+
 def test_jax_inputs_mutated_in_place_and_view_outputs_alias_them_as_in_eager():
     def fn(x):
         return x.t(), x.mul_(2).sum()

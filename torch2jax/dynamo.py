@@ -38,6 +38,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 from . import device as _device
 from . import fx
+from . import symbolic as _sym
 from .env import _trace_state_clean, default_rng
 from .ops import elementwise as _elementwise
 from .tensor import Tensor, jax_array, new_tensor, torch_cpu
@@ -88,6 +89,8 @@ def _to_torch(kind, value):
 
 
 def _as_array(value):
+    if _sym.is_traced_number(value):  # a captured ``t.item()`` the graph returns
+        return _sym.value_of(value)
     return None if value is None else jnp.asarray(value)
 
 

@@ -29,6 +29,7 @@ import torch
 from jax._src import core as _jax_core
 
 from . import dtypes as _dt
+from . import symbolic as _sym
 from .dispatch import DECOMPOSITION_DENYLIST, OpError
 from .ops import nn as _nn
 from .ops import registry as _reg
@@ -269,6 +270,7 @@ def call_op(op, args, kwargs):
         return None
     if op in _SYMBOLIC_SIZE_OPS and _has_symbolic((args, list(kwargs.values()))):
         return _SYMBOLIC_SIZE_OPS[op](*args, **kwargs)
+    args, kwargs = _scalar_values(args), {k: _scalar_values(v) for k, v in kwargs.items()}
     if op in _CPU_KERNELS:
         return _CPU_KERNELS[op](*args, **kwargs)
     if op in _reg.VIEWS:
@@ -281,6 +283,17 @@ def call_op(op, args, kwargs):
             f"torch.export / AOTAutograd, which functionalize it)"
         )
     return _via_dispatch(op, args, kwargs)
+
+
+def _scalar_values(a):
+    """``a`` with each traced number (a ``t.item()`` of the graph, under Dynamo's
+    ``capture_scalar_outputs``) as the value a lowering takes for a Scalar: a weakly typed
+    0-d array, as the dispatcher hands it (`symbolic.scalar_value_of`)."""
+    if _sym.is_traced_number(a):
+        return _sym.scalar_value_of(a)
+    if type(a) in (list, tuple):
+        return type(a)(map(_scalar_values, a))
+    return a
 
 
 def _lowered(op, args, kwargs):
