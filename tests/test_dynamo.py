@@ -268,6 +268,22 @@ def test_captured_item_is_a_scalar_of_the_program(device):
     assert (k, type(n)) == (expected_k, float) and n == pytest.approx(expected_n)
 
 
+def test_captured_bool_item_is_a_scalar_of_the_program():
+    # Dynamo's int of a captured bool item() is torch.sym_ite(b, 1, 0), which fx.run called as it is:
+    # torch's own sym_ite refused the traced bool
+    def fn(x):
+        b = (x > 0).all().item()
+        return x * b, b
+
+    compiled = torch.compile(fn, backend="torch2jax", fullgraph=True)
+    for x in (torch.rand(4), torch.randn(4) - 2):
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            out, b = compiled(x.to("jax"))
+        expected, expected_b = fn(x)
+        _assert_close(out, expected)
+        assert b is expected_b
+
+
 def test_jax_inputs_mutated_in_place_and_view_outputs_alias_them_as_in_eager():
     def fn(x):
         return x.t(), x.mul_(2).sum()

@@ -76,6 +76,15 @@ def _sym_float(a):
     return float(a)
 
 
+def _sym_ite(condition, then, otherwise):
+    """``torch.sym_ite``: Dynamo's int of a captured bool ``t.item()`` is ``sym_ite(b, 1, 0)``; on a
+    traced ``b`` both branches are values of the program, one picked by `jnp.where`."""
+    if not _sym.is_traced_number(condition):
+        return then if condition else otherwise
+    values = [_sym.value_of(v) if _sym.is_traced_number(v) else v for v in (condition, then, otherwise)]
+    return _sym.traced_number(jnp.where(*values))
+
+
 # Shape checks torch.export records as nodes; jax.export's symbolic constraints
 # (the Dim ranges) already hold them.
 _ASSERTS = {
@@ -91,6 +100,7 @@ _PYTHON_FUNCTIONS = {
     torch.sym_float: _sym_float,
     torch.sym_int: int,
     torch.sym_not: operator.not_,
+    torch.sym_ite: _sym_ite,
 }
 
 
