@@ -284,6 +284,19 @@ def test_captured_bool_item_is_a_scalar_of_the_program():
         assert b is expected_b
 
 
+def test_tensor_python_methods_on_jax_inputs_are_one_graph():
+    # x.split is a Python method of torch.Tensor: Dynamo wrapped a jax tensor as a __torch_function__
+    # subclass, broke the graph there and ran the function eagerly, tracing into JAX's own frames
+    def fn(x, sizes):
+        return [c * 2 for c in x.split(sizes, 1)]
+
+    x = torch.randn(2, 6)
+    out = torch.compile(fn, backend="torch2jax")(x.to("jax"), [1, 5])
+    for a, b in zip(out, fn(x, [1, 5])):
+        _assert_close(a, b)
+    _assert_one_graph()
+
+
 def test_jax_inputs_mutated_in_place_and_view_outputs_alias_them_as_in_eager():
     def fn(x):
         return x.t(), x.mul_(2).sum()

@@ -278,25 +278,36 @@ def trace_jax_tensors() -> None:
     >>> torch._dynamo.utils.counters["stats"]["unique_graphs"]   # after cmodel(x) on jax tensors
     1
     """
-    from torch._dynamo.variables.builder import VariableBuilder
+    from torch._dynamo.variables import builder
 
-    wrap = VariableBuilder._wrap
+    wrap = builder.VariableBuilder._wrap
     if getattr(wrap, "_torch2jax", False):
         return
+    subclass_type = builder.infer_subclass_type
 
     def _wrap(self, value):
         if isinstance(value, Tensor) and _compiles_for_torch2jax(self.tx.output.compiler_fn):
             _polyfill_hf_torchax_check()
-            var = self.wrap_tensor(value)
-            # a plain tensor to Dynamo: as a subclass, `x > 0` went through its __torch_function__
-            # emulation, whose output code names a class global it never installed
-            if getattr(var, "class_type", None) is type(value):
-                var.class_type = torch.Tensor
-            return var
+            _PLAIN.add(id(value))
+            try:
+                return self.wrap_tensor(value)
+            finally:
+                _PLAIN.discard(id(value))
         return wrap(self, value)
 
+    def _infer_subclass_type(value):
+        # a plain tensor to Dynamo (a TensorVariable): as a subclass it went through Dynamo's
+        # __torch_function__ emulation, which breaks the graph at torch.Tensor's Python methods
+        # (x.split(sizes)) and names a class global it never installed in its output code (x > 0)
+        return None if id(value) in _PLAIN else subclass_type(value)
+
     _wrap._torch2jax = True
-    VariableBuilder._wrap = _wrap
+    builder.VariableBuilder._wrap = _wrap
+    builder.infer_subclass_type = _infer_subclass_type
+
+
+# ids of the jax tensors `trace_jax_tensors` is wrapping as plain tensors
+_PLAIN: set = set()
 
 
 skip_jax_frames()
