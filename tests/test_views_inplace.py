@@ -282,7 +282,23 @@ def p_resize_within_the_storage(x):
     return y, tail, mid, t, y.untyped_storage().nbytes()
 
 
+def p_resize_grows_the_shared_storage(x):
+    # a growing resize_ grows the one storage in place (torch reallocates it): the views made
+    # before, of any layout, and the base keep seeing its writes, and it stays one storage
+    y = x.clone()
+    row, col, flat = y[1], y.t()[:, 2], y.view(-1)
+    storage = y.untyped_storage()
+    y.resize_(4, 5)
+    y.view(-1)[10:].fill_(1)  # (torch leaves the new elements uninitialized)
+    col.fill_(2)
+    flat.resize_(30)  # a view of the base grows it again; the base and the other views see it
+    flat[5:].fill_(3)
+    grown = y.untyped_storage() is storage, y.untyped_storage().nbytes()
+    return y, row, col, flat, grown
+
+
 CASES = [
+    (p_resize_grows_the_shared_storage, [(3, 4)]),
     (p_resize_within_the_storage, [(3, 4)]),
     (p_set_to_nothing, [(3, 4)]),
     (p_select_add, [(3, 4)]),

@@ -2344,13 +2344,9 @@ def _inplace_view_handler(view_op):
 
 
 def _resize_handler(func, args, kwargs):
-    """``x.resize_(size)``: ``x`` becomes the contiguous ``size`` tensor at its storage offset.
-
-    Within the storage this is a view of it, so the base and every other view of the
-    storage keep seeing its elements. Beyond it, torch grows the storage in place; here
-    ``x`` moves to a new storage holding the old elements from its offset on, then zeros
-    (torch leaves them uninitialized), and other views of the old storage no longer see
-    its writes."""
+    """``x.resize_(size)``: ``x`` becomes the contiguous ``size`` tensor at its storage offset,
+    a view of its storage, which grows in place where it is too small (`_grow_storage`): the
+    base and every other view of it keep seeing its elements."""
     x, size = args[0], tuple(args[1])
     memory_format = args[2] if len(args) > 2 else kwargs.get("memory_format")
     if memory_format in (None, torch.contiguous_format, torch.preserve_format):
@@ -2360,15 +2356,25 @@ def _resize_handler(func, args, kwargs):
     else:  # channels_last: restrided even where the size stays
         strides = torch.empty(size, device="meta", memory_format=memory_format).stride()
     offset, numel = x.storage_offset(), math.prod(size)
-    capacity = x.untyped_storage().nbytes() // x.element_size()
-    if offset + numel <= capacity:
-        x._rebind(dispatch(aten.as_strided.default, (x, size, strides, offset), {}))
-    else:
-        rest = dispatch(aten.as_strided.default, (x, (capacity - offset,), (1,), offset), {})
-        x._rebind(dispatch(aten.resize.default, (rest, size), {}))
-        if tuple(strides) != x.stride():
-            x._rebind(dispatch(aten.as_strided.default, (x, size, strides, x.storage_offset()), {}))
+    if offset + numel > x.untyped_storage().nbytes() // x.element_size():
+        _grow_storage(x, offset + numel)
+    x._rebind(dispatch(aten.as_strided.default, (x, size, strides, offset), {}))
     return x
+
+
+def _grow_storage(x, numel):
+    """Grow ``x``'s storage in place to ``numel`` elements of ``x``'s dtype, as torch reallocates
+    the one StorageImpl a tensor and its views share: its array becomes a flat one, the old
+    elements then new ones (which torch leaves uninitialized: `creation.uninitialized`), and the
+    chains of the tensors on it start with a step back to the old array (`Tensor._t2j_view`)."""
+    st = x._t2j_storage
+    old = st.array
+    n = -(-numel * x.element_size() // old.dtype.itemsize)
+    flat = dispatch(aten.resize.default, (Tensor(st), (n,)), {})._value()  # (one compiled program)
+    st.check_write(flat)
+    st.array, st.version = flat, st.version + 1
+    back = dispatch(aten.view.default, (dispatch(aten.slice.Tensor, (Tensor(st), 0, 0, old.size), {}), old.shape), {})
+    st.grown += (back._t2j_view,)
 
 
 def _strided_factory(run):

@@ -111,11 +111,14 @@ class Storage:
     """The shared value of a base tensor and all of its views."""
 
     # (handle: a weak reference to the `_StorageHandle` ``untyped_storage()`` last gave, set then)
-    __slots__ = ("array", "version", "saved", "host", "handle", "scope", "__weakref__")
+    __slots__ = ("array", "version", "saved", "host", "handle", "scope", "grown", "__weakref__")
 
     def __init__(self, array):
         self.array = array
         self.version = 0
+        # per growth of the storage in place (a growing ``resize_``: `dispatch._grow_storage`), the view
+        # steps from the grown flat array to the array before it: a tensor's chain made before then starts there
+        self.grown = ()
         self.scope = CALL_SCOPE  # (the call of torch code from JAX that made it, if any: see `call_scope`)
         self.host = None  # (array, its value on the host), for state `t2j.jit` branches on: see `hints`
         # (weak reference to the CPU copy being pickled, version it copies): see `_saved_base`
@@ -523,7 +526,8 @@ class Tensor(torch.Tensor):
 
     _t2j_storage: Storage
     # A base tensor's: `new_tensor` sets only the storage, once per op result.
-    _t2j_view: tuple = ()
+    _t2j_chain: tuple = ()
+    _t2j_grown: int = 0  # how many growths of its storage (`Storage.grown`) the chain has seen
     _t2j_cache: object = None  # a view's value, computed at `_t2j_version` of its storage
     _t2j_version: int = -1
 
@@ -549,6 +553,22 @@ class Tensor(torch.Tensor):
 
     def __init__(self, *args, **kwargs):
         pass
+
+    @property
+    def _t2j_view(self) -> tuple:
+        """The view steps from the storage's array to this tensor's value. A storage that grew in
+        place since the chain was made (torch's ``resize_`` reallocates the one storage its views
+        share) holds a longer flat array: the chain then starts with the step back to the old one."""
+        grown = self._t2j_storage.grown
+        if self._t2j_grown != len(grown):
+            self._t2j_chain = grown[self._t2j_grown] + self._t2j_chain
+            self._t2j_grown = len(grown)
+        return self._t2j_chain
+
+    @_t2j_view.setter
+    def _t2j_view(self, chain: tuple) -> None:
+        self._t2j_chain = chain
+        self._t2j_grown = len(self._t2j_storage.grown)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
