@@ -246,6 +246,33 @@ def test_a_view_of_an_intermediate_is_a_view_of_it(view):
     assert run("jax", t2j.jit(f)) == run("cpu", f)
 
 
+def _relaid_in_place(q, op, *args):
+    getattr(q, op)(*args)
+    return q
+
+
+@pytest.mark.parametrize("program", [
+    lambda x: (x * 2).view(torch.int16).view(3, 8)[:, 1],
+    lambda x: _relaid_in_place(x * 2, "as_strided_", (2, 2), (4, 1), 1),
+    lambda x: (_relaid_in_place(x * 2, "t_"), x[0]),
+    lambda x: (lambda q: (q.view(torch.float32)[1:], q))(x * 2),
+    lambda x: (lambda q: (q.t().detach(), q.detach()))(x.float().requires_grad_() * 2),
+], ids=["dtype_view_of_view", "as_strided_", "t_", "dtype_view_and_base", "detached"])
+def test_an_output_on_a_storage_made_inside_keeps_torch_s_layout(program):
+    # as torch: a dtype view of an intermediate, a tensor of its own re-laid in place (t_, as_strided_: no
+    # _base) and a detach of one keep their strides, offset, storage and _base over calls
+    def run(device, fn):
+        out = []
+        for k in range(2):
+            o = fn(torch.arange(12, dtype=torch.int32, device=device).reshape(3, 4) + k)
+            o = o if isinstance(o, tuple) else (o,)
+            out.append([(v.cpu().tolist(), v.dtype, v.stride(), v.storage_offset(), v._base is None, v._is_view(),
+                         v.untyped_storage().data_ptr() == o[0].untyped_storage().data_ptr()) for v in o])
+        return out
+
+    assert run("jax", t2j.jit(program)) == run("cpu", program)
+
+
 @pytest.mark.parametrize("split", [lambda b: b.unbind(0), lambda b: b.split(2), lambda b: b.chunk(2)],
                          ids=["unbind", "split", "chunk"])
 def test_views_of_a_multi_output_view_op_refuse_in_place_writes(split):

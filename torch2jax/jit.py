@@ -2555,8 +2555,9 @@ class _Outputs:
         for k, other in self.kept.items():
             if other._t2j_storage is leaf._t2j_storage and other.dtype == leaf.dtype \
                     and (offset := _offset_within(leaf, other)) is not None:
+                # (``detach()`` of one, which torch does not count a view: no ``_base``)
                 return "view_of_leaf", (self.leaves[k], tuple(leaf.shape), tuple(leaf.stride()), offset,
-                                        _grad_mode_of(leaf))
+                                        _grad_mode_of(leaf), leaf._base is None and not leaf.requires_grad)
         return None
 
     def release(self):
@@ -2593,18 +2594,47 @@ class _Outputs:
         return self._kind(value)
 
     def _view_of_made(self, leaf) -> tuple | None:
-        """``("view_of_made", (base kind, size, stride, offset, grad mode))`` for a view of a tensor the trace
-        made and does not return (``(a @ b)[:, 1:3]``, ``x.sum(0).expand(3, 4)``): the program returns the
-        base, and each call takes the view of it again, with torch's strides, offset and ``_base``."""
-        base = leaf._base
-        if type(base) is not Tensor or base._t2j_view or base._t2j_storage is not leaf._t2j_storage \
-                or base.dtype != leaf.dtype or leaf.dtype is torch.complex32 or not leaf._t2j_view \
-                or not _tensor.strided_steps(leaf._t2j_view):
+        """``("view_of_made", (storage kind, stages, grad mode))`` for a tensor on a storage the trace made,
+        laid out otherwise than a fresh array: a view of a tensor it made (``(a @ b)[:, 1:3]``,
+        ``x.sum(0).expand(3, 4)``, ``(a * 2).view(torch.int16)[:, 1]``) or a tensor of its own re-laid in place
+        (``q.t_()``, ``q.as_strided_(...)``). The program returns the storage's tensor once, and each call makes
+        the leaf again from it, through its ``_base`` where it has one (`_made_stage`), with torch's strides,
+        offset, dtype and ``_base``."""
+        st, base = leaf._t2j_storage, leaf._base
+        if not leaf._t2j_view or leaf.dtype is torch.complex32 or any(st is s for s in self.storages):
             return None
-        if id(base) not in self.bases:  # (views of one base share its storage: one output for it)
-            self.bases[id(base)] = (self._kind(base), base)
-        return "view_of_made", (self.bases[id(base)][0], tuple(leaf.shape), tuple(leaf.stride()),
-                                leaf.storage_offset() - base.storage_offset(), _grad_mode_of(leaf))
+        if base is None or type(base) is not Tensor or base._t2j_storage is not st:
+            if leaf.requires_grad or base is not None:  # (a tensor of its own with a history: an array)
+                return None
+            stages = [self._made_stage(None, leaf, detach=True)]
+        elif not base._t2j_view:
+            stages = [self._made_stage(None, leaf)]
+        elif base.requires_grad or base._t2j_view != leaf._t2j_view[:len(base._t2j_view)]:
+            return None
+        else:  # (a view of a dtype view or of a re-laid tensor: that tensor first, then the view of it)
+            stages = [self._made_stage(None, base, detach=True), self._made_stage(base, leaf)]
+        if None in stages:
+            return None
+        if id(st) not in self.bases:  # (views of one storage share it: one output for it, maybe one returned)
+            returned = [k for k, o in self.kept.items() if o._t2j_storage is st and not o._t2j_view]
+            root = base if base is not None and not base._t2j_view else Tensor(st)
+            self.bases[id(st)] = (("output", self.leaves[returned[0]]) if returned else self._kind(root), root)
+        return "view_of_made", (self.bases[id(st)][0], stages, _grad_mode_of(leaf))
+
+    @staticmethod
+    def _made_stage(start, t, detach=False) -> tuple | None:
+        """How `_output` makes ``t`` from ``start`` (None: the storage's tensor, `_view_of_made`):
+        ``("strided", size, stride, offset, detach)`` where ``as_strided`` of the storage gives it,
+        ``("replay", calls, detach)`` where its view ops, called again, do; None where neither does.
+        ``detach``: ``t`` is not a view in autograd's sense (no ``_base``)."""
+        steps = t._t2j_view[len(start._t2j_view):] if start is not None else t._t2j_view
+        dtype = start.dtype if start is not None else _dt.to_torch(t._t2j_storage.array.dtype)
+        if start is None and dtype == t.dtype and _tensor.strided_steps(steps):
+            return "strided", tuple(t.shape), tuple(t.stride()), t.storage_offset(), detach
+        calls = [step.call for step in steps]
+        if all(c is not None and not any(isinstance(a, jax.Array) for a in jax.tree.leaves(c[1:3])) for c in calls):
+            return "replay", calls, detach
+        return None
 
     def _view_at_traced_position(self, leaf) -> tuple | None:
         """``("view_at", (slot, size, stride, offset output, grad mode))`` for a view of a slot's storage at
@@ -2754,10 +2784,10 @@ def _made_objects_as_nodes(out, known: set):
 
 def _classification_order(out_leaves) -> tuple:
     """The output positions with the tensors that are not views first: a view returned before
-    its base (``return t[:, :2], t``) is then found to be a view of that output, as when it
-    comes after it."""
+    its base (``return t[:, :2], t``, ``return t.view(torch.int32)[1:], t``) is then found to be a
+    view of that output, as when it comes after it."""
     def is_view(leaf):
-        return isinstance(leaf, Tensor) and bool(leaf._t2j_view) and _tensor.strided_steps(leaf._t2j_view)
+        return isinstance(leaf, Tensor) and bool(leaf._t2j_view)
 
     return tuple(sorted(range(len(out_leaves)), key=lambda k: is_view(out_leaves[k])))
 
@@ -2776,11 +2806,26 @@ def _view_of(base, size, stride, offset, grad_mode):
     return view
 
 
+def _made_again(t, stages, grad_mode):
+    """A ``"view_of_made"`` output (`_Outputs._view_of_made`) made from its storage's tensor ``t``."""
+    for k, (how, *rest, detach) in enumerate(stages):
+        mode = grad_mode if k == len(stages) - 1 else False
+        if how == "strided":
+            size, stride, offset = rest
+            t = _view_of(t, size, stride, t.storage_offset() + offset, mode)
+        else:
+            t = _replayed(t, rest[0], mode)
+        t = t.detach() if detach else t
+    return t
+
+
 def _stored_value(stored, result, arrays, slots, leaves):
     """The value a call stores in a place, of kind ``stored`` (`_Outputs.stored`)."""
     kind, v = stored
     if kind == "leaf":
         return result[v]
+    if kind == "view_of_made" and v[0][0] == "output":  # (a view of a returned tensor)
+        return _made_again(result[v[0][1]], *v[1:])
     if kind == "tree":
         spec, kinds = v
         return torch_pytree.tree_unflatten([_stored_value(k, result, arrays, slots, leaves) for k in kinds], spec)
@@ -2827,10 +2872,9 @@ def _output(kind, v, arrays, slots, leaves):
         return leaves[v]
     if kind in ("lifted", "lifted_after"):
         return slots.lifted[v].current()
-    if kind == "view_of_made":  # (a base returned as an array is one tensor per call: its views share it)
-        (base_kind, base_v), size, stride, offset, grad_mode = v
-        base = _output(base_kind, base_v, arrays, slots, leaves)
-        return _view_of(base, size, stride, base.storage_offset() + offset, grad_mode)
+    if kind == "view_of_made":  # (a base output as an array is one tensor per call: its views share it)
+        (base_kind, base_v), stages, grad_mode = v
+        return _made_again(_output(base_kind, base_v, arrays, slots, leaves), stages, grad_mode)
     return v
 
 
@@ -3581,7 +3625,10 @@ class JitFunction:
                 result[position] = result[v]
             elif kind == "view_of_leaf":
                 base = result[v[0]]
-                result[position] = _view_of(base, *v[1:3], base.storage_offset() + v[3], v[4])
+                view = _view_of(base, *v[1:3], base.storage_offset() + v[3], v[4])
+                result[position] = view.detach() if v[5] else view
+            elif kind == "view_of_made" and v[0][0] == "output":
+                result[position] = _made_again(result[v[0][1]], *v[1:])
             elif kind == "laid_out" and v[0] in entry.inference:
                 with torch.inference_mode():
                     result[position] = _output(kind, v, arrays, slots, leaves)
