@@ -397,6 +397,14 @@ def _write_positions(array, chain, old, value):
     return array.reshape(-1).at[positions].set(value.reshape(-1), mode="drop").reshape(array.shape)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _update_box(array, value, shape, starts):
+    """``value``, reshaped to ``shape``, written into ``array`` at ``starts`` (`_contiguous_box`) as
+    one compiled program: an eager write would dispatch the reshape and the update one by one,
+    each costing what a whole small op does."""
+    return jax.lax.dynamic_update_slice(array, value.reshape(shape), starts)
+
+
 def _contiguous_box(view, chain, array, value):
     """(start indices, shape) of the box of ``array`` (a storage's array) that a contiguous ``view``
     of it covers, where its elements are one box in the array's own shape; else None.
@@ -622,7 +630,11 @@ class Tensor(torch.Tensor):
             new = _write_positions(old, chain, chain[-1].forward(bases[-1]), value)
         elif box is not None:
             # (int32 starts: a transform applied outside 64-bit mode, a vmap of its VJP, builds int32 bounds)
-            new = jax.lax.dynamic_update_slice(old, value.reshape(box[1]), [np.int32(i) for i in box[0]])
+            starts = tuple(np.int32(i) for i in box[0])
+            if type(old) is _ArrayImpl and type(value) is _ArrayImpl:
+                new = _update_box(old, value, box[1], starts)
+            else:
+                new = jax.lax.dynamic_update_slice(old, value.reshape(box[1]), starts)
         else:
             new = value
             for step, base in zip(reversed(chain), reversed(bases)):
