@@ -4775,10 +4775,9 @@ def _group_number(site, given, array):
     (``group["lr"] *= 0.9``) or replaced by a 0-d tensor computed from it, as the Python number
     torch's arithmetic on a float lr leaves there; None where it did not change."""
     now = site.current()
-    if now is given and isinstance(given, Tensor):
-        return _sym.traced_number(now._value()) if array is not None and now._t2j_storage.array is not array else None
     if now is given:
-        return None
+        written = isinstance(given, Tensor) and array is not None and given._t2j_storage.array is not array
+        return _sym.traced_number(now._value()) if written else None
     if type(now) is Tensor and isinstance(given, Tensor) and now.dim() == 0 and now.dtype == given.dtype \
             and not now.requires_grad:
         return _sym.traced_number(now._value())

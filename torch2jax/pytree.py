@@ -181,8 +181,8 @@ def register_argument_nodes(tree, depth=0) -> None:
     children), every class JAX's pytree knows and torch's does not (a dataclass registered with
     ``jax.tree_util``, an equinox module: JAX's children are its children), and every other
     dataclass and every plain class whose instance holds data only (a batch made for each call:
-    its attributes are its children), so that `t2j.jit`
-    takes the tensors and arrays inside them as arguments of their own.
+    its attributes are its children), so that `t2j.jit` takes the tensors and arrays inside them
+    as arguments of their own.
 
     >>> register_argument_nodes(((batch_encoding,), {}))
     >>> torch.utils._pytree.tree_leaves(batch_encoding)   # its tensors

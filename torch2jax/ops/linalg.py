@@ -328,16 +328,15 @@ def mm_dtype(a, b, out_dtype):
     return _finish(_mm(a, b), _dt.to_jax(out_dtype))
 
 
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+_FLOAT8 = frozenset(map(np.dtype, (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)))
 
 
 def _scaled_mm_scales(a, b, scale_a, scale_b):
     """Refuse scales that are neither tensor-wise (a float32 singleton each) nor row-wise
     (float32 ``(M, 1)`` and ``(1, N)``), in torch's words."""
-    float8 = {_dt.to_jax(t) for t in _FLOAT8}
     tensor_wise = scale_a.size == 1 and scale_b.size == 1
     row_wise = scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1])
-    if a.dtype in float8 and b.dtype in float8 and scale_a.dtype == scale_b.dtype == np.float32 \
+    if a.dtype in _FLOAT8 and b.dtype in _FLOAT8 and scale_a.dtype == scale_b.dtype == np.float32 \
             and (tensor_wise or row_wise):
         return
     raise TorchValueError(
@@ -372,7 +371,7 @@ def _scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=N
         if bias.size != b.shape[1]:
             raise TorchRuntimeError(f"Bias must be size {b.shape[1]} but got {bias.size}")
         out = out + wide(bias).reshape(-1)
-    if scale_result is not None and dtype in {_dt.to_jax(t) for t in _FLOAT8}:
+    if scale_result is not None and dtype in _FLOAT8:
         out = out / wide(scale_result)
     return cast(out, dtype)
 

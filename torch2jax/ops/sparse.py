@@ -383,11 +383,13 @@ def _sparse_sum_backward(grad, x, dim):
         grad = grad if grad.is_coalesced() else _coalesce(grad)
         size = [x.shape[d] for d in keep]
         stored, wanted = _linear(grad._indices(), size), _linear(indices[keep], size)
-        at = torch.searchsorted(stored, wanted).clamp(max=max(stored.shape[0] - 1, 0))
-        found = stored[at] == wanted if stored.shape[0] else torch.zeros_like(wanted, dtype=torch.bool)
-        rows = grad._values()[at] if stored.shape[0] else grad._values().new_zeros((wanted.shape[0],
-                                                                                     *grad._values().shape[1:]))
-        per_entry = torch.where(found.view(-1, *[1] * (rows.dim() - 1)), rows, torch.zeros_like(rows))
+        rows = grad._values()
+        if stored.shape[0] == 0:
+            per_entry = rows.new_zeros((wanted.shape[0], *rows.shape[1:]))
+        else:
+            at = torch.searchsorted(stored, wanted).clamp(max=stored.shape[0] - 1)
+            found = (stored[at] == wanted).view(-1, *[1] * (rows.dim() - 1))
+            per_entry = torch.where(found, rows[at], 0)
     else:  # every sparse dimension summed: grad is dense over the dense dimensions left
         per_entry = grad.unsqueeze(0).expand(indices.shape[1], *grad.shape)
     for d in dims:  # (the summed dense dimensions back, as size-1, then spread)
