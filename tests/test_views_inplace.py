@@ -369,6 +369,22 @@ def test_write_to_expanded_view_errors_like_torch():
         x.expand(3, 4).uniform_()
 
 
+@pytest.mark.parametrize("call", [
+    lambda o, a, b: torch.mm(a, b, out=o),
+    lambda o, a, b: torch.addmm(o.contiguous(), a, b, out=o),
+    lambda o, a, b: torch.addmv(a[:, 0], a, b[:, 0], out=o[:, 0]),
+    lambda o, a, b: torch.baddbmm(o[None].contiguous(), a[None], b[None], out=o[None]),
+    lambda o, a, b: torch.addbmm(o.contiguous(), a[None], b[None], out=o),
+], ids=["mm", "addmm", "addmv", "baddbmm", "addbmm"])
+def test_matrix_products_into_an_expanded_out_error_like_torch(call):
+    # their out= kernels refuse a written tensor that shows one element twice (one other than their
+    # self); mv / bmm / addmv_ do not
+    for device in ("cpu", "jax"):
+        o = torch.zeros(1, 4, device=device).expand(4, 4)
+        with pytest.raises(RuntimeError, match="more than one element"):
+            call(o, torch.ones(4, 3, device=device), torch.ones(3, 4, device=device))
+
+
 def p_inplace_view_ops(x):
     y = x.clone()
     y.unsqueeze_(0)
@@ -776,3 +792,23 @@ def test_dtype_views_of_different_widths_written_then_read_under_jit(base, writt
 
     x = torch.arange(32, dtype=torch.uint8).mul(37).view(base)
     assert torch.equal(torch2jax.jit(program)(x.to("jax")).cpu(), program(x.clone()))
+
+
+def test_dtype_views_restrided_resized_and_written_like_torch():
+    # as_strided / unfold / resize_ of a view(dtype) count elements of the view's dtype over the
+    # storage's bytes (they raised an error naming the op)
+    def program(device):
+        a = torch.arange(12, dtype=torch.float16, device=device)
+        w = a[:10].view(torch.int32).as_strided((2, 2), (2, 1), 1)
+        w.add_(3)
+        b = torch.arange(7, dtype=torch.int16, device=device)
+        b[:6].view(torch.float32).as_strided((2,), (1,), 1).zero_()
+        u = torch.arange(6.0, device=device).view(torch.int16).unfold(0, 4, 3)
+        u[1].fill_(5)
+        v = torch.arange(8.0, device=device).view(torch.int32)
+        v.resize_(12)
+        v[8:] = 7
+        return [t.cpu() for t in (a, w, b, u, v[:10])]
+
+    for got, want in zip(program("jax"), program("cpu")):
+        assert got.dtype == want.dtype and torch.equal(got, want)

@@ -1862,11 +1862,13 @@ def _generic_view_handler(func, args, kwargs):
     metas = meta if isinstance(meta, list) else [meta]
     if any(m[3] != x.dtype for m in metas) or any(s.forward is None or s.traced_offset for s in x._t2j_view):
         raise OpError(f"torch2jax: view op {func} has no lowering for this input")
-    if any(step.name in _REINTERPRETING for step in x._t2j_view):
-        raise OpError(f"torch2jax: view op {func} on a dtype view is not supported")
     # a view of the storage's elements, conjugated or negated as the views ``x`` comes through are
     conj = sum(step.name is aten._conj.default for step in x._t2j_view) % 2
     neg = sum(step.name is aten._neg_view.default for step in x._t2j_view) % 2
+    storage = x._t2j_storage
+    head = (_tensor.DETACHED,) if _tensor.DETACHED in x._t2j_view else ()
+    if any(step.name in _REINTERPRETING for step in x._t2j_view):
+        head += (_storage_as_step(x.dtype),)  # (strides and offset count elements of x's dtype)
     outs = []
     for size, stride, offset, dtype in metas:
         _check_in_storage(x, size, stride, offset, dtype)
@@ -1877,8 +1879,7 @@ def _generic_view_handler(func, args, kwargs):
             func,
             repeats=np.unique(idx).size < idx.size,
         )
-        storage = x._t2j_storage
-        chain = (_tensor.DETACHED, step) if _tensor.DETACHED in x._t2j_view else (step,)
+        chain = head + (step,)
         value = storage.array
         for s in chain:
             value = s.forward(value)
@@ -1906,6 +1907,15 @@ _REINTERPRETING = frozenset({aten.view.dtype, aten.view_as_real.default, aten.vi
 def _lazy_values(a, conj, neg):
     a = a.conj() if conj else a
     return -a if neg else a
+
+
+def _storage_as_step(dtype):
+    """A step from a storage's array to its bytes as a flat array of ``dtype``: where a
+    dtype view (``x.view(torch.int32)``) is restrided, its strides count those elements."""
+    from .ops.shape import storage_as, storage_as_back
+
+    dtype = _dt.to_jax(dtype)
+    return ViewStep(functools.partial(storage_as, dtype), storage_as_back, aten.view.dtype)
 
 
 def _gather_flat(idx, base, conj=False, neg=False):
@@ -1949,6 +1959,7 @@ _NO_INTERNAL_OVERLAP = {
     aten.fill_.Tensor, aten.masked_scatter_.default, aten.normal_.default, aten.uniform_.default,
     aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.random_.default, aten.random_.to, getattr(aten.random_, "from"),
     aten.exponential_.default, aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default,
+    aten.mm.out, aten.addmm.out, aten.baddbmm.out, aten.addbmm.out, aten.addmv.out,
 }
 # (threshold_ and masked_fill_ write an expanded tensor in torch; conj_physical_ and nan_to_num_ of a tensor
 # they leave as it is write nothing, and of any other refuse through their copy_)

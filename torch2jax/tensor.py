@@ -624,10 +624,15 @@ class Tensor(torch.Tensor):
         bases = [old]
         for step in chain[:-1]:
             bases.append(step.forward(bases[-1]))
-        repeats = _repeats_elements(chain, bases + [value])
+        # (the steps after the last that changes values, a dtype view's, move its elements: positions
+        # replay on them)
+        moved = next((i for i in range(len(chain), 0, -1) if not moves_elements(chain[i - 1])), 0)
+        repeats = _repeats_elements(chain[moved:], bases[moved:] + [value])
         box = None if repeats else _contiguous_box(self, chain, old, value)
         if repeats:
-            new = _write_positions(old, chain, chain[-1].forward(bases[-1]), value)
+            new = _write_positions(bases[moved], chain[moved:], chain[-1].forward(bases[-1]), value)
+            for step, base in zip(reversed(chain[:moved]), reversed(bases[:moved])):
+                new = step.inverse(base, new)
         elif box is not None:
             # (int32 starts: a transform applied outside 64-bit mode, a vmap of its VJP, builds int32 bounds)
             starts = tuple(np.int32(i) for i in box[0])

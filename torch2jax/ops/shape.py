@@ -126,6 +126,22 @@ def _bitcast_complex(x, dst):
     return out.reshape(()) if x.ndim == 0 else out
 
 
+def storage_as(dtype, base):
+    """``base``'s bytes as a flat array of ``dtype``, less the trailing bytes that make no
+    whole element of it (torch's storage holds ``nbytes // itemsize`` elements of a dtype view)."""
+    flat = base.reshape(-1)
+    src, dst = np.dtype(flat.dtype).itemsize, np.dtype(dtype).itemsize
+    whole = flat.size * src // dst * dst // src
+    return _bitcast(flat[:whole], dtype)
+
+
+def storage_as_back(base, value):
+    """`storage_as`'s inverse: ``value``'s bytes written over ``base``'s first ones."""
+    flat = base.reshape(-1)
+    back = _bitcast(value, flat.dtype)
+    return jnp.concatenate([back, flat[back.size:]]).reshape(base.shape)
+
+
 @view(aten.view.dtype, inverse=lambda base, value, dtype: _bitcast(value, base.dtype))
 def view_dtype(x, dtype):
     return _bitcast(x, _dt.to_jax(dtype))
