@@ -403,3 +403,27 @@ def test_a_float_input_program_keeps_torch_scalar_overflow_checks():
         h.fill_(1e6)
     with pytest.raises(RuntimeError, match="cannot be converted to type c10::Half without overflow"):
         torch.clamp(h, max=1e6)
+
+
+def test_inplace_ops_through_permuted_views_do_not_lay_out_their_results(monkeypatch):
+    # the functional op's result is only written into the view: laying it out in torch's strides
+    # (a transpose, then a transpose back to read it) was wasted work
+    relaid = []
+    laid_out = dispatch._laid_out
+
+    def counting(t, strides):
+        if isinstance(t, torch.Tensor) and strides is not None and tuple(strides) != t.stride():
+            relaid.append(strides)
+        return laid_out(t, strides)
+
+    monkeypatch.setattr(dispatch, "_laid_out", counting)
+    x = torch.arange(12.0).reshape(3, 4)
+    jx = x.to("jax")
+    for t in (x, jx):
+        t.t().mul_(2)
+        t.permute(1, 0).add_(t.t())
+        torch.exp_(t.t()[1:])
+    assert not relaid
+    torch.testing.assert_close(jx.cpu(), x)
+    assert (jx.t() * 2).stride() == (x.t() * 2).stride()  # an out-of-place result keeps torch's layout
+    assert relaid

@@ -106,8 +106,9 @@ class DeviceMismatchError(OpError):
 
 
 _HANDLERS: dict = {}
-# id(op) -> (op, handler): `dispatch` looks the handler up by identity, since an
-# OpOverload hashes in Python; the entry holds the op, so its id is not reused.
+# id(op) -> (op, handler, handler that leaves results in any layout): `dispatch` looks the
+# handler up by identity, since an OpOverload hashes in Python; the entry holds the op, so its
+# id is not reused.
 _BY_ID: dict = {}
 _PATHS: dict = {}
 _coverage_log: list | None = None
@@ -124,13 +125,17 @@ _ops_logger = logging.getLogger("torch2jax.ops")
 _log_depth = 0
 
 
-def dispatch(func, args, kwargs):
-    """Run ATen op ``func`` on torch2jax tensors and return torch2jax tensors."""
+def dispatch(func, args, kwargs, laid_out=True):
+    """Run ATen op ``func`` on torch2jax tensors and return torch2jax tensors; with ``laid_out``
+    False, results may have other strides than torch's (a caller that reads only their values)."""
     if _tensor.TRACING is not None and _tensor.TRACING != _get_ident():
         with _tensor.TRACE_LOCK:  # (another thread is tracing: run once it is done, `traced_block`)
-            return dispatch(func, args, kwargs)
+            return dispatch(func, args, kwargs, laid_out)
     entry = _BY_ID.get(id(func))
-    handler = entry[1] if entry is not None and entry[0] is func else _resolve(func)
+    if entry is None or entry[0] is not func:
+        _resolve(func)
+        entry = _BY_ID[id(func)]
+    handler = entry[1] if laid_out else entry[2]
     if _coverage_log is not None:
         _coverage_log.append(func)
     if log_ops:
@@ -528,6 +533,16 @@ def _resolve(func):
         handler, path = _refuse_nested, "refused"
     else:
         handler, path = _choose(func)
+    unlaid = getattr(handler, "unlaid", None)
+    handler = _checked(func, handler)
+    _HANDLERS[func] = handler
+    _BY_ID[id(func)] = (func, handler, handler if unlaid is None else _checked(func, unlaid))
+    _PATHS[func] = path
+    return handler
+
+
+def _checked(func, handler):
+    """``handler`` behind the checks and warnings every path of ``func`` makes."""
     handler = _checking_overlap(func, handler)
     if any(a.name == "device" for a in func._schema.arguments):
         handler = _checking_device_index(handler)
@@ -535,9 +550,6 @@ def _resolve(func):
         handler = _warning_first(_reg.WARNINGS[func], handler)
     if isinstance(func, torch._ops.OpOverload) and func._schema.name in _INDEXING_OPS:
         handler = _indexing_host_self(handler)
-    _HANDLERS[func] = handler
-    _BY_ID[id(func)] = (func, handler)
-    _PATHS[func] = path
     return handler
 
 
@@ -731,11 +743,13 @@ def _lowering_handler(func, lowering, cpu_args=None):
                 return type(out)(_laid_out(o, st) for o, st in zip(out, strides(args, kwargs, out)))
             return _laid_out(out, strides(args, kwargs, (out,))[0])
 
+        run_laid_out.unlaid = run
         return run_laid_out
     if _name_of(func) in _COLUMN_MAJOR_OPS:
         def run_column_major(func, args, kwargs):
             return _torch_layout(func, args, kwargs, run(func, args, kwargs))
 
+        run_column_major.unlaid = run
         return run_column_major
     if not _keeps_layout(func):
         return run
@@ -747,6 +761,12 @@ def _lowering_handler(func, lowering, cpu_args=None):
         out = run(func, args, kwargs)
         return _torch_layout(func, args, kwargs, out) if _layout_of_inputs(func, args) else out
 
+    def run_unlaid(func, args, kwargs):
+        if kwargs and kwargs.get("memory_format") in _RANK_OF_FORMAT:
+            _check_format_rank(args[0], kwargs["memory_format"])
+        return run(func, args, kwargs)
+
+    run_keeping_layout.unlaid = run_unlaid
     return run_keeping_layout
 
 
@@ -1023,8 +1043,10 @@ def _composite_handler(func, args, kwargs):
 
 
 def _compute(func, args, kwargs):
-    """Run ``func`` functionally and return its results as arrays."""
-    return _array_of(dispatch(func, args, kwargs))
+    """Run ``func`` functionally and return its results as arrays (laid out as they come: an
+    in-place op through a transposed view would transpose its result for torch's strides, then
+    back to read it)."""
+    return _array_of(dispatch(func, args, kwargs, laid_out=False))
 
 
 # ---------------------------------------------------------------------------
