@@ -4280,7 +4280,23 @@ class _DataclassBatch:
     logits: object = None
 
 
-@pytest.mark.parametrize("Batch", [_DataclassBatch, _PlainBatch], ids=["dataclass", "plain class"])
+class _SlotsBatch:
+    __slots__ = ("x", "scale", "logits")
+
+    def __init__(self, x, scale=1.0):
+        self.x, self.scale, self.logits = x, scale, None
+
+
+@dataclasses.dataclass(slots=True)
+class _SlotsDataclassBatch:
+    x: torch.Tensor
+    scale: float = 1.0
+    logits: object = None
+
+
+# (classes with __slots__ hold no __dict__: they were one program per object)
+@pytest.mark.parametrize("Batch", [_DataclassBatch, _PlainBatch, _SlotsBatch, _SlotsDataclassBatch],
+                         ids=["dataclass", "plain class", "slots class", "slots dataclass"])
 def test_a_batch_object_made_for_each_call_is_one_program(Batch):
     lin = nn.Linear(3, 2).to("jax")
 

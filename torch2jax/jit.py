@@ -976,7 +976,7 @@ def _keyed(container) -> bool:
 
 def _keyed_items(container):
     """A mapping's items; a dataclass argument's attributes."""
-    return vars(container).items() if _pytree.is_registered_record(container) else container.items()
+    return _pytree.record_items(container).items() if _pytree.is_registered_record(container) else container.items()
 
 
 def _argument_containers(tree, path=()) -> list:
@@ -1048,10 +1048,8 @@ def _change_container(container, layout, values):
     as its index (a list's) or ``(key, kept)`` (a dict's) before the call, or None (unkept) for the
     next of ``values``."""
     if _pytree.is_registered_record(container):  # (a frozen dataclass's too: its trace changed it the same way)
-        values = iter(values)
-        items = [(k, vars(container)[k] if kept else next(values)) for k, kept in layout]
-        vars(container).clear()
-        vars(container).update(items)
+        values, before = iter(values), _pytree.record_items(container)
+        _pytree.set_record_items(container, [(k, before[k] if kept else next(values)) for k, kept in layout])
     elif isinstance(container, Mapping):
         values = iter(values)
         items = [(k, container[k] if kept else next(values)) for k, kept in layout]

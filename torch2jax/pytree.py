@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -202,7 +203,7 @@ def register_argument_nodes(tree, depth=0) -> None:
         children = jax.tree_util.default_registry.flatten_one_level(tree)[0]
     elif type(tree) in _RECORD_CLASSES or (_is_record(tree) and tp.tree_is_leaf(tree)):
         _register_record_class(type(tree))
-        children = vars(tree).values()
+        children = record_items(tree).values()
     else:
         return
     if depth < 8:
@@ -287,9 +288,55 @@ _DATA = (torch.Tensor, jax.Array, np.ndarray, int, float, complex, bool, str, by
 
 
 def _is_record(x) -> bool:
-    if isinstance(x, (type, torch.nn.Module, torch.optim.Optimizer)) or type(getattr(x, "__dict__", None)) is not dict:
+    if isinstance(x, (type, torch.nn.Module, torch.optim.Optimizer)):
+        return False
+    if type(getattr(x, "__dict__", None)) is not dict and not _slot_names(type(x)):
         return False
     return dataclasses.is_dataclass(x) or _is_plain_record(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _slot_names(cls) -> tuple:
+    """The attribute names ``cls`` and its bases declare in ``__slots__`` (private ones mangled)."""
+    names = []
+    for c in cls.__mro__:
+        slots = vars(c).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{c.__name__.lstrip('_')}{name}"
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+_UNSET = object()
+
+
+def record_items(obj) -> dict:
+    """A record's attributes by name: its ``__dict__``'s, then the ``__slots__`` it has set."""
+    items = dict(getattr(obj, "__dict__", ()))
+    for name in _slot_names(type(obj)):
+        value = getattr(obj, name, _UNSET)
+        if value is not _UNSET:
+            items[name] = value
+    return items
+
+
+def set_record_items(obj, items) -> None:
+    """Make ``items`` (name, value pairs) ``obj``'s attributes, and only them (a frozen dataclass's
+    too: the trace changed it the same way)."""
+    items = dict(items)
+    slots = _slot_names(type(obj))
+    for name in slots:
+        if name in items:
+            object.__setattr__(obj, name, items.pop(name))
+        elif hasattr(obj, name):
+            object.__delattr__(obj, name)
+    if items or not slots:
+        vars(obj).clear()
+        vars(obj).update(items)
 
 
 def _is_plain_record(x) -> bool:
@@ -298,7 +345,7 @@ def _is_plain_record(x) -> bool:
     cls = type(x)
     if cls.__module__ == "builtins" or cls.__eq__ is not object.__eq__ or cls.__hash__ is not object.__hash__:
         return False
-    values = vars(x).values()
+    values = record_items(x).values()
     return all(_is_data(v) for v in values) and any(_holds_tensors(v) for v in values)
 
 
@@ -326,16 +373,17 @@ def _register_record_class(cls) -> None:
     _RECORD_CLASSES.add(cls)
 
     def flatten(obj):
-        names = tuple(vars(obj))
-        return [vars(obj)[n] for n in names], names
+        items = record_items(obj)
+        return list(items.values()), tuple(items)
 
     def unflatten(children, names):
         obj = cls.__new__(cls)  # (not __init__: its __post_init__ already ran on the caller's object)
-        obj.__dict__.update(zip(names, children))
+        set_record_items(obj, zip(names, children))
         return obj
 
     def flatten_with_keys(obj):
-        return [(tp.GetAttrKey(n), v) for n, v in vars(obj).items()], tuple(vars(obj))
+        items = record_items(obj)
+        return [(tp.GetAttrKey(n), v) for n, v in items.items()], tuple(items)
 
     try:
         tp.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
