@@ -568,3 +568,31 @@ def test_fx_run_names_an_op_that_needs_concrete_sizes():
     (batch,) = jax.export.symbolic_shape("batch")
     with pytest.raises(t2j.OpError, match=r"aten.linear.default has no JAX lowering.*symbolic dimensions"):
         jax.export.export(jax.jit(lambda x: fx.run(gm, x, w_value)))(jax.ShapeDtypeStruct((batch, 3), np.float32))
+
+
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_data_dependent_output_shapes_run_in_pieces(device):
+    # under capture_dynamic_output_shape_ops, x[mask], nonzero (unique, repeat_interleave ...) are graph nodes
+    # whose sizes are unbacked symbols: in one jax.jit program they raised an OpError; the program now runs
+    # them on concrete arrays between jitted pieces (a new count compiles the later piece again)
+    def fn(x, w):
+        y = x[x > 0]
+        return (y * w[: y.shape[0]]).sum() + y.shape[0], torch.nonzero(x > 0.5)
+
+    compiled = torch.compile(fn, backend="torch2jax")
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        x, w = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+        inputs = [a.detach().to(device).requires_grad_() for a in (x, w)]
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            out = compiled(*inputs)
+        expected = fn(x, w)
+        for a, b in zip(out, expected):
+            assert a.shape == b.shape and a.device.type == device
+            _assert_close(a, b)
+        out[0].backward()
+        expected[0].backward()
+        for a, b in zip(inputs, (x, w)):
+            _assert_close(a.grad, b.grad)
+    assert counters["stats"]["unique_graphs"] == 1
+

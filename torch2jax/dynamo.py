@@ -31,6 +31,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 import torch._dynamo
 from torch._dynamo.backends.common import aot_autograd
@@ -100,7 +101,8 @@ class GraphProgram:
     Tensors are traced; integer inputs (sizes, under dynamic shapes) are static,
     so each distinct size compiles once. Random ops draw from torch2jax's RNG key,
     which is an input and an output of the program (inside `t2j.jit`, a subkey of the
-    traced key).
+    traced key). A graph with ops whose result sizes depend on tensor values runs in
+    pieces (`_pieces`).
 
     >>> gm = make_fx(lambda x, w: (torch.relu(x @ w),))(x, w)
     >>> (out,) = GraphProgram(gm, [x, w])(x, w)      # a torch CPU tensor, computed by XLA
@@ -113,6 +115,8 @@ class GraphProgram:
         self.kinds = [_output_kind(n.meta.get("val") if isinstance(n, torch.fx.Node) else n) for n in results]
         self.static = [not isinstance(x, torch.Tensor) for x in example_inputs]
         self._jitted = jax.jit(self._program, static_argnums=2)
+        cuts = _sizes_from_values(gm)
+        self._pieces = _pieces(gm, cuts) if cuts else None
 
     def _program(self, key, arrays, statics):
         args, tensors, values = [], iter(arrays), iter(statics)
@@ -122,6 +126,19 @@ class GraphProgram:
             outs = fx.run(self.gm, *args)
         return [_as_array(o) for o in outs], r.key
 
+    def _run_pieces(self, key, arrays, statics):
+        """The graph in pieces (see `_pieces`): its data-dependent ops on concrete arrays
+        between jitted runs of the rest. Inside a JAX trace there are no concrete arrays:
+        those ops raise their error as in one program."""
+        arrays, statics = iter(arrays), iter(statics)
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        env = {n: next(statics) if s else next(arrays) for n, s in zip(placeholders, self.static)}
+        for piece in self._pieces:
+            key = piece(key, env)
+        output = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
+        outs = torch.fx.node.map_arg(output.args[0], env.__getitem__)
+        return [_as_array(o) for o in outs], key
+
     def __call__(self, *args):
         arrays = [_array(a) for a, s in zip(args, self.static) if not s]
         statics = tuple(int(a) if isinstance(a, (int, torch.SymInt)) else a for a, s in zip(args, self.static) if s)
@@ -130,10 +147,137 @@ class GraphProgram:
         traced = not _trace_state_clean()
         key = default_rng.next_key() if traced else default_rng.key
         with jax.enable_x64(True):
-            outs, new_key = self._jitted(key, arrays, statics)
+            run = self._jitted if self._pieces is None else self._run_pieces
+            outs, new_key = run(key, arrays, statics)
         if not traced:
             default_rng.key = new_key
         return [_to_torch(k, o) for k, o in zip(self.kinds, outs)]
+
+
+# ---------------------------------------------------------------------------
+# graphs with data-dependent sizes (x[mask], nonzero, unique) run in pieces
+# ---------------------------------------------------------------------------
+
+
+def _sizes_from_values(gm: torch.fx.GraphModule) -> set:
+    """The nodes of ``gm`` whose result sizes depend on tensor values: each defines an
+    unbacked symbol (``u0`` of ``x[x > 0]``, ``nonzero``, ``unique``, an ``item()`` used as a
+    size, under ``capture_dynamic_output_shape_ops``) that some tensor's shape holds. An
+    ``item()`` that only enters arithmetic defines one too, but stays a traced number."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    def symbols(node):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        return free_unbacked_symbols(val) if val is not None else set()
+
+    in_shapes = set()
+    for node in gm.graph.nodes:
+        for t in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(t, torch.Tensor):
+                in_shapes |= set(free_unbacked_symbols(t))
+    cuts = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            new = set(symbols(node)).difference(*(symbols(a) for a in node.all_input_nodes))
+            if new & in_shapes:
+                cuts.add(node)
+    return cuts
+
+
+class _JitPiece:
+    """A run of graph nodes as one `jax.jit` program over the values of the nodes it reads
+    (``inputs``), returning the values of the nodes read after it (``outputs``).
+
+    Values cross between pieces as host values: arrays, traced numbers (a captured
+    ``item()``) as their arrays, and everything else (sizes, now concrete) static, so
+    each distinct size of a data-dependent result compiles the piece once more.
+    """
+
+    def __init__(self, gm, nodes, inputs, outputs):
+        self.gm, self.nodes, self.inputs, self.outputs = gm, nodes, inputs, outputs
+        self._static_outputs = {}  # input signature -> the outputs' structure and static leaves
+        self._jitted = jax.jit(self._program, static_argnums=2)
+
+    def _program(self, key, arrays, layout):
+        tree, kinds, statics, signature = layout
+        env = dict(zip(self.inputs, jax.tree.unflatten(tree, _leaves_from(kinds, arrays, statics))))
+        with default_rng.traced_key(key) as r:
+            for node in self.nodes:
+                fx.eval_node(self.gm, node, env)
+        leaves, out_tree = jax.tree.flatten([env[n] for n in self.outputs])
+        out_kinds, out_arrays, out_statics = _split_leaves(leaves)
+        self._static_outputs[signature] = out_tree, out_kinds, out_statics
+        return out_arrays, r.key
+
+    def __call__(self, key, env):
+        leaves, tree = jax.tree.flatten([env[n] for n in self.inputs])
+        kinds, arrays, statics = _split_leaves(leaves)
+        signature = (tree, kinds, statics, tuple((a.shape, str(a.dtype)) for a in arrays))
+        out_arrays, key = self._jitted(key, arrays, (tree, kinds, statics, signature))
+        out_tree, out_kinds, out_statics = self._static_outputs[signature]
+        env.update(zip(self.outputs, jax.tree.unflatten(out_tree, _leaves_from(out_kinds, out_arrays, out_statics))))
+        return key
+
+
+def _split_leaves(leaves):
+    """``leaves`` as (kinds, arrays, statics): an array is traced, a traced number goes as its
+    array, anything else is a static value of the program."""
+    kinds, arrays, statics = [], [], []
+    for leaf in leaves:
+        if _sym.is_traced_number(leaf):
+            kinds.append("number")
+            arrays.append(_sym.value_of(leaf))
+        elif isinstance(leaf, (jax.Array, np.ndarray)):
+            kinds.append("array")
+            arrays.append(leaf)
+        else:
+            kinds.append("static")
+            statics.append(leaf)
+    return tuple(kinds), arrays, tuple(statics)
+
+
+def _leaves_from(kinds, arrays, statics):
+    """The leaves `_split_leaves` split, again (a traced number made anew from its array)."""
+    arrays, statics = iter(arrays), iter(statics)
+    return [next(statics) if k == "static" else _sym.traced_number(next(arrays)) if k == "number" else next(arrays)
+            for k in kinds]
+
+
+class _EagerPiece:
+    """One op whose result sizes depend on tensor values, run on the concrete arrays."""
+
+    def __init__(self, gm, node):
+        self.gm, self.node = gm, node
+
+    def __call__(self, key, env):
+        fx.eval_node(self.gm, self.node, env)
+        return key
+
+
+def _pieces(gm: torch.fx.GraphModule, cuts: set) -> list:
+    """``gm``'s nodes as pieces: each op in ``cuts`` alone, run eagerly, the runs between
+    them jitted."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    pieces, run = [], []
+
+    def close_run():
+        if run:
+            done = set(run)
+            inputs = list(dict.fromkeys(a for n in run for a in n.all_input_nodes if a not in done))
+            last = position[run[-1]]
+            outputs = [n for n in run if any(position[u] > last for u in n.users)]
+            pieces.append(_JitPiece(gm, list(run), inputs, outputs))
+            run.clear()
+
+    for node in nodes:
+        if node in cuts:
+            close_run()
+            pieces.append(_EagerPiece(gm, node))
+        else:
+            run.append(node)
+    close_run()
+    return pieces
 
 
 def _compile_graph(gm, example_inputs):

@@ -409,22 +409,27 @@ def run(gm: torch.fx.GraphModule, *args):
     >>> t2j.fx.run(gm, jnp.ones(3))
     Array([3., 3., 3.], dtype=float32)
     """
-    env = {}
-    inputs = iter(args)
+    env = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), args))
     result = None
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = next(inputs)
-        elif node.op == "get_attr":
-            env[node] = _constant(_attribute(gm, node.target))
-        elif node.op == "call_function":
-            a, kw = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            env[node] = _call_function(node.target, a, kw)
-        elif node.op == "output":
+        if node.op == "output":
             result = torch.fx.node.map_arg(node.args[0], env.__getitem__)
-        else:
-            raise OpError(f"torch2jax.fx: node {node.name} is a {node.op}; expected an ATen-level graph")
+        elif node.op != "placeholder":
+            eval_node(gm, node, env)
     return result
+
+
+def eval_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: dict) -> None:
+    """Evaluate one ``get_attr`` or ``call_function`` node of ``gm`` on the values ``env``
+    holds for its inputs, and store its value there (`run`'s step, also for a caller that
+    runs a graph in pieces)."""
+    if node.op == "get_attr":
+        env[node] = _constant(_attribute(gm, node.target))
+    elif node.op == "call_function":
+        a, kw = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+        env[node] = _call_function(node.target, a, kw)
+    else:
+        raise OpError(f"torch2jax.fx: node {node.name} is a {node.op}; expected an ATen-level graph")
 
 
 def _attribute(gm, target):
