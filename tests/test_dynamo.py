@@ -596,3 +596,23 @@ def test_data_dependent_output_shapes_run_in_pieces(device):
             _assert_close(a.grad, b.grad)
     assert counters["stats"]["unique_graphs"] == 1
 
+
+def test_random_cpu_tensors_draw_from_and_advance_torchs_cpu_generator():
+    # programs making random CPU tensors drew from the jax device's generator: torch's CPU generator did not
+    # advance (eager draws after a call repeated those a call-free run makes) and set_rng_state (as
+    # torch.utils.checkpoint restores it to recompute a dropout mask) did not replay a call's draws
+    compiled = torch.compile(lambda x: F.dropout(x, 0.5) + torch.rand_like(x), backend="torch2jax")
+    plain = torch.compile(lambda x: x * 2, backend="torch2jax")
+    x = torch.ones(64)
+    torch.manual_seed(0)
+    first = torch.rand(4)
+    torch.manual_seed(0)
+    plain(x)  # no random op: the generator is left alone, as in eager
+    assert torch.equal(torch.rand(4), first)
+    torch.manual_seed(0)
+    a = compiled(x)
+    assert not torch.equal(torch.rand(4), first)
+    state = torch.get_rng_state()
+    b = compiled(x)
+    torch.set_rng_state(state)
+    assert torch.equal(compiled(x), b) and not torch.equal(a, b)

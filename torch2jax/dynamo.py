@@ -40,7 +40,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from . import device as _device
 from . import fx
 from . import symbolic as _sym
-from .env import _trace_state_clean, default_rng
+from .env import _trace_state_clean, default_rng, drawn_key, next_key
 from .ops import elementwise as _elementwise
 from .tensor import Tensor, jax_array, new_tensor, torch_cpu
 
@@ -115,6 +115,7 @@ class GraphProgram:
         self.kinds = [_output_kind(n.meta.get("val") if isinstance(n, torch.fx.Node) else n) for n in results]
         self.static = [not isinstance(x, torch.Tensor) for x in example_inputs]
         self._jitted = jax.jit(self._program, static_argnums=2)
+        self.cpu_random = _draws_for_cpu(gm)
         cuts = _sizes_from_values(gm)
         self._pieces = _pieces(gm, cuts) if cuts else None
 
@@ -145,11 +146,14 @@ class GraphProgram:
         # Called inside a JAX trace (the compiled code under t2j.jit), the program takes a
         # subkey of the traced key: its new key is a tracer the generator must not keep.
         traced = not _trace_state_clean()
-        key = default_rng.next_key() if traced else default_rng.key
+        if self.cpu_random:  # random CPU tensors: a key from torch's CPU generator, as inductor takes its seeds
+            key = next_key(torch.default_generator) if traced else drawn_key(torch.default_generator)
+        else:
+            key = default_rng.next_key() if traced else default_rng.key
         with jax.enable_x64(True):
             run = self._jitted if self._pieces is None else self._run_pieces
             outs, new_key = run(key, arrays, statics)
-        if not traced:
+        if not (traced or self.cpu_random):
             default_rng.key = new_key
         return [_to_torch(k, o) for k, o in zip(self.kinds, outs)]
 
@@ -278,6 +282,25 @@ def _pieces(gm: torch.fx.GraphModule, cuts: set) -> list:
             run.append(node)
     close_run()
     return pieces
+
+
+def _draws_for_cpu(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` (or a subgraph of its control flow) makes random CPU tensors.
+
+    Their program draws its key from torch's CPU generator on each call, which that draw
+    advances: eager code after it, ``torch.manual_seed``, and ``get_rng_state`` /
+    ``set_rng_state`` (``torch.utils.checkpoint`` replaying a dropout mask) see the CPU
+    generator as they do around inductor's compiled random ops. A graph without random
+    ops leaves it alone, as eager torch does; random jax tensors draw from the jax
+    device's own generator, as CUDA ones from CUDA's.
+    """
+    for module in gm.modules():
+        for node in getattr(module, "graph", torch.fx.Graph()).nodes:
+            if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+                made = torch.utils._pytree.tree_leaves(node.meta.get("val"))
+                if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in made):
+                    return True
+    return False
 
 
 def _compile_graph(gm, example_inputs):
