@@ -616,3 +616,21 @@ def test_random_cpu_tensors_draw_from_and_advance_torchs_cpu_generator():
     b = compiled(x)
     torch.set_rng_state(state)
     assert torch.equal(compiled(x), b) and not torch.equal(a, b)
+
+
+def test_lstm_on_cpu_tensors_runs_its_own_ops_not_onednns_kernel():
+    # torch's LSTM decomposition picked oneDNN's CPU kernel (aten.mkldnn_rnn_layer) for CPU tensors: it has no
+    # lowering, and its host fallback's workspace output did not have the traced shape
+    torch.manual_seed(0)
+    model = nn.LSTM(3, 4, batch_first=True)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 3)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        out, (h, _) = torch.compile(model, backend="torch2jax")(x)
+    expected, (expected_h, _) = reference(x)
+    (out.sum() + h.sum()).backward()
+    (expected.sum() + expected_h.sum()).backward()
+    _assert_close(out, expected)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        _assert_close(p.grad, q.grad, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1

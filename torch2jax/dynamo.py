@@ -321,7 +321,10 @@ def backend(gm: torch.fx.GraphModule, example_inputs, **options):
     )
     _constants_made_on_host(gm)
     _elementwise.lower_inductor_prims()  # Dynamo's graph may hold prims.fma, defined as it traced
-    return compile_with_aot(gm, example_inputs)
+    # torch's LSTM decomposition picks oneDNN's CPU kernel (aten.mkldnn_rnn_layer, which has no
+    # lowering) for CPU tensors while oneDNN is on: traced with it off, the graph holds the LSTM's own ops
+    with torch.backends.mkldnn.flags(enabled=False):
+        return compile_with_aot(gm, example_inputs)
 
 
 # tensors made from Python data (``at::lift_fresh`` of a tensor made outside the trace)
