@@ -101,7 +101,8 @@ class GraphProgram:
     Tensors are traced; integer inputs (sizes, under dynamic shapes) are static,
     so each distinct size compiles once. Random ops draw from torch2jax's RNG key,
     which is an input and an output of the program (inside `t2j.jit`, a subkey of the
-    traced key). A graph with ops whose result sizes depend on tensor values runs in
+    traced key); random CPU tensors from a key drawn from torch's CPU generator
+    (`_draws_for_cpu`). A graph with ops whose result sizes depend on tensor values runs in
     pieces (`_pieces`).
 
     >>> gm = make_fx(lambda x, w: (torch.relu(x @ w),))(x, w)
@@ -171,7 +172,7 @@ def _sizes_from_values(gm: torch.fx.GraphModule) -> set:
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     def symbols(node):
-        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        val = node.meta.get("val")
         return free_unbacked_symbols(val) if val is not None else set()
 
     in_shapes = set()
