@@ -199,14 +199,24 @@ def test_linspace_logspace_match_torch_cpu(fn, dtype):
         if dtype == torch.uint8 and fn is torch.linspace and min(start, end) < 0:
             continue
         expected = fn(start, end, steps, dtype=dtype)
-        # float32: torch counts in float32, we in float64 (closer to the exact values)
-        same = torch.equal if dtype != torch.float32 else lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=0)
+        # float32 logspace: torch counts in float32, we in float64 (closer to the exact values)
+        same = torch.equal if dtype != torch.float32 or fn is torch.linspace else (
+            lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=0))
         actual = fn(start, end, steps, dtype=dtype, device="jax").cpu()
         assert same(actual, expected), (start, end, steps)
         if fn is torch.linspace:
             jitted = torch2jax.jit(lambda s, e: fn(s, e, steps, dtype=dtype, device="jax"))
             actual = jitted(torch.tensor(start, device="jax"), torch.tensor(end, device="jax")).cpu()
             assert same(actual, expected), (start, end, steps)
+
+
+def test_float_linspace_rounds_each_value_once_like_torch_cpu():
+    # torch CPU: the step in the output type, each value one fused multiply-add from an end
+    # (eagerly XLA fused some and not others: float64 values an ulp off at small sizes)
+    for dtype in (torch.float32, torch.float64):
+        for start, end, steps in [(-1, 1, 7), (-1, 1, 11), (-3.7, 2.2, 16), (0.1, 7.3, 13), (-1, 1, 1000)]:
+            expected = torch.linspace(start, end, steps, dtype=dtype)
+            assert torch.equal(torch.linspace(start, end, steps, dtype=dtype, device="jax").cpu(), expected)
 
 
 _OUT_CASES = {

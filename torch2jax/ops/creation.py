@@ -226,6 +226,42 @@ def _halves(start, end, steps, step, rnd):
     return jnp.where(idx < steps // 2, up, down)
 
 
+def _two_product(a, b):
+    """``a * b`` as an unevaluated sum ``p + err``, exactly (Dekker's product; host numpy, which
+    never fuses a multiply into an add)."""
+    p = a * b
+    split = 134217729.0  # 2**27 + 1
+    ca, cb = split * a, split * b
+    ah, bh = ca - (ca - a), cb - (cb - b)
+    al, bl = a - ah, b - bh
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def _fused_multiply_add(a, b, c):
+    """``a * b + c`` rounded once, as the fused multiply-add torch CPU's compiled kernels use."""
+    p, err = _two_product(a, b)
+    h = p + c
+    bv = h - c
+    low = (p - bv) + (c - (h - bv))  # two-sum's rounding error of p + c
+    return h + (low + err)
+
+
+def _fused_halves(start, end, steps, dt):
+    """torch CPU's float linspace on the host: the step in the output type (float64 for integers),
+    the first half ``start + step * i`` and the second ``end - step * (steps - 1 - i)``, each one
+    fused multiply-add; computed with numpy, as XLA fuses some of them and not others."""
+    if not _dt.is_integral(dt):
+        start, end = np.float64(dt.type(start)), np.float64(dt.type(end))
+    step_t = np.float64 if _dt.is_integral(dt) else dt.type
+    step = np.float64(step_t((step_t(end) - step_t(start)) / step_t(steps - 1)))
+    idx = np.arange(steps, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        up = _fused_multiply_add(np.full(steps, step), idx, np.full(steps, start))
+        down = _fused_multiply_add(np.full(steps, -step), steps - 1 - idx, np.full(steps, end))
+    out = np.where(idx < steps // 2, up, down)
+    return out if _dt.is_integral(dt) else out.astype(dt)
+
+
 def _identity(x):
     return x
 
@@ -257,6 +293,13 @@ def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_mem
             return _rounded_to(x.astype(np.float64), dt)
 
         return _halves(s, e, steps, rnd(true_divide(rnd(e - s), steps - 1.0)), rnd).astype(dt)
+    if not any(isinstance(v, jax.core.Tracer) for v in (s, e)):
+        return cast(jnp.asarray(_fused_halves(np.float64(s), np.float64(e), steps, dt)), dt)
+    if dt == np.float32:
+        # the ends and the step in float32 as torch; each exact product in float64, then one sum
+        s, e = _rounded_to(s, dt), _rounded_to(e, dt)
+        return cast(_halves(s, e, steps, _rounded_to(true_divide(_rounded_to(e - s, dt), steps - 1.0), dt),
+                            _identity), dt)
     out = _halves(s, e, steps, true_divide(e - s, steps - 1.0), _identity)
     return cast(out, dt)
 
