@@ -30,6 +30,22 @@ def test_grid_sample_with_a_nan_coordinate(mode):
     torch.testing.assert_close(jgg, gg, equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_affine_grid_spaced_as_torch_native_kernel(align_corners):
+    # torch's decomposition spaces the grid with linspace(-a, a), an ulp off the native kernel's
+    # linspace(-1, 1) * (n - 1) / n: a 2x nearest downsample (every sample a half-pixel tie) moved
+    img = torch.arange(2 * 16 * 22.0).view(2, 1, 16, 22)
+    for size in [(2, 1, 8, 11), (2, 1, 5, 7), (2, 1, 3, 4, 5)]:
+        nd = len(size) - 2
+        theta = torch.eye(nd, nd + 1).expand(2, nd, nd + 1)
+        expected = F.affine_grid(theta, size, align_corners=align_corners)
+        grid = F.affine_grid(theta.to("jax"), size, align_corners=align_corners)
+        assert grid.shape == expected.shape and torch.equal(grid.cpu(), expected), size
+        if nd == 2:
+            out = F.grid_sample(img.to("jax"), grid, mode="nearest", align_corners=align_corners)
+            assert torch.equal(out.cpu(), F.grid_sample(img, expected, mode="nearest", align_corners=align_corners))
+
+
 @pytest.mark.parametrize("dims,mode", [(2, 0), (2, 1), (2, 2), (3, 0)])
 def test_half_precision_grid_sampling_in_one_program_rounds_as_torch(dims, mode):
     # one compiled program: XLA may contract a product and the sum it feeds into one fused multiply-add,

@@ -20,6 +20,7 @@ import torch
 from .. import dtypes as _dt
 from ..dispatch import HostFallback, TorchRuntimeError
 from .indexing import raise_as_torch
+from .creation import linspace
 from .nn import _vjp, upcast
 from .registry import (argmax_index, canonical_dim, op_by_op, refused_dtypes, register, scalar_type_name,
                        true_divide)
@@ -934,6 +935,32 @@ _register_aa("_upsample_bicubic2d_aa", 4, _keys_cubic)
 # arithmetic in the half dtype (c10::Half rounds after each operation). The steps
 # below are done in the input's dtype in that same order, each product rounded
 # before the sum it feeds (`_mul`), so both paths match.
+
+
+def _affine_axis(n, dtype, align_corners):
+    """torch's linspace_from_neg_one: linspace(-1, 1, n), times (n - 1) / n unless corners align."""
+    if n <= 1:
+        return jnp.zeros((1,), dtype)
+    r = linspace(-1, 1, n, dtype=_dt.to_torch(dtype))
+    return r if align_corners else true_divide(r * jnp.asarray(n - 1, dtype), jnp.asarray(n, dtype))
+
+
+@register(aten.affine_grid_generator.default)
+def affine_grid_generator(theta, size, align_corners):
+    """torch's native kernel (its decomposition spaces the grid with another linspace, off by an
+    ulp, which moves nearest-mode samples at half-pixel ties): base grid (x, y[, z], 1) in the
+    spatial shape, times theta transposed."""
+    if len(size) not in (4, 5):
+        raise RuntimeError("AffineGridGenerator needs 4d (spatial) or 5d (volumetric) inputs.")
+    n, spatial = size[0], tuple(size[2:])
+    axes = [_affine_axis(k, theta.dtype, align_corners) for k in spatial]
+    k = len(spatial)
+    coords = [jnp.broadcast_to(axes[d].reshape((-1,) + (1,) * (k - 1 - d)), spatial)
+              for d in reversed(range(k))]  # x along the last axis, then y (and z)
+    base = jnp.stack(coords + [jnp.ones(spatial, theta.dtype)], -1).reshape(1, -1, k + 1)
+    grid = jnp.matmul(jnp.broadcast_to(base, (n,) + base.shape[1:]), jnp.swapaxes(theta, 1, 2),
+                      precision=jax.lax.Precision.HIGHEST)
+    return grid.reshape((n,) + spatial + (k,))
 
 
 def _grid_clip(c, size):
