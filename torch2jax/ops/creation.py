@@ -246,6 +246,11 @@ def _fused_multiply_add(a, b, c):
     return h + (low + err)
 
 
+# Up to this many points, a float linspace with concrete ends is computed on the host (`_fused_halves`):
+# inside a jitted program a constant; a longer one is computed by the program (an ulp off torch's at some points)
+_HOST_LINSPACE = 1 << 16
+
+
 def _fused_halves(start, end, steps, dt):
     """torch CPU's float linspace on the host: the step in the output type (float64 for integers),
     the first half ``start + step * i`` and the second ``end - step * (steps - 1 - i)``, each one
@@ -293,7 +298,7 @@ def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_mem
             return _rounded_to(x.astype(np.float64), dt)
 
         return _halves(s, e, steps, rnd(true_divide(rnd(e - s), steps - 1.0)), rnd).astype(dt)
-    if not any(isinstance(v, jax.core.Tracer) for v in (s, e)):
+    if steps <= _HOST_LINSPACE and not any(isinstance(v, jax.core.Tracer) for v in (s, e)):
         return cast(jnp.asarray(_fused_halves(np.float64(s), np.float64(e), steps, dt)), dt)
     if dt == np.float32:
         # the ends and the step in float32 as torch; each exact product in float64, then one sum
