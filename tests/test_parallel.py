@@ -809,3 +809,22 @@ def test_shard_batch_of_a_process_local_batch_keeps_its_dtype_and_rows():
         assert torch.equal(out.cpu(), x)
         with pytest.raises(t2j.parallel.ShardingError, match="needs a first"):
             t2j.parallel.shard_batch(torch.tensor(1.0), mesh, "data", process_local=True)
+
+
+def test_optimizer_state_loaded_from_a_cpu_checkpoint_is_laid_out_as_its_parameter():
+    # torch's load_state_dict moves each state tensor to its parameter's device: a sharded model's whole optimizer
+    # state landed on one device
+    r = run_8("""
+        mesh = P.make_mesh({"data": 8})
+        m = P.shard_model(torch.nn.Linear(16, 32).to("jax"), mesh, P.fsdp("data", min_size=16))
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        m(P.shard_batch(torch.randn(8, 16), mesh)).square().mean().backward()
+        opt.step()
+        cpu = torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, opt.state_dict())
+        opt.load_state_dict(cpu)
+        state = opt.state[m.weight]
+        print(json.dumps({"param": str(P.sharding_of(m.weight)), "state": str(P.sharding_of(state["exp_avg"])),
+                          "sq": str(P.sharding_of(state["exp_avg_sq"])),
+                          "same": bool((state["exp_avg"].cpu() == cpu["state"][0]["exp_avg"]).all())}))
+    """)
+    assert r["state"] == r["sq"] == r["param"] and "'data'" in r["param"] and r["same"]

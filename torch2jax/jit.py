@@ -1184,23 +1184,31 @@ def _capturable(optimizers, lifted=()):
 _FUSED_FOR_THE_TRACE: set = set()
 
 
-def _step_counter_to_host(process):
+def _loaded_state_placement(process):
     """``Optimizer._process_value_according_to_param_policy``, loading a step counter that a
     jitted step kept on the jax device (its capturable form, `_capturable`) onto the CPU for
     a parameter off the jax device whose group keeps it there, as torch keeps a CUDA run's: a
     checkpoint of a jitted run then loads into an optimizer on the CPU (its foreach step groups
-    the counters with the parameters by device)."""
+    the counters with the parameters by device). A state tensor shaped as its parameter (Adam's
+    moments) loads laid out as that parameter, sharded where it is: ``.to(param.device)`` alone
+    would put a sharded model's whole optimizer state on one device, and the next jitted step
+    would compile once more for it."""
 
     def run(param, value, param_id, param_groups, key=None):
         out = process(param, value, param_id, param_groups, key)
         if key == "step" and isinstance(out, Tensor) and not isinstance(param, Tensor):
             return out.cpu()
+        if isinstance(out, Tensor) and isinstance(param, Tensor) and out.shape == param.shape:
+            array = out._value()
+            placed = _placement.placed_as(param._value(), array)
+            if placed is not array:
+                return new_tensor(placed)
         return out
 
     return staticmethod(functools.wraps(process)(run))
 
 
-torch.optim.Optimizer._process_value_according_to_param_policy = _step_counter_to_host(
+torch.optim.Optimizer._process_value_according_to_param_policy = _loaded_state_placement(
     torch.optim.Optimizer._process_value_according_to_param_policy)
 
 
