@@ -709,7 +709,8 @@ def test_helpers_name_the_argument_they_refuse():
         errors = []
         for bad in (lambda: P.make_mesh({"data": 0, "model": -1}), lambda: P.make_mesh([("data", 8)]),
                     lambda: P.sharding_of(torch.randn(3)),
-                    lambda: P.shard_model(torch.nn.Linear(64, 64).to("jax"), P.make_mesh({"data": 8}), P.fsdp("nope"))):
+                    lambda: P.shard_model(torch.nn.Linear(64, 64).to("jax"), P.make_mesh({"data": 8}), P.fsdp("nope")),
+                    lambda: P.shard_batch(torch.randn(12, 4), P.make_mesh({"data": 8}))):
             try:
                 bad()
                 errors.append(None)
@@ -717,11 +718,13 @@ def test_helpers_name_the_argument_they_refuse():
                 errors.append(str(e))
         print(json.dumps({"errors": errors}))
     """)
-    mesh_size, mesh_type, of_cpu, fsdp = r["errors"]
+    mesh_size, mesh_type, of_cpu, fsdp, uneven = r["errors"]
     assert "axis 'data' has size 0" in mesh_size
     assert "dict of axis name -> size" in mesh_type and "list" in mesh_type
     assert "sharding_of" in of_cpu and "cpu" in of_cpu
     assert "fsdp: mesh axis 'nope'" in fsdp and "('data',)" in fsdp
+    assert "shard_batch: dimension 0 of size 12" in uneven and "pad it to a multiple of 8" in uneven
+    assert "drop its last 4 rows" in uneven
 
 
 def test_shard_map_list_collectives_scatter_gather_and_point_to_point():

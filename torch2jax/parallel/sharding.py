@@ -87,9 +87,10 @@ def named_sharding(shape, mesh: Mesh, spec, what: str = "tensor") -> NamedShardi
                 raise ShardingError(f"{what}: mesh axis {name!r} (in spec {tuple(spec)}) is not one of the mesh's "
                                     f"axes {tuple(mesh.axis_names)}")
             size *= mesh.shape[name]
-        if shape[dim] % size:
+        if shape[dim] % size:  # (JAX's shardings split evenly)
             raise ShardingError(f"{what}: dimension {dim} of size {shape[dim]} is not divisible by {size}, the size "
-                                f"of mesh axes {names}")
+                                f"of mesh axes {names}: pad it to a multiple of {size} (a batch: or drop its last "
+                                f"{shape[dim] % size} rows), or leave the dimension unsplit (None in the spec)")
     return NamedSharding(mesh, spec)
 
 
