@@ -98,7 +98,7 @@ def test_fsdp_times_tensor_parallel_on_a_2d_mesh():
     assert r["qkv_shard"] == [192 // 4, 64 // 2]
 
 
-def test_optimizer_state_a_jitted_step_makes_is_laid_out_as_its_parameter():
+def test_optimizer_state_a_jitted_step_makes_or_a_checkpoint_loads_is_laid_out_as_its_parameter():
     # Adam's zeros_like(p) in the first step: a replicated LayerNorm or bias between tensor-parallel layers
     # kept the layout XLA gave its gradient (sharded), so every update resharded it
     r = run_8("""
@@ -118,10 +118,19 @@ def test_optimizer_state_a_jitted_step_makes_is_laid_out_as_its_parameter():
 
         for _ in range(2):
             step(P.shard_batch(torch.randn(16, 64), mesh))
-        print(json.dumps([(n, str(P.sharding_of(p).spec), str(P.sharding_of(opt.state[p][k]).spec))
-                          for n, p in m.named_parameters() for k in ("exp_avg", "exp_avg_sq")]))
+        stepped = [(n, str(P.sharding_of(p).spec), str(P.sharding_of(opt.state[p][k]).spec))
+                   for n, p in m.named_parameters() for k in ("exp_avg", "exp_avg_sq")]
+        # torch's load_state_dict moves each state tensor to its parameter's device: the whole state landed on one
+        cpu = torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, opt.state_dict())
+        opt.load_state_dict(cpu)
+        loaded = [(n, str(P.sharding_of(p).spec), str(P.sharding_of(opt.state[p][k]).spec))
+                  for n, p in m.named_parameters() for k in ("exp_avg", "exp_avg_sq")]
+        same = bool((opt.state[m[0].weight]["exp_avg"].cpu() == cpu["state"][0]["exp_avg"]).all())
+        print(json.dumps({"stepped": stepped, "loaded": loaded, "same": same}))
     """)
-    assert len(r) == 12 and all(state == param for _, param, state in r), r
+    for found in (r["stepped"], r["loaded"]):
+        assert len(found) == 12 and all(state == param for _, param, state in found), found
+    assert r["same"]
 
 
 @pytest.mark.slow  # (the rules on unstacked layers stay in CI)
@@ -813,21 +822,3 @@ def test_shard_batch_of_a_process_local_batch_keeps_its_dtype_and_rows():
         with pytest.raises(t2j.parallel.ShardingError, match="needs a first"):
             t2j.parallel.shard_batch(torch.tensor(1.0), mesh, "data", process_local=True)
 
-
-def test_optimizer_state_loaded_from_a_cpu_checkpoint_is_laid_out_as_its_parameter():
-    # torch's load_state_dict moves each state tensor to its parameter's device: a sharded model's whole optimizer
-    # state landed on one device
-    r = run_8("""
-        mesh = P.make_mesh({"data": 8})
-        m = P.shard_model(torch.nn.Linear(16, 32).to("jax"), mesh, P.fsdp("data", min_size=16))
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        m(P.shard_batch(torch.randn(8, 16), mesh)).square().mean().backward()
-        opt.step()
-        cpu = torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, opt.state_dict())
-        opt.load_state_dict(cpu)
-        state = opt.state[m.weight]
-        print(json.dumps({"param": str(P.sharding_of(m.weight)), "state": str(P.sharding_of(state["exp_avg"])),
-                          "sq": str(P.sharding_of(state["exp_avg_sq"])),
-                          "same": bool((state["exp_avg"].cpu() == cpu["state"][0]["exp_avg"]).all())}))
-    """)
-    assert r["state"] == r["sq"] == r["param"] and "'data'" in r["param"] and r["same"]
