@@ -405,6 +405,16 @@ def test_storage_level_writes_reach_every_view(device):
         a.untyped_storage().copy_(torch.zeros(3).untyped_storage())
 
 
+def test_a_jax_tensor_does_not_follow_later_writes_to_the_cpu_memory_it_was_copied_from():
+    # JAX's CPU client took (or copied after returning) the NumPy view of the CPU tensor's memory
+    src = torch.ones(1000)
+    a = torch.zeros(1000, device="jax")
+    a.untyped_storage().copy_(src.untyped_storage())
+    b = src.to("jax")
+    src.add_(1)
+    assert a.eq(1).all() and b.eq(1).all()
+
+
 @pytest.mark.parametrize("device", ["cpu", "jax"])
 def test_torch_tensor_of_a_list_of_jax_scalars_reads_their_values(device):
     losses = [torch.tensor(1.5, device=device), torch.tensor(2.5, device=device)]

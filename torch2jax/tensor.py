@@ -282,7 +282,7 @@ class _StorageHandle(torch.UntypedStorage):
         if isinstance(array, jax.core.Tracer):
             raise RuntimeError("torch2jax: writing the bytes of a storage inside a traced function is not "
                                "supported; write through the tensor (t.copy_(src))")
-        values = np.ascontiguousarray(data).view(np.dtype(array.dtype)).reshape(array.shape)
+        values = _private(np.ascontiguousarray(data)).view(np.dtype(array.dtype)).reshape(array.shape)
         st.array = jax.device_put(values, array.sharding)
         st.version += 1
 
@@ -1065,6 +1065,14 @@ def _as_fake(mode, func, args, kwargs):
     return func(*args, **kwargs)
 
 
+def _private(host: np.ndarray) -> np.ndarray:
+    """A copy of ``host`` for JAX to own. JAX's CPU client takes a NumPy array's memory as the
+    jax.Array's own (``jax.device_put``) or copies it after the call returns, so an array viewing a
+    torch tensor's memory gave a jax tensor that changed with the CPU tensor's later writes
+    (``x.to("jax")`` then ``x.add_(1)`` raced; ``storage.copy_(cpu)`` always followed it)."""
+    return np.array(host, copy=True)
+
+
 def _host_view(t: torch.Tensor) -> np.ndarray:
     # through DLPack: ``t.numpy()`` would mark the tensor's storage as never resizable again
     # (a later ``resize_`` or ``out=`` into it raised)
@@ -1091,6 +1099,7 @@ def jax_array(t: torch.Tensor):
         host = bits.view(dtype)
     else:
         host = _host_view(t)
+    host = _private(host)
     # a concrete array even while a program is traced: a CPU tensor's value is a constant of it, which
     # lowerings that need values (pack_padded_sequence's lengths) can read;
     # int64 / float64 stay 64-bit wherever this is called (DESIGN.md, decision 6)
