@@ -342,7 +342,8 @@ def test_hf_model_extra(name):
     check_parity(build_hf(name, "eager"), EXTRA_HF_MODELS[name][2]())
 
 
-@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.slow), "llama", "bert",
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.slow),
+                                  pytest.param("llama", marks=pytest.mark.slow), "bert",
                                   pytest.param("t5", marks=pytest.mark.slow)])
 def test_hf_bfloat16(name):
     """In bfloat16, the jax device is about as close to the float32 result as torch CPU is
