@@ -334,7 +334,7 @@ def set_record_items(obj, items) -> None:
             object.__setattr__(obj, name, items.pop(name))
         elif hasattr(obj, name):
             object.__delattr__(obj, name)
-    if items or not slots:
+    if hasattr(obj, "__dict__"):
         vars(obj).clear()
         vars(obj).update(items)
 

@@ -282,7 +282,7 @@ class _StorageHandle(torch.UntypedStorage):
         if isinstance(array, jax.core.Tracer):
             raise RuntimeError("torch2jax: writing the bytes of a storage inside a traced function is not "
                                "supported; write through the tensor (t.copy_(src))")
-        values = _private(np.ascontiguousarray(data)).view(np.dtype(array.dtype)).reshape(array.shape)
+        values = _private(data).view(np.dtype(array.dtype)).reshape(array.shape)
         st.array = jax.device_put(values, array.sharding)
         st.version += 1
 
@@ -1070,7 +1070,7 @@ def _private(host: np.ndarray) -> np.ndarray:
     jax.Array's own (``jax.device_put``) or copies it after the call returns, so an array viewing a
     torch tensor's memory gave a jax tensor that changed with the CPU tensor's later writes
     (``x.to("jax")`` then ``x.add_(1)`` raced; ``storage.copy_(cpu)`` always followed it)."""
-    return np.array(host, copy=True)
+    return np.array(host, order="C", copy=True)
 
 
 def _host_view(t: torch.Tensor) -> np.ndarray:
