@@ -114,7 +114,8 @@ def test_errors_after_compiling():
 
 
 def test_value_checks_still_run():
-    """Lowerings that check values (index bounds, integer division by zero) stay op by op."""
+    """Lowerings that check values (index bounds, integer division by zero) raise torch's error
+    from their compiled calls (the checks are outputs of the program)."""
     x = torch.arange(4, device="jax")
     for _ in range(REPEAT):
         x[torch.tensor([1, 2], device="jax")]
@@ -427,3 +428,127 @@ def test_inplace_ops_through_permuted_views_do_not_lay_out_their_results(monkeyp
     torch.testing.assert_close(jx.cpu(), x)
     assert (jx.t() * 2).stride() == (x.t() * 2).stride()  # an out-of-place result keeps torch's layout
     assert relaid
+
+
+VALUE_CHECKING = ["gather.default", "index.Tensor", "index_put.default", "embedding.default", "nll_loss_forward.default",
+                  "nll_loss_backward.default", "scatter.src", "index_select.default", "masked_fill.Tensor",
+                  "floor_divide.default", "remainder.Tensor", "binary_cross_entropy.default", "take.default"]
+
+
+@pytest.mark.parametrize("op", VALUE_CHECKING)
+def test_lowerings_checking_values_compile(op):
+    # their value checks (registry.check_values) are outputs of the compiled call, raised after it runs
+    func = eval(f"torch.ops.aten.{op}")
+    assert dispatch._jittable(func, LOWERINGS[func])
+
+
+BAD_VALUES = {
+    # name: (call, good arguments, bad arguments); each call's error is torch CPU's
+    "gather": (lambda x, i: x.gather(1, i), torch.tensor([[0], [2], [1]]), torch.tensor([[0], [5], [1]])),
+    "index": (lambda x, i: x[i], torch.tensor([2, 0]), torch.tensor([2, -4])),
+    "index_put": (lambda x, i: x.index_put((i,), torch.ones(2, 3, device=x.device)), torch.tensor([2, 0]),
+                  torch.tensor([3, 0])),
+    "embedding": (lambda x, i: torch.nn.functional.embedding(i, x), torch.tensor([1, 2]), torch.tensor([1, 3])),
+    "cross_entropy": (lambda x, t: torch.nn.functional.cross_entropy(x, t), torch.tensor([0, 2, 1]),
+                      torch.tensor([0, 3, 1])),
+    "cross_entropy_ignored": (lambda x, t: torch.nn.functional.cross_entropy(x, t, ignore_index=7),
+                              torch.tensor([0, 7, 1]), torch.tensor([-2, 7, 1])),
+    "scatter_add": (lambda x, i: x.scatter_add(0, i, torch.ones(1, 3, device=x.device)), torch.tensor([[2, 0, 1]]),
+                    torch.tensor([[2, 0, 3]])),
+    "index_select": (lambda x, i: x.index_select(1, i), torch.tensor([0, 2]), torch.tensor([0, 3])),
+    "take": (lambda x, i: x.take(i), torch.tensor([0, 8]), torch.tensor([0, 9])),
+    "floor_divide": (lambda x, d: torch.arange(3, device=x.device) // d, torch.tensor([1, 2, 3]),
+                     torch.tensor([1, 0, 3])),
+    "bce": (lambda x, t: torch.nn.functional.binary_cross_entropy(x.sigmoid(), t),
+            torch.full((3, 3), 0.5), torch.full((3, 3), 1.5)),
+}
+
+
+def _error_of(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the error is what is compared
+        return e
+    raise AssertionError(f"no error from {fn}")
+
+
+@pytest.mark.parametrize("name", BAD_VALUES)
+def test_compiled_value_checks_raise_torchs_error(name, backend_compiles):
+    call, good, bad = BAD_VALUES[name]
+    x = torch.randn(3, 3)
+    xj = x.to("jax")
+    for _ in range(REPEAT):  # (compiled at the first call: the bad call runs the same program)
+        torch.testing.assert_close(call(xj, good.to("jax")).cpu(), call(x, good))
+    compiles = len(backend_compiles)
+    expected = _error_of(call, x, bad)
+    error = _error_of(call, xj, bad.to("jax"))
+    assert isinstance(error, type(expected)) and str(error) == str(expected)
+    assert len(backend_compiles) == compiles  # (not run again op by op to find the error)
+    torch.testing.assert_close(call(xj, good.to("jax")).cpu(), call(x, good))
+    with t2j.env(check_indices=False):  # no check: no error (and no sync on the checks' outcome)
+        call(xj, bad.to("jax"))
+
+
+def test_value_checking_lowerings_compile_one_program_per_shape(backend_compiles):
+    # a new shape (a batch of another length) compiles the lowering once, not each of its primitives
+    for n in (5, 6, 7):
+        x, t = torch.randn(n, 4).to("jax"), torch.randint(0, 4, (n,)).to("jax")
+        x.jax().block_until_ready(), t.jax().block_until_ready()
+        before = len(backend_compiles)
+        loss = torch.nn.functional.nll_loss(x, t)
+        assert len(backend_compiles) - before == 1
+        torch.testing.assert_close(loss.cpu(), torch.nn.functional.nll_loss(x.cpu(), t.cpu()))
+
+
+RANDOM_CALLS = {
+    "rand": lambda: torch.rand(3, 4, device="jax"),
+    "randn_float64": lambda: torch.randn(5, device="jax", dtype=torch.float64),
+    "rand_bfloat16": lambda: torch.rand(6, device="jax", dtype=torch.bfloat16),
+    "dropout": lambda: torch.nn.functional.dropout(torch.ones(4, 5, device="jax"), 0.3, True),
+    "bernoulli": lambda: torch.bernoulli(torch.full((8,), 0.4, device="jax")),
+    # (uniform_(a, b) and normal_(m, s) scale with a fused multiply-add: the last bit may differ)
+    "uniform_": lambda: torch.empty(7, device="jax").uniform_(),
+    "randperm": lambda: torch.randperm(9, device="jax"),
+    "exponential_": lambda: torch.empty(5, device="jax").exponential_(),
+}
+
+
+@pytest.mark.parametrize("name", RANDOM_CALLS)
+def test_random_ops_compile_and_draw_the_op_by_op_bits(name):
+    # a random op's program takes the stream's key and gives it back split: the numbers, and the stream
+    # after them, are those of the op run op by op (one program where each primitive ran on its own)
+    func = {"rand": "rand.default", "randn_float64": "randn.default", "rand_bfloat16": "rand.default",
+            "dropout": "native_dropout.default", "bernoulli": "bernoulli.default", "uniform_": "uniform.default",
+            "randperm": "randperm.default", "exponential_": "exponential.default"}[name]
+    func = eval(f"torch.ops.aten.{func}")
+    assert dispatch._jittable(func, LOWERINGS[func])
+    call = RANDOM_CALLS[name]
+
+    def draws():
+        torch.manual_seed(7)
+        return [call().cpu() for _ in range(3)] + [torch.rand(4, device="jax").cpu()]
+
+    compiled = draws()
+    handler = dispatch._HANDLERS.get(func) or dispatch._resolve(func)
+    program = _compiled_of(handler)
+    assert program is not None and any(not isinstance(v, int) for v in program.signatures.values())
+    program.enabled = False
+    try:
+        op_by_op = draws()
+    finally:
+        program.enabled = True
+    for a, b in zip(compiled, op_by_op):
+        assert torch.equal(a, b)
+    assert not torch.equal(compiled[0], compiled[1])
+
+
+def test_a_random_op_with_a_float_that_changes_stops_compiling(backend_compiles):
+    # each new std of normal_ is a program of its own, up to _MAX_FLOAT_VALUES of them: then op by op
+    x = torch.empty(1000, device="jax")
+    for i in range(dispatch._MAX_FLOAT_VALUES + 2):  # (the last one op by op: its primitives compile)
+        x.normal_(0.0, 1.0 + i / 8)
+    before = len(backend_compiles)
+    for i in range(5):
+        x.normal_(0.0, 10.0 + i / 8)
+    assert len(backend_compiles) == before
+    assert abs(x.std().item() / 10.5 - 1) < 0.15

@@ -793,7 +793,7 @@ def _folded(lowering, uargs, ukwargs):
 
 
 def _plain_lowering_handler(func, lowering, cpu_args=None):
-    compiled = _Compiled(lowering) if _jittable(func, lowering) else None
+    compiled = _Compiled(lowering, _draws(func)) if _jittable(func, lowering) else None
 
     def run(func, args, kwargs):
         if kwargs and _is_foreign_device(kwargs):
@@ -1087,6 +1087,9 @@ _TRACE_SENSITIVE = frozenset(
 )
 
 _READS_PRECISION = frozenset({"get_float32_matmul_precision"})
+_CHECKS_VALUES = frozenset({"check_values"})
+# What a random op's lowering names to draw a key (`env.next_key`): its compiled call passes the key in
+_DRAWING = frozenset({"next_key"})
 
 # The calls of a signature that run op by op before it is compiled. None: XLA fuses a lowering's
 # primitives, which can change a result's last bit, so every call of an op with one signature runs
@@ -1126,14 +1129,21 @@ class _NotArrays(Exception):
 
 
 def _jittable(func, lowering):
-    """Whether ``lowering`` of ``func`` may run as a compiled call (see `_TRACE_SENSITIVE`)."""
-    if not isinstance(func, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in func.tags \
-            or func in _reg.OP_BY_OP:
+    """Whether ``lowering`` of ``func`` may run as a compiled call (see `_TRACE_SENSITIVE`); a random
+    op's draws from the RNG stream are inputs and outputs of its program (`_Compiled.draws`)."""
+    if not isinstance(func, torch._ops.OpOverload) or func in _reg.OP_BY_OP:
         return False
     returns = func._schema.returns
     if not returns or any(str(r.type) not in ("Tensor", "List[Tensor]") for r in returns):
         return False
-    return not _refers_to(lowering, _TRACE_SENSITIVE)
+    if torch.Tag.dynamic_output_shape in func.tags and func is not torch.ops.aten.index.Tensor:
+        return False  # (index's shape depends on values only through a boolean mask: such calls run op by op)
+    return not _refers_to(lowering, _TRACE_SENSITIVE - _DRAWING if _draws(func) else _TRACE_SENSITIVE)
+
+
+def _draws(func) -> bool:
+    """Whether ``func`` draws random numbers (from the RNG stream, or a generator it is passed)."""
+    return torch.Tag.nondeterministic_seeded in func.tags
 
 
 def _refers_to(fn, names) -> bool:
@@ -1141,7 +1151,8 @@ def _refers_to(fn, names) -> bool:
 
     Follows the torch2jax functions its code reaches through globals, module
     attributes, closures, partials and nested functions; methods, other
-    packages' code and functions marked `registry.traced_numbers_only` are not followed.
+    packages' code and functions marked `registry.traced_numbers_only` or ``not_followed``
+    (`registry.check_values`) are not followed.
     """
     seen, todo = set(), [fn]
     while todo:
@@ -1150,7 +1161,8 @@ def _refers_to(fn, names) -> bool:
             todo.append(f.func)
             continue
         code = getattr(f, "__code__", None)
-        if code is None or code in seen or getattr(f, "traced_numbers_only", False):
+        if code is None or code in seen or getattr(f, "traced_numbers_only", False) \
+                or getattr(f, "not_followed", False):
             continue
         seen.add(code)
         todo.extend(c.cell_contents for c in f.__closure__ or () if callable(_cell(c)))
@@ -1344,15 +1356,20 @@ class _Compiled:
     `_float_inputs`).
     """
 
-    __slots__ = ("fn", "enabled", "signatures", "reads_precision", "by_floats")
+    __slots__ = ("fn", "enabled", "signatures", "reads_precision", "by_floats", "checks_values", "draws")
 
-    def __init__(self, fn):
+    def __init__(self, fn, draws=False):
         self.fn = fn
+        # A random op's program takes the RNG stream's key and gives it back split as often as the
+        # lowering draws (`_call_drawing`)
+        self.draws = draws
         self.enabled = True
         self.signatures: dict = {}
         # Only the matmul lowerings read torch's float32 matmul precision; the others
         # spare a call into torch per op (each costs more here than on its own).
         self.reads_precision = _refers_to(fn, _READS_PRECISION)
+        # A lowering that checks values (indices, class labels) is compiled with its checks as outputs
+        self.checks_values = _refers_to(fn, _CHECKS_VALUES)
         # signature with its floats left out -> `_FloatInputs` (see `_float_inputs`)
         self.by_floats: dict = {}
 
@@ -1378,6 +1395,8 @@ class _Compiled:
         except _NotStatic:
             return self.fn(*_materialize(args), **kwargs)
         key = tuple(key)
+        if self.draws:
+            return self._call_drawing(key, arrays, args, kwargs)
         compiled = self.signatures.get(key)
         if compiled is _OP_BY_OP:
             return self.fn(*_materialize(args), **kwargs)
@@ -1402,12 +1421,54 @@ class _Compiled:
                 self.signatures[key] = compiled
         try:
             return compiled(*arrays)
+        except _CheckFailed as failed:
+            raise failed.error from None
         except Exception:  # noqa: BLE001 - the op-by-op run below raises the input's real error
             out = self.fn(*_materialize(args), **kwargs)
             self.enabled = False
             self.signatures.clear()
             self.by_floats.clear()
             return out
+
+    def _call_drawing(self, key, arrays, args, kwargs):
+        """A random op's call: its program draws from the default stream's key, an input, and gives
+        back the key after its draws, which the stream continues from. Its bits are the op-by-op
+        run's (the same splits of the same key). Its floats (dropout's p) stay static. Inside a
+        `t2j.rng_key` block, or with bool operands, it runs op by op."""
+        rng = _env.default_rng
+        compiled = self.signatures.get(key)
+        if compiled is _OP_BY_OP or rng.stream_key() is not rng.key or _has_bool(arrays):
+            return self.fn(*_materialize(args), **kwargs)
+        if compiled is None:
+            if len(self.signatures) >= _MAX_SIGNATURES:
+                self.signatures.clear()
+            if self._another_float_value(key) > _MAX_FLOAT_VALUES:  # (``x.normal_(0, sigma)``, sigma annealed)
+                self.signatures[key] = _OP_BY_OP
+                return self.fn(*_materialize(args), **kwargs)
+            compiled = self.signatures[key] = self._compile(args, kwargs, draws=True)
+        try:
+            out, rng.key = compiled(*arrays, rng.key)
+        except _CheckFailed as failed:
+            raise failed.error from None
+        except Exception:  # noqa: BLE001 - the op-by-op run raises the input's real error
+            out = self.fn(*_materialize(args), **kwargs)
+            self.signatures[key] = _OP_BY_OP
+        return out
+
+    def _another_float_value(self, key) -> int:
+        """How many programs the signature ``key`` with its floats left out has, with one more for
+        ``key`` (0 for a ``key`` without floats)."""
+        start = 1 + self.reads_precision
+        if not any(type(k) is str for k in key[start:]):
+            return 0
+        abstract = key[:start] + tuple(_FLOAT if type(k) is str else k for k in key[start:])
+        entry = self.by_floats.get(abstract)
+        if entry is None:
+            if len(self.by_floats) >= _MAX_SIGNATURES:
+                self.by_floats.clear()
+            entry = self.by_floats[abstract] = _FloatInputs()
+        entry.static += 1
+        return entry.static
 
     def _float_inputs(self, key, arrays, args, kwargs):
         """For a call whose ``key`` (not compiled yet) holds floats: (program, its inputs) where
@@ -1453,9 +1514,10 @@ class _Compiled:
         entry.static = 0
         return program, arrays + floats
 
-    def _compile(self, args, kwargs, float_inputs=None):
+    def _compile(self, args, kwargs, float_inputs=None, draws=False):
         """The program of ``fn`` at these arguments' signature; with ``float_inputs`` (the number of
-        its arrays), one that takes the arguments' floats as inputs after the arrays."""
+        its arrays), one that takes the arguments' floats as inputs after the arrays; with ``draws``,
+        one that takes the RNG stream's key after its arrays and returns the key after its draws."""
         fn = self.fn
         as_inputs = float_inputs is not None
         targs = _template(list(args), as_inputs)
@@ -1470,7 +1532,48 @@ class _Compiled:
                 raise _NotArrays
             return out
 
-        return jax.jit(traced)
+        body = traced
+        if draws:
+            def body(*arrays):
+                with _env.default_rng.traced_key(arrays[-1]) as stream:
+                    out = traced(*arrays[:-1])
+                return out, stream.key
+
+        if not self.checks_values:
+            return jax.jit(body)
+        program = _CheckingProgram()
+
+        def checking(*arrays):
+            with _reg.deferred_checks() as program.checks:
+                out = body(*arrays)
+            return out, program.checks.outputs()
+
+        program.jitted = jax.jit(checking)
+        return program
+
+
+class _CheckFailed(Exception):
+    """A compiled eager call's value check failed: ``error`` is torch's error for it."""
+
+    def __init__(self, error):
+        super().__init__(error)
+        self.error = error
+
+
+class _CheckingProgram:
+    """A compiled lowering that checks values (`registry.check_values`): ``jitted`` returns its
+    results and its checks' outcomes (``checks``, recorded when it was traced), which this call
+    raises the first failed one of (`_CheckFailed`), as the op-by-op run raises it."""
+
+    __slots__ = ("jitted", "checks")
+
+    def __call__(self, *arrays):
+        out, outcome = self.jitted(*arrays)
+        try:
+            self.checks.raise_failed(outcome)
+        except Exception as error:  # noqa: BLE001 - the op's own error (IndexError, RuntimeError...)
+            raise _CheckFailed(error) from None
+        return out
 
 
 def _has_bool(arrays) -> bool:
@@ -1486,7 +1589,7 @@ def _converts_bool_inputs(program, arrays) -> bool:
     if not _has_bool(arrays):
         return False
     try:
-        todo = [jax.make_jaxpr(program)(*arrays).jaxpr]
+        todo = [jax.make_jaxpr(getattr(program, "jitted", program))(*arrays).jaxpr]
     except Exception:  # noqa: BLE001 - a lowering refusing its inputs raises its own error op by op
         return True
     while todo:

@@ -409,6 +409,11 @@ def next_key(generator: torch.Generator | None = None):
     return drawn_key(generator)
 
 
+# (dispatch's analysis of what a lowering refers to stops here: a random op's compiled eager call
+# draws from its program's key input, `dispatch._Compiled.draws`)
+next_key.not_followed = True
+
+
 class GeneratorDraws:
     """The draws a `t2j.jit` trace takes from explicit torch.Generators.
 

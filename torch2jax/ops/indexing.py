@@ -51,6 +51,20 @@ def _concrete(name, *arrays):
     return [np.asarray(a) for a in arrays]
 
 
+# An eager op's compiled call may trace `_concrete`: the trace raises, and dispatch runs that call op by
+# op (`_Compiled`), so it is no reason to keep a lowering's every call op by op (`dispatch._jittable`)
+_concrete.not_followed = True
+
+
+def _is_traced_mask(m) -> bool:
+    """Whether the mask ``m`` is traced: its true entries' count is then unknown (see `_masked_put`)."""
+    return isinstance(m, jax.core.Tracer)
+
+
+# (`_masked_put`'s traced path gives the op-by-op path's values: a compiled eager call may take it)
+_is_traced_mask.not_followed = True
+
+
 def raise_as_torch(fn, *args):
     """Raise torch's own error for operands it rejects by dtype: ``fn``, torch's CPU kernel,
     runs on stand-ins of them (small CPU tensors of their dtypes), so the message names the
@@ -149,10 +163,37 @@ def _index_tuple(x, indices, check):
     return tuple(slice(None) if i is None else i for i in indices)
 
 
+# A boolean mask's true entries are found on the host (eagerly: `_expand_masks`), and their count is
+# the shape of what indexing with them reads or writes: a batch whose mask has another count compiles
+# it anew. These run it as one compiled call, where the indexing primitives would each compile.
+
+
+def _split_index(idx):
+    """(the index arrays of an `_index_tuple`, where its full slices are)."""
+    return tuple(i for i in idx if type(i) is not slice), tuple(type(i) is slice for i in idx)
+
+
+def _joined_index(arrays, slices):
+    it = iter(arrays)
+    return tuple(slice(None) if s else next(it) for s in slices)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _read_at_mask(x, arrays, slices):
+    return x[_joined_index(arrays, slices)]
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _write_at_mask(x, arrays, values, slices, accumulate):
+    return _put(x, _joined_index(arrays, slices), values, accumulate)
+
+
 @register(aten.index.Tensor)
 def index(x, indices):
+    masked = any(map(_is_mask, indices))
     x, indices = _expand_masks(x, indices, "aten.index (boolean mask indexing)")
-    return x[_index_tuple(x, indices, True)]
+    idx = _index_tuple(x, indices, True)
+    return _read_at_mask(x, *_split_index(idx)) if masked else x[idx]
 
 
 @register(aten._unsafe_index.Tensor)
@@ -177,7 +218,7 @@ def _masked_put(x, indices, values, accumulate):
     _check_mask_shape(x, m, d)
     rest = x.shape[d + m.ndim :]
     mask = m.astype(bool).reshape((1,) * d + m.shape + (1,) * len(rest))
-    if isinstance(m, jax.core.Tracer) and values.ndim == len(rest) + 1 and values.shape[0] > 1 \
+    if _is_traced_mask(m) and values.ndim == len(rest) + 1 and values.shape[0] > 1 \
             and jnp.broadcast_shapes(values.shape[1:], rest) == tuple(rest):
         # one value per true entry, in order (DQN's ``next_values[non_final] = target(...)``): the k-th true
         # entry takes values[k]; traced, as the result's shape is x's
@@ -207,6 +248,14 @@ def _index_put(x, indices, values, accumulate, check):
     if values.ndim > len(selected) or any(v not in (1, s) for v, s in zip(values.shape[::-1], selected[::-1])):
         raise TorchRuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
                                 f"indexing result of shape {list(selected)}")
+    if any(map(_is_mask, indices)):
+        arrays, slices = _split_index(idx)
+        return _write_at_mask(x, arrays, values, slices, accumulate)
+    return _put(x, idx, values, accumulate)
+
+
+def _put(x, idx, values, accumulate):
+    """``x`` with ``values`` written (or added) at the `_index_tuple` ``idx``."""
     if accumulate:
         return _accumulate(x.at[idx], values, x.dtype)
     if jnp.issubdtype(x.dtype, jnp.inexact):

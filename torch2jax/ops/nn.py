@@ -783,15 +783,7 @@ def _in_unit_interval(x, target):
 
 def _check_probabilities(x, target):
     """torch's CPU kernel checks every input and target value (see `check_values`)."""
-    if isinstance(x, jax.core.Tracer) or isinstance(target, jax.core.Tracer):
-        check_values(np.arange(2), lambda i: ~_in_unit_interval(x, target)[i], _outside_unit_interval)
-        return
-    if not _env.config().check_indices:
-        return
-    with jax.ensure_compile_time_eval():  # a constant inside a jit trace is still checked
-        x_ok, target_ok = np.asarray(_in_unit_interval(x, target))
-    if not (x_ok and target_ok):
-        raise _outside_unit_interval(int(x_ok))
+    check_values(np.arange(2), lambda i: ~_in_unit_interval(x, target)[i], _outside_unit_interval)
 
 
 def _outside_unit_interval(which):
@@ -803,8 +795,7 @@ def binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
     if target.dtype != x.dtype or not _dt.is_floating(x.dtype):  # torch's dtype errors, from its kernel
         raise_as_torch(aten.binary_cross_entropy, stand_in(x.dtype), stand_in(target.dtype))
     _check_probabilities(x, target)
-    # compiled on its own: the value check above keeps this lowering from being compiled whole
-    return _binary_cross_entropy_jit(x, target, weight, reduction)
+    return _binary_cross_entropy(x, target, weight, reduction)
 
 
 def _bce_value(x, target):
@@ -826,9 +817,6 @@ def _binary_cross_entropy(x, target, weight=None, reduction=_MEAN):
     if weight is not None:
         loss = loss * weight
     return _reduce(loss, reduction)
-
-
-_binary_cross_entropy_jit = jax.jit(_binary_cross_entropy, static_argnums=3)
 
 
 @float_op(aten.binary_cross_entropy_backward.default)
@@ -983,7 +971,7 @@ def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_we
 # The AutogradPrivateUse1 kernel adds the CPU kernel's checks in eager mode.
 
 
-def one_hot(x, num_classes=-1):
+def one_hot_autograd(x, num_classes=-1):
     """The AutogradPrivateUse1 kernel of aten::one_hot."""
     if x.numel() == 0 and num_classes <= 0:  # the C++ kernel would take the max of no values
         raise RuntimeError("Can not infer total number of classes from empty tensor.")
@@ -1000,7 +988,7 @@ def one_hot(x, num_classes=-1):
 
 
 _library = torch.library.Library("aten", "IMPL")
-_library.impl("one_hot", one_hot, "AutogradPrivateUse1")
+_library.impl("one_hot", one_hot_autograd, "AutogradPrivateUse1")
 
 
 # -- pixel shuffle -----------------------------------------------------------------------

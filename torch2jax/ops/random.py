@@ -22,7 +22,7 @@ from ..dispatch import TorchValueError
 from ..env import next_key
 from .creation import jax_dtype
 from .registry import (broadcast_shapes, cast, check_values, decomposition, placed_as, refused_dtypes, register,
-                       scalar_type_name, warning)
+                       scalar_type_name, traced_numbers_only, warning)
 
 aten = torch.ops.aten
 
@@ -201,6 +201,14 @@ def rand_like(x, *, generator=None, dtype=None, layout=None, device=None, pin_me
 
 @register(aten.uniform.default)
 def uniform(x, low=0.0, high=1.0, *, generator=None):
+    _check_uniform_bounds(x, low, high)
+    return _uniform_result(generator, x.shape, x.dtype, low, high)
+
+
+@traced_numbers_only
+def _check_uniform_bounds(x, low, high):
+    """torch's checks of uniform_'s bounds; a bound `t2j.jit` lifted to a program input (traced) is
+    checked for its order only."""
     _require_float("check_uniform_bounds", x.dtype)
     real, known = _dt.real_of(x.dtype), not any(isinstance(v, jax.core.Tracer) for v in (low, high))
     largest = float(jnp.finfo(real).max)
@@ -212,7 +220,6 @@ def uniform(x, low=0.0, high=1.0, *, generator=None):
     if known and high - low > largest:
         raise RuntimeError(f"uniform_ expects to-from <= std::numeric_limits<{scalar_type_name(real)}>::max(), but "
                            f"found to={_c(high)} and from={_c(low)} which result in to-from to exceed the limit")
-    return _uniform_result(generator, x.shape, x.dtype, low, high)
 
 
 @register(aten.exponential.default)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -525,15 +526,18 @@ def check_values(values, is_bad, error, with_position=False) -> None:
 
     >>> check_values(index, lambda i: (i < 0) | (i >= n), lambda i: IndexError(f"index {i} is out of bounds"))
     """
+    deferred = getattr(_DEFERRED, "checks", None)
     mode = _env.config().check_indices
-    if not mode or np.size(values) == 0:
+    if not (mode or deferred) or np.size(values) == 0:
         return
     if not isinstance(values, jax.core.Tracer):
         values = np.asarray(values)
     values = values.reshape(-1)
     bad = is_bad(values)
     if isinstance(bad, jax.core.Tracer):
-        if mode == "always":
+        if deferred is not None:
+            deferred.add(values, bad, error, with_position)
+        elif mode == "always":
             first = jnp.argmax(bad)
             if with_position:
                 _sym.check_when_run(jnp.any(bad), lambda pv: error(*pv),
@@ -542,9 +546,73 @@ def check_values(values, is_bad, error, with_position=False) -> None:
                 _sym.check_when_run(jnp.any(bad), error, jnp.asarray(values)[first])
         return
     bad = np.asarray(bad)
-    if bad.any():
+    if mode and bad.any():
         first = int(np.argmax(bad))
         raise error(first, values[first].item()) if with_position else error(values[first].item())
+
+
+# `check_values` is not a reason to run a lowering op by op: a compiled eager call checks as the
+# op-by-op run does (dispatch's `_Compiled` traces it under `deferred_checks`)
+check_values.not_followed = True
+
+_DEFERRED = threading.local()
+
+
+class DeferredChecks:
+    """The value checks (`check_values`) of a lowering traced into an eager op's program: the
+    program returns, with its results, whether each check failed and the first offending element,
+    and `raise_failed` raises the error of the first failed one after the program runs, as
+    `check_values` raises it before the op-by-op run computes. The errors are made from the
+    values only, so the Python closures the trace recorded stay right for every call."""
+
+    __slots__ = ("errors", "arrays")
+
+    def __init__(self):
+        self.errors: list = []  # (error, with_position) per check, in trace order
+        self.arrays: list = []  # (any bad, first bad position, its value) per check
+
+    def add(self, values, bad, error, with_position):
+        first = jnp.argmax(bad)
+        self.errors.append((error, with_position))
+        self.arrays.append((jnp.any(bad), first, jnp.asarray(values)[first]))
+
+    def outputs(self):
+        """The program's extra outputs: every check's flag in one array (one transfer per call),
+        and each one's (position, value); None where the trace made no check."""
+        if not self.arrays:
+            return None
+        return jnp.stack([a[0] for a in self.arrays]), tuple(a[1:] for a in self.arrays)
+
+    def raise_failed(self, outputs) -> None:
+        """Raise the first failed check's error, if any (under ``check_indices`` falsy: none)."""
+        if outputs is None:
+            return
+        failed, found = outputs
+        failed = np.asarray(failed)
+        if not failed.any() or not _env.config().check_indices:
+            return
+        i = int(np.argmax(failed))
+        error, with_position = self.errors[i]
+        first, value = found[i]
+        value = np.asarray(value).item()
+        raise error(int(first), value) if with_position else error(value)
+
+
+class deferred_checks:
+    """Trace a lowering with its `check_values` calls recorded in a `DeferredChecks` (the value
+    of ``with``), not skipped as in a program `t2j.jit` traces.
+
+    >>> with deferred_checks() as checks:
+    ...     out = lowering(*tracers)
+    """
+
+    def __enter__(self) -> DeferredChecks:
+        self.outer = getattr(_DEFERRED, "checks", None)
+        _DEFERRED.checks = DeferredChecks()
+        return _DEFERRED.checks
+
+    def __exit__(self, *exc):
+        _DEFERRED.checks = self.outer
 
 
 def broadcast_error(shapes):
