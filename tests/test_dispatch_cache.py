@@ -552,3 +552,15 @@ def test_a_random_op_with_a_float_that_changes_stops_compiling(backend_compiles)
         x.normal_(0.0, 10.0 + i / 8)
     assert len(backend_compiles) == before
     assert abs(x.std().item() / 10.5 - 1) < 0.15
+
+
+def test_a_uint8_mask_keeps_other_index_calls_compiled():
+    # its true entries' count is known only on the host: that signature runs op by op, the op's others compile
+    x = torch.randn(4, 3)
+    xj = x.to("jax")
+    mask = torch.tensor([1, 0, 1, 1], dtype=torch.uint8)
+    with pytest.warns(UserWarning, match="uint8"):
+        torch.testing.assert_close(xj[mask.to("jax")].cpu(), x[mask])
+    handler = dispatch._HANDLERS.get(torch.ops.aten.index.Tensor)
+    assert _compiled_of(handler).enabled
+    torch.testing.assert_close(xj[torch.tensor([2, 0]).to("jax")].cpu(), x[torch.tensor([2, 0])])

@@ -1423,8 +1423,11 @@ class _Compiled:
             return compiled(*arrays)
         except _CheckFailed as failed:
             raise failed.error from None
-        except Exception:  # noqa: BLE001 - the op-by-op run below raises the input's real error
+        except Exception as error:  # noqa: BLE001 - the op-by-op run below raises the input's real error
             out = self.fn(*_materialize(args), **kwargs)
+            if isinstance(error, OpError):  # (a shape that depends on values in this signature: x[uint8 mask])
+                self.signatures[key] = _OP_BY_OP
+                return out
             self.enabled = False
             self.signatures.clear()
             self.by_floats.clear()
