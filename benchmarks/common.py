@@ -43,11 +43,22 @@ def jax_cases():
     a, b = jax.random.normal(key, (8, 8)), jax.random.normal(jax.random.fold_in(key, 1), (8, 8))
     w1, w2 = jax.random.normal(key, (8, 32)), jax.random.normal(key, (32, 8))
     b1, b2 = jnp.zeros(32), jnp.zeros(8)
+    labels, ids = jax.random.randint(key, (8,), 0, 8), jax.random.randint(key, (16,), 0, 100)
+    table = jax.random.normal(key, (100, 8))
+    stream = [jax.random.key(1)]
+
+    def dropout():
+        stream[0], sub = jax.random.split(stream[0])
+        return jnp.where(jax.random.bernoulli(sub, 0.9, a.shape), a / 0.9, 0)
+
     return {
         "add 8x8": lambda: jnp.add(a, b),
         "mul 8x8": lambda: jnp.multiply(a, b),
         "matmul 8x8": lambda: jnp.matmul(a, b),
         "MLP forward (8-32-8)": lambda: jnp.maximum(a @ w1 + b1, 0) @ w2 + b2,
+        "cross_entropy 8x8": lambda: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(a), labels[:, None], 1)),
+        "embedding 16 of 100x8": lambda: table[ids],
+        "dropout 8x8": dropout,
     }
 
 

@@ -28,15 +28,20 @@ from common import bench, jax_cases  # noqa: E402
 def cases(device):
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    labels, ids = torch.randint(0, 8, (8,), generator=g), torch.randint(0, 100, (16,), generator=g)
+    table = torch.randn(100, 8, generator=g)
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
     if device != "cpu":
-        a, b = a.to(device), b.to(device)
+        a, b, labels, ids, table = (t.to(device) for t in (a, b, labels, ids, table))
         mlp = mlp.to(device)
     return {
         "add 8x8": lambda: a + b,
         "mul 8x8": lambda: a * b,
         "matmul 8x8": lambda: a @ b,
         "MLP forward (8-32-8)": lambda: mlp(a),
+        "cross_entropy 8x8": lambda: torch.nn.functional.cross_entropy(a, labels),
+        "embedding 16 of 100x8": lambda: torch.nn.functional.embedding(ids, table),
+        "dropout 8x8": lambda: torch.nn.functional.dropout(a, 0.1, True),
     }
 
 
