@@ -731,6 +731,27 @@ def test_arithmetic_on_the_lr_a_scheduler_step_set_in_the_step_runs_eagerly():
         t2j.jit(make_step("jax"), fullgraph=True)(torch.ones(1, 2, device="jax"))
 
 
+@pytest.mark.parametrize("make", [lambda opt, sched: torch.tensor(opt.param_groups[0]["lr"], device="jax"),
+                                  lambda opt, sched: torch.as_tensor(sched.get_last_lr(), device="jax")])
+def test_a_tensor_of_the_lr_a_scheduler_step_set_in_the_step_is_the_stepped_lr(make):
+    # (torch.tensor / as_tensor read the arrays of the tensors among their data without an op: the stand-in's
+    # held the lr before the step, a number one step behind)
+    lin = nn.Linear(2, 2).to("jax")
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+
+    def step(x):
+        opt.zero_grad()
+        lin(x).sum().backward()
+        opt.step()
+        sched.step()
+        return make(opt, sched)
+
+    with pytest.warns(UserWarning, match="lr read after scheduler.step"):
+        lrs = [t2j.jit(step)(torch.ones(1, 2, device="jax")).cpu().reshape(()) for _ in range(2)]
+    assert lrs == [torch.tensor(0.05), torch.tensor(0.025)]
+
+
 def test_a_scheduler_stepping_before_the_optimizer_in_the_step_runs_eagerly():
     def make_step(device):
         lin = nn.Linear(2, 2).to(device)

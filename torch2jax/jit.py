@@ -1498,8 +1498,17 @@ class _SteppedLr(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise OpError(
-            f"t2j.jit: {func} of a param group's lr read after scheduler.step() inside the function: in a "
+        raise cls._unknown(func)
+
+    def _value(self):
+        # (read without an op too: ``torch.tensor(lr)`` / ``torch.as_tensor(sched.get_last_lr())`` of traced
+        # numbers take the arrays of the tensors among their data; the storage holds the lr before the step)
+        raise self._unknown("reading the value")
+
+    @staticmethod
+    def _unknown(what):
+        return OpError(
+            f"t2j.jit: {what} of a param group's lr read after scheduler.step() inside the function: in a "
             "compiled call an LR scheduler steps on the host after the program, so the program cannot compute "
             "with the stepped lr. Use the lr before scheduler.step(), return it as it is (a returned lr or "
             "get_last_lr() is the stepped value), or step the scheduler outside the jitted function")
