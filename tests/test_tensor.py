@@ -79,6 +79,19 @@ def test_format_spec_like_torch():
         format(torch.tensor([1.5, 2.0], device="jax"), ".2f")
 
 
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_the_class_of_a_parameter_makes_a_parameter(device):
+    # (accelerate's ``param_cls = type(module._parameters[name]); param_cls(new, requires_grad=old.requires_grad)``:
+    # a jax parameter's class is the plain jax tensor's, whose constructor took only torch2jax's storages)
+    m = torch.nn.Linear(2, 2).to(device)
+    cls, new = type(m.weight), torch.full((2, 2), 3.0, device=device)
+    made = [cls(new, requires_grad=False), cls(new, False), cls(new), cls(new.cpu(), requires_grad=False).to(device)]
+    assert [(isinstance(p, torch.nn.Parameter), p.requires_grad, p.device.type) for p in made] == [
+        (True, False, device), (True, False, device), (True, True, device), (device == "cpu", False, device)]
+    m._parameters["weight"] = made[0]
+    assert m(torch.ones(1, 2, device=device)).tolist() == (torch.ones(1, 2) @ torch.full((2, 2), 3.0) + m.bias.cpu()).tolist()
+
+
 def test_module_to_jax_and_back():
     m = torch.nn.Linear(3, 2)
     ref = m(torch.ones(1, 3))

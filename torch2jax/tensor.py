@@ -512,6 +512,16 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
+def _parameter_of_its_class(data, positional, requires_grad):
+    """``type(p)(data, requires_grad)`` of a jax parameter ``p``, whose class is `Tensor` as every plain
+    jax tensor's is: ``nn.Parameter(data, requires_grad)``, as the class of a CPU or CUDA parameter makes
+    (accelerate's ``param_cls(new_value, requires_grad=old.requires_grad)`` replacing a module's weight).
+    ``positional``: `Tensor.__new__`'s second positional argument, there a ``requires_grad`` given so."""
+    if positional != ():
+        requires_grad = positional
+    return torch.nn.Parameter(data, True if requires_grad is None else requires_grad)
+
+
 def dense_order(shape, strides) -> tuple | None:
     """The dimensions from outermost to innermost in memory, where ``strides`` lay out
     ``shape`` densely in some order (contiguous, channels_last, a transpose); None
@@ -540,7 +550,10 @@ class Tensor(torch.Tensor):
     _t2j_version: int = -1
 
     @staticmethod
-    def __new__(cls, storage, view=(), *, value=None, size=None, stride=None, offset=0, dtype=None, requires_grad=False):
+    def __new__(cls, storage=None, view=(), *, value=None, size=None, stride=None, offset=0, dtype=None,
+                requires_grad=None):
+        if type(storage) is not Storage:
+            return _parameter_of_its_class(storage, view, requires_grad)
         if value is None:
             value = storage.array
         shape = tuple(value.shape) if size is None else tuple(size)
@@ -551,7 +564,7 @@ class Tensor(torch.Tensor):
             storage_offset=offset,
             dtype=_dt.to_torch(value.dtype) if dtype is None else dtype,
             device=DEVICE,
-            requires_grad=requires_grad,
+            requires_grad=bool(requires_grad),
         )
         r._t2j_storage = storage
         r._t2j_view = view
