@@ -752,6 +752,30 @@ def test_a_tensor_of_the_lr_a_scheduler_step_set_in_the_step_is_the_stepped_lr(m
     assert lrs == [torch.tensor(0.05), torch.tensor(0.025)]
 
 
+@pytest.mark.parametrize("optimizer, key", [(torch.optim.SGD, "momentum"), (torch.optim.Adam, "betas")])
+def test_the_momentum_a_scheduler_step_cycled_in_the_step_is_the_stepped_one(optimizer, key):
+    # (OneCycleLR steps on the host after the program: read after its step() inside, the momentum was the one before)
+    def make_step(device):
+        torch.manual_seed(0)
+        lin = nn.Linear(2, 1).to(device)
+        opt = optimizer(lin.parameters(), lr=0.1, **({"momentum": 0.9} if key == "momentum" else {}))
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=10)
+
+        def step(x):
+            opt.zero_grad()
+            lin(x).sum().backward()
+            opt.step()
+            sched.step()
+            return opt.param_groups[0][key]
+
+        return step
+
+    step, jitted = make_step("cpu"), t2j.jit(make_step("jax"))
+    with pytest.warns(UserWarning, match="lr read after scheduler.step"):
+        got = [jitted(torch.ones(1, 2, device="jax")) for _ in range(3)]
+    assert got == [step(torch.ones(1, 2)) for _ in range(3)]
+
+
 def test_a_scheduler_stepping_before_the_optimizer_in_the_step_runs_eagerly():
     def make_step(device):
         lin = nn.Linear(2, 2).to(device)

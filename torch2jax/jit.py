@@ -1470,11 +1470,28 @@ class _SchedulerSteps(list):
         if all(id(lr) in self.after for lr in stand_ins):
             self._undo.append(functools.partial(setattr, scheduler, "_last_lr", getattr(scheduler, "_last_lr", None)))
             scheduler._last_lr = stand_ins
+        if getattr(scheduler, "cycle_momentum", False):
+            self._stand_in_for_cycled_momentum(groups, "betas" if getattr(scheduler, "use_beta1", False) else "momentum")
+
+    def _stand_in_for_cycled_momentum(self, groups, key):
+        """Put stand-ins for the momentum (or beta1) that OneCycleLR's and CyclicLR's step sets in ``groups``:
+        the function reading it after the step would otherwise see the value before it. A read of a
+        stand-in's value stops the trace, and the call runs eagerly, with the stepped value."""
+        for group in groups:
+            value = group.get(key)
+            momentum = value[0] if key == "betas" and isinstance(value, (tuple, list)) else value
+            if momentum is None:
+                continue
+            like = momentum if isinstance(momentum, Tensor) else torch.tensor(0.0, device=_tensor.DEVICE)
+            stand_in = _SteppedLr.standing_in_for(like)
+            new = (stand_in, *value[1:]) if key == "betas" else stand_in
+            self._undo.append(functools.partial(self._put_back, group, new, value, key))
+            group[key] = new
 
     @staticmethod
-    def _put_back(group, stand_in, lr):
-        if group.get("lr") is stand_in:
-            group["lr"] = lr
+    def _put_back(group, stand_in, value, key="lr"):
+        if group.get(key) is stand_in:
+            group[key] = value
 
     def restore(self):
         """Put the traced ``lr`` values and the schedulers' ``_last_lr`` back, latest first."""
@@ -1511,7 +1528,8 @@ class _SteppedLr(Tensor):
             f"t2j.jit: {what} of a param group's lr read after scheduler.step() inside the function: in a "
             "compiled call an LR scheduler steps on the host after the program, so the program cannot compute "
             "with the stepped lr. Use the lr before scheduler.step(), return it as it is (a returned lr or "
-            "get_last_lr() is the stepped value), or step the scheduler outside the jitted function")
+            "get_last_lr() is the stepped value), or step the scheduler outside the jitted function (the same holds "
+            "for the momentum or beta1 that OneCycleLR and CyclicLR cycle)")
 
 
 def _last_lr_is_groups_lr(scheduler) -> bool:
