@@ -2428,6 +2428,31 @@ def test_attributes_of_an_object_a_module_holds_are_guarded():
     assert run.stats["traces"] == 3
 
 
+def test_objects_of_one_class_held_by_modules_are_guarded_apart():
+    # HF Canine holds its config and a copy with num_hidden_layers=1: under one name, the two
+    # numbers looked like one changing within every call (a retrace on every call)
+    class Settings:
+        def __init__(self, scale, n):
+            self.scale, self.n = scale, n
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.w = Settings(2.0, 2), Settings(3.0, 1), torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.w * self.a.scale + x[: self.a.n].sum() * 10 + x[: self.b.n].sum() * self.b.scale
+
+    m = Model().to("jax")
+    run = t2j.jit(lambda x: m(x))
+    x = torch.arange(3.0, device="jax")
+    for _ in range(3):
+        torch.testing.assert_close(run(x).cpu(), m(x).detach().cpu())
+    assert run.stats["traces"] == 1, t2j.explain_recompiles()
+    m.b.scale, m.b.n = 5.0, 3  # each object's own numbers still count
+    torch.testing.assert_close(run(x).cpu(), m(x).detach().cpu())
+
+
 def test_hf_config_changed_after_the_first_call_is_seen():
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()

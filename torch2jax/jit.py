@@ -402,12 +402,26 @@ class _Roots:
         return tuple(out)
 
 
+    def object_names(self) -> dict:
+        """id -> the name the attributes of each object in ``objects`` are read under: its class's
+        name, numbered from the second object of a class on (``CanineConfig#2``), in the order
+        the walk found them. Two objects of one class (a model's config and a sub-module's
+        copy with other numbers) under one name looked like one value changing within every
+        call: a retrace each call, or a number lifted that torch needs exact."""
+        names, counts = {}, {}
+        for obj in self.objects:
+            kind = type(obj).__name__
+            counts[kind] = n = counts.get(kind, 0) + 1
+            names[id(obj)] = kind if n == 1 else f"{kind}#{n}"
+        return names
+
     def _read_values(self, held: bool = True) -> list:
         """(where, value, source, name) of each value `python_values` considers."""
         values = [(where, source.cell_contents if name is None else source.get(name) if isinstance(source, dict)
                    else getattr(source, name, None), source, name)
                   for where, source, name in self.values]
         lifted = self.lifts.lifted if self.lifts is not None else ()
+        kinds = self.object_names()
         for obj in self.objects:
             if isinstance(obj, dict):
                 if len(obj) <= 32:
@@ -417,7 +431,7 @@ class _Roots:
                 values += [(where, v, obj, i) for i, v in enumerate(obj[:32])
                            if ("value", where := _list_item(obj, i)) in lifted or (not own and _watched(v))]
             else:
-                attrs, kind = vars(obj), type(obj).__name__
+                attrs, kind = vars(obj), kinds[id(obj)]
                 if id(obj) in self.held:
                     if held:
                         values += [(f"{kind}.{k}", v, obj, k) for k, v in attrs.items()]
@@ -438,13 +452,14 @@ class _Roots:
         out = [(("value", where), _ValueSite(source, name, where), v)
                for where, v, source, name in self._read_values() if type(v) in (int, float)]
         named = {id(site.source) for _, site, _ in out}
+        kinds = self.object_names()
         for obj in self.objects:  # (attributes a method of the object changes: ``meter.update(k)``)
             if isinstance(obj, list):  # (``counts[0] += 1``)
                 out += [(("value", where), _ValueSite(obj, i, where), v) for i, v in enumerate(obj[:32])
                         if type(v) in (int, float) and ("value", where := _list_item(obj, i)) not in
                         {w for w, _, _ in out}]
             elif not isinstance(obj, dict):
-                where = type(obj).__name__
+                where = kinds[id(obj)]
                 out += [(("value", f"{where}.{k}"), _ValueSite(obj, k, f"{where}.{k}"), v)
                         for k, v in vars(obj).items()
                         if type(v) in (int, float) and (id(obj) not in named or k not in self.names)]
