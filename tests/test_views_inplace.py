@@ -513,6 +513,9 @@ OVERLAP_PROGRAMS = {
         x[:2].view(2, 1), 1, 1, True, out=(x[:2].view(2, 1), _I[:2].to(x.device).view(2, 1).clone())),
     "cross_onto_its_input": lambda x: torch.linalg.cross(x[:3], x[3:6], out=x[:3]),
     "addr_of_a_row_of_itself": lambda x: x[:9].view(3, 3).addr_(x[:3], _W[0].to(x.device)),
+    # ldexp_ multiplies by pow(2, other), a new tensor: an exponent overlapping the input is read first
+    "ldexp_by_itself_shifted": lambda x: x[:-1].ldexp_(x[1:]),
+    "ldexp_out_onto_its_input_shifted": lambda x: torch.ldexp(x[:-1], _W[0, :1].to(x.device), out=x[1:]),
 }
 _W = torch.arange(24.0).view(8, 3).mul(0.5).sin()
 

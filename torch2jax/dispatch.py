@@ -2098,6 +2098,9 @@ _INTERNAL_OVERLAP_ALLOWED = {"index_put_", "_index_put_impl_", "threshold_", "ma
 _UNTAGGED_POINTWISE = {"floor_divide", "floor_divide_", "hardswish", "hardswish_"}
 # in-place ops whose kernels refuse only a written tensor that shows an element twice
 _NO_INTERNAL_OVERLAP_NAMES = {"renorm_", "addmm_", "addbmm_", "rrelu_with_noise_"}
+# Arguments torch turns into a new tensor before the kernel that writes (ldexp: ``mul_out(out, self,
+# pow(2, other))``): their overlap with the written tensor is not checked
+_READ_AS_A_COPY = {"ldexp_": {"other"}, "ldexp": {"other"}}
 
 _OVERLAP_MESSAGE = (
     "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory "
@@ -2134,7 +2137,7 @@ def _checking_overlap(func, handler):
     read = [
         (i, a.name, isinstance(a.type, torch.ListType))
         for i, a in enumerate(schema.arguments)
-        if inputs and i not in mutated and "Tensor" in str(a.type)
+        if inputs and i not in mutated and "Tensor" in str(a.type) and a.name not in _READ_AS_A_COPY.get(name, ())
     ]
 
     def checked(func, args, kwargs):
