@@ -1461,17 +1461,22 @@ class _Compiled:
     def _another_float_value(self, key) -> int:
         """How many programs the signature ``key`` with its floats left out has, with one more for
         ``key`` (0 for a ``key`` without floats)."""
-        start = 1 + self.reads_precision
-        if not any(type(k) is str for k in key[start:]):
+        if not any(type(k) is str for k in key[1 + self.reads_precision:]):
             return 0
+        entry = self._float_entry(key)
+        entry.static += 1
+        return entry.static
+
+    def _float_entry(self, key):
+        """The `_FloatInputs` of the signature ``key`` with its floats left out."""
+        start = 1 + self.reads_precision
         abstract = key[:start] + tuple(_FLOAT if type(k) is str else k for k in key[start:])
         entry = self.by_floats.get(abstract)
         if entry is None:
             if len(self.by_floats) >= _MAX_SIGNATURES:
                 self.by_floats.clear()
             entry = self.by_floats[abstract] = _FloatInputs()
-        entry.static += 1
-        return entry.static
+        return entry
 
     def _float_inputs(self, key, arrays, args, kwargs):
         """For a call whose ``key`` (not compiled yet) holds floats: (program, its inputs) where
@@ -1483,13 +1488,7 @@ class _Compiled:
         values and kept where its results are the reference program's bits. XLA simplifies
         arithmetic with some constants (``x * 1``, ``x + 0``, ``x ** 2`` as ``x * x``), so such
         values keep a program of their own."""
-        start = 1 + self.reads_precision
-        abstract = key[:start] + tuple(_FLOAT if type(k) is str else k for k in key[start:])
-        entry = self.by_floats.get(abstract)
-        if entry is None:
-            if len(self.by_floats) >= _MAX_SIGNATURES:
-                self.by_floats.clear()
-            entry = self.by_floats[abstract] = _FloatInputs()
+        entry = self._float_entry(key)
         floats = _floats(list(args), [])
         if kwargs:
             _floats(list(kwargs.values()), floats)
