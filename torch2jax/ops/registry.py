@@ -585,11 +585,11 @@ class DeferredChecks:
 
     def raise_failed(self, outputs) -> None:
         """Raise the first failed check's error, if any (under ``check_indices`` falsy: none)."""
-        if outputs is None:
+        if outputs is None or not _env.config().check_indices:
             return
         failed, found = outputs
         failed = np.asarray(failed)
-        if not failed.any() or not _env.config().check_indices:
+        if not failed.any():
             return
         i = int(np.argmax(failed))
         error, with_position = self.errors[i]
