@@ -542,8 +542,9 @@ def test_random_ops_compile_and_draw_the_op_by_op_bits(name):
     assert not torch.equal(compiled[0], compiled[1])
 
 
-def test_a_random_op_with_a_float_that_changes_stops_compiling(backend_compiles):
+def test_a_random_op_with_a_float_that_changes_stops_compiling(backend_compiles, monkeypatch):
     # each new std of normal_ is a program of its own, up to _MAX_FLOAT_VALUES of them: then op by op
+    monkeypatch.setattr(dispatch, "_MAX_FLOAT_VALUES", 3)
     x = torch.empty(1000, device="jax")
     for i in range(dispatch._MAX_FLOAT_VALUES + 2):  # (the last one op by op: its primitives compile)
         x.normal_(0.0, 1.0 + i / 8)

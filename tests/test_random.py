@@ -501,6 +501,7 @@ def test_normal_rejects_a_negative_or_nan_std_tensor(std):
             torch.normal(torch.zeros(3, device=d), torch.tensor([1.0, std, 1.0], device=d))
 
 
+@pytest.mark.slow  # ~15 s; the small-concentration Beta / Dirichlet test below stays in CI
 def test_gamma_samples_never_underflow_to_zero():
     # torch clamps to the smallest normal number: a Dirichlet row of zeros would be 0 / 0
     a = torch.full((20000, 2), 0.01, device="jax")
