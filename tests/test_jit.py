@@ -707,21 +707,26 @@ def test_a_scheduler_stepping_inside_the_step_runs_after_each_program(name):
     assert jitted.stats["traces"] == 2, t2j.explain_recompiles()
 
 
+def _step_reading_the_stepped_lr(device, read):
+    """A training step of SGD with StepLR that steps its scheduler inside and returns ``read(opt, sched)``."""
+    lin = nn.Linear(2, 2).to(device)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+
+    def step(x):
+        opt.zero_grad()
+        lin(x).sum().backward()
+        opt.step()
+        sched.step()
+        return read(opt, sched)
+
+    return step
+
+
 def test_arithmetic_on_the_lr_a_scheduler_step_set_in_the_step_runs_eagerly():
     # (the scheduler steps on the host after a compiled call's program, which cannot compute with its lr)
     def make_step(device):
-        lin = nn.Linear(2, 2).to(device)
-        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
-
-        def step(x):
-            opt.zero_grad()
-            lin(x).sum().backward()
-            opt.step()
-            sched.step()
-            return opt.param_groups[0]["lr"] * 2
-
-        return step
+        return _step_reading_the_stepped_lr(device, lambda opt, sched: opt.param_groups[0]["lr"] * 2)
 
     step, jitted = make_step("cpu"), t2j.jit(make_step("jax"))
     with pytest.warns(UserWarning, match="lr read after scheduler.step"):
@@ -736,17 +741,7 @@ def test_arithmetic_on_the_lr_a_scheduler_step_set_in_the_step_runs_eagerly():
 def test_a_tensor_of_the_lr_a_scheduler_step_set_in_the_step_is_the_stepped_lr(make):
     # (torch.tensor / as_tensor read the arrays of the tensors among their data without an op: the stand-in's
     # held the lr before the step, a number one step behind)
-    lin = nn.Linear(2, 2).to("jax")
-    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
-
-    def step(x):
-        opt.zero_grad()
-        lin(x).sum().backward()
-        opt.step()
-        sched.step()
-        return make(opt, sched)
-
+    step = _step_reading_the_stepped_lr("jax", make)
     with pytest.warns(UserWarning, match="lr read after scheduler.step"):
         lrs = [t2j.jit(step)(torch.ones(1, 2, device="jax")).cpu().reshape(()) for _ in range(2)]
     assert lrs == [torch.tensor(0.05), torch.tensor(0.025)]
